@@ -1,0 +1,164 @@
+"""Input validation shared by every public op.
+
+Every op checks its arguments here, before any kernel runs, and raises a
+``TypeError`` (wrong type or dtype) or ``ValueError`` (wrong shape, device,
+value) that names the argument and says what was expected.
+
+Value checks (NaN/Inf anywhere, log gates > 0, ``cu_seqlens`` contents) need a
+device-to-host sync. They are on by default; turn them off for benchmarks with
+``fastweight.checks.set_value_checks(False)`` or ``FASTWEIGHT_VALUE_CHECKS=0``.
+They are skipped inside ``torch.compile`` graphs.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import torch
+
+_VALUE_CHECKS = os.environ.get("FASTWEIGHT_VALUE_CHECKS", "1") != "0"
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def set_value_checks(enabled: bool) -> None:
+    """Turn the checks that read tensor values (NaN, gate sign, cu_seqlens) on or off."""
+    global _VALUE_CHECKS
+    _VALUE_CHECKS = bool(enabled)
+
+
+@contextmanager
+def value_checks(enabled: bool):
+    """Context manager form of :func:`set_value_checks`."""
+    global _VALUE_CHECKS
+    old, _VALUE_CHECKS = _VALUE_CHECKS, bool(enabled)
+    try:
+        yield
+    finally:
+        _VALUE_CHECKS = old
+
+
+def _checking_values() -> bool:
+    if not _VALUE_CHECKS:
+        return False
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling():
+        return False
+    return True
+
+
+def check_tensor(name: str, x, ndim: int | None = None, shape: tuple | None = None,
+                 allow_none: bool = False) -> None:
+    """``x`` is a floating tensor with ``ndim`` dims and, where given, ``shape`` (None = any)."""
+    if x is None:
+        if allow_none:
+            return
+        raise TypeError(f"`{name}` is required, got None")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"`{name}` must be a floating tensor (float16/bfloat16/float32/float64), got {x.dtype}")
+    if ndim is not None and x.ndim != ndim:
+        want = f"shape {_fmt(shape)}" if shape is not None else f"{ndim} dims"
+        raise ValueError(f"`{name}` must have {want}, got shape {tuple(x.shape)}")
+    if shape is not None:
+        for want, got in zip(shape, x.shape):
+            if want is not None and want != got:
+                raise ValueError(f"`{name}` must have shape {_fmt(shape)}, got {tuple(x.shape)}")
+
+
+def _fmt(shape) -> str:
+    return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+
+
+def check_same_device(**tensors) -> None:
+    """All given tensors (None skipped) live on one device."""
+    devices = {n: t.device for n, t in tensors.items() if isinstance(t, torch.Tensor)}
+    if len(set(devices.values())) > 1:
+        desc = ", ".join(f"`{n}` on {d}" for n, d in devices.items())
+        raise ValueError(f"all tensors must be on one device, got {desc}")
+
+
+def check_finite(**tensors) -> None:
+    """No NaN or Inf in any given tensor (value check)."""
+    if not _checking_values():
+        return
+    for n, t in tensors.items():
+        if t is not None and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"`{n}` contains NaN or Inf")
+
+
+def check_log_gate(name: str, g) -> None:
+    """A gate in log space: finite and <= 0 (a decay factor exp(g) in (0, 1])."""
+    if g is None or not _checking_values():
+        return
+    if not bool(torch.isfinite(g).all()):
+        raise ValueError(f"`{name}` (a log-space gate) contains NaN or Inf")
+    if bool((g > 0).any()):
+        raise ValueError(f"`{name}` is a log-space decay and must be <= 0 everywhere; max is {g.max().item():.4g}")
+
+
+def check_cu_seqlens(cu_seqlens, batch: int, T: int):
+    """``cu_seqlens``: int32/int64 1-D, starts at 0, non-decreasing, ends at T; needs batch == 1.
+
+    Returns the number of sequences N.
+    """
+    if cu_seqlens is None:
+        return None
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"`cu_seqlens` must be a torch.Tensor of int64, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"`cu_seqlens` must be an integer tensor (int64 or int32), got {cu_seqlens.dtype}")
+    if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"`cu_seqlens` must be 1-D with N+1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if batch != 1:
+        raise ValueError(f"with `cu_seqlens` the batch size must be 1 (sequences packed along T), got B={batch}")
+    if _checking_values():
+        c = cu_seqlens.detach().cpu()
+        if int(c[0]) != 0:
+            raise ValueError(f"`cu_seqlens` must start at 0, got {int(c[0])}")
+        if int(c[-1]) != T:
+            raise ValueError(f"`cu_seqlens` must end at T={T}, got {int(c[-1])}")
+        if bool((c[1:] < c[:-1]).any()):
+            raise ValueError("`cu_seqlens` must be non-decreasing")
+    return cu_seqlens.numel() - 1
+
+
+def check_initial_state(initial_state, n: int, h: int, k: int, v: int) -> None:
+    """``initial_state`` is None or a floating tensor [N, H, K, V]."""
+    if initial_state is None:
+        return
+    check_tensor("initial_state", initial_state, ndim=4, shape=(n, h, k, v))
+
+
+def check_scale(scale, k: int) -> float:
+    """Resolve ``scale`` (None -> K ** -0.5)."""
+    if scale is None:
+        return k ** -0.5
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"`scale` must be a number, got a tensor of shape {tuple(scale.shape)}")
+        scale = float(scale)
+    if not isinstance(scale, (int, float)):
+        raise TypeError(f"`scale` must be a float, got {type(scale).__name__}")
+    return float(scale)
+
+
+def check_chunk_size(chunk_size: int) -> int:
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"`chunk_size` must be 16, 32 or 64, got {chunk_size}")
+    return chunk_size
+
+
+def check_qkv(q, k, v, *, head_first_hint: bool = True):
+    """q, k: [B, T, H, K]; v: [B, T, HV, V] with HV a multiple of H. Returns (B, T, H, K, HV, V)."""
+    check_tensor("q", q, ndim=4, shape=(None, None, None, None))
+    B, T, H, K = q.shape
+    check_tensor("k", k, ndim=4, shape=(B, T, H, K))
+    check_tensor("v", v, ndim=4, shape=(B, T, None, None))
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H != 0:
+        raise ValueError(f"`v` has {HV} heads, which must be a multiple of the {H} heads of `q`/`k` (shape [B, T, HV, V])")
+    check_same_device(q=q, k=k, v=v)
+    return B, T, H, K, HV, V

@@ -1,0 +1,88 @@
+"""Backend choice for the public ops.
+
+Three implementations of each op share one signature (after validation):
+
+    impl(<tensors by name>, *, scale: float, initial_state, output_final_state: bool,
+         cu_seqlens, **options) -> (o, final_state_or_None)
+
+and live by naming convention:
+
+- ``"triton"``:    ``fastweight.kernels.<mode>_<op>``   (CUDA tensors, or TRITON_INTERPRET=1)
+- ``"torch"``:     ``fastweight.chunk.<mode>_<op>``     (PyTorch chunkwise; any device)
+- ``"reference"``: ``fastweight.reference.ops.<op>``    (the per-token definition)
+
+``mode`` is ``chunk`` or ``fused_recurrent``. With ``backend=None`` the first that exists
+wins: triton on CUDA, then torch, then reference. An implementation that handles grouped
+value heads (HV > H) itself sets ``impl.grouped_heads = True``; one that fuses the q/k L2
+norm sets ``impl.fused_l2norm = True``; otherwise the dispatcher does both in PyTorch first.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+BACKENDS = ("triton", "torch", "reference")
+_MODULES = {"triton": "fastweight.kernels", "torch": "fastweight.chunk", "reference": "fastweight.reference.ops"}
+
+
+def _lookup(backend: str, mode: str, op: str):
+    try:
+        module = importlib.import_module(_MODULES[backend])
+    except ImportError:
+        return None
+    name = op if backend == "reference" else f"{mode}_{op}"
+    return getattr(module, name, None)
+
+
+def triton_usable(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return True
+    return os.environ.get("TRITON_INTERPRET") == "1" and device.type == "cpu"
+
+
+def resolve(op: str, mode: str, backend: str | None, device: torch.device):
+    """The implementation of ``op`` in ``mode`` for ``backend`` (None = best available)."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"`backend` must be one of {BACKENDS} or None, got {backend!r}")
+    order = [backend] if backend is not None else list(BACKENDS)
+    if backend is None and not (device.type == "cuda"):
+        order.remove("triton")
+    for b in order:
+        if b == "triton" and not triton_usable(device):
+            raise ValueError(f"backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {device}")
+        impl = _lookup(b, mode, op)
+        if impl is None and b == "torch" and mode == "fused_recurrent":
+            impl = _lookup(b, "chunk", op)
+        if impl is not None:
+            return impl
+    raise NotImplementedError(f"no {backend or 'available'} implementation of {mode}_{op}")
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / ||x||_2 over the last dim (fla's l2norm: rsqrt(sum x^2 + eps))."""
+    return x * torch.rsqrt((x.float() * x.float()).sum(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def call(op: str, mode: str, backend: str | None, tensors: dict, *, key_tensors=("q", "k"),
+         use_qk_l2norm: bool = False, **kwargs):
+    """Resolve and call, expanding grouped heads and applying the q/k L2 norm where the impl does not."""
+    device = next(t.device for t in tensors.values() if isinstance(t, torch.Tensor))
+    impl = resolve(op, mode, backend, device)
+    tensors = dict(tensors)
+    if use_qk_l2norm:
+        if getattr(impl, "fused_l2norm", False):
+            kwargs["use_qk_l2norm_in_kernel"] = True
+        else:
+            for n in ("q", "k"):
+                tensors[n] = l2norm(tensors[n])
+    v = tensors["v"]
+    H = tensors[key_tensors[0]].shape[2]
+    if v.shape[2] != H and not getattr(impl, "grouped_heads", False):
+        group = v.shape[2] // H
+        for n in key_tensors:
+            if tensors.get(n) is not None:
+                tensors[n] = tensors[n].repeat_interleave(group, dim=2)
+    return impl(**tensors, **kwargs)

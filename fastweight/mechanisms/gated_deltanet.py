@@ -1,0 +1,55 @@
+"""Gated DeltaNet (Yang, Kautz, Hatamizadeh 2024, arXiv:2412.06464).
+
+    S_t = (I - beta_t k_t k_t^T) alpha_t S_{t-1} + beta_t k_t v_t^T,    alpha_t = exp(g_t)
+
+Online learning: decay first, then one SGD step with learning rate beta_t on
+``1/2 ||S~^T k_t - v_t||^2`` at the decayed state ``S~ = alpha_t S_{t-1}``.
+DPLR: w = alpha_t, a = -beta k, b = alpha_t k, write (beta k, v).
+"""
+
+import torch
+
+from fastweight.mechanisms.base import Mechanism, kT_S, l2norm, outer, rand, randn, register
+
+
+def sample(B, T, H, K, V, *, dtype, device, generator):
+    kw = dict(dtype=dtype, device=device, generator=generator)
+    return dict(
+        q=randn((B, T, H, K), **kw),
+        k=l2norm(randn((B, T, H, K), **kw)),
+        v=randn((B, T, H, V), **kw),
+        g=-rand((B, T, H), **kw) * 0.5 - 0.01,
+        beta=rand((B, T, H), **kw),
+    )
+
+
+def step(S, x):
+    alpha, beta, k = x["g"].exp()[..., None, None], x["beta"][..., None], x["k"]
+    S = alpha * S
+    return S - outer(beta * k, kT_S(k, S)) + outer(beta * k, x["v"])
+
+
+def to_dplr(inputs):
+    k, beta, g = inputs["k"], inputs["beta"][..., None], inputs["g"]
+    return dict(q=inputs["q"], k=beta * k, v=inputs["v"], a=-beta * k, b=g.exp()[..., None] * k, gk=g)
+
+
+def objective(S, x):
+    S_decayed = x["g"].exp()[..., None, None] * S
+    k, v = x["k"], x["v"]
+    loss = lambda X: 0.5 * ((kT_S(k, X) - v) ** 2).sum()  # noqa: E731
+    return S_decayed, [(x["beta"][..., None, None], loss)], False
+
+
+MECHANISM = register(Mechanism(
+    name="gated_deltanet",
+    title="Gated DeltaNet",
+    paper="arXiv:2412.06464",
+    kernel_path="delta",
+    dplr_in_words="w=alpha_t (scalar), a=-beta k, b=alpha_t k, write (beta k, v)",
+    input_names=("q", "k", "v", "g", "beta"),
+    sample=sample,
+    step=step,
+    to_dplr=to_dplr,
+    objective=objective,
+))
