@@ -16,6 +16,8 @@ A mechanism file defines, for its own paper's recurrence:
   loss_fn_j(X)``, solved numerically by the checker.
 - ``sample(B, T, H, K, V, *, dtype, device, generator) -> inputs``: valid random inputs
   (keys normalised where the mechanism expects it, gates in range).
+- ``op``: the public op of ``fastweight.ops`` that serves it (``chunk_<op>``), with
+  ``to_op(inputs) -> kwargs`` mapping the mechanism's inputs onto that op's arguments.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class Mechanism:
     objective: Callable | None = None
     readout: Callable = default_readout
     options: dict = field(default_factory=dict)
+    op: str | None = None
+    to_op: Callable | None = None
 
     def __post_init__(self):
         if self.kernel_path not in KERNEL_PATHS:
@@ -57,6 +61,15 @@ class Mechanism:
         return run_recurrence(self.step, inputs, key_dim=K, value_dim=inputs["v"].shape[-1],
                               scale=scale, readout=self.readout, initial_state=initial_state,
                               output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+@dataclass(frozen=True)
+class Preconditioner:
+    """A learning rate that is a matrix: the step is ``- matrix @ grad`` (matrix [B, H, K, K])."""
+    matrix: torch.Tensor
+
+    def apply(self, grad: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bhij,bhjv->bhiv", self.matrix, grad)
 
 
 REGISTRY: dict[str, Mechanism] = {}
@@ -86,6 +99,30 @@ def rand(shape, *, dtype, device, generator):
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / (x.norm(dim=-1, keepdim=True) + eps)
+
+
+def sample_log_decay(shape, *, dtype, device, generator, low=0.01, high=0.5):
+    """Log decays g = log alpha in [-high, -low]: alpha in [exp(-high), exp(-low)]."""
+    return -(low + (high - low) * rand(shape, dtype=dtype, device=device, generator=generator))
+
+
+def hebbian(k: torch.Tensor, v: torch.Tensor):
+    """The loss -<S^T k, v> (linear attention's objective; its gradient is -k v^T)."""
+    return lambda X: -(kT_S(k, X) * v).sum()
+
+
+def weight_decay(w: torch.Tensor):
+    """The loss 1/2 ||sqrt(Diag(1 - w)) S||_F^2 for a decay factor w ([B, H] or [B, H, K]).
+
+    One unit step on it gives Diag(w) S.
+    """
+    c = (1 - w)[..., None, None] if w.dim() == 2 else (1 - w)[..., None]
+    return lambda X: 0.5 * (c * X * X).sum()
+
+
+def regression(k: torch.Tensor, v: torch.Tensor):
+    """The loss 1/2 ||S^T k - v||^2 (the delta rule's objective; gradient k (S^T k - v)^T)."""
+    return lambda X: 0.5 * ((kT_S(k, X) - v) ** 2).sum()
 
 
 def outer(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -52,4 +52,6 @@ MECHANISM = register(Mechanism(
     step=step,
     to_dplr=to_dplr,
     objective=objective,
+    op="gated_delta_rule",
+    to_op=lambda x: dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"]),
 ))

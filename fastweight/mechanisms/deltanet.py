@@ -1,0 +1,50 @@
+"""DeltaNet (Schlag et al. 2021, arXiv:2102.11174; parallelised by Yang et al. 2024, arXiv:2406.06484).
+
+    S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
+
+Erase the value the key reads, write the new one (the step below is this erase-write form).
+Online learning: one SGD step with learning rate beta_t on ``1/2 ||S^T k_t - v_t||^2``.
+With ``allow_neg_eigval`` beta_t lies in (0, 2): the transition's eigenvalue along k is
+1 - beta_t < 0 (state tracking; Grazzi et al. 2024). DPLR: w = 1, a = -beta k, b = k, write (beta k, v).
+"""
+
+from fastweight.mechanisms.base import Mechanism, kT_S, l2norm, outer, rand, randn, register, regression
+
+
+def sample(B, T, H, K, V, *, dtype, device, generator, allow_neg_eigval=True):
+    kw = dict(dtype=dtype, device=device, generator=generator)
+    return dict(q=randn((B, T, H, K), **kw), k=l2norm(randn((B, T, H, K), **kw)),
+                v=randn((B, T, H, V), **kw),
+                beta=rand((B, T, H), **kw) * (2.0 if allow_neg_eigval else 1.0))
+
+
+def step(S, x):
+    k, beta = x["k"], x["beta"][..., None]
+    v_old = kT_S(k, S)
+    return S + outer(beta * k, x["v"] - v_old)
+
+
+def to_dplr(inputs):
+    k, beta = inputs["k"], inputs["beta"][..., None]
+    return dict(q=inputs["q"], k=beta * k, v=inputs["v"], a=-beta * k, b=k, gk=None)
+
+
+def objective(S, x):
+    return S, [(x["beta"][..., None, None], regression(x["k"], x["v"]))], False
+
+
+MECHANISM = register(Mechanism(
+    name="deltanet",
+    title="DeltaNet",
+    paper="arXiv:2406.06484",
+    kernel_path="delta",
+    dplr_in_words="w=1, a=-beta k, b=k, write (beta k, v); beta in (0, 2) with allow_neg_eigval",
+    input_names=("q", "k", "v", "beta"),
+    sample=sample,
+    step=step,
+    to_dplr=to_dplr,
+    objective=objective,
+    options=dict(allow_neg_eigval=True),
+    op="delta_rule",
+    to_op=lambda x: dict(q=x["q"], k=x["k"], v=x["v"], beta=x["beta"], allow_neg_eigval=True),
+))

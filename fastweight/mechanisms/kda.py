@@ -1,0 +1,50 @@
+"""Kimi Delta Attention (Kimi Linear, arXiv:2510.26692): Gated DeltaNet with a per-channel decay.
+
+    S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T,    alpha_t = exp(g_t)
+
+``g`` [B, T, H, K] log decay, ``beta`` [B, T, H]. Online learning: decay first, then one SGD
+step with learning rate beta_t on ``1/2 ||S~^T k_t - v_t||^2`` at ``S~ = Diag(alpha_t) S_{t-1}``.
+DPLR: w = alpha_t (vector), a = -beta k, b = alpha_t * k, write (beta k, v).
+"""
+
+from fastweight.mechanisms.base import (Mechanism, kT_S, l2norm, outer, rand, randn, register, regression,
+                                        sample_log_decay)
+
+
+def sample(B, T, H, K, V, *, dtype, device, generator):
+    kw = dict(dtype=dtype, device=device, generator=generator)
+    return dict(q=randn((B, T, H, K), **kw), k=l2norm(randn((B, T, H, K), **kw)),
+                v=randn((B, T, H, V), **kw), g=sample_log_decay((B, T, H, K), **kw),
+                beta=rand((B, T, H), **kw))
+
+
+def step(S, x):
+    k, beta = x["k"], x["beta"][..., None]
+    S = x["g"].exp()[..., None] * S
+    return S - outer(beta * k, kT_S(k, S) - x["v"])
+
+
+def to_dplr(inputs):
+    k, beta, g = inputs["k"], inputs["beta"][..., None], inputs["g"]
+    return dict(q=inputs["q"], k=beta * k, v=inputs["v"], a=-beta * k, b=g.exp() * k, gk=g)
+
+
+def objective(S, x):
+    S_decayed = x["g"].exp()[..., None] * S
+    return S_decayed, [(x["beta"][..., None, None], regression(x["k"], x["v"]))], False
+
+
+MECHANISM = register(Mechanism(
+    name="kda",
+    title="KDA",
+    paper="arXiv:2510.26692",
+    kernel_path="dplr",
+    dplr_in_words="w=alpha_t (vector), a=-beta k, b=alpha_t * k, write (beta k, v)",
+    input_names=("q", "k", "v", "g", "beta"),
+    sample=sample,
+    step=step,
+    to_dplr=to_dplr,
+    objective=objective,
+    op="kda",
+    to_op=lambda x: dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"]),
+))

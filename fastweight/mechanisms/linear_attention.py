@@ -1,0 +1,43 @@
+"""Linear attention (Katharopoulos et al. 2020, arXiv:2006.16236).
+
+    S_t = S_{t-1} + k_t v_t^T,    o_t = S_t^T (scale q_t)
+
+Online learning: one unit gradient step on the Hebbian loss ``-<S^T k_t, v_t>`` (pure
+accumulation, no error correction). DPLR: w = 1, a = b = 0, write (k, v).
+"""
+
+from fastweight.mechanisms.base import Mechanism, hebbian, outer, randn, register
+
+
+def sample(B, T, H, K, V, *, dtype, device, generator):
+    kw = dict(dtype=dtype, device=device, generator=generator)
+    return dict(q=randn((B, T, H, K), **kw), k=randn((B, T, H, K), **kw) * K ** -0.5,
+                v=randn((B, T, H, V), **kw))
+
+
+def step(S, x):
+    return S + outer(x["k"], x["v"])
+
+
+def to_dplr(inputs):
+    return dict(q=inputs["q"], k=inputs["k"], v=inputs["v"], a=None, b=None, gk=None)
+
+
+def objective(S, x):
+    return S, [(None, hebbian(x["k"], x["v"]))], False
+
+
+MECHANISM = register(Mechanism(
+    name="linear_attention",
+    title="Linear attention",
+    paper="arXiv:2006.16236",
+    kernel_path="scalar_decay",
+    dplr_in_words="w=1, a=0, b=0, write (k, v)",
+    input_names=("q", "k", "v"),
+    sample=sample,
+    step=step,
+    to_dplr=to_dplr,
+    objective=objective,
+    op="linear_attn",
+    to_op=lambda x: dict(q=x["q"], k=x["k"], v=x["v"]),
+))

@@ -1,0 +1,55 @@
+"""Longhorn (Liu et al. 2024, arXiv:2407.14207): the implicit (proximal) step on the delta rule's loss.
+
+    S_t = argmin_X 1/2 ||X - S_{t-1}||_F^2 + beta_t/2 ||X^T k_t - v_t||^2
+        = (I - eps_t k_t k_t^T) S_{t-1} + eps_t k_t v_t^T,      eps_t = beta_t / (1 + beta_t k_t^T k_t)
+
+The closed form writes ``eps k v^T``, not the seed table's ``beta k v^T`` (docs/objectives.md
+derives it; the verifier solves the proximal problem numerically). ``beta`` [B, T, H] > 0 is
+one learning rate per head (the paper's per-value-channel beta would give each column of S
+its own transition: not one DPLR). DPLR: w = 1, a = -eps k, b = k, write (eps k, v).
+"""
+
+from fastweight.mechanisms.base import Mechanism, kT_S, outer, rand, randn, register, regression
+
+
+def sample(B, T, H, K, V, *, dtype, device, generator):
+    kw = dict(dtype=dtype, device=device, generator=generator)
+    return dict(q=randn((B, T, H, K), **kw), k=randn((B, T, H, K), **kw) * K ** -0.5,
+                v=randn((B, T, H, V), **kw), beta=0.1 + 2 * rand((B, T, H), **kw))
+
+
+def step_size(k, beta):
+    """eps = beta / (1 + beta k^T k): [..., K], [...] -> [...]."""
+    return beta / (1 + beta * (k * k).sum(-1))
+
+
+def step(S, x):
+    k = x["k"]
+    eps = step_size(k, x["beta"])[..., None]
+    return S - outer(eps * k, kT_S(k, S) - x["v"])
+
+
+def to_dplr(inputs):
+    k = inputs["k"]
+    eps = step_size(k, inputs["beta"])[..., None]
+    return dict(q=inputs["q"], k=eps * k, v=inputs["v"], a=-eps * k, b=k, gk=None)
+
+
+def objective(S, x):
+    return S, [(x["beta"][..., None, None], regression(x["k"], x["v"]))], True
+
+
+MECHANISM = register(Mechanism(
+    name="longhorn",
+    title="Longhorn",
+    paper="arXiv:2407.14207",
+    kernel_path="delta",
+    dplr_in_words="w=1, a=-eps k, b=k, write (eps k, v), eps=beta/(1+beta k.k)",
+    input_names=("q", "k", "v", "beta"),
+    sample=sample,
+    step=step,
+    to_dplr=to_dplr,
+    objective=objective,
+    op="longhorn",
+    to_op=lambda x: dict(q=x["q"], k=x["k"], v=x["v"], beta=x["beta"]),
+))

@@ -1,0 +1,54 @@
+"""Mamba-2's SSD (Dao, Gu 2024, arXiv:2405.21060), one head's state as a fast weight.
+
+    S_t = exp(dt_t A) S_{t-1} + dt_t k_t v_t^T,    o_t = S_t^T (scale q_t)
+
+In Mamba's names q = C, k = B, v = x, ``dt`` [B, T, H] > 0 and ``_A`` [H] < 0; the skip
+``D x`` lives in the layer. Online learning: weight decay ``1/2 (1 - alpha_t) ||S||_F^2``
+plus the Hebbian loss with learning rate dt_t. DPLR: w = alpha_t = exp(dt A) (scalar),
+a = b = 0, write (dt k, v).
+"""
+
+import torch
+
+from fastweight.mechanisms.base import Mechanism, hebbian, outer, rand, randn, register, weight_decay
+
+
+def sample(B, T, H, K, V, *, dtype, device, generator):
+    kw = dict(dtype=dtype, device=device, generator=generator)
+    return dict(q=randn((B, T, H, K), **kw), k=randn((B, T, H, K), **kw) * K ** -0.5,
+                v=randn((B, T, H, V), **kw),
+                dt=torch.nn.functional.softplus(randn((B, T, H), **kw) - 1),
+                _A=-(0.1 + rand((H,), **kw)))
+
+
+def step(S, x):
+    dt = x["dt"]
+    alpha = (dt * x["_A"]).exp()
+    return alpha[..., None, None] * S + outer(dt[..., None] * x["k"], x["v"])
+
+
+def to_dplr(inputs):
+    dt = inputs["dt"]
+    return dict(q=inputs["q"], k=dt[..., None] * inputs["k"], v=inputs["v"], a=None, b=None,
+                gk=dt * inputs["_A"])
+
+
+def objective(S, x):
+    alpha = (x["dt"] * x["_A"]).exp()
+    return S, [(None, weight_decay(alpha)), (x["dt"][..., None, None], hebbian(x["k"], x["v"]))], False
+
+
+MECHANISM = register(Mechanism(
+    name="mamba2",
+    title="Mamba-2",
+    paper="arXiv:2405.21060",
+    kernel_path="scalar_decay",
+    dplr_in_words="w=exp(dt A) (scalar), a=0, b=0, write (dt k, v)",
+    input_names=("q", "k", "v", "dt", "_A"),
+    sample=sample,
+    step=step,
+    to_dplr=to_dplr,
+    objective=objective,
+    op="simple_gla",
+    to_op=lambda x: dict(q=x["q"], k=x["dt"][..., None] * x["k"], v=x["v"], g=x["dt"] * x["_A"]),
+))
