@@ -1,0 +1,62 @@
+"""What every token mixer shares: the call convention, the mode switch and the cache.
+
+A mixer maps ``x [B, T, D] -> y [B, T, D]``. ``forward(x, cache=None, shared=None)``:
+
+- ``cache`` is None (training: nothing kept) or a dict the layer reads its past from and
+  writes its new past into, in place: the recurrent state ``"state"`` ``[B, H, K, V]``
+  (fp32), the short-conv inputs ``"conv_*"``, the last token ``"shift"``, the SWA window.
+  Its size does not grow with the sequence for any linear mixer.
+- ``shared`` is a per-call dict the model passes through all layers: ``"offset"`` (tokens
+  already in the cache, for rotary positions) and values one layer hands to later ones
+  (RWKV-7's value residual ``"v_first"``).
+
+The recurrence runs in ``chunk`` mode (training, prefill) or ``fused_recurrent`` mode
+(decoding: not training and T <= ``cfg.recurrent_threshold``), chosen per call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from fastweight.layers.linear_op import linear_op
+
+
+class Mixer(nn.Module):
+    """Base class of all token mixers (see the module docstring for the call convention)."""
+
+    recurrent_threshold = 64
+
+    def mode(self, T: int) -> str:
+        return "fused_recurrent" if (not self.training and T <= self.recurrent_threshold) else "chunk"
+
+    def recur(self, op: str, cache: dict | None, *, scale: float, **tensors) -> torch.Tensor:
+        """Run the layer's recurrence from ``cache["state"]`` and store the final state back."""
+        T = next(t for t in tensors.values() if isinstance(t, torch.Tensor)).shape[1]
+        initial = None if cache is None else cache.get("state")
+        o, final = linear_op(op, self.mode(T), scale=scale, initial_state=initial,
+                             output_final_state=cache is not None, **tensors)
+        if cache is not None:
+            cache["state"] = final
+        return o
+
+    @staticmethod
+    def conv(conv: nn.Module, x: torch.Tensor, cache: dict | None, name: str) -> torch.Tensor:
+        """Apply a ShortConv, keeping its last inputs in ``cache[name]``."""
+        y, tail = conv(x, None if cache is None else cache.get(name))
+        if cache is not None:
+            cache[name] = tail
+        return y
+
+    @staticmethod
+    def shift(shift: nn.Module, x: torch.Tensor, cache: dict | None, name: str = "shift") -> torch.Tensor:
+        """RWKV's token shift x_{t-1}, keeping the last token in ``cache[name]``."""
+        prev, last = shift(x, None if cache is None else cache.get(name))
+        if cache is not None:
+            cache[name] = last
+        return prev
+
+
+def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """[B, T, H * D] -> [B, T, H, D]."""
+    return x.unflatten(-1, (n_heads, -1))

@@ -1,0 +1,139 @@
+"""Parts every layer is built from: norms, the short convolution, token shift, low-rank MLPs,
+rotary embeddings and the SwiGLU MLP.
+
+Parts that carry information across time (``ShortConv``, ``TokenShift``) take and return
+their decode cache explicitly, so a layer can run a whole prompt (prefill) and then one
+token at a time with the same result as one pass over the whole sequence.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "relu": F.relu,
+               "identity": lambda x: x, None: lambda x: x}
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, over the last dim (computed in fp32)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+class GatedRMSNorm(RMSNorm):
+    """The output of most linear layers: RMSNorm(o) * act(gate), per head (last dim).
+
+    With ``gate=None`` it is a plain RMSNorm. ``activation`` is "silu" (GDN, GLA, Mamba-2)
+    or "sigmoid" (KDA).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, activation: str = "silu"):
+        super().__init__(dim, eps)
+        self.act = ACTIVATIONS[activation]
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        y = super().forward(x)
+        return y if gate is None else y * self.act(gate.float()).to(y.dtype)
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise 1-D convolution over time (kernel W, default 4), then an activation.
+
+        y_t[c] = act( sum_{j<W} weight[c, j] * x_{t-W+1+j}[c] )
+
+    x: [B, T, C]. ``cache`` holds the last W-1 inputs ``[B, W-1, C]`` (zeros at the start);
+    ``forward`` returns ``(y, new_cache)`` so decoding one token costs O(W C).
+    """
+
+    def __init__(self, channels: int, kernel_size: int = 4, activation: str | None = "silu", bias: bool = False):
+        super().__init__()
+        self.channels, self.kernel_size = channels, kernel_size
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+        self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
+        self.act = ACTIVATIONS[activation]
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None):
+        B, T, C = x.shape
+        if cache is None:
+            cache = x.new_zeros(B, self.kernel_size - 1, C)
+        xx = torch.cat([cache.to(x.dtype), x], dim=1)  # [B, T + W - 1, C]
+        y = F.conv1d(xx.transpose(1, 2), self.weight.to(x.dtype),
+                     None if self.bias is None else self.bias.to(x.dtype), groups=C)
+        return self.act(y.transpose(1, 2)), xx[:, xx.shape[1] - (self.kernel_size - 1):]
+
+
+class TokenShift(nn.Module):
+    """RWKV's token shift: x_{t-1} for every t (the cache is the last token ``[B, 1, D]``)."""
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None):
+        prev = x.new_zeros(x.shape[0], 1, x.shape[2]) if cache is None else cache.to(x.dtype)
+        return torch.cat([prev, x[:, :-1]], dim=1), x[:, -1:]
+
+
+class LowRank(nn.Module):
+    """A LoRA-style MLP ``x -> B act(A x)`` (RWKV's weight preparation, KDA's gates)."""
+
+    def __init__(self, d_in: int, rank: int, d_out: int, activation: str | None = "tanh", bias: bool = False):
+        super().__init__()
+        self.down = nn.Linear(d_in, rank, bias=False)
+        self.up = nn.Linear(rank, d_out, bias=bias)
+        self.act = ACTIVATIONS[activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(self.act(self.down(x)))
+
+
+class SwiGLU(nn.Module):
+    """The MLP of every block: W_down (silu(W_gate x) * W_up x)."""
+
+    def __init__(self, d_model: int, d_hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, d_hidden, bias=False)
+        self.up_proj = nn.Linear(d_model, d_hidden, bias=False)
+        self.down_proj = nn.Linear(d_hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rotary(x: torch.Tensor, offset: int, theta: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding (rotate-half form) of x [B, T, H, D] at positions offset..offset+T-1."""
+    T, D = x.shape[1], x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D))
+    pos = torch.arange(offset, offset + T, device=x.device, dtype=torch.float32)
+    angle = pos[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos = torch.cat([angle.cos(), angle.cos()], -1)[None, :, None, :]
+    sin = torch.cat([angle.sin(), angle.sin()], -1)[None, :, None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / ||x||_2 over the last dim (as the kernels' fused L2 norm)."""
+    return x * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def inverse_softplus(y: torch.Tensor) -> torch.Tensor:
+    return y + torch.log(-torch.expm1(-y))
+
+
+def mamba_decay_init(n_heads: int, dt_min: float = 1e-3, dt_max: float = 0.1):
+    """Mamba-2's parameterisation of a log decay: (A_log, dt_bias) with A = -exp(A_log) in [-16, -1]
+    and dt = softplus(. + dt_bias) starting log-uniform in [dt_min, dt_max]; g = A * dt <= 0."""
+    A_log = torch.empty(n_heads).uniform_(1, 16).log()
+    dt = torch.exp(torch.rand(n_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    return nn.Parameter(A_log), nn.Parameter(inverse_softplus(dt.clamp(min=1e-4)))

@@ -1,0 +1,102 @@
+"""The delta-rule layers, one skeleton (the seed's Fig. 1, Gated DeltaNet) with flags:
+
+    q, k: Linear -> ShortConv -> SiLU -> L2 norm        v: Linear -> ShortConv -> SiLU
+    beta = sigmoid(W_b x)   (2 * sigmoid with allow_neg_eigval: eigenvalues in (-1, 1])
+    decay (GDN: one per head; KDA: one per key channel), Mamba-2's parameterisation:
+        g = -exp(A_log) * softplus(W_a x + dt_bias)  <= 0
+    o = recurrence(q, k, v, g, beta);   y = W_o (RMSNorm(o) * act(W_g x))
+
+| mixer    | recurrence                                             | decay    | output gate |
+|----------|--------------------------------------------------------|----------|-------------|
+| deltanet | (I - beta k k^T) S + beta k v^T                        | none     | none        |
+| gdn      | exp(g) (I - beta k k^T) S + beta k v^T                 | per head | SiLU        |
+| kda      | (I - beta k k^T) Diag(exp g) S + beta k v^T            | per key channel (low-rank) | sigmoid |
+| longhorn | (I - eps k k^T) S + eps k v^T, eps = beta/(1 + beta k^T k) | none | none        |
+
+Longhorn's step is the implicit (proximal) step on the delta rule's loss, so its key is
+not normalised: ``1 - eps k^T k = 1 / (1 + beta k^T k)`` keeps the transition stable for
+any key; it runs on the delta-rule op with learning rate eps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fastweight.layers.base import Mixer, split_heads
+from fastweight.layers.common import GatedRMSNorm, LowRank, ShortConv, l2norm, mamba_decay_init
+from fastweight.layers.linear_op import specialised
+
+VARIANTS = {
+    "deltanet": dict(op="delta_rule", decay=None, gate=None),
+    "gdn": dict(op="gated_delta_rule", decay="head", gate="silu"),
+    "kda": dict(op="kda", decay="channel", gate="sigmoid"),
+    "longhorn": dict(op="delta_rule", decay=None, gate=None, implicit=True),
+}
+
+
+class DeltaRuleMixer(Mixer):
+    """Gated DeltaNet (Fig. 1) and its relatives, by ``variant`` (see the module docstring)."""
+
+    def __init__(self, cfg, variant: str = "gdn"):
+        super().__init__()
+        spec = VARIANTS[variant]
+        self.variant, self.op, self.decay = variant, spec["op"], spec["decay"]
+        self.implicit = spec.get("implicit", False)
+        self.recurrent_threshold = cfg.recurrent_threshold
+        self.allow_neg_eigval = cfg.allow_neg_eigval and not self.implicit
+        D, H, K, V = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.head_v_dim
+        self.n_heads, self.head_k, self.head_v = H, K, V
+        self.q_proj = nn.Linear(D, H * K, bias=False)
+        self.k_proj = nn.Linear(D, H * K, bias=False)
+        self.v_proj = nn.Linear(D, H * V, bias=False)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        conv = cfg.conv_size if cfg.use_short_conv else 1
+        self.q_conv = ShortConv(H * K, conv, "silu")
+        self.k_conv = ShortConv(H * K, conv, "silu")
+        self.v_conv = ShortConv(H * V, conv, "silu")
+        if self.decay == "head":
+            self.a_proj = nn.Linear(D, H, bias=False)
+            self.A_log, self.dt_bias = mamba_decay_init(H)
+        elif self.decay == "channel":
+            self.f_proj = LowRank(D, K, H * K, activation=None)
+            self.A_log, _ = mamba_decay_init(H)
+            _, self.dt_bias = mamba_decay_init(H * K)
+        self.g_proj = None
+        if spec["gate"] == "silu":
+            self.g_proj = nn.Linear(D, H * V, bias=False)
+        elif spec["gate"] == "sigmoid":
+            self.g_proj = LowRank(D, K, H * V, activation=None, bias=True)
+        self.o_norm = GatedRMSNorm(V, cfg.norm_eps, spec["gate"] or "identity")
+        self.o_proj = nn.Linear(H * V, D, bias=False)
+
+    def gates(self, x: torch.Tensor) -> dict:
+        """beta [B, T, H] and the log decay g ([B, T, H] per head, [B, T, H, K] per channel)."""
+        beta = torch.sigmoid(self.b_proj(x).float())
+        if self.allow_neg_eigval:
+            beta = 2 * beta
+        out = dict(beta=beta)
+        if self.decay == "head":
+            out["g"] = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
+        elif self.decay == "channel":
+            f = split_heads(self.f_proj(x).float() + self.dt_bias, self.n_heads)
+            out["g"] = -self.A_log.float().exp()[:, None] * F.softplus(f)
+        return out
+
+    def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
+        H = self.n_heads
+        q = split_heads(self.conv(self.q_conv, self.q_proj(x), cache, "conv_q"), H)
+        k = split_heads(self.conv(self.k_conv, self.k_proj(x), cache, "conv_k"), H)
+        v = split_heads(self.conv(self.v_conv, self.v_proj(x), cache, "conv_v"), H)
+        gates = {n: t.to(v.dtype) if n == "beta" else t for n, t in self.gates(x).items()}
+        if self.implicit:
+            q = l2norm(q)
+            gates["beta"] = gates["beta"] / (1 + gates["beta"] * k.float().pow(2).sum(-1)).to(v.dtype)
+        elif self.op == "gated_delta_rule" and specialised(self.op, self.mode(x.shape[1])) is not None:
+            gates["use_qk_l2norm_in_kernel"] = True
+        else:
+            q, k = l2norm(q), l2norm(k)
+        o = self.recur(self.op, cache, scale=self.head_k ** -0.5, q=q, k=k, v=v, **gates)
+        gate = None if self.g_proj is None else split_heads(self.g_proj(x), H)
+        return self.o_proj(self.o_norm(o, gate).flatten(-2))

@@ -1,0 +1,107 @@
+"""The decay-only layers (no delta correction): linear attention, RetNet, GLA, HGRN2, Mamba-2.
+
+| mixer  | recurrence                         | gate                                                  | op          |
+|--------|------------------------------------|-------------------------------------------------------|-------------|
+| la     | S + phi(k) v^T, phi = elu + 1      | none                                                  | linear_attn |
+| retnet | gamma_h S + k v^T                  | gamma_h = 1 - 2^(-5-h), fixed; rotary q, k            | simple_gla  |
+| gla    | Diag(alpha_t) S + k v^T            | log alpha = logsigmoid(low-rank(x)) / 16              | gla         |
+| hgrn2  | Diag(alpha_t) S + (1 - alpha_t) v^T| log alpha = logsigmoid(W_f x); the key is 1 - alpha   | gla         |
+| mamba2 | exp(dt A) S + dt B x^T, y = C^T S + D x | Mamba-2's A_log, dt_bias, softplus               | simple_gla  |
+
+All but Mamba-2 share ``q, k, v = W_q x, W_k x, W_v x`` and ``y = W_o (RMSNorm(o) [* silu(W_g x)])``.
+Linear attention's normaliser ``1 / phi(q)^T sum phi(k)`` is a positive per-head scalar, so
+the output RMSNorm (scale invariant) makes it redundant; it is left out.
+Mamba-2 keeps its own block: one input projection to (z, x, B, C, dt), a ShortConv over
+(x, B, C), one (B, C) pair shared by all heads, and the gated norm RMSNorm(y * silu(z)).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fastweight.layers.base import Mixer, split_heads
+from fastweight.layers.common import GatedRMSNorm, LowRank, RMSNorm, ShortConv, mamba_decay_init, rotary
+
+GATE_LOGIT_NORMALIZER = 16
+
+
+class DecayMixer(Mixer):
+    """Linear attention, RetNet, GLA, HGRN2 by ``variant`` (see the module docstring)."""
+
+    def __init__(self, cfg, variant: str = "gla"):
+        super().__init__()
+        self.variant, self.recurrent_threshold = variant, cfg.recurrent_threshold
+        self.rope_theta = cfg.rope_theta
+        D, H, K, V = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.head_v_dim
+        self.n_heads, self.head_k = H, K
+        self.q_proj = nn.Linear(D, H * K, bias=False)
+        self.k_proj = nn.Linear(D, H * K, bias=False)
+        self.v_proj = nn.Linear(D, H * V, bias=False)
+        self.g_proj = nn.Linear(D, H * V, bias=False) if variant in ("gla", "retnet") else None
+        if variant == "gla":
+            self.gk_proj = LowRank(D, 16, H * K, activation=None, bias=True)
+        if variant == "retnet":
+            gamma = 1 - 2.0 ** (-5.0 - torch.arange(H, dtype=torch.float32))
+            self.register_buffer("log_gamma", gamma.log(), persistent=False)
+        self.o_norm = GatedRMSNorm(V, cfg.norm_eps, "silu")
+        self.o_proj = nn.Linear(H * V, D, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
+        H, (B, T, _) = self.n_heads, x.shape
+        q, k, v = (split_heads(p(x), H) for p in (self.q_proj, self.k_proj, self.v_proj))
+        scale = self.head_k ** -0.5
+        if self.variant == "la":
+            q, k = F.elu(q) + 1, F.elu(k) + 1
+            o = self.recur("linear_attn", cache, scale=scale, q=q, k=k, v=v)
+        elif self.variant == "retnet":
+            offset = 0 if shared is None else shared.get("offset", 0)
+            q, k = rotary(q, offset, self.rope_theta), rotary(k, offset, self.rope_theta)
+            g = self.log_gamma.to(x.device).expand(B, T, H)
+            o = self.recur("simple_gla", cache, scale=scale, q=q, k=k, v=v, g=g)
+        elif self.variant == "gla":
+            g = split_heads(F.logsigmoid(self.gk_proj(x).float()) / GATE_LOGIT_NORMALIZER, H)
+            o = self.recur("gla", cache, scale=scale, q=q, k=k, v=v, g=g)
+        else:  # hgrn2: W_k is the forget gate projection; its complement 1 - alpha is the key
+            g = split_heads(F.logsigmoid(k.flatten(-2).float()), H)
+            o = self.recur("gla", cache, scale=1.0, q=F.silu(q), k=(1 - g.exp()).to(v.dtype), v=v, g=g)
+        gate = None if self.g_proj is None else split_heads(self.g_proj(x), H)
+        return self.o_proj(self.o_norm(o, gate).flatten(-2))
+
+
+class Mamba2Mixer(Mixer):
+    """Mamba-2 (Dao & Gu 2024): h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T, y_t = C_t^T h_t + D x_t.
+
+    d_inner = cfg.mamba_expand * d_model split in heads of ``cfg.mamba_head_dim``; the state
+    size N = cfg.head_dim; B, C shared by all heads (one group).
+    """
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.recurrent_threshold = cfg.recurrent_threshold
+        D, N, P = cfg.d_model, cfg.head_dim, cfg.mamba_head_dim
+        self.d_inner = cfg.mamba_expand * D
+        if self.d_inner % P:
+            raise ValueError(f"`mamba_head_dim` ({P}) must divide mamba_expand * d_model ({self.d_inner})")
+        self.n_heads, self.d_state = self.d_inner // P, N
+        self.in_proj = nn.Linear(D, 2 * self.d_inner + 2 * N + self.n_heads, bias=False)
+        self.conv1d = ShortConv(self.d_inner + 2 * N, cfg.conv_size, "silu", bias=True)
+        self.A_log, self.dt_bias = mamba_decay_init(self.n_heads)
+        self.D = nn.Parameter(torch.ones(self.n_heads))
+        self.norm = RMSNorm(self.d_inner, cfg.norm_eps)
+        self.out_proj = nn.Linear(self.d_inner, D, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, N, E = self.n_heads, self.d_state, self.d_inner
+        z, xbc, dt = self.in_proj(x).split([E, E + 2 * N, H], dim=-1)
+        xs, b, c = self.conv(self.conv1d, xbc, cache, "conv").split([E, N, N], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias)  # [B, T, H]
+        g = -self.A_log.float().exp() * dt
+        xs = split_heads(xs, H)
+        q, k = (t[:, :, None].expand(B, T, H, N) for t in (c, b))
+        o = self.recur("simple_gla", cache, scale=1.0, q=q, k=k, v=xs * dt[..., None].to(xs.dtype), g=g)
+        y = o + self.D.to(xs.dtype)[:, None] * xs
+        y = y.flatten(-2) * F.silu(z)
+        return self.out_proj(self.norm(y))

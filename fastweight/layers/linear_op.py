@@ -1,0 +1,115 @@
+"""How a layer calls its recurrence: ``fastweight.ops.<mode>_<op>`` (fla's names), or, where
+that op does not exist (yet), the same recurrence written as the generic DPLR op
+
+    S_t = (Diag(exp gk_t) + b_t a_t^T) S_{t-1} + k_t v_t^T,   o_t = S_t^T (scale q_t)
+
+(fla's argument meaning: ``a`` is read against the state, ``b`` is the write direction).
+:func:`force_generic` routes every call through the DPLR op: the tests use it to check
+that each specialised op and its DPLR form agree inside a layer.
+
+Tensors are passed with fla's names: q (or r), k, v [B, T, H, K/V]; scalar gates g and
+beta [B, T, H]; per-channel gates g / w [B, T, H, K]. All log decays are <= 0.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from fastweight import ops
+
+MODES = ("chunk", "fused_recurrent")
+_FORCE_GENERIC = False
+
+
+@contextmanager
+def force_generic(enabled: bool = True):
+    """Within the block, every layer uses the generic DPLR op instead of its specialised one."""
+    global _FORCE_GENERIC
+    old, _FORCE_GENERIC = _FORCE_GENERIC, enabled
+    try:
+        yield
+    finally:
+        _FORCE_GENERIC = old
+
+
+def _dplr(mode, q, k, v, a, b, gk, **kw):
+    return getattr(ops, f"{mode}_dplr_delta_rule")(q, k, v, a, b, gk, **kw)
+
+
+def _zeros(q):
+    return torch.zeros_like(q)
+
+
+def _linear_attn(mode, q, k, v, **kw):
+    return _dplr(mode, q, k, v, _zeros(q), _zeros(q), _zeros(q), **kw)
+
+
+def _simple_gla(mode, q, k, v, g, **kw):
+    return _dplr(mode, q, k, v, _zeros(q), _zeros(q), g[..., None].expand_as(q).contiguous(), **kw)
+
+
+def _gla(mode, q, k, v, g, **kw):
+    return _dplr(mode, q, k, v, _zeros(q), _zeros(q), g, **kw)
+
+
+def _delta_rule(mode, q, k, v, beta, **kw):
+    b = beta[..., None] * k
+    return _dplr(mode, q, b, v, k, -b, _zeros(q), **kw)
+
+
+def _gated_delta_rule(mode, q, k, v, g, beta, **kw):
+    b = beta[..., None] * k
+    return _dplr(mode, q, b, v, g.exp()[..., None] * k, -b, g[..., None].expand_as(q).contiguous(), **kw)
+
+
+def _kda(mode, q, k, v, g, beta, **kw):
+    b = beta[..., None] * k
+    return _dplr(mode, q, b, v, g.exp() * k, -b, g, **kw)
+
+
+def _rwkv7(mode, r, w, k, v, a, b, **kw):
+    return _dplr(mode, r, k, v, a, b, w, **kw)
+
+
+def _rwkv6(mode, r, k, v, w, u, *, scale, initial_state=None, output_final_state=False, **_):
+    # stand-in until ops.*_rwkv6 exists: the per-token definition with RWKV-6's bonus readout
+    from fastweight.reference import dplr_recurrent
+    return dplr_recurrent(r, k, v, gk=w, u=u, scale=scale, initial_state=initial_state,
+                          output_final_state=output_final_state)
+
+
+GENERIC = {
+    "linear_attn": _linear_attn,
+    "simple_gla": _simple_gla,
+    "gla": _gla,
+    "rwkv6": _rwkv6,
+    "delta_rule": _delta_rule,
+    "gated_delta_rule": _gated_delta_rule,
+    "kda": _kda,
+    "rwkv7": _rwkv7,
+}
+
+
+def specialised(op: str, mode: str):
+    """``fastweight.ops.<mode>_<op>`` if it exists, else None."""
+    return getattr(ops, f"{mode}_{op}", None)
+
+
+def linear_op(op: str, mode: str, *, scale: float, initial_state=None, output_final_state: bool = False,
+              **tensors):
+    """Run ``op`` (fla's name, e.g. "gated_delta_rule") in ``mode``; returns (o, final state or None)."""
+    if mode not in MODES:
+        raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
+    fn = None if _FORCE_GENERIC else specialised(op, mode)
+    kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state)
+    if fn is not None:
+        return fn(**tensors, **kw)
+    if op not in GENERIC:
+        raise NotImplementedError(f"no implementation of {mode}_{op}")
+    if tensors.pop("use_qk_l2norm_in_kernel", False):
+        from fastweight.layers.common import l2norm
+        tensors["q"], tensors["k"] = l2norm(tensors["q"]), l2norm(tensors["k"])
+    tensors = {n: (t.contiguous() if isinstance(t, torch.Tensor) else t) for n, t in tensors.items()}
+    return GENERIC[op](mode, **tensors, **kw)

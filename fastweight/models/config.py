@@ -1,0 +1,117 @@
+"""The language model's configuration: a frozen dataclass and a table of named presets.
+
+``mixer`` is a comma-separated pattern of token mixers that repeats to ``n_layers``:
+``"gdn"`` (all Gated DeltaNet), ``"gdn,swa"`` (Gated DeltaNet-H1: GDN and sliding-window
+attention alternating), ``"mamba2,gdn,swa"`` (H2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+MIXERS = ("la", "retnet", "mamba2", "gla", "rwkv6", "hgrn2", "deltanet", "gdn", "kda", "comba",
+          "longhorn", "rwkv7", "attn", "swa")
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    """Every field of the model. ``head_dim`` is the key dim per head of the linear mixers (and
+    Mamba-2's state size); values have ``expand_v * head_dim`` per head; attention heads have
+    ``d_model // n_heads``."""
+
+    vocab_size: int = 32000
+    d_model: int = 1024
+    n_layers: int = 24
+    n_heads: int = 8
+    mixer: str = "gdn"
+    head_dim: int | None = None
+    expand_v: float = 1.0
+    allow_neg_eigval: bool = False
+    use_short_conv: bool = True
+    conv_size: int = 4
+    window_size: int = 2048
+    n_kv_heads: int | None = None
+    intermediate_size: int | None = None
+    mamba_expand: int = 2
+    mamba_head_dim: int = 64
+    lora_rank: int = 32
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    initializer_range: float = 0.02
+    recurrent_threshold: int = 64
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "conv_size", "window_size",
+                     "mamba_expand", "mamba_head_dim", "lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"LMConfig.{name} must be a positive int, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"LMConfig.d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
+        if not isinstance(self.mixer, str) or not self.mixer.strip():
+            raise ValueError(f"LMConfig.mixer must be a comma-separated pattern of {MIXERS}, got {self.mixer!r}")
+        unknown = [m for m in self.pattern if m not in MIXERS]
+        if unknown:
+            raise ValueError(f"LMConfig.mixer: unknown mixer(s) {unknown}; known: {', '.join(MIXERS)}")
+        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
+            raise ValueError(f"LMConfig.n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        if (self.head_dim < 1 or self.head_dim % 2):
+            raise ValueError(f"LMConfig.head_dim must be a positive even int, got {self.head_dim}")
+        if self.expand_v <= 0 or (self.head_v_dim != self.head_dim * self.expand_v):
+            raise ValueError(f"LMConfig.expand_v * head_dim must be a positive int, got {self.expand_v} * {self.head_dim}")
+
+    @property
+    def pattern(self) -> tuple:
+        """The mixer pattern as a tuple of names (before repeating to n_layers)."""
+        return tuple(m.strip() for m in self.mixer.split(","))
+
+    @property
+    def mixers(self) -> tuple:
+        """The mixer of every layer: the pattern repeated to ``n_layers``."""
+        p = self.pattern
+        return tuple(p[i % len(p)] for i in range(self.n_layers))
+
+    @property
+    def head_v_dim(self) -> int:
+        return int(self.head_dim * self.expand_v)
+
+    @property
+    def mlp_dim(self) -> int:
+        """SwiGLU hidden size: ``intermediate_size``, else 8/3 d_model rounded up to a multiple of 64."""
+        if self.intermediate_size is not None:
+            return self.intermediate_size
+        return 64 * -(-int(8 * self.d_model / 3) // 64)
+
+    def replace(self, **changes) -> "LMConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LMConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"LMConfig has no field(s) {unknown}")
+        return cls(**d)
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "LMConfig":
+        """A named size (``tiny``, ``125M``, ``340M``, ``1.3B``) with any field overridden."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+PRESETS = {
+    "tiny": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=2, window_size=16, mamba_head_dim=16,
+                 lora_rank=8),
+    "125M": dict(vocab_size=32000, d_model=768, n_layers=12, n_heads=6, window_size=2048),
+    "340M": dict(vocab_size=32000, d_model=1024, n_layers=24, n_heads=8, window_size=2048),
+    "1.3B": dict(vocab_size=32000, d_model=2048, n_layers=24, n_heads=16, window_size=2048),
+}

@@ -1,0 +1,164 @@
+"""One language model for every mixer and any hybrid pattern of them.
+
+    h_0 = Embed(ids)
+    h <- h + Mixer_l(RMSNorm(h))         (the mixer of layer l from cfg.mixers)
+    h <- h + MLP_l(RMSNorm(h))           (SwiGLU; RWKV's channel mixing after RWKV layers;
+                                          none after Mamba-2, whose block is the mixer alone)
+    logits = RMSNorm(h) Embed^T          (tied embeddings)
+
+Generation keeps a :class:`Cache`: per layer the recurrent state, the short-conv inputs,
+the token-shift input and the attention keys/values (a window of W for SWA). For every
+linear mixer its size does not depend on the number of tokens seen.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from fastweight.layers import RMSNorm, SwiGLU, build_mixer
+from fastweight.models.config import LMConfig
+
+
+class Cache:
+    """The decode state of every layer (a dict per layer, filled by the layers) and the number
+    of tokens seen."""
+
+    def __init__(self, n_layers: int):
+        self.layers = [dict() for _ in range(n_layers)]
+        self.seen = 0
+
+    def nbytes(self) -> int:
+        """Memory held, in bytes."""
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.values()
+                   if isinstance(t, torch.Tensor))
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep (and reorder) the batch rows ``index`` of every tensor (beam search)."""
+        for layer in self.layers:
+            for name, t in layer.items():
+                if isinstance(t, torch.Tensor):
+                    layer[name] = t.index_select(0, index.to(t.device))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LMConfig, mixer: str):
+        super().__init__()
+        self.mixer_name = mixer
+        self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = build_mixer(mixer, cfg)
+        self.mlp_norm = self.mlp = None
+        if mixer in ("rwkv6", "rwkv7"):
+            from fastweight.layers.rwkv import ChannelMix
+            self.mlp_norm, self.mlp = RMSNorm(cfg.d_model, cfg.norm_eps), ChannelMix(cfg)
+        elif mixer != "mamba2":
+            self.mlp_norm, self.mlp = RMSNorm(cfg.d_model, cfg.norm_eps), SwiGLU(cfg.d_model, cfg.mlp_dim)
+
+    def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
+        x = x + self.mixer(self.mixer_norm(x), cache, shared)
+        if self.mlp is not None:
+            x = x + self.mlp(self.mlp_norm(x), cache)
+        return x
+
+
+class LanguageModel(nn.Module):
+    """A causal LM: ``model(input_ids [B, T]) -> logits [B, T, vocab]``; see the module docstring."""
+
+    def __init__(self, cfg: LMConfig):
+        super().__init__()
+        if not isinstance(cfg, LMConfig):
+            raise TypeError(f"`cfg` must be an LMConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, m) for m in cfg.mixers)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.cfg.initializer_range)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    def new_cache(self) -> Cache:
+        return Cache(len(self.blocks))
+
+    def forward(self, input_ids: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
+        """Logits ``[B, T, vocab]``. With ``cache`` the tokens continue the cached sequence and
+        the cache is updated in place."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"`input_ids` must be an int64 tensor [B, T], got "
+                            f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
+        if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"`input_ids` must have shape [B, T] with T >= 1, got {tuple(input_ids.shape)}")
+        if cache is not None and len(cache.layers) != len(self.blocks):
+            raise ValueError(f"`cache` has {len(cache.layers)} layers, the model {len(self.blocks)}")
+        shared = {"offset": 0 if cache is None else cache.seen}
+        x = self.embed(input_ids)
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if cache is None else cache.layers[i], shared)
+        if cache is not None:
+            cache.seen += input_ids.shape[1]
+        return self.lm_head(self.norm(x))
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 16, temperature: float = 0.0,
+                 top_k: int | None = None, eos_token_id: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Prefill the prompt, then decode one token at a time from the cache.
+
+        Greedy when ``temperature == 0``, else sampling from softmax(logits / temperature)
+        (restricted to the ``top_k`` largest). Returns ``[B, T + new]`` (stops early once every
+        row has produced ``eos_token_id``).
+        """
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"`max_new_tokens` must be an int >= 0, got {max_new_tokens!r}")
+        was_training = self.training
+        self.eval()
+        try:
+            cache = self.new_cache()
+            logits = self(input_ids, cache=cache)
+            out, done = [input_ids], torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+            for step in range(max_new_tokens):
+                token = sample_next(logits[:, -1], temperature, top_k, generator)
+                out.append(token[:, None])
+                if eos_token_id is not None:
+                    done |= token == eos_token_id
+                    if bool(done.all()):
+                        break
+                if step + 1 < max_new_tokens:
+                    logits = self(token[:, None], cache=cache)
+            return torch.cat(out, dim=1)
+        finally:
+            self.train(was_training)
+
+    @torch.no_grad()
+    def mixer_states(self, input_ids: torch.Tensor) -> list:
+        """The final recurrent state of every layer after reading ``input_ids`` (``[B, H, K, V]``
+        fp32; None for attention layers)."""
+        was_training = self.training
+        self.eval()
+        try:
+            cache = self.new_cache()
+            self(input_ids, cache=cache)
+            return [layer.get("state") for layer in cache.layers]
+        finally:
+            self.train(was_training)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """The next token [B] from logits [B, vocab]: argmax, or a sample at ``temperature``."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator).squeeze(-1)
