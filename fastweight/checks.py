@@ -151,14 +151,30 @@ def check_chunk_size(chunk_size: int) -> int:
     return chunk_size
 
 
-def check_qkv(q, k, v, *, head_first_hint: bool = True):
-    """q, k: [B, T, H, K]; v: [B, T, HV, V] with HV a multiple of H. Returns (B, T, H, K, HV, V)."""
-    check_tensor("q", q, ndim=4, shape=(None, None, None, None))
+def check_qkv(q, k, v, *, head_first_hint: bool = True, names: tuple = ("q", "k", "v")):
+    """q, k: [B, T, H, K]; v: [B, T, HV, V] with HV a multiple of H. Returns (B, T, H, K, HV, V).
+
+    ``names``: what the op calls the three (RWKV's ``r`` for q; HGRN2 checks its gate as k).
+    """
+    qn, kn, vn = names
+    check_tensor(qn, q, ndim=4, shape=(None, None, None, None))
     B, T, H, K = q.shape
-    check_tensor("k", k, ndim=4, shape=(B, T, H, K))
-    check_tensor("v", v, ndim=4, shape=(B, T, None, None))
+    check_tensor(kn, k, ndim=4, shape=(B, T, H, K))
+    check_tensor(vn, v, ndim=4, shape=(B, T, None, None))
     HV, V = v.shape[2], v.shape[3]
     if HV % H != 0:
-        raise ValueError(f"`v` has {HV} heads, which must be a multiple of the {H} heads of `q`/`k` (shape [B, T, HV, V])")
-    check_same_device(q=q, k=k, v=v)
+        raise ValueError(f"`{vn}` has {HV} heads, which must be a multiple of the {H} heads of `{qn}`/`{kn}` "
+                         "(shape [B, T, HV, V])")
+    check_same_device(**{qn: q, kn: k, vn: v})
     return B, T, H, K, HV, V
+
+
+def check_range(name: str, x, low: float, high: float, hint: str = "") -> None:
+    """Every value of ``x`` lies in [low, high] (value check)."""
+    if x is None or not _checking_values():
+        return
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"`{name}` contains NaN or Inf")
+    lo, hi = x.min().item(), x.max().item()
+    if lo < low or hi > high:
+        raise ValueError(f"`{name}` must lie in [{low:g}, {high:g}], got values in [{lo:.4g}, {hi:.4g}]{hint}")

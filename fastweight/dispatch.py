@@ -67,8 +67,11 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def call(op: str, mode: str, backend: str | None, tensors: dict, *, key_tensors=("q", "k"),
-         use_qk_l2norm: bool = False, **kwargs):
-    """Resolve and call, expanding grouped heads and applying the q/k L2 norm where the impl does not."""
+         use_qk_l2norm: bool = False, l2norm_tensors=("q", "k"), **kwargs):
+    """Resolve and call, expanding grouped heads and applying the q/k L2 norm where the impl does not.
+
+    ``l2norm_tensors``: what ``use_qk_l2norm`` normalises (Comba adds its read key ``p``).
+    """
     device = next(t.device for t in tensors.values() if isinstance(t, torch.Tensor))
     impl = resolve(op, mode, backend, device)
     tensors = dict(tensors)
@@ -76,7 +79,7 @@ def call(op: str, mode: str, backend: str | None, tensors: dict, *, key_tensors=
         if getattr(impl, "fused_l2norm", False):
             kwargs["use_qk_l2norm_in_kernel"] = True
         else:
-            for n in ("q", "k"):
+            for n in l2norm_tensors:
                 tensors[n] = l2norm(tensors[n])
     v = tensors["v"]
     H = tensors[key_tensors[0]].shape[2]

@@ -3,41 +3,242 @@
 Every op returns ``(o, final_state_or_None)``. Layout: q, k (and gates per key channel)
 ``[B, T, H, K]``; v ``[B, T, HV, V]`` (HV a multiple of H: grouped value heads); scalar
 gates and beta ``[B, T, HV]``; states ``[N, HV, K, V]`` in float32. Gates are log decays
-(``g = log alpha <= 0``). ``scale`` defaults to ``K ** -0.5``. ``cu_seqlens`` (int64,
-``[N+1]``, B must be 1) packs N sequences along T as in flash-attn. ``backend`` picks the
-implementation (``"triton"``, ``"torch"``, ``"reference"``; None = best for the device).
+(``g = log alpha <= 0``). ``scale`` defaults to ``K ** -0.5`` (``1.0`` for RWKV-7, as fla).
+``initial_state`` ``[N, HV, K, V]`` starts each sequence; ``output_final_state`` returns the
+state after the last token. ``cu_seqlens`` (int64, ``[N+1]``, B must be 1) packs N sequences
+along T as in flash-attn. ``backend`` picks the implementation (``"triton"``, ``"torch"``,
+``"reference"``; None = best for the device). Every argument is validated here
+(``fastweight.checks``) before any kernel runs. ``allow_neg_eigval`` (delta family): beta may
+lie in [0, 2] instead of [0, 1], so the transition's eigenvalue along k, 1 - beta, may be negative.
 """
 
 from __future__ import annotations
 
+import torch
+
 from fastweight import checks
 from fastweight.dispatch import call
 
+_NEG_EIGVAL_HINT = " (pass allow_neg_eigval=True for beta in [0, 2])"
 
-def _common(q, k, v, scale, initial_state, cu_seqlens):
-    B, T, H, K, HV, V = checks.check_qkv(q, k, v)
+
+def _op(op, mode, backend, tensors, *, scale, initial_state, output_final_state, cu_seqlens,
+        names=("q", "k", "v"), key=(), head=(), head_k=(), params=None, optional=(), log=(),
+        beta_max=None, use_qk_l2norm=False, l2norm_tensors=("q", "k"), same_heads=False):
+    """Validate ``tensors`` (the op's tensor arguments by name) and dispatch.
+
+    names: the (query, key, value) arguments; key: more [B, T, H, K] tensors (expanded to HV
+    heads with q/k); head: [B, T, HV]; head_k: [B, T, HV, K]; params: name -> shape in
+    symbols ("H", "HV", "K"); optional: may be None; log: log-space gates (<= 0); beta_max:
+    the upper bound of ``beta`` (lower bound 0); same_heads: grouped value heads unsupported.
+    """
+    qn, kn, vn = names
+    B, T, H, K, HV, V = checks.check_qkv(tensors[qn], tensors[kn], tensors[vn], names=names)
+    if same_heads and HV != H:
+        raise ValueError(f"`{vn}` must have the {H} heads of `{qn}` for this op, got {HV}")
     n = checks.check_cu_seqlens(cu_seqlens, B, T) or B
     checks.check_initial_state(initial_state, n, HV, K, V)
-    checks.check_same_device(q=q, initial_state=initial_state, cu_seqlens=cu_seqlens)
-    checks.check_finite(q=q, k=k, v=v, initial_state=initial_state)
-    return (B, T, H, K, HV, V), checks.check_scale(scale, K)
-
-
-def _gated_delta(mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                 use_qk_l2norm_in_kernel, backend):
-    (B, T, H, K, HV, V), scale = _common(q, k, v, scale, initial_state, cu_seqlens)
-    checks.check_tensor("g", g, ndim=3, shape=(B, T, HV))
-    checks.check_tensor("beta", beta, ndim=3, shape=(B, T, HV))
-    checks.check_same_device(q=q, g=g, beta=beta)
-    checks.check_log_gate("g", g)
-    checks.check_finite(beta=beta)
-    return call("gated_delta_rule", mode, backend, dict(q=q, k=k, v=v, g=g, beta=beta),
-                use_qk_l2norm=use_qk_l2norm_in_kernel, scale=scale, initial_state=initial_state,
+    dims = dict(H=H, HV=HV, K=K)
+    shapes = {**{x: (B, T, H, K) for x in key}, **{x: (B, T, HV) for x in head},
+              **{x: (B, T, HV, K) for x in head_k},
+              **{x: tuple(dims[d] for d in s) for x, s in (params or {}).items()}}
+    for name, shape in shapes.items():
+        checks.check_tensor(name, tensors[name], ndim=len(shape), shape=shape, allow_none=name in optional)
+    checks.check_same_device(**tensors, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    checks.check_finite(**{x: t for x, t in tensors.items() if x not in log}, initial_state=initial_state)
+    for name in log:
+        checks.check_log_gate(name, tensors[name])
+    if beta_max is not None:
+        checks.check_range("beta", tensors["beta"], 0.0, beta_max, "" if beta_max != 1 else _NEG_EIGVAL_HINT)
+    scale = checks.check_scale(scale, K)
+    return call(op, mode, backend, tensors, key_tensors=(qn, kn, *key), use_qk_l2norm=use_qk_l2norm,
+                l2norm_tensors=l2norm_tensors, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
+def _beta_max(allow_neg_eigval):
+    return 2.0 if allow_neg_eigval else 1.0
+
+
+# Decay family: S_t = Diag(w_t) S_{t-1} + k_t v_t^T.
+
+def _linear_attn(mode, q, k, v, scale, initial_state, output_final_state, cu_seqlens, backend):
+    return _op("linear_attn", mode, backend, dict(q=q, k=k, v=v), scale=scale, initial_state=initial_state,
+               output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                      backend=None):
+    """Linear attention: S_t = S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t).
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V]. Returns (o [B, T, HV, V], final state [N, HV, K, V] or None).
+    """
+    return _linear_attn("chunk", q, k, v, scale, initial_state, output_final_state, cu_seqlens, backend)
+
+
+def fused_recurrent_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False,
+                                cu_seqlens=None, backend=None):
+    """Linear attention one token at a time; as ``chunk_linear_attn``."""
+    return _linear_attn("fused_recurrent", q, k, v, scale, initial_state, output_final_state, cu_seqlens, backend)
+
+
+def _retention(mode, q, k, v, scale, initial_state, output_final_state, cu_seqlens, backend):
+    return _op("retention", mode, backend, dict(q=q, k=k, v=v), scale=scale, initial_state=initial_state,
+               output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                    backend=None):
+    """RetNet: S_t = gamma_h S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t), gamma_h = 1 - 2^(-5-h) per value head h.
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V]. Returns (o [B, T, HV, V], final state [N, HV, K, V] or None).
+    """
+    return _retention("chunk", q, k, v, scale, initial_state, output_final_state, cu_seqlens, backend)
+
+
+def fused_recurrent_retention(q, k, v, scale=None, initial_state=None, output_final_state=False,
+                              cu_seqlens=None, backend=None):
+    """RetNet one token at a time; as ``chunk_retention``."""
+    return _retention("fused_recurrent", q, k, v, scale, initial_state, output_final_state, cu_seqlens, backend)
+
+
+def _simple_gla(mode, q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, backend):
+    return _op("simple_gla", mode, backend, dict(q=q, k=k, v=v, g=g, g_gamma=g_gamma), scale=scale,
+               head=("g",), params=dict(g_gamma=("HV",)), optional=("g", "g_gamma"), log=("g", "g_gamma"),
+               initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False,
+                     cu_seqlens=None, backend=None):
+    """Scalar-gated linear attention: S_t = exp(g_t + g_gamma) S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t).
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV] data-dependent log decay and/or g_gamma:
+    [HV] a fixed log decay per head (either may be None: no decay from it). Mamba-2 is
+    ``g = dt * A`` with ``k`` scaled by dt. Returns (o [B, T, HV, V], final state or None).
+    """
+    return _simple_gla("chunk", q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens,
+                       backend)
+
+
+def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
+                               output_final_state=False, cu_seqlens=None, backend=None):
+    """Scalar-gated linear attention one token at a time; as ``chunk_simple_gla``."""
+    return _simple_gla("fused_recurrent", q, k, v, g, g_gamma, scale, initial_state, output_final_state,
+                       cu_seqlens, backend)
+
+
+def _gla(mode, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, backend):
+    gate = "g" if mode == "chunk" else "gk"
+    checks.check_tensor(gate, g)
+    return _op("gla", mode, backend, dict(q=q, k=k, v=v, g=g), scale=scale, key=("g",), log=("g",),
+               initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+              backend=None):
+    """GLA: S_t = Diag(exp g_t) S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t).
+
+    q, k, g (log decay per key channel, <= 0): [B, T, H, K]; v: [B, T, HV, V].
+    Returns (o [B, T, HV, V], final state [N, HV, K, V] or None).
+    """
+    return _gla("chunk", q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, backend)
+
+
+def fused_recurrent_gla(q, k, v, gk=None, scale=None, initial_state=None, output_final_state=False,
+                        cu_seqlens=None, backend=None, *, g=None):
+    """GLA one token at a time; as ``chunk_gla``. fla calls the gate ``gk`` here; ``g`` (chunk_gla's
+    name) is accepted as well."""
+    if g is not None:
+        if gk is not None:
+            raise TypeError("pass the GLA gate once: `gk` or `g`, not both")
+        gk = g
+    return _gla("fused_recurrent", q, k, v, gk, scale, initial_state, output_final_state, cu_seqlens, backend)
+
+
+def _rwkv6(mode, r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens, backend):
+    return _op("rwkv6", mode, backend, dict(r=r, k=k, v=v, w=w, u=u), scale=scale, names=("r", "k", "v"),
+               key=("w",), params=dict(u=("H", "K")), log=("w",), same_heads=True,
+               initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def chunk_rwkv6(r, k, v, w, u, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                backend=None):
+    """RWKV-6: S_t = Diag(exp w_t) S_{t-1} + k_t v_t^T, o_t = S_{t-1}^T (scale r_t) + (scale r_t . (u * k_t)) v_t.
+
+    r, k, w (log decay, <= 0): [B, T, H, K]; v: [B, T, H, V]; u (current-token bonus): [H, K].
+    Returns (o [B, T, H, V], final state [N, H, K, V] or None).
+    """
+    return _rwkv6("chunk", r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens, backend)
+
+
+def fused_recurrent_rwkv6(r, k, v, w, u, scale=None, initial_state=None, output_final_state=False,
+                          cu_seqlens=None, backend=None):
+    """RWKV-6 one token at a time; as ``chunk_rwkv6``."""
+    return _rwkv6("fused_recurrent", r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens,
+                  backend)
+
+
+def _hgrn2(mode, q, v, g, scale, initial_state, output_final_state, cu_seqlens, backend):
+    return _op("hgrn2", mode, backend, dict(q=q, g=g, v=v), scale=scale, names=("q", "g", "v"), log=("g",),
+               initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def chunk_hgrn2(q, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                backend=None):
+    """HGRN2: S_t = Diag(exp g_t) S_{t-1} + (1 - exp g_t) v_t^T, o_t = S_t^T (scale q_t).
+
+    The key is the forget gate's complement (fla runs it as ``chunk_gla(q, 1 - exp(g), v, g)``).
+    q, g (log forget gate, <= 0): [B, T, H, K]; v: [B, T, HV, V]. Returns (o, final state or None).
+    """
+    return _hgrn2("chunk", q, v, g, scale, initial_state, output_final_state, cu_seqlens, backend)
+
+
+def fused_recurrent_hgrn2(q, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                          backend=None):
+    """HGRN2 one token at a time; as ``chunk_hgrn2``."""
+    return _hgrn2("fused_recurrent", q, v, g, scale, initial_state, output_final_state, cu_seqlens, backend)
+
+
+# Delta family: S_t = (Diag(w_t) + a_t b_t^T) S_{t-1} + k_t v_t^T with a = -beta k.
+
+def _delta_rule(mode, q, k, v, beta, scale, initial_state, output_final_state, cu_seqlens,
+                use_qk_l2norm_in_kernel, allow_neg_eigval, backend):
+    if beta is None and isinstance(v, torch.Tensor):
+        beta = v.new_ones(v.shape[:3])
+    return _op("delta_rule", mode, backend, dict(q=q, k=k, v=v, beta=beta), scale=scale, head=("beta",),
+               beta_max=_beta_max(allow_neg_eigval), use_qk_l2norm=use_qk_l2norm_in_kernel,
+               initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                     use_qk_l2norm_in_kernel=False, allow_neg_eigval=False, backend=None):
+    """DeltaNet: S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T (scale q_t).
+
+    q, k: [B, T, H, K] (L2-normalised, or pass use_qk_l2norm_in_kernel=True); v: [B, T, HV, V];
+    beta: [B, T, HV] in [0, 1] ([0, 2] with allow_neg_eigval). Returns (o, final state or None).
+    """
+    return _delta_rule("chunk", q, k, v, beta, scale, initial_state, output_final_state, cu_seqlens,
+                       use_qk_l2norm_in_kernel, allow_neg_eigval, backend)
+
+
+def fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=None, output_final_state=False,
+                               cu_seqlens=None, use_qk_l2norm_in_kernel=False, allow_neg_eigval=False,
+                               backend=None):
+    """DeltaNet one token at a time (beta None = 1); as ``chunk_delta_rule``."""
+    return _delta_rule("fused_recurrent", q, k, v, beta, scale, initial_state, output_final_state, cu_seqlens,
+                       use_qk_l2norm_in_kernel, allow_neg_eigval, backend)
+
+
+def _gated_delta(mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                 use_qk_l2norm_in_kernel, allow_neg_eigval, backend):
+    return _op("gated_delta_rule", mode, backend, dict(q=q, k=k, v=v, g=g, beta=beta), scale=scale,
+               head=("g", "beta"), log=("g",), beta_max=_beta_max(allow_neg_eigval),
+               use_qk_l2norm=use_qk_l2norm_in_kernel, initial_state=initial_state,
+               output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, backend=None):
+                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, allow_neg_eigval=False, backend=None):
     """Gated delta rule, chunkwise: S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,
     o_t = S_t^T (scale q_t).
 
@@ -45,27 +246,101 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     initial_state: [N, HV, K, V]. Returns (o [B, T, HV, V], final state [N, HV, K, V] fp32 or None).
     """
     return _gated_delta("chunk", q, k, v, g, beta, scale, initial_state, output_final_state,
-                        cu_seqlens, use_qk_l2norm_in_kernel, backend)
+                        cu_seqlens, use_qk_l2norm_in_kernel, allow_neg_eigval, backend)
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                                      output_final_state=False, cu_seqlens=None,
-                                     use_qk_l2norm_in_kernel=False, backend=None):
+                                     use_qk_l2norm_in_kernel=False, allow_neg_eigval=False, backend=None):
     """The gated delta rule one token at a time (decode / short sequences); as ``chunk_gated_delta_rule``."""
     return _gated_delta("fused_recurrent", q, k, v, g, beta, scale, initial_state, output_final_state,
-                        cu_seqlens, use_qk_l2norm_in_kernel, backend)
+                        cu_seqlens, use_qk_l2norm_in_kernel, allow_neg_eigval, backend)
 
+
+def _kda(mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+         use_qk_l2norm_in_kernel, allow_neg_eigval, backend):
+    return _op("kda", mode, backend, dict(q=q, k=k, v=v, g=g, beta=beta), scale=scale, head=("beta",),
+               head_k=("g",), log=("g",), beta_max=_beta_max(allow_neg_eigval),
+               use_qk_l2norm=use_qk_l2norm_in_kernel, initial_state=initial_state,
+               output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+              use_qk_l2norm_in_kernel=False, allow_neg_eigval=False, backend=None):
+    """KDA: S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T (scale q_t).
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V]; g (log decay per key channel, <= 0): [B, T, HV, K];
+    beta: [B, T, HV]. Returns (o [B, T, HV, V], final state [N, HV, K, V] or None).
+    """
+    return _kda("chunk", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                use_qk_l2norm_in_kernel, allow_neg_eigval, backend)
+
+
+def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                        cu_seqlens=None, use_qk_l2norm_in_kernel=False, allow_neg_eigval=False, backend=None):
+    """KDA one token at a time; as ``chunk_kda``."""
+    return _kda("fused_recurrent", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                use_qk_l2norm_in_kernel, allow_neg_eigval, backend)
+
+
+def _comba(mode, q, k, v, p, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+           use_qk_l2norm_in_kernel, allow_neg_eigval, backend):
+    p = k if p is None else p
+    return _op("comba", mode, backend, dict(q=q, k=k, v=v, p=p, g=g, beta=beta), scale=scale, key=("p",),
+               head=("g", "beta"), log=("g",), beta_max=_beta_max(allow_neg_eigval),
+               use_qk_l2norm=use_qk_l2norm_in_kernel, l2norm_tensors=("q", "k", "p"),
+               initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def chunk_comba(q, k, v, p, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                use_qk_l2norm_in_kernel=False, allow_neg_eigval=False, backend=None):
+    """Comba: S_t = (exp(g_t) I - beta_t k_t p_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T (scale q_t).
+
+    The prediction error ``v_t - S_{t-1}^T p_t`` is read by the auxiliary key ``p`` from the
+    undecayed state (fla's layer passes p = d * k, a per-head d in (0, 1); None means p = k).
+    q, k, p: [B, T, H, K]; v: [B, T, HV, V]; g (log decay, <= 0), beta: [B, T, HV].
+    use_qk_l2norm_in_kernel normalises q, k and p. Returns (o [B, T, HV, V], final state or None).
+    """
+    return _comba("chunk", q, k, v, p, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                  use_qk_l2norm_in_kernel, allow_neg_eigval, backend)
+
+
+def fused_recurrent_comba(q, k, v, p, g, beta, scale=None, initial_state=None, output_final_state=False,
+                          cu_seqlens=None, use_qk_l2norm_in_kernel=False, allow_neg_eigval=False, backend=None):
+    """Comba one token at a time; as ``chunk_comba`` (same argument order as ``chunk_comba``)."""
+    return _comba("fused_recurrent", q, k, v, p, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                  use_qk_l2norm_in_kernel, allow_neg_eigval, backend)
+
+
+def _longhorn(mode, q, k, v, beta, scale, initial_state, output_final_state, cu_seqlens, backend):
+    return _op("longhorn", mode, backend, dict(q=q, k=k, v=v, beta=beta), scale=scale, head=("beta",),
+               beta_max=float("inf"), initial_state=initial_state, output_final_state=output_final_state,
+               cu_seqlens=cu_seqlens)
+
+
+def chunk_longhorn(q, k, v, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                   backend=None):
+    """Longhorn: S_t = (I - eps_t k_t k_t^T) S_{t-1} + eps_t k_t v_t^T, eps_t = beta_t / (1 + beta_t k_t^T k_t),
+    o_t = S_t^T (scale q_t): the proximal step on 1/2 ||S^T k - v||^2 (docs/objectives.md).
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V]; beta: [B, T, HV] >= 0. Returns (o, final state or None).
+    """
+    return _longhorn("chunk", q, k, v, beta, scale, initial_state, output_final_state, cu_seqlens, backend)
+
+
+def fused_recurrent_longhorn(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
+                             cu_seqlens=None, backend=None):
+    """Longhorn one token at a time; as ``chunk_longhorn``."""
+    return _longhorn("fused_recurrent", q, k, v, beta, scale, initial_state, output_final_state, cu_seqlens,
+                     backend)
+
+
+# Generic DPLR, fla's meaning of (a, b): S_t = (Diag(exp gk_t) + b_t a_t^T) S_{t-1} + k_t v_t^T.
 
 def _dplr(mode, q, k, v, a, b, gk, scale, initial_state, output_final_state, cu_seqlens, backend):
-    (B, T, H, K, HV, V), scale = _common(q, k, v, scale, initial_state, cu_seqlens)
-    for name, t in (("a", a), ("b", b), ("gk", gk)):
-        checks.check_tensor(name, t, ndim=4, shape=(B, T, H, K))
-    checks.check_same_device(q=q, a=a, b=b, gk=gk)
-    checks.check_finite(a=a, b=b)
-    checks.check_log_gate("gk", gk)
-    return call("dplr_delta_rule", mode, backend, dict(q=q, k=k, v=v, a=a, b=b, gk=gk),
-                key_tensors=("q", "k", "a", "b", "gk"), scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    return _op("dplr_delta_rule", mode, backend, dict(q=q, k=k, v=v, a=a, b=b, gk=gk), scale=scale,
+               key=("a", "b", "gk"), log=("gk",), initial_state=initial_state,
+               output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
 def chunk_dplr_delta_rule(q, k, v, a, b, gk, scale=None, initial_state=None, output_final_state=False,
@@ -74,7 +349,7 @@ def chunk_dplr_delta_rule(q, k, v, a, b, gk, scale=None, initial_state=None, out
     o_t = S_t^T (scale q_t). Note fla's ``a`` is read against the state (``a^T S``) and ``b`` is
     the write direction: the core's (a, b) are fla's (b, a).
 
-    q, k, a, b, gk: [B, T, H, K]; v: [B, T, H, V]. Returns (o, final state or None).
+    q, k, a, b, gk (log decay, <= 0): [B, T, H, K]; v: [B, T, HV, V]. Returns (o, final state or None).
     """
     return _dplr("chunk", q, k, v, a, b, gk, scale, initial_state, output_final_state, cu_seqlens, backend)
 
@@ -84,3 +359,32 @@ def fused_recurrent_dplr_delta_rule(q, k, v, a, b, gk, scale=None, initial_state
     """Generic DPLR one token at a time; as ``chunk_dplr_delta_rule``."""
     return _dplr("fused_recurrent", q, k, v, a, b, gk, scale, initial_state, output_final_state,
                  cu_seqlens, backend)
+
+
+def _rwkv7(mode, r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, backend):
+    return _op("rwkv7", mode, backend, dict(r=r, w=w, k=k, v=v, a=a, b=b), scale=scale, names=("r", "k", "v"),
+               key=("w", "a", "b"), log=("w",), initial_state=initial_state,
+               output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
+                backend=None):
+    """RWKV-7 in fla's DPLR meaning: S_t = (Diag(exp w_t) + b_t a_t^T) S_{t-1} + k_t v_t^T, o_t = S_t^T (scale r_t).
+
+    The layer passes a = -kappa^ (normalised removal key), b = kappa^ * iclr, k = the replacement
+    key k~ (``fastweight.mechanisms.rwkv7.to_op`` does this preparation). r, w (log decay, <= 0),
+    k, a, b: [B, T, H, K]; v: [B, T, HV, V]. scale defaults to 1.0 as in fla.
+    Returns (o [B, T, HV, V], final state [N, HV, K, V] or None).
+    """
+    return _rwkv7("chunk", r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, backend)
+
+
+def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False,
+                          cu_seqlens=None, backend=None):
+    """RWKV-7 one token at a time; as ``chunk_rwkv7``."""
+    return _rwkv7("fused_recurrent", r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
+                  backend)
+
+
+OPS = ("linear_attn", "retention", "simple_gla", "gla", "rwkv6", "hgrn2", "delta_rule", "gated_delta_rule",
+       "kda", "comba", "longhorn", "dplr_delta_rule", "rwkv7")
