@@ -1,0 +1,116 @@
+"""The decay family, chunkwise: linear attention, RetNet, Mamba-2 (simple GLA), GLA, RWKV-6, HGRN2.
+
+One algorithm (:func:`decay_chunk`) for
+
+    S_t = Diag(exp g_t) S_{t-1} + k_t v_t^T          o_t = S_t^T (scale q_t)
+    (RWKV-6, bonus u given:  o_t = S_{t-1}^T (scale q_t) + (scale q_t . (u * k_t)) v_t)
+
+with g none, one scalar per token (broadcast over K) or one per key channel. Inside a chunk
+of C tokens, with ``G_r = sum_{j<=r} g_j`` (``gamma^r = exp G_r``) and ``G^q`` the decay the
+query sees (``G_r``, or ``G_{r-1}`` for RWKV-6 which reads the state before the token's write):
+
+    O = (Q * exp G^q) S + ((Q K^T * Gamma) * M) V        Gamma_ri = exp(G^q_r - G_i)
+    S <- exp(G_C) S + (K * exp(G_C - G))^T V
+
+``M`` is the causal mask (strict for RWKV-6, whose own token enters through the bonus).
+The delta family (``delta.py``) is this with V replaced by the pseudo values ``v_tilde``.
+
+All public functions: ``impl(<tensors>, *, scale, initial_state=None, output_final_state=False,
+cu_seqlens=None, chunk_size=64)`` -> ``(o [B, T, H, V], final state [N, H, K, V] or None)``.
+q, k, per-channel gates: [B, T, H, K]; v: [B, T, H, V]; scalar gates [B, T, H]; per-head
+constants [H]. ``initial_state``: [N, H, K, V]; ``cu_seqlens`` ([N+1], B = 1) packs N sequences.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fastweight.checks import check_chunk_size
+from fastweight.chunk.common import (chunk_layout, compute_dtype, decayed_scores, finish, initial,
+                                     local_cumsum, pass_states, to_chunks)
+
+
+def decay_chunk(q, k, v, g=None, u=None, *, scale, initial_state=None, output_final_state=False,
+                cu_seqlens=None, chunk_size=64):
+    """The generic decay-family chunk algorithm (module docstring). ``g``: None, [B, T, H] or
+    [B, T, H, K]; ``u``: None or RWKV-6's bonus [H, K]."""
+    B, T, H, K = q.shape
+    V, out_dtype = v.shape[-1], v.dtype
+    dt = compute_dtype(q, k, v, g, u)
+    layout = chunk_layout(B, T, check_chunk_size(chunk_size), cu_seqlens, q.device)
+    q, k, v, g = (to_chunks(x, layout, dt) for x in (q, k, v, g))
+    q = q * scale
+
+    # 1. gates: G_r = log gamma^r inside the chunk; G^q is the decay the query sees
+    if g is None:
+        g = q.new_zeros(*q.shape[:-1], 1)
+    G = local_cumsum(g)
+    G_q = G if u is None else G - g
+
+    # 2. chunk states: S <- exp(G_C) S + (K * exp(G_C - G))^T V
+    G_end = G[..., -1:, :]
+    S0 = initial(initial_state, layout.N, H, K, V, dt, q.device)
+    states, _, S = pass_states(v, None, k * (G_end - G).exp(), G_end.squeeze(-2).exp(), S0)
+
+    # 3. output: O = (Q * exp G^q) S + (Q K^T * Gamma * M) V
+    o = (q * G_q.exp()) @ states + decayed_scores(q, k, G_q, G, strict=u is not None) @ v
+
+    # 4. RWKV-6's bonus: the current token through u instead of the state
+    if u is not None:
+        o = o + (q * u.to(dt)[None, :, None, None, :] * k).sum(-1, keepdim=True) * v
+    return finish(o, S, layout, out_dtype, output_final_state)
+
+
+def chunk_linear_attn(q, k, v, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                      chunk_size=64, **options):
+    """Linear attention: S_t = S_{t-1} + k_t v_t^T."""
+    return decay_chunk(q, k, v, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                       cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def retention_log_decay(H: int) -> list[float]:
+    """RetNet's fixed per-head decay, as fla: log(1 - 2^(-5 - h)) for head h."""
+    return [math.log(1 - 2.0 ** (-5 - h)) for h in range(H)]
+
+
+def chunk_retention(q, k, v, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                    chunk_size=64, **options):
+    """RetNet: S_t = gamma_h S_{t-1} + k_t v_t^T, gamma_h = 1 - 2^(-5 - h) fixed per head."""
+    g_gamma = torch.tensor(retention_log_decay(q.shape[2]), dtype=compute_dtype(q, k, v), device=q.device)
+    return chunk_simple_gla(q, k, v, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def chunk_simple_gla(q, k, v, g=None, g_gamma=None, *, scale, initial_state=None, output_final_state=False,
+                     cu_seqlens=None, chunk_size=64, **options):
+    """Scalar decay (Mamba-2 style): S_t = exp(g_t + g_gamma) S_{t-1} + k_t v_t^T.
+    g: [B, T, H] data-dependent log decay and/or g_gamma: [H] a fixed one per head."""
+    if g_gamma is not None:
+        g_gamma = g_gamma.expand(*q.shape[:2], q.shape[2])
+        g = g_gamma if g is None else g + g_gamma
+    return decay_chunk(q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                       cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def chunk_gla(q, k, v, g, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+              chunk_size=64, **options):
+    """GLA: S_t = Diag(exp g_t) S_{t-1} + k_t v_t^T, g: [B, T, H, K]."""
+    return decay_chunk(q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                       cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def chunk_rwkv6(r, k, v, w, u, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                chunk_size=64, **options):
+    """RWKV-6 (fla's meaning): S_t = Diag(exp w_t) S_{t-1} + k_t v_t^T,
+    o_t = S_{t-1}^T (scale r_t) + (scale r_t . (u * k_t)) v_t. w: [B, T, H, K] log decay; u: [H, K]."""
+    return decay_chunk(r, k, v, w, u, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def chunk_hgrn2(q, v, g, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                chunk_size=64, **options):
+    """HGRN2: S_t = Diag(alpha_t) S_{t-1} + (1 - alpha_t) v_t^T, alpha_t = exp g_t: [B, T, H, K]."""
+    return decay_chunk(q, -torch.expm1(g), v, g, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)

@@ -1,0 +1,112 @@
+"""The delta family, chunkwise: DeltaNet, Gated DeltaNet, KDA, Comba, Longhorn.
+
+One algorithm (:func:`delta_chunk`) for
+
+    S_t = D_t S_{t-1} + k_t u_t^T,     u_t = beta_t (v_t - r_t^T S~_{t-1}),     o_t = S_t^T (scale q_t)
+
+with ``D_t = Diag(exp g_t)`` (g: none, one scalar per token, or one per key channel),
+the read key ``r_t`` (``k_t``, or Comba's ``p_t``) and ``S~_{t-1}`` the state it reads:
+``D_t S_{t-1}`` (decay, then one SGD step: GDN, KDA) or ``S_{t-1}`` (Comba).
+``u_t`` is the seed's pseudo value: the learning rate times the prediction residual.
+
+Inside a chunk of C tokens, with ``G_r = sum_{j<=r} g_j`` (``gamma^r = exp G_r``) and
+``G~_r`` the decay the read key sees (``G_r`` or ``G_{r-1}``), unrolling gives (seed
+sections 2-3, derivation in docs/chunk.md):
+
+    (I + strictLower(diag(beta) (R K^T * Gamma))) U~ = diag(beta) (V - (R * exp G~) S)
+    Gamma_ri = exp(G~_r - G_i)
+
+so with the UT transform ``T = (I + strictLower(...))^{-1} diag(beta)``:
+
+    W = T (R * exp G~)      U = T V      v_tilde = U - W S            (the pseudo values)
+    O = (Q * exp G) S + ((Q K^T * Gamma) * M) v_tilde
+    S <- exp(G_C) S + (K * exp(G_C - G))^T v_tilde
+
+All public functions: ``impl(<tensors>, *, scale, initial_state=None, output_final_state=False,
+cu_seqlens=None, chunk_size=64)`` -> ``(o [B, T, H, V], final state [N, H, K, V] or None)``.
+q, k (and p, per-channel g): [B, T, H, K]; v: [B, T, H, V]; beta, scalar g: [B, T, H].
+``initial_state``: [N, H, K, V]; ``cu_seqlens`` ([N+1], B = 1) packs N sequences along T.
+Gradients flow to every input (autograd through the chunk loop; the solve has its own backward).
+"""
+
+from __future__ import annotations
+
+from fastweight.checks import check_chunk_size
+from fastweight.chunk.common import (chunk_layout, compute_dtype, decayed_scores, finish, initial,
+                                     local_cumsum, pass_states, to_chunks)
+from fastweight.chunk.solve_tril import solve_unit_lower
+
+
+def delta_chunk(q, k, v, beta, g=None, read_key=None, read_after_decay=True, *, scale, initial_state=None,
+                output_final_state=False, cu_seqlens=None, chunk_size=64):
+    """The generic delta-family chunk algorithm (module docstring). ``g``: None, [B, T, H] or
+    [B, T, H, K]; ``read_key``: None (use k) or [B, T, H, K]."""
+    B, T, H, K = q.shape
+    V, out_dtype = v.shape[-1], v.dtype
+    dt = compute_dtype(q, k, v, beta, g, read_key)
+    layout = chunk_layout(B, T, check_chunk_size(chunk_size), cu_seqlens, q.device)
+    q, k, v, beta, g, r = (to_chunks(x, layout, dt) for x in (q, k, v, beta, g, read_key))
+    r = k if r is None else r
+    q = q * scale
+
+    # 1. gates: G_r = log gamma^r inside the chunk; G~ is the decay the read key sees
+    if g is None:
+        g = q.new_zeros(*q.shape[:-1], 1)
+    G = local_cumsum(g)
+    G_read = G if read_after_decay else G - g
+
+    # 2. UT transform: T = (I + strictLower(diag(beta) (R K^T * Gamma)))^{-1} diag(beta)
+    A_kk = beta * decayed_scores(r, k, G_read, G, strict=True)
+    T_ut = solve_unit_lower(A_kk) * beta.transpose(-1, -2)
+    W = T_ut @ (r * G_read.exp())
+    U = T_ut @ v
+
+    # 3. state passing: v_tilde = U - W S, S <- exp(G_C) S + K_end^T v_tilde
+    G_end = G[..., -1:, :]
+    S0 = initial(initial_state, layout.N, H, K, V, dt, q.device)
+    states, v_tilde, S = pass_states(U, W, k * (G_end - G).exp(), G_end.squeeze(-2).exp(), S0)
+
+    # 4. output: O = (Q * gamma) S + (Q K^T * Gamma * M) v_tilde
+    o = (q * G.exp()) @ states + decayed_scores(q, k, G, G) @ v_tilde
+    return finish(o, S, layout, out_dtype, output_final_state)
+
+
+def chunk_delta_rule(q, k, v, beta, *, scale, initial_state=None, output_final_state=False,
+                     cu_seqlens=None, chunk_size=64, **options):
+    """DeltaNet: S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T."""
+    return delta_chunk(q, k, v, beta, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, chunk_size=64, **options):
+    """Gated DeltaNet: S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, g: [B, T, H]."""
+    return delta_chunk(q, k, v, beta, g, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def chunk_kda(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False,
+              cu_seqlens=None, chunk_size=64, **options):
+    """KDA: S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T, g: [B, T, H, K]."""
+    return delta_chunk(q, k, v, beta, g, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def chunk_comba(q, k, v, p, g, beta, *, scale, initial_state=None, output_final_state=False,
+                cu_seqlens=None, chunk_size=64, **options):
+    """Comba: S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - p_t^T S_{t-1})^T: the read key p meets the
+    undecayed state (``fastweight.mechanisms.comba``; fla's naive Comba reads the decayed one).
+    p: [B, T, H, K]; g: [B, T, H]."""
+    return delta_chunk(q, k, v, beta, g, read_key=p, read_after_decay=False, scale=scale,
+                       initial_state=initial_state, output_final_state=output_final_state,
+                       cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def chunk_longhorn(q, k, v, beta, *, scale, initial_state=None, output_final_state=False,
+                   cu_seqlens=None, chunk_size=64, **options):
+    """Longhorn's closed-form implicit step: S_t = (I - eps_t k_t k_t^T) S_{t-1} + eps_t k_t v_t^T,
+    eps_t = beta_t / (1 + beta_t k_t^T k_t)."""
+    dt = compute_dtype(k, beta)
+    beta, kk = beta.to(dt), (k.to(dt) ** 2).sum(-1)
+    return delta_chunk(q, k, v, beta / (1 + beta * kk), scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
