@@ -1,0 +1,325 @@
+"""``fastweight train``: train the library's language model on a synthetic task.
+
+One loop for every task and mixer: a task (``fastweight.tasks``) yields
+``Batch(input_ids, targets, loss_mask)``; the loss is the cross entropy of the
+model's logits against ``targets`` where ``loss_mask``. The batch of step ``s`` is
+drawn from the seed ``(seed, 0, s)``, so a resumed run sees exactly the data it
+would have seen, and under ``torchrun`` each of ``world`` ranks draws its slice of
+the global batch (examples ``rank * B / world ...``) and DDP averages the
+gradients: two ranks with batch B/2 each take the same step as one process with B.
+
+    fastweight train --task mqar:seq_len=64,n_pairs=8 --mixer gdn --steps 300
+    torchrun --nproc-per-node 2 -m fastweight.train --task s5:seq_len=32 --mixer rwkv7
+
+Writes ``out_dir/checkpoint.pt`` every ``checkpoint_every`` steps and at the end
+(``--resume`` continues from it) and ``out_dir/results.json``: the config, the loss
+curve, throughput and the held-out scores (:func:`score`) on ``eval_tasks``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+
+from fastweight.tasks import Batch, Task, from_spec
+
+TRAIN_STREAM, EVAL_STREAM = 0, 1
+
+
+def arg(default, help: str):
+    """A config field with its command-line help."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    task: str = arg("mqar:seq_len=64,n_pairs=8", "task spec: name[:field=value,...] (fastweight.tasks)")
+    mixer: str = arg("gdn", "mixer pattern, e.g. gdn, 'gdn,swa', rwkv7")
+    preset: str = arg("tiny", "LMConfig preset")
+    d_model: int = arg(0, "model width (0: the preset's)")
+    n_layers: int = arg(0, "layers (0: the preset's)")
+    n_heads: int = arg(0, "heads (0: the preset's)")
+    allow_neg_eigval: bool = arg(False, "delta-rule beta in (0, 2): negative transition eigenvalues")
+    model_args: str = arg("", "other LMConfig fields, 'field=value,...'")
+    steps: int = arg(300, "optimizer steps")
+    batch_size: int = arg(32, "global batch (split over data-parallel ranks)")
+    lr: float = arg(3e-3, "peak learning rate (AdamW)")
+    weight_decay: float = arg(0.1, "AdamW weight decay")
+    warmup: int = arg(20, "linear warm-up steps, then cosine decay to lr / 10")
+    grad_clip: float = arg(1.0, "gradient norm clip (0: off)")
+    seed: int = arg(0, "seed of the initialisation and of the data streams")
+    device: str = arg("auto", "auto, cpu, cuda")
+    amp: bool = arg(True, "bf16 autocast on CUDA")
+    threads: int = arg(0, "torch CPU threads (0: leave as is)")
+    out_dir: str = arg("runs/train", "checkpoint and results.json go here")
+    checkpoint_every: int = arg(100, "steps between checkpoints (0: only at the end)")
+    resume: bool = arg(False, "continue from out_dir/checkpoint.pt")
+    stop_at: int = arg(0, "stop after this step, as if interrupted (0: run all steps)")
+    overfit_batches: int = arg(0, "cycle through this many batches (0: a fresh batch every step)")
+    eval_tasks: str = arg("", "';'-separated task specs scored at the end (default: the train task)")
+    eval_examples: int = arg(256, "held-out examples per eval task")
+    log_every: int = arg(10, "steps between loss-curve points")
+    progress: bool = arg(True, "tqdm progress bar")
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "eval_examples", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("d_model", "n_layers", "n_heads", "warmup", "checkpoint_every", "stop_at", "threads",
+                     "overfit_batches"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"TrainConfig.device must be auto, cpu or cuda[:i], got {self.device!r}")
+        from_spec(self.task)
+        for spec in self.eval_specs:
+            from_spec(spec)
+
+    @property
+    def eval_specs(self) -> list[str]:
+        return [s.strip() for s in self.eval_tasks.split(";") if s.strip()] or [self.task]
+
+
+def lm_config(cfg: TrainConfig, vocab_size: int):
+    """The model's LMConfig: the preset, the mixer, the sizes given, and ``model_args``."""
+    from fastweight.models import LMConfig
+    overrides = {n: getattr(cfg, n) for n in ("d_model", "n_layers", "n_heads") if getattr(cfg, n)}
+    types = {f.name: f.default for f in fields(LMConfig)}
+    for item in filter(None, cfg.model_args.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in types:
+            raise ValueError(f"`model_args`: bad item {item!r}; LMConfig fields are {sorted(types)}")
+        default = types[key]
+        if isinstance(default, bool):
+            overrides[key] = value.lower() in ("1", "true", "yes")
+        elif isinstance(default, (int, float)):
+            overrides[key] = type(default)(value)
+        elif default is None:
+            overrides[key] = int(value)
+        else:
+            overrides[key] = value
+    return LMConfig.preset(cfg.preset, mixer=cfg.mixer, vocab_size=vocab_size,
+                           allow_neg_eigval=cfg.allow_neg_eigval, **overrides)
+
+
+def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
+    from fastweight.models import LanguageModel
+    return LanguageModel(lm_config(cfg, vocab_size))
+
+
+def logits_of(model, input_ids: torch.Tensor) -> torch.Tensor:
+    out = model(input_ids)
+    return getattr(out, "logits", out)
+
+
+def masked_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Mean cross entropy over the scored positions: logits [B, T, V]."""
+    return F.cross_entropy(logits[batch.loss_mask].float(), batch.targets[batch.loss_mask])
+
+
+@torch.no_grad()
+def score(model, task: Task, *, n_examples: int = 256, batch_size: int = 32, seed: int = 0,
+          device="cpu") -> dict:
+    """Held-out scores of ``model`` on ``task`` (examples from the stream ``(seed, 1)``).
+
+    ``token_acc``: fraction of scored tokens whose argmax is the target; ``seq_acc``: fraction
+    of examples with every scored token right; ``acc``: the one the task is judged by
+    (``task.metric``); ``loss``: mean masked cross entropy.
+    """
+    was_training = model.training
+    model.eval()
+    right_tokens = n_tokens = right_seqs = 0
+    loss_sum = 0.0
+    for start in range(0, n_examples, batch_size):
+        batch = task.batch(min(batch_size, n_examples - start), seed=(seed, EVAL_STREAM), start=start).to(device)
+        logits = logits_of(model, batch.input_ids).float()
+        correct = (logits.argmax(-1) == batch.targets) | ~batch.loss_mask
+        loss_sum += F.cross_entropy(logits[batch.loss_mask], batch.targets[batch.loss_mask],
+                                    reduction="sum").item()
+        n_tokens += int(batch.loss_mask.sum())
+        right_tokens += int((correct & batch.loss_mask).sum())
+        right_seqs += int(correct.all(dim=1).sum())
+    model.train(was_training)
+    result = dict(task=task.spec(), loss=loss_sum / n_tokens, token_acc=right_tokens / n_tokens,
+                  seq_acc=right_seqs / n_examples, n_examples=n_examples)
+    result["acc"] = result["seq_acc"] if task.metric == "sequence" else result["token_acc"]
+    return result
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def _distributed():
+    """(rank, world) under torchrun (initialising the process group once), else (0, 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _device(cfg: TrainConfig) -> torch.device:
+    if cfg.device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+    return torch.device(cfg.device)
+
+
+def _checkpoint_path(cfg: TrainConfig) -> str:
+    return os.path.join(cfg.out_dir, "checkpoint.pt")
+
+
+def _save(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run ``cfg``; returns the results dict (also written to ``out_dir/results.json`` on rank 0)."""
+    rank, world = _distributed()
+    if cfg.batch_size % world:
+        raise ValueError(f"`batch_size` ({cfg.batch_size}) must be a multiple of the world size ({world})")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = _device(cfg)
+    task = from_spec(cfg.task)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, task.vocab_size).to(device)
+    model_config = lm_config(cfg, task.vocab_size).to_dict()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    start_step, curve = 0, []
+    path = _checkpoint_path(cfg)
+    if cfg.resume and os.path.exists(path):
+        state = torch.load(path, map_location=device, weights_only=False)
+        if state["model_config"] != model_config:
+            raise ValueError(f"`resume`: {path} holds a different model; use another out_dir")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start_step, curve = state["step"], state["curve"]
+    net = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    local = cfg.batch_size // world
+    use_amp = cfg.amp and device.type == "cuda"
+    end_step = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
+    bar = _progress(cfg, rank, start_step, end_step)
+    t0, tokens, loss_value = time.perf_counter(), 0, float("nan")
+
+    def checkpoint(step):
+        if rank == 0:
+            _save(path, dict(model=model.state_dict(), optimizer=optimizer.state_dict(), step=step, curve=curve,
+                             config=dataclasses.asdict(cfg),
+                             model_config=model_config))
+
+    net.train()
+    for step in range(start_step, end_step):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(cfg, step)
+        data_step = step % cfg.overfit_batches if cfg.overfit_batches else step
+        batch = task.batch(local, seed=(cfg.seed, TRAIN_STREAM, data_step), start=rank * local).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
+            loss = masked_loss(logits_of(net, batch.input_ids), batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        loss_value = loss.item()
+        tokens += batch.input_ids.numel() * world
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+            curve.append((step, loss_value))
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            checkpoint(step + 1)
+    if bar is not None:
+        bar.close()
+    seconds = time.perf_counter() - t0
+    checkpoint(end_step)
+    results = dict(config=dataclasses.asdict(cfg), model_config=model_config,
+                   steps_done=end_step, final_loss=loss_value, curve=curve, world_size=world,
+                   seconds=seconds, tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
+                   n_params=sum(p.numel() for p in model.parameters()), device=str(device), eval=[])
+    if end_step == cfg.steps and rank == 0:
+        results["eval"] = [score(model, from_spec(s), n_examples=cfg.eval_examples, batch_size=local,
+                                 seed=cfg.seed, device=device) for s in cfg.eval_specs]
+    if rank == 0:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        with open(os.path.join(cfg.out_dir, "results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    if world > 1:
+        torch.distributed.barrier()
+    return results
+
+
+def _progress(cfg: TrainConfig, rank: int, start: int, end: int):
+    if not cfg.progress or rank != 0:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=end, initial=start, desc=f"{cfg.mixer} {cfg.task}", dynamic_ncols=True, file=sys.stderr)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls) -> None:
+    """One ``--field-name`` option per dataclass field, typed by its default."""
+    for f in fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        help = f.metadata.get("help", "") + f" (default: {f.default})"
+        if isinstance(f.default, bool):
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help)
+        else:
+            parser.add_argument(flag, dest=f.name, type=type(f.default), default=f.default, help=help)
+
+
+def config_from_args(cls, args: argparse.Namespace):
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def _run(args: argparse.Namespace) -> int:
+    results = train(config_from_args(TrainConfig, args))
+    for r in results["eval"]:
+        print(f"{r['task']}: acc {r['acc']:.3f} (token {r['token_acc']:.3f}, sequence {r['seq_acc']:.3f}), "
+              f"loss {r['loss']:.3f}")
+    return 0
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("train", help="train the language model on a synthetic task",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_arguments(parser, TrainConfig)
+    parser.set_defaults(func=_run)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="fastweight train")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(["train"] + list(sys.argv[1:] if argv is None else argv))
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+import json
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from fastweight import train as train_module
+from fastweight.testing import rel_err
+from fastweight.train import TrainConfig, add_config_arguments, config_from_args, train
+
+
+class StandIn(torch.nn.Module):
+    """A tiny GRU language model standing in until fastweight.models lands."""
+
+    def __init__(self, vocab_size):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab_size, 16)
+        self.rnn = torch.nn.GRU(16, 16, batch_first=True)
+        self.head = torch.nn.Linear(16, vocab_size)
+
+    def forward(self, ids):
+        return self.head(self.rnn(self.embed(ids))[0])
+
+
+def stand_in(cfg, vocab_size):
+    return StandIn(vocab_size)
+
+
+@pytest.fixture
+def model_stand_in(monkeypatch):
+    monkeypatch.setattr(train_module, "build_model", stand_in)
+
+
+def tiny(tmp_path, **kw):
+    base = dict(task="parity:seq_len=16", steps=6, batch_size=4, lr=1e-2, warmup=2, out_dir=str(tmp_path),
+                eval_examples=8, progress=False, log_every=1, threads=1)
+    return TrainConfig(**{**base, **kw})
+
+
+def test_loss_falls_on_an_overfit_batch(tmp_path, model_stand_in):
+    res = train(tiny(tmp_path, task="mqar:seq_len=16,n_pairs=2,vocab_size=16", steps=60, overfit_batches=1,
+                     lr=3e-2, weight_decay=0.0))
+    first, last = res["curve"][0][1], res["curve"][-1][1]
+    assert last < 0.3 * first, res["curve"]
+    saved = json.load(open(tmp_path / "results.json"))
+    assert saved["steps_done"] == 60 and saved["eval"][0]["task"].startswith("mqar")
+    assert 0 <= saved["eval"][0]["acc"] <= 1 and saved["tokens_per_second"] > 0
+
+
+def test_resume_continues_exactly(tmp_path, model_stand_in):
+    straight = train(tiny(tmp_path / "a"))
+    train(tiny(tmp_path / "b", stop_at=3))
+    assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["step"] == 3
+    resumed = train(tiny(tmp_path / "b", resume=True))
+    a = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["model"]
+    b = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["model"]
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert straight["curve"] == resumed["curve"]
+    assert straight["eval"] == resumed["eval"]
+
+
+def _ddp_worker(rank, world, port, out_dir):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    train_module.build_model = stand_in
+    train(tiny(out_dir, device="cpu", steps=3))
+    torch.distributed.destroy_process_group()
+
+
+def test_ddp_two_ranks_match_one_process(tmp_path, model_stand_in):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(2, port, str(tmp_path / "ddp")), nprocs=2, join=True)
+    single = train(tiny(tmp_path / "one", steps=3))
+    ddp = json.load(open(tmp_path / "ddp" / "results.json"))
+    assert ddp["world_size"] == 2 and single["world_size"] == 1
+    a = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
+    b = torch.load(tmp_path / "ddp" / "checkpoint.pt", weights_only=False)["model"]
+    for name in a:
+        assert rel_err(b[name], a[name]) < 1e-5, name
+    assert ddp["curve"] == pytest.approx(single["curve"], rel=1e-5)
+
+
+def test_cli_is_generated_from_the_fields():
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, TrainConfig)
+    cfg = config_from_args(TrainConfig, parser.parse_args(["--steps", "5", "--no-progress", "--lr", "0.5",
+                                                           "--task", "s5:seq_len=8", "--allow-neg-eigval"]))
+    assert cfg == TrainConfig(steps=5, progress=False, lr=0.5, task="s5:seq_len=8", allow_neg_eigval=True)
+
+
+@pytest.mark.parametrize("kw, name", [(dict(steps=0), "steps"), (dict(task="mqar:n_pairs=x"), "n_pairs"),
+                                      (dict(device="tpu"), "device"), (dict(eval_tasks="s5;bogus"), "bogus")])
+def test_bad_config_names_the_field(kw, name):
+    with pytest.raises(ValueError, match=name):
+        TrainConfig(**kw)
