@@ -14,7 +14,7 @@ from fastweight.layers.linear_op import force_generic, linear_op
 
 def build_mixer(name: str, cfg) -> Mixer:
     """The token mixer called ``name`` (one of ``fastweight.models.config.MIXERS``)."""
-    if name in ("deltanet", "gdn", "kda", "longhorn"):
+    if name in ("deltanet", "gdn", "kda", "comba", "longhorn"):
         return DeltaRuleMixer(cfg, name)
     if name in ("la", "retnet", "gla", "hgrn2"):
         return DecayMixer(cfg, name)
@@ -27,9 +27,6 @@ def build_mixer(name: str, cfg) -> Mixer:
     if name in ("rwkv6", "rwkv7"):
         from fastweight.layers.rwkv import RWKV6TimeMix, RWKV7TimeMix
         return (RWKV6TimeMix if name == "rwkv6" else RWKV7TimeMix)(cfg)
-    if name == "comba":
-        from fastweight.layers.delta import CombaMixer
-        return CombaMixer(cfg)
     raise ValueError(f"unknown mixer {name!r}")
 
 

@@ -11,11 +11,13 @@
 | deltanet | (I - beta k k^T) S + beta k v^T                        | none     | none        |
 | gdn      | exp(g) (I - beta k k^T) S + beta k v^T                 | per head | SiLU        |
 | kda      | (I - beta k k^T) Diag(exp g) S + beta k v^T            | per key channel (low-rank) | sigmoid |
+| comba    | (exp(g) I - beta k p^T) S + beta k v^T, p = d * k      | per head | SiLU        |
 | longhorn | (I - eps k k^T) S + eps k v^T, eps = beta/(1 + beta k^T k) | none | none        |
 
-Longhorn's step is the implicit (proximal) step on the delta rule's loss, so its key is
-not normalised: ``1 - eps k^T k = 1 / (1 + beta k^T k)`` keeps the transition stable for
-any key; it runs on the delta-rule op with learning rate eps.
+Comba reads the prediction error with its own key p = d_h k (d_h = sigmoid of a per-head
+parameter, in (0, 1)). Longhorn's step is the implicit (proximal) step on the delta rule's
+loss, so its key is not normalised: ``1 - eps k^T k = 1 / (1 + beta k^T k)`` keeps the
+transition stable for any key (``allow_neg_eigval`` does not apply to it).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ VARIANTS = {
     "deltanet": dict(op="delta_rule", decay=None, gate=None),
     "gdn": dict(op="gated_delta_rule", decay="head", gate="silu"),
     "kda": dict(op="kda", decay="channel", gate="sigmoid"),
-    "longhorn": dict(op="delta_rule", decay=None, gate=None, implicit=True),
+    "comba": dict(op="comba", decay="head", gate="silu"),
+    "longhorn": dict(op="longhorn", decay=None, gate=None, implicit=True),
 }
 
 
@@ -63,6 +66,8 @@ class DeltaRuleMixer(Mixer):
             self.f_proj = LowRank(D, K, H * K, activation=None)
             self.A_log, _ = mamba_decay_init(H)
             _, self.dt_bias = mamba_decay_init(H * K)
+        if variant == "comba":
+            self.d_logit = nn.Parameter(torch.zeros(H))
         self.g_proj = None
         if spec["gate"] == "silu":
             self.g_proj = nn.Linear(D, H * V, bias=False)
@@ -89,14 +94,17 @@ class DeltaRuleMixer(Mixer):
         q = split_heads(self.conv(self.q_conv, self.q_proj(x), cache, "conv_q"), H)
         k = split_heads(self.conv(self.k_conv, self.k_proj(x), cache, "conv_k"), H)
         v = split_heads(self.conv(self.v_conv, self.v_proj(x), cache, "conv_v"), H)
-        gates = {n: t.to(v.dtype) if n == "beta" else t for n, t in self.gates(x).items()}
+        extra = {n: t.to(v.dtype) if n == "beta" else t for n, t in self.gates(x).items()}
         if self.implicit:
             q = l2norm(q)
-            gates["beta"] = gates["beta"] / (1 + gates["beta"] * k.float().pow(2).sum(-1)).to(v.dtype)
         elif self.op == "gated_delta_rule" and specialised(self.op, self.mode(x.shape[1])) is not None:
-            gates["use_qk_l2norm_in_kernel"] = True
+            extra["use_qk_l2norm_in_kernel"] = True
         else:
             q, k = l2norm(q), l2norm(k)
-        o = self.recur(self.op, cache, scale=self.head_k ** -0.5, q=q, k=k, v=v, **gates)
+        if self.variant == "comba":
+            extra["p"] = k * torch.sigmoid(self.d_logit).to(k.dtype)[:, None]
+        if self.allow_neg_eigval:
+            extra["allow_neg_eigval"] = True
+        o = self.recur(self.op, cache, scale=self.head_k ** -0.5, q=q, k=k, v=v, **extra)
         gate = None if self.g_proj is None else split_heads(self.g_proj(x), H)
         return self.o_proj(self.o_norm(o, gate).flatten(-2))

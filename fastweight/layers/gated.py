@@ -5,7 +5,7 @@
 | la     | S + phi(k) v^T, phi = elu + 1      | none                                                  | linear_attn |
 | retnet | gamma_h S + k v^T                  | gamma_h = 1 - 2^(-5-h), fixed; rotary q, k            | simple_gla  |
 | gla    | Diag(alpha_t) S + k v^T            | log alpha = logsigmoid(low-rank(x)) / 16              | gla         |
-| hgrn2  | Diag(alpha_t) S + (1 - alpha_t) v^T| log alpha = logsigmoid(W_f x); the key is 1 - alpha   | gla         |
+| hgrn2  | Diag(alpha_t) S + (1 - alpha_t) v^T| log alpha = logsigmoid(W_f x); the key is 1 - alpha   | hgrn2       |
 | mamba2 | exp(dt A) S + dt B x^T, y = C^T S + D x | Mamba-2's A_log, dt_bias, softplus               | simple_gla  |
 
 All but Mamba-2 share ``q, k, v = W_q x, W_k x, W_v x`` and ``y = W_o (RMSNorm(o) [* silu(W_g x)])``.
@@ -65,7 +65,7 @@ class DecayMixer(Mixer):
             o = self.recur("gla", cache, scale=scale, q=q, k=k, v=v, g=g)
         else:  # hgrn2: W_k is the forget gate projection; its complement 1 - alpha is the key
             g = split_heads(F.logsigmoid(k.flatten(-2).float()), H)
-            o = self.recur("gla", cache, scale=1.0, q=F.silu(q), k=(1 - g.exp()).to(v.dtype), v=v, g=g)
+            o = self.recur("hgrn2", cache, scale=1.0, q=F.silu(q), v=v, g=g)
         gate = None if self.g_proj is None else split_heads(self.g_proj(x), H)
         return self.o_proj(self.o_norm(o, gate).flatten(-2))
 

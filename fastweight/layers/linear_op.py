@@ -64,6 +64,20 @@ def _gated_delta_rule(mode, q, k, v, g, beta, **kw):
     return _dplr(mode, q, b, v, g.exp()[..., None] * k, -b, g[..., None].expand_as(q).contiguous(), **kw)
 
 
+def _longhorn(mode, q, k, v, beta, **kw):
+    eps = beta / (1 + beta * (k.float() * k.float()).sum(-1)).to(beta.dtype)
+    return _delta_rule(mode, q, k, v, eps, **kw)
+
+
+def _comba(mode, q, k, v, p, g, beta, **kw):
+    b = beta[..., None] * k
+    return _dplr(mode, q, b, v, p, -b, g[..., None].expand_as(q).contiguous(), **kw)
+
+
+def _hgrn2(mode, q, v, g, **kw):
+    return _gla(mode, q, (1 - g.exp()).to(q.dtype), v, g, **kw)
+
+
 def _kda(mode, q, k, v, g, beta, **kw):
     b = beta[..., None] * k
     return _dplr(mode, q, b, v, g.exp() * k, -b, g, **kw)
@@ -88,6 +102,9 @@ GENERIC = {
     "delta_rule": _delta_rule,
     "gated_delta_rule": _gated_delta_rule,
     "kda": _kda,
+    "longhorn": _longhorn,
+    "comba": _comba,
+    "hgrn2": _hgrn2,
     "rwkv7": _rwkv7,
 }
 
@@ -108,6 +125,7 @@ def linear_op(op: str, mode: str, *, scale: float, initial_state=None, output_fi
         return fn(**tensors, **kw)
     if op not in GENERIC:
         raise NotImplementedError(f"no implementation of {mode}_{op}")
+    tensors.pop("allow_neg_eigval", None)
     if tensors.pop("use_qk_l2norm_in_kernel", False):
         from fastweight.layers.common import l2norm
         tensors["q"], tensors["k"] = l2norm(tensors["q"]), l2norm(tensors["k"])

@@ -50,7 +50,7 @@ class Block(nn.Module):
         self.mlp_norm = self.mlp = None
         if mixer in ("rwkv6", "rwkv7"):
             from fastweight.layers.rwkv import ChannelMix
-            self.mlp_norm, self.mlp = RMSNorm(cfg.d_model, cfg.norm_eps), ChannelMix(cfg)
+            self.mlp_norm, self.mlp = RMSNorm(cfg.d_model, cfg.norm_eps), ChannelMix(cfg, receptance=mixer == "rwkv6")
         elif mixer != "mamba2":
             self.mlp_norm, self.mlp = RMSNorm(cfg.d_model, cfg.norm_eps), SwiGLU(cfg.d_model, cfg.mlp_dim)
 
