@@ -1,0 +1,47 @@
+"""The ``fastweight`` command: one subcommand per module.
+
+Each module of :data:`SUBCOMMANDS` exposes ``register(subparsers)``, which adds its parser and
+sets ``func`` (``func(args) -> exit status``). A module that does not exist yet is skipped;
+any other import error is raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = ("fastweight.verify", "fastweight.train", "fastweight.evaluate", "fastweight.plot",
+               "fastweight.bench.cli")
+
+
+def _load(name: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name == name:
+            return None
+        raise
+
+
+def build_parser(modules=SUBCOMMANDS) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastweight", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", metavar="command")
+    for name in modules:
+        module = _load(name)
+        if module is not None:
+            module.register(subparsers)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
