@@ -1,0 +1,53 @@
+"""What the chunked kernels share: chunk bookkeeping and an exact-in-fp32 dot.
+
+Every chunked kernel sees its inputs flattened to one packed sequence of ``B*T`` tokens
+(``[1, B*T, H, ...]``) cut into N sequences by ``cu_seqlens`` (built as ``0, T, 2T, ...`` when
+the caller gave none), and each sequence cut into chunks of ``BT`` tokens; the last chunk of a
+sequence may be short. ``chunk_indices[c] = (n, i)``: global chunk ``c`` is chunk ``i`` of
+sequence ``n``. ``chunk_offsets[n]`` is the global index of sequence ``n``'s first chunk, so
+per-chunk tensors (boundary states ``h``) are ``[NC, H, K, V]`` with ``NC`` chunks in all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class Chunks:
+    cu_seqlens: torch.Tensor      # [N+1] int64
+    chunk_indices: torch.Tensor   # [NC, 2] int32: (sequence, chunk within the sequence)
+    chunk_offsets: torch.Tensor   # [N+1] int64
+    N: int
+    NC: int
+    BT: int
+
+
+def prepare_chunks(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, device) -> Chunks:
+    """Chunk indices on ``device``; with ``cu_seqlens`` the lengths are read on the host once."""
+    if cu_seqlens is None:
+        NT = triton.cdiv(T, BT)
+        cu = torch.arange(B + 1, device=device, dtype=torch.int64) * T
+        n = torch.arange(B, device=device, dtype=torch.int32).repeat_interleave(NT)
+        i = torch.arange(NT, device=device, dtype=torch.int32).repeat(B)
+        offsets = torch.arange(B + 1, device=device, dtype=torch.int64) * NT
+        return Chunks(cu, torch.stack([n, i], 1).contiguous(), offsets, B, B * NT, BT)
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    lens = (cu[1:] - cu[:-1]).tolist()
+    counts = [triton.cdiv(L, BT) for L in lens]
+    pairs = [(n, i) for n, c in enumerate(counts) for i in range(c)]
+    indices = torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2).to(device)
+    offsets = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0).to(device)
+    return Chunks(cu, indices, offsets, len(lens), len(pairs), BT)
+
+
+@triton.jit
+def mm(a, b):
+    """tl.dot that stays IEEE fp32 for fp32 operands (TF32 would cost fp32 inputs ~1e-3 accuracy)."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)

@@ -1,0 +1,90 @@
+"""The delta family's chunked ops on Triton: launchers and autograd.
+
+One generic path serves them all (DESIGN.md section 2):
+
+    S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T (scale q_t)
+
+with alpha_t = exp(g_t) (``g`` None: DeltaNet). Longhorn is this with beta replaced by
+eps = beta / (1 + beta k^T k). Stages (one file each): chunk-local cumsum of g, the solve
+``Ai = (I + A)^{-1}`` (kkt_solve), W and U (wy), the state pass fused with the output
+(state). The backward recomputes nothing per token: the forward keeps the chunk-start states
+``h`` and v_tilde; the dh pass (state), the per-chunk output backward (output), and the WY
+backward (wy) give every gradient. Derivations: docs/kernels.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastweight.kernels.common import prepare_chunks
+from fastweight.kernels.cumsum import chunk_local_cumsum
+from fastweight.kernels.kkt_solve import BT_DELTA, kkt_solve
+from fastweight.kernels.output import output_bwd
+from fastweight.kernels.state import state_bwd, state_output_fwd
+from fastweight.kernels.wy import recompute_w_u, wy_bwd
+
+
+def _pack(x):
+    """[B, T, H, ...] -> [1, B*T, H, ...] contiguous."""
+    return None if x is None else x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
+
+
+def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks, store_h):
+    g_cum = chunk_local_cumsum(g, chunks) if g is not None else None
+    Ai = kkt_solve(k, beta, g_cum, chunks)
+    w, u = recompute_w_u(k, v, beta, g_cum, Ai, chunks)
+    o, ht, h, v_new = state_output_fwd(q, k, w, u, g_cum, initial_state, output_final_state, store_h, scale, chunks)
+    return o, ht, (g_cum, Ai, w, h, v_new)
+
+
+def delta_bwd(q, k, v, beta, saved, do, dht, scale, chunks, need_dh0):
+    g_cum, Ai, w, h, v_new = saved
+    dh, dv_tilde, dh0 = state_bwd(q, k, w, g_cum, do, dht, scale, chunks, need_dh0)
+    dq, dk, dw, dg_cum = output_bwd(q, k, g_cum, h, dh, v_new, do, dv_tilde, scale, chunks)
+    dv, dbeta = wy_bwd(k, v, beta, g_cum, Ai, dw, dv_tilde, dk, dg_cum, chunks)
+    dg = chunk_local_cumsum(dg_cum, chunks, reverse=True) if g_cum is not None else None
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+class ChunkDeltaFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+        B, T = q.shape[:2]
+        chunks = prepare_chunks(cu_seqlens, B, T, BT_DELTA, q.device)
+        shapes = (q.shape, v.shape)
+        q, k, v, g, beta = (_pack(x) for x in (q, k, v, g, beta))
+        if initial_state is not None:
+            initial_state = initial_state.contiguous()
+        o, ht, saved = delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks,
+                                 store_h=torch.is_grad_enabled() or ctx.needs_input_grad[0])
+        ctx.save_for_backward(q, k, v, beta, *saved)
+        ctx.has_g, ctx.chunks, ctx.scale, ctx.shapes = g is not None, chunks, scale, shapes
+        ctx.has_h0 = initial_state is not None
+        ctx.g_dtype = g.dtype if g is not None else None
+        ctx.h0_dtype = initial_state.dtype if initial_state is not None else None
+        return o.reshape(shapes[1]), ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, beta, *saved = ctx.saved_tensors
+        (qshape, vshape), chunks = ctx.shapes, ctx.chunks
+        dq, dk, dv, dg, dbeta, dh0 = delta_bwd(q, k, v, beta, saved, _pack(do), dht, ctx.scale, chunks,
+                                               ctx.has_h0 and ctx.needs_input_grad[6])
+        gshape = vshape[:3]
+        dq = dq.to(q.dtype).reshape(qshape)
+        dk = dk.to(k.dtype).reshape(qshape)
+        dv = dv.to(v.dtype).reshape(vshape)
+        dg = dg.to(ctx.g_dtype).reshape(gshape) if dg is not None else None
+        dbeta = dbeta.to(beta.dtype).reshape(gshape)
+        dh0 = dh0.to(ctx.h0_dtype) if dh0 is not None else None
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None
+
+
+def chunk_delta(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T (g None: no decay), chunked.
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g, beta: [B, T, H]; initial_state [N, H, K, V].
+    Returns (o [B, T, H, V], final state [N, H, K, V] float32 or None).
+    """
+    o, ht = ChunkDeltaFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    return o, (ht if output_final_state else None)

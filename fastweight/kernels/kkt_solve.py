@@ -1,0 +1,151 @@
+"""The UT transform's matrix: T = (I + A)^{-1} with A = strictLower(Diag(beta) (Gamma * K K^T)).
+
+Per chunk of BT = 64 tokens (local index i, j; ``g`` the chunk-local cumsum of the log gate):
+
+    A_ij  = beta_i (k_i . k_j) exp(g_i - g_j)     i > j, else 0     (USE_G; Gamma = 1 without)
+    Ai    = (I + A)^{-1}                           unit lower triangular
+
+The solve: the chunk is cut into 4 blocks of 16; each diagonal block is inverted by forward
+substitution (row i of the inverse from rows < i), then the blocks are merged exactly,
+block forward substitution on the 4 x 4 block matrix:
+
+    Ai_rr = (I + A_rr)^{-1}       Ai_rc = -Ai_rr sum_{c <= m < r} A_rm Ai_mc      (r > c)
+
+Output: ``Ai`` [1, T, H, BT] float32 (row t holds its chunk's row of the inverse; the columns
+are the chunk's tokens). W = Ai Diag(beta gamma) K and U = Ai Diag(beta) V are in ``wy.py``;
+the backward of this stage (dA = -Ai^T dAi Ai^T and the chain to k, beta, g) is there too,
+where dAi is formed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastweight.kernels.common import Chunks, mm
+
+BT_DELTA = 64
+
+
+@triton.jit
+def invert_unit_lower16(b_A):
+    """(I + A)^{-1} for a strictly lower [16, 16] block A, by forward substitution."""
+    o_i = tl.arange(0, 16)
+    b_Y = -b_A
+    for i in range(1, 16):
+        b_a = tl.sum(tl.where(o_i[:, None] == i, b_Y, 0.), 0)
+        b_a = b_a + tl.sum(b_a[:, None] * b_Y, 0)
+        b_Y = tl.where(o_i[:, None] == i, b_a[None, :], b_Y)
+    return b_Y + tl.where(o_i[:, None] == o_i[None, :], 1., 0.)
+
+
+@triton.jit
+def _gamma(g, bos, T, H: tl.constexpr, i_h, r0, c0, USE_G: tl.constexpr, STRICT: tl.constexpr):
+    """Mask (strict lower or full) times exp(g_i - g_j) for rows r0.. and columns c0.. (16 each)."""
+    o_r, o_c = r0 + tl.arange(0, 16), c0 + tl.arange(0, 16)
+    m = (o_r[:, None] < T) & (o_c[None, :] < T)
+    if STRICT:
+        m = m & (o_r[:, None] > o_c[None, :])
+    if USE_G:
+        b_gr = tl.load(g + (bos + o_r) * H + i_h, mask=o_r < T, other=0.)
+        b_gc = tl.load(g + (bos + o_c) * H + i_h, mask=o_c < T, other=0.)
+        return tl.where(m, tl.exp(b_gr[:, None] - b_gc[None, :]), 0.)
+    return tl.where(m, 1., 0.)
+
+
+@triton.jit
+def kkt_solve_kernel(k, beta, g, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+                     BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
+    bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
+    T = eos - bos
+    t0 = i_t * BT
+    k += (bos * H + i_h) * K
+    b_A11 = tl.zeros([16, 16], dtype=tl.float32)
+    b_A21, b_A22 = tl.zeros([16, 16], dtype=tl.float32), tl.zeros([16, 16], dtype=tl.float32)
+    b_A31, b_A32, b_A33 = b_A11, b_A11, b_A11
+    b_A41, b_A42, b_A43, b_A44 = b_A11, b_A11, b_A11, b_A11
+    for i_k in range(tl.cdiv(K, BK)):
+        p_k1 = tl.make_block_ptr(k, (T, K), (H * K, 1), (t0, i_k * BK), (16, BK), (1, 0))
+        p_k2 = tl.make_block_ptr(k, (T, K), (H * K, 1), (t0 + 16, i_k * BK), (16, BK), (1, 0))
+        p_k3 = tl.make_block_ptr(k, (T, K), (H * K, 1), (t0 + 32, i_k * BK), (16, BK), (1, 0))
+        p_k4 = tl.make_block_ptr(k, (T, K), (H * K, 1), (t0 + 48, i_k * BK), (16, BK), (1, 0))
+        b_k1, b_k2 = tl.load(p_k1, boundary_check=(0, 1)), tl.load(p_k2, boundary_check=(0, 1))
+        b_k3, b_k4 = tl.load(p_k3, boundary_check=(0, 1)), tl.load(p_k4, boundary_check=(0, 1))
+        b_A11 += mm(b_k1, tl.trans(b_k1))
+        b_A21 += mm(b_k2, tl.trans(b_k1))
+        b_A22 += mm(b_k2, tl.trans(b_k2))
+        b_A31 += mm(b_k3, tl.trans(b_k1))
+        b_A32 += mm(b_k3, tl.trans(b_k2))
+        b_A33 += mm(b_k3, tl.trans(b_k3))
+        b_A41 += mm(b_k4, tl.trans(b_k1))
+        b_A42 += mm(b_k4, tl.trans(b_k2))
+        b_A43 += mm(b_k4, tl.trans(b_k3))
+        b_A44 += mm(b_k4, tl.trans(b_k4))
+    o_t = t0 + tl.arange(0, 16)
+    b_b1 = tl.load(beta + (bos + o_t) * H + i_h, mask=o_t < T, other=0.).to(tl.float32)[:, None]
+    b_b2 = tl.load(beta + (bos + o_t + 16) * H + i_h, mask=o_t + 16 < T, other=0.).to(tl.float32)[:, None]
+    b_b3 = tl.load(beta + (bos + o_t + 32) * H + i_h, mask=o_t + 32 < T, other=0.).to(tl.float32)[:, None]
+    b_b4 = tl.load(beta + (bos + o_t + 48) * H + i_h, mask=o_t + 48 < T, other=0.).to(tl.float32)[:, None]
+    b_A11 *= b_b1 * _gamma(g, bos, T, H, i_h, t0, t0, USE_G, True)
+    b_A21 *= b_b2 * _gamma(g, bos, T, H, i_h, t0 + 16, t0, USE_G, False)
+    b_A22 *= b_b2 * _gamma(g, bos, T, H, i_h, t0 + 16, t0 + 16, USE_G, True)
+    b_A31 *= b_b3 * _gamma(g, bos, T, H, i_h, t0 + 32, t0, USE_G, False)
+    b_A32 *= b_b3 * _gamma(g, bos, T, H, i_h, t0 + 32, t0 + 16, USE_G, False)
+    b_A33 *= b_b3 * _gamma(g, bos, T, H, i_h, t0 + 32, t0 + 32, USE_G, True)
+    b_A41 *= b_b4 * _gamma(g, bos, T, H, i_h, t0 + 48, t0, USE_G, False)
+    b_A42 *= b_b4 * _gamma(g, bos, T, H, i_h, t0 + 48, t0 + 16, USE_G, False)
+    b_A43 *= b_b4 * _gamma(g, bos, T, H, i_h, t0 + 48, t0 + 32, USE_G, False)
+    b_A44 *= b_b4 * _gamma(g, bos, T, H, i_h, t0 + 48, t0 + 48, USE_G, True)
+    store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44,
+                 Ai + (bos * H + i_h) * BT, T, t0, H, BT)
+
+
+@triton.jit
+def store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44,
+                 Ai, T, t0, H: tl.constexpr, BT: tl.constexpr):
+    """Invert I + A (A given as its 10 lower 16 x 16 blocks) and store the 64 x 64 inverse rows.
+
+    Ai points at the sequence's first row for this head; rows are ``H * BT`` apart.
+    """
+    b_I11 = invert_unit_lower16(b_A11)
+    b_I22 = invert_unit_lower16(b_A22)
+    b_I33 = invert_unit_lower16(b_A33)
+    b_I44 = invert_unit_lower16(b_A44)
+    b_I21 = -mm(b_I22, mm(b_A21, b_I11))
+    b_I32 = -mm(b_I33, mm(b_A32, b_I22))
+    b_I43 = -mm(b_I44, mm(b_A43, b_I33))
+    b_I31 = -mm(b_I33, mm(b_A31, b_I11) + mm(b_A32, b_I21))
+    b_I42 = -mm(b_I44, mm(b_A42, b_I22) + mm(b_A43, b_I32))
+    b_I41 = -mm(b_I44, mm(b_A41, b_I11) + mm(b_A42, b_I21) + mm(b_A43, b_I31))
+    b_0 = tl.zeros([16, 16], dtype=tl.float32)
+    _store16(Ai, T, t0, 0, H, BT, b_I11, b_0, b_0, b_0)
+    _store16(Ai, T, t0 + 16, 0, H, BT, b_I21, b_I22, b_0, b_0)
+    _store16(Ai, T, t0 + 32, 0, H, BT, b_I31, b_I32, b_I33, b_0)
+    _store16(Ai, T, t0 + 48, 0, H, BT, b_I41, b_I42, b_I43, b_I44)
+
+
+@triton.jit
+def _store16(Ai, T, r0, c0, H: tl.constexpr, BT: tl.constexpr, b_1, b_2, b_3, b_4):
+    p_1 = tl.make_block_ptr(Ai, (T, BT), (H * BT, 1), (r0, 0), (16, 16), (1, 0))
+    p_2 = tl.make_block_ptr(Ai, (T, BT), (H * BT, 1), (r0, 16), (16, 16), (1, 0))
+    p_3 = tl.make_block_ptr(Ai, (T, BT), (H * BT, 1), (r0, 32), (16, 16), (1, 0))
+    p_4 = tl.make_block_ptr(Ai, (T, BT), (H * BT, 1), (r0, 48), (16, 16), (1, 0))
+    tl.store(p_1, b_1.to(p_1.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(p_2, b_2.to(p_2.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(p_3, b_3.to(p_3.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(p_4, b_4.to(p_4.dtype.element_ty), boundary_check=(0, 1))
+
+
+def kkt_solve(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor | None, chunks: Chunks) -> torch.Tensor:
+    """k: [1, T, H, K]; beta: [1, T, H]; g_cum: [1, T, H] chunk-local cumsum or None -> Ai [1, T, H, 64] fp32."""
+    _, T, H, K = k.shape
+    BT = chunks.BT
+    assert BT == BT_DELTA
+    Ai = torch.empty(1, T, H, BT, device=k.device, dtype=torch.float32)
+    BK = min(64, triton.next_power_of_2(K))
+    kkt_solve_kernel[(chunks.NC, H)](k, beta, g_cum, Ai, chunks.cu_seqlens, chunks.chunk_indices, H=H, K=K,
+                                     BT=BT, BK=BK, USE_G=g_cum is not None, num_warps=4)
+    return Ai

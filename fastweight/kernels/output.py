@@ -1,0 +1,105 @@
+"""The output stage's backward, per chunk: dq, the first parts of dk and dg, and dW.
+
+From the chunk's start state S (``h``), the end-state gradient dS (``dh``), v_tilde and
+dv_tilde (``state.py``), with ``gamma_i = exp(g_i)``, Gamma_ij = exp(g_i - g_j), M: i >= j:
+
+    dQ  = scale (Diag(gamma) dO S^T + dP K)           dP = scale (dO v_tilde^T) * Gamma * M
+    dK  = Diag(exp(g_C - g)) v_tilde dS^T + dP^T Q     (the W and A parts come in wy.py)
+    dW  = -dv_tilde S^T
+    dg  = rowsum(dQ_inter * Q) + rowsum(dP * QK^T) - colsum(dP * QK^T) - rowsum(dK_state * K)
+          + [last row] (sum_rows rowsum(dK_state * K) + gamma_C <S, dS>)
+
+(dQ_inter the first term of dQ, dK_state the first of dK; dg is with respect to the
+chunk-local cumsum.) One program holds a chunk's whole key dimension and loops over V.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastweight.kernels.common import Chunks, mm
+
+
+@triton.jit
+def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, cu_seqlens, chunk_indices, scale,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, USE_G: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
+    bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
+    T = eos - bos
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    m_causal = o_t[:, None] >= o_t[None, :]
+
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_ds = tl.zeros([BT, BT], dtype=tl.float32)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)
+    h += (i_c * H + i_h).to(tl.int64) * K * V
+    dh += (i_c * H + i_h).to(tl.int64) * K * V
+    for i_v in range(tl.cdiv(V, BV)):
+        p_h = tl.make_block_ptr(h, (V, K), (1, V), (i_v * BV, 0), (BV, BK), (0, 1))
+        p_dh = tl.make_block_ptr(dh, (V, K), (1, V), (i_v * BV, 0), (BV, BK), (0, 1))
+        p_vn = tl.make_block_ptr(v_new + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+        p_do = tl.make_block_ptr(do + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+        p_dv = tl.make_block_ptr(dv + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+        b_h = tl.load(p_h, boundary_check=(0, 1))  # [BV, BK]: S^T
+        b_dh = tl.load(p_dh, boundary_check=(0, 1))
+        b_vn = tl.load(p_vn, boundary_check=(0, 1))
+        b_do = tl.load(p_do, boundary_check=(0, 1)).to(b_vn.dtype)
+        b_dv = tl.load(p_dv, boundary_check=(0, 1)).to(b_vn.dtype)
+        b_dq += mm(b_do, b_h.to(b_vn.dtype))
+        b_dk += mm(b_vn, b_dh.to(b_vn.dtype))
+        b_dw += mm(b_dv, b_h.to(b_vn.dtype))
+        b_ds += mm(b_do, tl.trans(b_vn))
+        if USE_G:
+            b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0)
+    p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+    p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+    b_q = tl.load(p_q, boundary_check=(0, 1))
+    b_k = tl.load(p_k, boundary_check=(0, 1))
+    if USE_G:
+        b_g = tl.load(g + (bos + o_t) * H + i_h, mask=m_t, other=0.)
+        b_glast = tl.load(g + (bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h)
+        b_dq = b_dq * (tl.exp(b_g) * scale)[:, None]
+        b_dg = tl.sum(b_dq * b_q.to(tl.float32), 1)
+        b_dk = b_dk * tl.where(m_t, tl.exp(b_glast - b_g), 0.)[:, None]
+        b_dkk = tl.sum(b_dk * b_k.to(tl.float32), 1)
+        b_dg -= b_dkk
+        b_dglast = tl.sum(b_dkk, 0) + tl.exp(b_glast) * tl.sum(b_hdh, 0)
+        b_ds = tl.where(m_causal, b_ds * tl.exp(b_g[:, None] - b_g[None, :]), 0.) * scale
+        b_A = mm(b_q, tl.trans(b_k))
+        b_t = b_ds * b_A
+        b_dg += tl.sum(b_t, 1) - tl.sum(b_t, 0)
+        b_dg += tl.where(o_t == tl.minimum(i_t * BT + BT, T) - 1, b_dglast, 0.)
+        tl.store(dg + (bos + o_t) * H + i_h, b_dg, mask=m_t)
+    else:
+        b_dq = b_dq * scale
+        b_ds = tl.where(m_causal, b_ds, 0.) * scale
+    b_dsc = b_ds.to(b_q.dtype)
+    b_dq += mm(b_dsc, b_k)
+    b_dk += mm(tl.trans(b_dsc), b_q)
+    p_dq = tl.make_block_ptr(dq + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+    p_dk = tl.make_block_ptr(dk + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+    p_dw = tl.make_block_ptr(dw + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+    tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(p_dw, (-b_dw).to(p_dw.dtype.element_ty), boundary_check=(0, 1))
+
+
+def output_bwd(q, k, g_cum, h, dh, v_new, do, dv, scale: float, chunks: Chunks):
+    """Returns (dq, dk, dw, dg) in float32 (dg None without a gate); dk and dg are partial."""
+    _, T, H, K = k.shape
+    V = do.shape[-1]
+    BK, BV = triton.next_power_of_2(K), min(64, triton.next_power_of_2(V))
+    f32 = dict(device=q.device, dtype=torch.float32)
+    dq, dk, dw = torch.empty(q.shape, **f32), torch.empty(k.shape, **f32), torch.empty(k.shape, **f32)
+    dg = torch.empty(g_cum.shape, **f32) if g_cum is not None else None
+    output_bwd_kernel[(chunks.NC, H)](q, k, g_cum, h, dh, v_new, do, dv, dq, dk, dw, dg, chunks.cu_seqlens,
+                                      chunks.chunk_indices, scale, H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
+                                      USE_G=g_cum is not None, num_warps=4 if K <= 64 else 8)
+    return dq, dk, dw, dg

@@ -1,0 +1,188 @@
+"""The inter-chunk state pass, fused with the output, and its backward (the dh pass).
+
+Forward, per sequence, head and block of BV value columns, chunk after chunk (S the state at
+the chunk's start, ``g`` the chunk-local cumsum, ``gamma_i = exp(g_i)``, C the chunk's last row):
+
+    v_tilde = U - W S                                               (the pseudo value)
+    O       = scale (Diag(gamma) Q S + ((Q K^T) * Gamma * M) v_tilde)    M: i >= j
+    S      <- gamma_C S + (Diag(exp(g_C - g)) K)^T v_tilde
+
+The state stays in registers ([K, BV] float32; the whole key dimension, up to 256, in one
+program, because ``W S`` contracts it). Nothing per chunk is written unless STORE_H: then the
+chunk-start states ``h`` [NC, H, K, V] and ``v_tilde`` are kept for the backward.
+
+Backward (reverse over chunks; dS the gradient of the state at the chunk's end):
+
+    dv_tilde = scale ((Q K^T) * Gamma * M)^T dO + Diag(exp(g_C - g)) K dS
+    dS      <- gamma_C dS + scale (Diag(gamma) Q)^T dO - W^T dv_tilde
+
+It writes ``dh`` [NC, H, K, V] (dS at each chunk's end), ``dv_tilde`` and d initial_state.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastweight.kernels.common import Chunks, mm
+
+
+@triton.jit
+def _chunk_gates(g, bos, T, i_t, H: tl.constexpr, i_h, BT: tl.constexpr):
+    """(g of the chunk's rows [BT] (0 past the end), g at the chunk's last row)."""
+    o_t = i_t * BT + tl.arange(0, BT)
+    b_g = tl.load(g + (bos + o_t) * H + i_h, mask=o_t < T, other=0.)
+    b_glast = tl.load(g + (bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h)
+    return b_g, b_glast
+
+
+@triton.jit
+def state_output_fwd_kernel(q, k, w, u, g, h0, o, ht, h, v_new, cu_seqlens, chunk_offsets, scale,
+                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                            BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+                            USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+                            STORE_H: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
+    T = eos - bos
+    NT = tl.cdiv(T, BT).to(tl.int32)
+    boh = tl.load(chunk_offsets + i_n)
+    o_i = tl.arange(0, BT)
+    m_causal = o_i[:, None] >= o_i[None, :]
+
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_INITIAL_STATE:
+        p_h0 = tl.make_block_ptr(h0 + i_nh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+        b_h = tl.load(p_h0, boundary_check=(0, 1)).to(tl.float32)
+    # a while loop: the interpreter cannot range() over a value derived from program_id
+    i_t = 0
+    while i_t < NT:
+        p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+        p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+        p_w = tl.make_block_ptr(w + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+        p_u = tl.make_block_ptr(u + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+        p_o = tl.make_block_ptr(o + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+        b_q = tl.load(p_q, boundary_check=(0, 1))
+        b_k = tl.load(p_k, boundary_check=(0, 1))
+        b_w = tl.load(p_w, boundary_check=(0, 1))
+        b_hc = b_h.to(b_q.dtype)
+        if STORE_H:
+            p_h = tl.make_block_ptr(h + ((boh + i_t) * H + i_h) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+            tl.store(p_h, b_h.to(p_h.dtype.element_ty), boundary_check=(0, 1))
+        b_v = tl.load(p_u, boundary_check=(0, 1)).to(tl.float32) - mm(b_w, b_hc)
+        if STORE_H:
+            p_vn = tl.make_block_ptr(v_new + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+            tl.store(p_vn, b_v.to(p_vn.dtype.element_ty), boundary_check=(0, 1))
+        b_o = mm(b_q, b_hc)
+        b_A = mm(b_q, tl.trans(b_k))
+        if USE_G:
+            b_g, b_glast = _chunk_gates(g, bos, T, i_t, H, i_h, BT)
+            b_o = b_o * tl.exp(b_g)[:, None]
+            b_A = b_A * tl.where(m_causal, tl.exp(b_g[:, None] - b_g[None, :]), 0.)
+            b_vk = b_v * tl.exp(b_glast - b_g)[:, None]
+            b_h = b_h * tl.exp(b_glast)
+        else:
+            b_A = tl.where(m_causal, b_A, 0.)
+            b_vk = b_v
+        b_vc = b_v.to(b_q.dtype)
+        b_o = (b_o + mm(b_A.to(b_q.dtype), b_vc)) * scale
+        tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))
+        b_h += mm(tl.trans(b_k), b_vk.to(b_q.dtype))
+        i_t += 1
+    if STORE_FINAL_STATE:
+        p_ht = tl.make_block_ptr(ht + i_nh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+        tl.store(p_ht, b_h.to(p_ht.dtype.element_ty), boundary_check=(0, 1))
+
+
+@triton.jit
+def state_bwd_kernel(q, k, w, g, do, dht, dh, dh0, dv, cu_seqlens, chunk_offsets, scale,
+                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                     BV: tl.constexpr, USE_G: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
+                     STORE_INITIAL_STATE_GRADIENT: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
+    T = eos - bos
+    NT = tl.cdiv(T, BT).to(tl.int32)
+    boh = tl.load(chunk_offsets + i_n)
+    o_i = tl.arange(0, BT)
+    m_anticausal = o_i[:, None] <= o_i[None, :]
+
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_FINAL_STATE_GRADIENT:
+        p_dht = tl.make_block_ptr(dht + i_nh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+        b_dh = tl.load(p_dht, boundary_check=(0, 1)).to(tl.float32)
+    i_t = NT - 1
+    while i_t >= 0:
+        p_dh = tl.make_block_ptr(dh + ((boh + i_t) * H + i_h) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+        tl.store(p_dh, b_dh.to(p_dh.dtype.element_ty), boundary_check=(0, 1))
+        p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+        p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+        p_w = tl.make_block_ptr(w + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+        p_do = tl.make_block_ptr(do + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+        p_dv = tl.make_block_ptr(dv + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+        b_q = tl.load(p_q, boundary_check=(0, 1))
+        b_k = tl.load(p_k, boundary_check=(0, 1))
+        b_w = tl.load(p_w, boundary_check=(0, 1))
+        b_do = tl.load(p_do, boundary_check=(0, 1)).to(b_q.dtype)
+        # [BT, BT]: entry (j, i) = k_j . q_i, the transpose of the output's Q K^T
+        b_At = mm(b_k, tl.trans(b_q))
+        if USE_G:
+            b_g, b_glast = _chunk_gates(g, bos, T, i_t, H, i_h, BT)
+            b_At = b_At * tl.where(m_anticausal, tl.exp(b_g[None, :] - b_g[:, None]), 0.)
+            b_kd = (b_k * tl.exp(b_glast - b_g)[:, None]).to(b_q.dtype)
+            b_qd = (b_q * (tl.exp(b_g) * scale)[:, None]).to(b_q.dtype)
+        else:
+            b_At = tl.where(m_anticausal, b_At, 0.)
+            b_kd = b_k
+            b_qd = (b_q * scale).to(b_q.dtype)
+        b_dv = mm((b_At * scale).to(b_q.dtype), b_do) + mm(b_kd, b_dh.to(b_q.dtype))
+        tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), boundary_check=(0, 1))
+        if USE_G:
+            b_dh = b_dh * tl.exp(b_glast)
+        b_dh += mm(tl.trans(b_qd), b_do) - mm(tl.trans(b_w), b_dv.to(b_q.dtype))
+        i_t -= 1
+    if STORE_INITIAL_STATE_GRADIENT:
+        p_dh0 = tl.make_block_ptr(dh0 + i_nh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+        tl.store(p_dh0, b_dh.to(p_dh0.dtype.element_ty), boundary_check=(0, 1))
+
+
+def _bv(V):
+    return min(64, triton.next_power_of_2(V))
+
+
+def state_output_fwd(q, k, w, u, g_cum, initial_state, output_final_state: bool, store_h: bool,
+                     scale: float, chunks: Chunks):
+    """Returns (o, final state or None, h or None, v_new or None); o in v's dtype."""
+    _, T, H, K = k.shape
+    V = u.shape[-1]
+    BK, BV = triton.next_power_of_2(K), _bv(V)
+    o = torch.empty_like(u)
+    ht = u.new_empty(chunks.N, H, K, V, dtype=torch.float32) if output_final_state else None
+    h = u.new_empty(chunks.NC, H, K, V, dtype=k.dtype) if store_h else None
+    v_new = torch.empty_like(u) if store_h else None
+    grid = (triton.cdiv(V, BV), chunks.N * H)
+    state_output_fwd_kernel[grid](q, k, w, u, g_cum, initial_state, o, ht, h, v_new, chunks.cu_seqlens,
+                                  chunks.chunk_offsets, scale, H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
+                                  USE_G=g_cum is not None, USE_INITIAL_STATE=initial_state is not None,
+                                  STORE_FINAL_STATE=output_final_state, STORE_H=store_h,
+                                  num_warps=4 if K <= 128 else 8)
+    return o, ht, h, v_new
+
+
+def state_bwd(q, k, w, g_cum, do, dht, scale: float, chunks: Chunks, need_dh0: bool):
+    """Returns (dh [NC, H, K, V], dv_tilde fp32 [1, T, H, V], d initial_state fp32 or None)."""
+    _, T, H, K = k.shape
+    V = do.shape[-1]
+    BK, BV = triton.next_power_of_2(K), _bv(V)
+    dh = q.new_empty(chunks.NC, H, K, V, dtype=k.dtype)
+    dv = torch.empty(do.shape, device=do.device, dtype=torch.float32)
+    dh0 = q.new_empty(chunks.N, H, K, V, dtype=torch.float32) if need_dh0 else None
+    grid = (triton.cdiv(V, BV), chunks.N * H)
+    state_bwd_kernel[grid](q, k, w, g_cum, do, dht, dh, dh0, dv, chunks.cu_seqlens, chunks.chunk_offsets, scale,
+                           H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, USE_G=g_cum is not None,
+                           USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0,
+                           num_warps=4 if K <= 128 else 8)
+    return dh, dv, dh0

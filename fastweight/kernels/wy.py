@@ -1,0 +1,162 @@
+"""The WY representation of a chunk's transitions, forward and backward.
+
+Forward (per chunk; ``Ai = (I + A)^{-1}`` from ``kkt_solve.py``, ``gamma_i = exp(g_i)``):
+
+    W = Ai Diag(beta * gamma) K        U = Ai Diag(beta) V
+
+Backward, given dW, dU (derivation in docs/kernels.md):
+
+    dAi   = dW (Diag(beta gamma) K)^T + dU (Diag(beta) V)^T
+    dA    = strictLower(-Ai^T dAi Ai^T)        (A_ij = beta_i (k_i . k_j) exp(g_i - g_j))
+    M     = dA * Gamma * beta_i                (the gradient of the raw k_i . k_j)
+    dK   += Diag(beta gamma) Ai^T dW + M K + M^T K
+    dV    = Diag(beta) Ai^T dU
+    dbeta = rowsum(gamma K * Ai^T dW) + rowsum(V * Ai^T dU) + rowsum(dA * Gamma * K K^T)
+    dg   += rowsum(beta gamma K * Ai^T dW) + rowsum(dA * A) - colsum(dA * A)
+
+``dg`` here is the gradient with respect to the chunk-local cumsum; the caller reverses the cumsum.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastweight.kernels.common import Chunks, mm
+
+
+@triton.jit
+def recompute_w_u_kernel(k, v, beta, g, Ai, w, u, cu_seqlens, chunk_indices, H: tl.constexpr,
+                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                         BV: tl.constexpr, USE_G: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
+    bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
+    T = eos - bos
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    p_Ai = tl.make_block_ptr(Ai + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_t * BT, 0), (BT, BT), (1, 0))
+    b_Ai = tl.load(p_Ai, boundary_check=(0, 1))
+    b_kscale = b_beta
+    if USE_G:
+        b_kscale = b_beta * tl.exp(tl.load(g + (bos + o_t) * H + i_h, mask=m_t, other=0.))
+    for i_k in range(tl.cdiv(K, BK)):
+        p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+        p_w = tl.make_block_ptr(w + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+        b_k = tl.load(p_k, boundary_check=(0, 1))
+        b_kb = (b_k * b_kscale[:, None]).to(b_k.dtype)
+        b_w = mm(b_Ai.to(b_k.dtype), b_kb)
+        tl.store(p_w, b_w.to(p_w.dtype.element_ty), boundary_check=(0, 1))
+    for i_v in range(tl.cdiv(V, BV)):
+        p_v = tl.make_block_ptr(v + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+        p_u = tl.make_block_ptr(u + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+        b_v = tl.load(p_v, boundary_check=(0, 1))
+        b_vb = (b_v * b_beta[:, None]).to(b_v.dtype)
+        b_u = mm(b_Ai.to(b_v.dtype), b_vb)
+        tl.store(p_u, b_u.to(p_u.dtype.element_ty), boundary_check=(0, 1))
+
+
+@triton.jit
+def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk, dv, dbeta, dg, cu_seqlens, chunk_indices,
+                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr, USE_G: tl.constexpr):
+    """dk and dg arrive holding the other stages' parts (float32) and are updated in place."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
+    bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
+    T = eos - bos
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    p_Ai = tl.make_block_ptr(Ai + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_t * BT, 0), (BT, BT), (1, 0))
+    b_Ai = tl.load(p_Ai, boundary_check=(0, 1))
+    m_A = (o_t[:, None] > o_t[None, :]) & m_t[:, None]
+    if USE_G:
+        b_g = tl.load(g + (bos + o_t) * H + i_h, mask=m_t, other=0.)
+        b_gamma = tl.exp(b_g)
+        b_Gamma = tl.where(m_A, tl.exp(b_g[:, None] - b_g[None, :]), 0.)
+    else:
+        b_gamma = tl.where(m_t, 1., 0.)
+        b_Gamma = tl.where(m_A, 1., 0.)
+    b_kscale = b_beta * b_gamma
+
+    b_dAi = tl.zeros([BT, BT], dtype=tl.float32)
+    b_kk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dbeta = tl.zeros([BT], dtype=tl.float32)
+    b_dg = tl.zeros([BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+        p_dw = tl.make_block_ptr(dw + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+        b_k = tl.load(p_k, boundary_check=(0, 1))
+        b_dw = tl.load(p_dw, boundary_check=(0, 1)).to(b_k.dtype)
+        b_kb = (b_k * b_kscale[:, None]).to(b_k.dtype)
+        b_dAi += mm(b_dw, tl.trans(b_kb))
+        b_kk += mm(b_k, tl.trans(b_k))
+    for i_v in range(tl.cdiv(V, BV)):
+        p_v = tl.make_block_ptr(v + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+        p_du = tl.make_block_ptr(du + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+        p_dv = tl.make_block_ptr(dv + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+        b_v = tl.load(p_v, boundary_check=(0, 1))
+        b_du = tl.load(p_du, boundary_check=(0, 1)).to(b_v.dtype)
+        b_vb = (b_v * b_beta[:, None]).to(b_v.dtype)
+        b_dAi += mm(b_du, tl.trans(b_vb))
+        b_dvb = mm(tl.trans(b_Ai.to(b_v.dtype)), b_du)
+        b_dbeta += tl.sum(b_dvb * b_v, 1)
+        tl.store(p_dv, (b_dvb * b_beta[:, None]).to(p_dv.dtype.element_ty), boundary_check=(0, 1))
+
+    b_dAi = tl.where(o_t[:, None] >= o_t[None, :], b_dAi, 0.)
+    b_dA = -mm(tl.trans(b_Ai), mm(b_dAi, tl.trans(b_Ai)))
+    b_dA = b_dA * b_Gamma
+    b_dbeta += tl.sum(b_dA * b_kk, 1)
+    b_M = b_dA * b_beta[:, None]
+    b_t = b_M * b_kk
+    b_dg += tl.sum(b_t, 1) - tl.sum(b_t, 0)
+    for i_k in range(tl.cdiv(K, BK)):
+        p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+        p_dw = tl.make_block_ptr(dw + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+        p_dk = tl.make_block_ptr(dk + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+        b_k = tl.load(p_k, boundary_check=(0, 1))
+        b_dw = tl.load(p_dw, boundary_check=(0, 1)).to(b_k.dtype)
+        b_dkb = mm(tl.trans(b_Ai.to(b_k.dtype)), b_dw)
+        b_dbeta += tl.sum(b_dkb * b_k * b_gamma[:, None], 1)
+        b_dg += tl.sum(b_dkb * b_k * b_kscale[:, None], 1)
+        b_Mk = b_M.to(b_k.dtype)
+        b_dk = tl.load(p_dk, boundary_check=(0, 1)) + b_dkb * b_kscale[:, None]
+        b_dk += mm(b_Mk, b_k) + mm(tl.trans(b_Mk), b_k)
+        tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(dbeta + (bos + o_t) * H + i_h, b_dbeta, mask=m_t)
+    if USE_G:
+        b_dg += tl.load(dg + (bos + o_t) * H + i_h, mask=m_t, other=0.)
+        tl.store(dg + (bos + o_t) * H + i_h, b_dg, mask=m_t)
+
+
+def _blocks(K, V):
+    return min(64, triton.next_power_of_2(K)), min(64, triton.next_power_of_2(V))
+
+
+def recompute_w_u(k, v, beta, g_cum, Ai, chunks: Chunks):
+    """k: [1, T, H, K]; v: [1, T, H, V]; beta, g_cum: [1, T, H]; Ai: [1, T, H, BT] -> (w, u)."""
+    _, T, H, K = k.shape
+    V = v.shape[-1]
+    BK, BV = _blocks(K, V)
+    w, u = torch.empty_like(k), torch.empty_like(v)
+    recompute_w_u_kernel[(chunks.NC, H)](k, v, beta, g_cum, Ai, w, u, chunks.cu_seqlens, chunks.chunk_indices,
+                                         H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, USE_G=g_cum is not None)
+    return w, u
+
+
+def wy_bwd(k, v, beta, g_cum, Ai, dw, du, dk, dg, chunks: Chunks):
+    """Adds the W/U/A chain into dk (fp32, in place) and dg (fp32, in place, may be None without a gate).
+
+    Returns (dv fp32, dbeta fp32)."""
+    _, T, H, K = k.shape
+    V = v.shape[-1]
+    BK, BV = _blocks(K, V)
+    dv = torch.empty(v.shape, device=v.device, dtype=torch.float32)
+    dbeta = torch.empty(beta.shape, device=v.device, dtype=torch.float32)
+    wy_bwd_kernel[(chunks.NC, H)](k, v, beta, g_cum, Ai, dw, du, dk, dv, dbeta, dg, chunks.cu_seqlens,
+                                  chunks.chunk_indices, H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
+                                  USE_G=g_cum is not None)
+    return dv, dbeta
