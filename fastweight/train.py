@@ -173,6 +173,14 @@ def _distributed():
     return dist.get_rank(), dist.get_world_size()
 
 
+def _global_mean(x: torch.Tensor, world: int) -> float:
+    if world > 1:
+        x = x.clone()
+        torch.distributed.all_reduce(x)
+        x /= world
+    return x.item()
+
+
 def _device(cfg: TrainConfig) -> torch.device:
     if cfg.device == "auto":
         if torch.cuda.is_available():
@@ -243,7 +251,7 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
-        loss_value = loss.item()
+        loss_value = _global_mean(loss.detach(), world)
         tokens += batch.input_ids.numel() * world
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             curve.append((step, loss_value))
