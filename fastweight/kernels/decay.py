@@ -1,0 +1,146 @@
+"""Chunked Triton kernels of the decay family, forward and backward.
+
+    S_t = Diag(exp g_t) S_{t-1} + k_t v_t^T        o_t = S_t^T (scale q_t)
+
+with g_t a scalar per head (Mamba-2 style ``simple_gla``; RetNet's fixed ``g_gamma``; none for
+linear attention) or a vector per key channel (GLA, HGRN2 with k = 1 - exp g, RWKV-6 whose
+readout is o_t = S_{t-1}^T (scale r_t) + (scale r_t . (u * k_t)) v_t). Stages, in chunks of 64:
+
+    1. gc = chunk-local cumsum of g                        ``decay_gate.py``
+    2. h[c] = state before chunk c (one loop over chunks)   ``decay_state.py``
+    3. A = intra-chunk decayed attention (per-channel gate) ``decay_intra.py``
+    4. o = scale (q * exp gq) h[c] + A v                    ``decay_output.py``
+
+Backward: h is recomputed, dh[c] (state gradient after chunk c) comes from the same loop run
+in reverse, then dv, dA, dq, dk per chunk. The gate gradient uses the identity, for the
+global cumulative log decay G_t (q_t appears only as q_t exp(G_t), k_s only as k_s exp(-G_s),
+the final state as exp(G_T) (...)):
+
+    dL/dG_t = q_t dq_t - k_t dk_t (+ sum_v S_T dS_T at the last token)
+    dg_s = sum_{t >= s} dL/dG_t          (RWKV-6: minus q_s dq_s, its q sees G_{s-1})
+
+Shapes (fla's): q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] or [B, T, H, K];
+``initial_state`` [N, H, K, V]; ``cu_seqlens`` [N+1] with B = 1. Returns (o, final state fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastweight.kernels.common import Chunks, prepare_chunks
+from fastweight.kernels.decay_gate import gate_cumsum, gate_reverse_cumsum
+from fastweight.kernels.decay_intra import intra_bwd, intra_fwd
+from fastweight.kernels.decay_output import bwd_dqk, bwd_dv, output_fwd
+from fastweight.kernels.decay_state import state_pass
+
+BT = 64
+
+
+class ChunkDecayFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, u, g_gamma, initial_state, scale: float, output_final_state: bool,
+                chunks: Chunks, exclusive: bool):
+        T, H = q.shape[1], q.shape[2]
+        gc = gate_cumsum(g, g_gamma, chunks, H, T) if (g is not None or g_gamma is not None) else None
+        gq = gc - g.float() if exclusive else gc
+        vector = gc is not None and gc.dim() == 4
+        h, ht = state_pass(k, v, gc, gc, chunks, initial_state, output_final_state, reverse=False)
+        A = intra_fwd(q, k, gq, gc, u, scale, chunks, exclusive) if vector else None
+        o = output_fwd(q, k, v, gq, gc, h, A, scale, chunks, exclusive)
+        ctx.save_for_backward(q, k, v, g, u, gc, gq if exclusive else None, A, initial_state, ht)
+        ctx.scale, ctx.chunks, ctx.exclusive = scale, chunks, exclusive
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, u, gc, gq, A, initial_state, ht = ctx.saved_tensors
+        scale, chunks, exclusive = ctx.scale, ctx.chunks, ctx.exclusive
+        gq = gq if exclusive else gc
+        do = do.contiguous()
+        h, _ = state_pass(k, v, gc, gc, chunks, initial_state, False, reverse=False)
+        dh, dh0 = state_pass(q, do, gq, gc, chunks, dht, initial_state is not None, reverse=True, scale=scale)
+        dv, dA = bwd_dv(q, k, v, gq, gc, A, dh, do, scale, chunks, exclusive)
+        du = dg = None
+        if A is not None:
+            dq, dk, dgk, dgq, du = intra_bwd(q, k, v, gq, gc, u, h, dh, do, dA, scale, chunks, exclusive)
+        else:
+            dq, dk, dgk = bwd_dqk(q, k, v, gq, gc, h, dh, do, dA, scale, chunks, exclusive)
+        if g is not None and ctx.needs_input_grad[3]:
+            carry = None
+            if dht is not None:
+                carry = (ht * dht).sum(-1)
+                if g.dim() == 3:
+                    carry = carry.sum(-1)
+            dg = gate_reverse_cumsum(dgk, chunks, carry)
+            if exclusive:
+                dg -= dgq
+            dg = dg.to(g.dtype)
+        if du is not None:
+            du = du.sum((0, 1)).to(u.dtype)
+        if dh0 is not None:
+            dh0 = dh0.to(initial_state.dtype)
+        return dq, dk, dv, dg, du, None, dh0, None, None, None, None
+
+
+def chunk_decay(q, k, v, g=None, *, u=None, g_gamma=None, scale: float, initial_state=None,
+                output_final_state: bool = False, cu_seqlens=None, exclusive: bool = False):
+    """The generic entry: g scalar [B, T, H] or vector [B, T, H, K] or None; g_gamma [H] (log, fixed);
+    u [H, K] with ``exclusive`` (RWKV-6 readout). Returns (o [B, T, H, V], final state or None)."""
+    B, T, H, _ = q.shape
+    V = v.shape[-1]
+    chunks = prepare_chunks(cu_seqlens, B, T, BT, q.device)
+
+    def pack(x):
+        return None if x is None else x.reshape(1, B * T, *x.shape[2:]).contiguous()
+
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    if g_gamma is not None:
+        g_gamma = g_gamma.float().contiguous()
+    if u is not None:
+        u = u.contiguous()
+    o, ht = ChunkDecayFunction.apply(pack(q), pack(k), pack(v), pack(g), u, g_gamma, initial_state, scale,
+                                     output_final_state, chunks, exclusive)
+    return o.reshape(B, T, H, V), ht
+
+
+def chunk_linear_attn(q, k, v, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
+    """Linear attention: S_t = S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t)."""
+    return chunk_decay(q, k, v, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                       cu_seqlens=cu_seqlens)
+
+
+def chunk_simple_gla(q, k, v, g=None, g_gamma=None, *, scale, initial_state=None, output_final_state=False,
+                     cu_seqlens=None, **_):
+    """Scalar decay (Mamba-2 style): S_t = exp(g_t + g_gamma) S_{t-1} + k_t v_t^T; g [B, T, H], g_gamma [H]."""
+    return chunk_decay(q, k, v, g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def chunk_retention(q, k, v, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
+    """RetNet: scalar decay fixed per head, gamma_h = 1 - 2^(-5-h)."""
+    from fastweight.mechanisms.retnet import retnet_log_gamma
+    return chunk_decay(q, k, v, g_gamma=retnet_log_gamma(q.shape[2], device=q.device), scale=scale,
+                       initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def chunk_gla(q, k, v, g, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
+    """GLA: S_t = Diag(exp g_t) S_{t-1} + k_t v_t^T; g [B, T, H, K] (log decay, <= 0)."""
+    return chunk_decay(q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                       cu_seqlens=cu_seqlens)
+
+
+def chunk_rwkv6(r, k, v, w, u, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
+    """RWKV-6: S_t = Diag(exp w_t) S_{t-1} + k_t v_t^T, o_t = S_{t-1}^T (scale r_t) + (scale r_t . (u * k_t)) v_t.
+
+    w [B, T, H, K] (log decay), u [H, K] (the bonus)."""
+    return chunk_decay(r, k, v, w, u=u, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, exclusive=True)
+
+
+def chunk_hgrn2(q, v, g, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
+    """HGRN2: S_t = Diag(exp g_t) S_{t-1} + (1 - exp g_t) v_t^T; GLA with k = 1 - exp(g)."""
+    k = (-torch.expm1(g.float())).to(q.dtype)
+    return chunk_decay(q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                       cu_seqlens=cu_seqlens)

@@ -1,0 +1,85 @@
+"""Log-gate bookkeeping for the decay family: chunk-local cumulative sums (forward) and the
+sequence-wide reverse cumulative sum that turns per-position gate gradients into ``dg``.
+
+    gc[t] = sum_{s <= t, s in chunk(t)} g[s] + g_gamma * (t - chunk_start(t) + 1)
+    dg[s] = carry + sum_{t >= s, t in sequence(s)} x[t]
+
+Gates are ``[1, T, H]`` (scalar, D = 1) or ``[1, T, H, D]`` (per channel), packed as in
+:mod:`fastweight.kernels.common`; outputs are float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastweight.kernels.common import Chunks
+
+
+@triton.jit
+def decay_gate_cumsum_kernel(g, g_gamma, gc, cu_seqlens, chunk_indices, H: tl.constexpr, D: tl.constexpr,
+                             BT: tl.constexpr, BD: tl.constexpr, USE_G: tl.constexpr,
+                             USE_G_GAMMA: tl.constexpr):
+    i_c, i_h, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    o_t = tl.arange(0, BT)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m = ((i_t * BT + o_t) < (eos - bos))[:, None] & (o_d < D)[None, :]
+    o_x = ((bos + i_t * BT + o_t) * H + i_h)[:, None] * D + o_d[None, :]
+    b_c = tl.zeros([BT, BD], dtype=tl.float32)
+    if USE_G:
+        b_c += tl.cumsum(tl.load(g + o_x, mask=m, other=0.).to(tl.float32), axis=0)
+    if USE_G_GAMMA:
+        b_c += tl.load(g_gamma + i_h).to(tl.float32) * (o_t + 1).to(tl.float32)[:, None]
+    tl.store(gc + o_x, b_c, mask=m)
+
+
+@triton.jit
+def decay_gate_reverse_cumsum_kernel(x, carry, y, cu_seqlens, H: tl.constexpr, D: tl.constexpr,
+                                     BT: tl.constexpr, BD: tl.constexpr, USE_CARRY: tl.constexpr):
+    i_n, i_h, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    NT = tl.cdiv(eos - bos, BT)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    b_carry = tl.zeros([BD], dtype=tl.float32)
+    if USE_CARRY:
+        b_carry += tl.load(carry + (i_n * H + i_h) * D + o_d, mask=m_d, other=0.)
+    i_c = 0
+    while i_c < NT:
+        o_t = (NT - 1 - i_c) * BT + tl.arange(0, BT)
+        m = (o_t < eos - bos)[:, None] & m_d[None, :]
+        o_x = ((bos + o_t) * H + i_h)[:, None] * D + o_d[None, :]
+        b_x = tl.load(x + o_x, mask=m, other=0.).to(tl.float32)
+        b_y = tl.cumsum(b_x, axis=0, reverse=True) + b_carry[None, :]
+        b_carry += tl.sum(b_x, axis=0)
+        tl.store(y + o_x, b_y, mask=m)
+        i_c += 1
+
+
+def gate_cumsum(g: torch.Tensor | None, g_gamma: torch.Tensor | None, chunks: Chunks, H: int,
+                T: int) -> torch.Tensor:
+    """Chunk-local cumulative log decay, fp32: g [1, T, H(, D)] and/or g_gamma [H] -> [1, T, H(, D)]."""
+    D = g.shape[3] if g is not None and g.dim() == 4 else 1
+    shape = (1, T, H, D) if D > 1 else (1, T, H)
+    gc = torch.empty(shape, dtype=torch.float32, device=chunks.cu_seqlens.device)
+    BD = min(64, triton.next_power_of_2(D))
+    grid = (chunks.NC, H, triton.cdiv(D, BD))
+    decay_gate_cumsum_kernel[grid](g.contiguous() if g is not None else gc, g_gamma if g_gamma is not None else gc,
+                                   gc, chunks.cu_seqlens, chunks.chunk_indices, H=H, D=D, BT=chunks.BT, BD=BD,
+                                   USE_G=g is not None, USE_G_GAMMA=g_gamma is not None)
+    return gc
+
+
+def gate_reverse_cumsum(x: torch.Tensor, chunks: Chunks, carry: torch.Tensor | None = None) -> torch.Tensor:
+    """y[s] = carry + sum_{t >= s} x[t] within each sequence: x [1, T, H(, D)] fp32, carry [N, H(, D)]."""
+    H = x.shape[2]
+    D = x.shape[3] if x.dim() == 4 else 1
+    y = torch.empty_like(x)
+    BD = min(64, triton.next_power_of_2(D))
+    grid = (chunks.N, H, triton.cdiv(D, BD))
+    decay_gate_reverse_cumsum_kernel[grid](x, carry.contiguous() if carry is not None else x, y, chunks.cu_seqlens,
+                                           H=H, D=D, BT=chunks.BT, BD=BD, USE_CARRY=carry is not None)
+    return y

@@ -1,0 +1,220 @@
+"""Intra-chunk attention of the per-channel decay family (GLA, RWKV-6, HGRN2), forward and backward.
+
+    A[t, s] = scale * sum_c q[t, c] k[s, c] exp(gq[t, c] - gc[s, c])     s <= t (s < t: EXCLUSIVE)
+    A[t, t] = scale * sum_c q[t, c] u[c] k[t, c]                          (EXCLUSIVE with RWKV-6's u)
+
+gc is the chunk-local cumulative log decay, gq = gc (inclusive readout) or gc one token earlier
+(RWKV-6). exp(gq_t - gc_s) is never split as exp(gq_t) exp(-gc_s) over a whole chunk, which
+overflows for strong decays. The chunk (BT = 64) is cut into sub-chunks of BC = 16: a pair
+of different sub-chunks i > j factors through the reference r = gc at the last token of
+sub-chunk i - 1, exp(gq_t - r) exp(r - gc_s), both <= 1; a pair inside one sub-chunk takes
+the pairwise differences directly ([BC, BC, BK] at a time). No gate is clamped.
+
+Backward, given dA[t, s] = do_t . v_s (s <= t) and the inter-chunk terms from the states:
+
+    dq_t = scale exp(gq_t) (do_t h^T) + sum_s dA[t, s] dA/dq_t
+    dk_s = exp(G - gc_s) (v_s dh^T)  + sum_t dA[t, s] dA/dk_s
+
+and per position dgk = q dq' - k dk' (dq', dk' without the u bonus), whose sequence-wide
+reverse cumulative sum is dg (see ``decay.py``). One program per (K block, sub-chunk).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastweight.kernels.common import Chunks
+from fastweight.kernels.decay_state import dot_precision
+
+
+@triton.jit
+def decay_intra_fwd_kernel(q, k, gq, gc, u, A, cu_seqlens, chunk_indices, scale, H: tl.constexpr,
+                           K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                           EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    i_tc, i_h = tl.program_id(0), tl.program_id(1)
+    NC: tl.constexpr = BT // BC
+    i_t, i_i = (i_tc // NC).to(tl.int64), i_tc % NC
+    i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    if i_c * BT + i_i * BC >= T:
+        return
+    o_c = tl.arange(0, BC)
+    o_i = i_c * BT + i_i * BC + o_c
+    m_i = o_i < T
+    # the reference row: last token of sub-chunk i - 1
+    o_r = bos + i_c * BT + i_i * BC - 1
+    for i_j in tl.static_range(0, NC - 1):
+        if i_j < i_i:
+            o_j = i_c * BT + i_j * BC + o_c
+            b_A = tl.zeros([BC, BC], dtype=tl.float32)
+            for i_k in range(0, tl.cdiv(K, BK)):
+                o_k = i_k * BK + tl.arange(0, BK)
+                m_k = o_k < K
+                m_ik = m_i[:, None] & m_k[None, :]
+                p_i = ((bos + o_i) * H + i_h)[:, None] * K + o_k[None, :]
+                p_j = ((bos + o_j) * H + i_h)[:, None] * K + o_k[None, :]
+                b_gr = tl.load(gc + (o_r * H + i_h) * K + o_k, mask=m_k, other=0.)
+                b_q = tl.load(q + p_i, mask=m_ik, other=0.).to(tl.float32)
+                b_gq = tl.load(gq + p_i, mask=m_ik, other=0.)
+                b_qg = b_q * tl.exp(tl.where(m_ik, b_gq - b_gr[None, :], 0.))
+                b_k = tl.load(k + p_j, mask=m_k[None, :], other=0.).to(tl.float32)
+                b_gk = tl.load(gc + p_j, mask=m_k[None, :], other=0.)
+                b_kg = b_k * tl.exp(b_gr[None, :] - b_gk)
+                b_A += tl.dot(b_qg, tl.trans(b_kg), input_precision=DOT_PRECISION)
+            p_A = A + ((bos + o_i) * H + i_h)[:, None] * BT + (i_j * BC + o_c)[None, :]
+            tl.store(p_A, b_A * scale, mask=m_i[:, None])
+    if EXCLUSIVE:
+        m_s = (o_i[:, None] > o_i[None, :]) & m_i[:, None] & m_i[None, :]
+    else:
+        m_s = (o_i[:, None] >= o_i[None, :]) & m_i[:, None] & m_i[None, :]
+    b_A = tl.zeros([BC, BC], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_ik = m_i[:, None] & m_k[None, :]
+        p_i = ((bos + o_i) * H + i_h)[:, None] * K + o_k[None, :]
+        b_q = tl.load(q + p_i, mask=m_ik, other=0.).to(tl.float32)
+        b_k = tl.load(k + p_i, mask=m_ik, other=0.).to(tl.float32)
+        b_gq = tl.load(gq + p_i, mask=m_ik, other=0.)
+        b_gk = tl.load(gc + p_i, mask=m_ik, other=0.)
+        b_e = tl.exp(tl.where(m_s[:, :, None], b_gq[:, None, :] - b_gk[None, :, :], float("-inf")))
+        b_A += tl.sum(b_q[:, None, :] * b_k[None, :, :] * b_e, axis=2)
+        if USE_U:
+            b_u = tl.load(u + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
+            b_d = tl.sum(b_q * b_u[None, :] * b_k, axis=1)
+            b_A += tl.where(o_c[:, None] == o_c[None, :], b_d[:, None], 0.)
+    p_A = A + ((bos + o_i) * H + i_h)[:, None] * BT + (i_i * BC + o_c)[None, :]
+    tl.store(p_A, b_A * scale, mask=m_i[:, None])
+
+
+@triton.jit
+def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgk, dgq, du, cu_seqlens, chunk_indices,
+                           scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                           BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EXCLUSIVE: tl.constexpr,
+                           USE_U: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    i_k, i_tc, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NC: tl.constexpr = BT // BC
+    i_t, i_i = (i_tc // NC).to(tl.int64), i_tc % NC
+    i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    if i_c * BT + i_i * BC >= T:
+        return
+    o_c = tl.arange(0, BC)
+    o_i = i_c * BT + i_i * BC + o_c
+    m_i = o_i < T
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    m_ik = m_i[:, None] & m_k[None, :]
+    p_i = ((bos + o_i) * H + i_h)[:, None] * K + o_k[None, :]
+    b_q = tl.load(q + p_i, mask=m_ik, other=0.).to(tl.float32)
+    b_k = tl.load(k + p_i, mask=m_ik, other=0.).to(tl.float32)
+    b_gq = tl.load(gq + p_i, mask=m_ik, other=0.)
+    b_gk = tl.load(gc + p_i, mask=m_ik, other=0.)
+    last = bos + tl.minimum(T, i_c * BT + BT) - 1
+    b_gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k, other=0.)
+    # inter-chunk: through the state before the chunk (dq) and the state gradient after it (dk)
+    b_dq = tl.zeros([BC, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BC, BK], dtype=tl.float32)
+    o_h = ((i_t * H + i_h) * K + o_k[:, None]) * V
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        p_v = ((bos + o_i) * H + i_h)[:, None] * V + o_v[None, :]
+        b_do = tl.load(do + p_v, mask=m_i[:, None] & m_v[None, :], other=0.)
+        b_v = tl.load(v + p_v, mask=m_i[:, None] & m_v[None, :], other=0.)
+        b_h = tl.load(h + o_h + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.)
+        b_dh = tl.load(dh + o_h + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.)
+        b_dq += tl.dot(b_do, tl.trans(b_h.to(b_do.dtype)), input_precision=DOT_PRECISION)
+        b_dk += tl.dot(b_v, tl.trans(b_dh.to(b_v.dtype)), input_precision=DOT_PRECISION)
+    b_dq *= scale * tl.exp(b_gq)
+    b_dk *= tl.exp(tl.where(m_ik, b_gl[None, :] - b_gk, 0.))
+    # intra-chunk, earlier sub-chunks j < i (for dq) through the reference row before sub-chunk i
+    if i_i > 0:
+        o_r = bos + i_c * BT + i_i * BC - 1
+        b_gr = tl.load(gc + (o_r * H + i_h) * K + o_k, mask=m_k, other=0.)
+        b_dqi = tl.zeros([BC, BK], dtype=tl.float32)
+        for i_j in tl.static_range(0, NC - 1):
+            if i_j < i_i:
+                o_j = i_c * BT + i_j * BC + o_c
+                p_j = ((bos + o_j) * H + i_h)[:, None] * K + o_k[None, :]
+                b_kj = tl.load(k + p_j, mask=m_k[None, :], other=0.).to(tl.float32)
+                b_gkj = tl.load(gc + p_j, mask=m_k[None, :], other=0.)
+                b_dA = tl.load(dA + ((bos + o_i) * H + i_h)[:, None] * BT + (i_j * BC + o_c)[None, :],
+                               mask=m_i[:, None], other=0.)
+                b_dqi += tl.dot(b_dA, b_kj * tl.exp(b_gr[None, :] - b_gkj), input_precision=DOT_PRECISION)
+        b_dq += b_dqi * scale * tl.exp(tl.where(m_ik, b_gq - b_gr[None, :], 0.))
+    # intra-chunk, later sub-chunks j > i (for dk) through the reference row before sub-chunk j
+    for i_j in tl.static_range(1, NC):
+        o_j = i_c * BT + i_j * BC + o_c
+        m_j = o_j < T
+        o_r = bos + i_c * BT + i_j * BC - 1
+        if (i_j > i_i) and (i_c * BT + i_j * BC < T):
+            b_gr = tl.load(gc + (o_r * H + i_h) * K + o_k, mask=m_k, other=0.)
+            m_jk = m_j[:, None] & m_k[None, :]
+            p_j = ((bos + o_j) * H + i_h)[:, None] * K + o_k[None, :]
+            b_qj = tl.load(q + p_j, mask=m_jk, other=0.).to(tl.float32)
+            b_gqj = tl.load(gq + p_j, mask=m_jk, other=0.)
+            b_dA = tl.load(dA + ((bos + o_j) * H + i_h)[:, None] * BT + (i_i * BC + o_c)[None, :],
+                           mask=m_j[:, None], other=0.)
+            b_qg = b_qj * tl.exp(tl.where(m_jk, b_gqj - b_gr[None, :], 0.))
+            b_dk += (tl.dot(tl.trans(b_dA), b_qg, input_precision=DOT_PRECISION)
+                     * scale * tl.exp(tl.where(m_ik, b_gr[None, :] - b_gk, 0.)))
+    # the diagonal sub-chunk: pairwise differences
+    if EXCLUSIVE:
+        m_s = (o_i[:, None] > o_i[None, :]) & m_i[:, None] & m_i[None, :]
+    else:
+        m_s = (o_i[:, None] >= o_i[None, :]) & m_i[:, None] & m_i[None, :]
+    b_dA = tl.load(dA + ((bos + o_i) * H + i_h)[:, None] * BT + (i_i * BC + o_c)[None, :],
+                   mask=m_s, other=0.) * scale
+    b_e = tl.exp(tl.where(m_s[:, :, None], b_gq[:, None, :] - b_gk[None, :, :], float("-inf")))
+    b_dq += tl.sum(b_dA[:, :, None] * b_k[None, :, :] * b_e, axis=1)
+    b_dk += tl.sum(b_dA[:, :, None] * b_q[:, None, :] * b_e, axis=0)
+    p_g = ((bos + o_i) * H + i_h)[:, None] * K + o_k[None, :]
+    tl.store(dgk + p_g, b_q * b_dq - b_k * b_dk, mask=m_ik)
+    if EXCLUSIVE:
+        tl.store(dgq + p_g, b_q * b_dq, mask=m_ik)
+    if USE_U:
+        b_dd = tl.load(dA + ((bos + o_i) * H + i_h) * BT + i_i * BC + o_c, mask=m_i, other=0.) * scale
+        b_u = tl.load(u + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_dq += b_dd[:, None] * b_u[None, :] * b_k
+        b_dk += b_dd[:, None] * b_u[None, :] * b_q
+        tl.store(du + p_g, b_dd[:, None] * b_q * b_k, mask=m_ik)
+    tl.store(dq + p_i, b_dq.to(dq.dtype.element_ty), mask=m_ik)
+    tl.store(dk + p_i, b_dk.to(dk.dtype.element_ty), mask=m_ik)
+
+
+def intra_fwd(q, k, gq, gc, u, scale: float, chunks: Chunks, exclusive: bool) -> torch.Tensor:
+    """A [1, T, H, BT] fp32 (row t holds A[t, chunk(t)]); only s <= t is written."""
+    _, T, H, K = q.shape
+    BT, BC = chunks.BT, 16
+    BK = min(32, triton.next_power_of_2(K))
+    A = torch.empty(1, T, H, BT, dtype=torch.float32, device=q.device)
+    grid = (chunks.NC * (BT // BC), H)
+    decay_intra_fwd_kernel[grid](q, k, gq, gc, u if u is not None else q, A, chunks.cu_seqlens,
+                                 chunks.chunk_indices, scale, H=H, K=K, BT=BT, BC=BC, BK=BK, EXCLUSIVE=exclusive,
+                                 USE_U=u is not None, DOT_PRECISION=dot_precision(q.dtype))
+    return A
+
+
+def intra_bwd(q, k, v, gq, gc, u, h, dh, do, dA, scale: float, chunks: Chunks, exclusive: bool):
+    """dq, dk (inputs' dtype), dgk = q dq' - k dk' (fp32), dgq = q dq' (EXCLUSIVE), du per token (USE_U)."""
+    _, T, H, K = q.shape
+    V = v.shape[-1]
+    BT, BC = chunks.BT, 16
+    BK = min(32, triton.next_power_of_2(K))
+    BV = min(64, triton.next_power_of_2(V))
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dgk = torch.empty(1, T, H, K, dtype=torch.float32, device=q.device)
+    dgq = torch.empty_like(dgk) if exclusive else None
+    du = torch.empty_like(dgk) if u is not None else None
+    grid = (triton.cdiv(K, BK), chunks.NC * (BT // BC), H)
+    decay_intra_bwd_kernel[grid](q, k, v, gq, gc, u if u is not None else q, h, dh, do, dA, dq, dk, dgk,
+                                 dgq if dgq is not None else dgk, du if du is not None else dgk,
+                                 chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, V=V, BT=BT, BC=BC,
+                                 BK=BK, BV=BV, EXCLUSIVE=exclusive, USE_U=u is not None,
+                                 DOT_PRECISION=dot_precision(q.dtype))
+    return dq, dk, dgk, dgq, du

@@ -1,0 +1,245 @@
+"""Output of the decay family per chunk, and the backward kernels that mirror it.
+
+Forward, for a chunk with state S = h[c] before it (gq, gc as in ``decay_intra.py``):
+
+    o = scale (q * exp(gq)) S + A v,    A = lower(scale (q k^T) * exp(gq_t - gc_s))
+
+With a per-channel gate A comes precomputed from ``decay_intra.py`` (``USE_A``); with a
+scalar gate or none it is formed here, the decay matrix exp(gq_t - gc_s) <= 1 being safe.
+
+Backward (dh[c] = dL/dS after chunk c, G = gc at the chunk's last token):
+
+    dA = lower(do v^T)                     (kept for the intra-chunk dq, dk)
+    dv = A^T do + (k * exp(G - gc)) dh[c]
+    dq = scale exp(gq) (do S^T) + (dA * D) k,   dk = exp(G - gc) (v dh[c]^T) + (dA * D)^T q
+    with D = scale exp(gq_t - gc_s) masked (scalar gate or none; the per-channel case is in
+    ``decay_intra.py``), and dgk[t] = sum_c (q dq - k dk)[t, c] for a scalar gate.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastweight.kernels.common import Chunks
+from fastweight.kernels.decay_state import dot_precision
+
+
+@triton.jit
+def decay_output_fwd_kernel(q, k, v, gq, gc, h, A, o, cu_seqlens, chunk_indices, scale, H: tl.constexpr,
+                            K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                            BV: tl.constexpr, GATE: tl.constexpr, EXCLUSIVE: tl.constexpr,
+                            USE_A: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    i_v, i_t, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    if GATE == 1:
+        b_gq = tl.load(gq + (bos + o_t) * H + i_h, mask=m_t, other=0.)
+        b_gc = tl.load(gc + (bos + o_t) * H + i_h, mask=m_t, other=0.)
+    if EXCLUSIVE and not USE_A:
+        m_s = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
+    else:
+        m_s = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        p_k = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
+        b_q = tl.load(q + p_k, mask=m_t[:, None] & m_k[None, :], other=0.)
+        b_h = tl.load(h + ((i_t * H + i_h) * K + o_k[:, None]) * V + o_v[None, :],
+                      mask=m_k[:, None] & m_v[None, :], other=0.).to(b_q.dtype)
+        if GATE == 2:
+            b_gqk = tl.load(gq + p_k, mask=m_t[:, None] & m_k[None, :], other=0.)
+            b_qg = (b_q.to(tl.float32) * tl.exp(b_gqk)).to(b_q.dtype)
+        elif GATE == 1:
+            b_qg = (b_q.to(tl.float32) * tl.exp(b_gq)[:, None]).to(b_q.dtype)
+        else:
+            b_qg = b_q
+        b_o += tl.dot(b_qg, b_h, input_precision=DOT_PRECISION)
+        if not USE_A:
+            b_k = tl.load(k + p_k, mask=m_t[:, None] & m_k[None, :], other=0.)
+            b_A += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
+    if USE_A:
+        b_A = tl.load(A + ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :], mask=m_s, other=0.)
+    else:
+        if GATE == 1:
+            b_A *= tl.exp(tl.where(m_s, b_gq[:, None] - b_gc[None, :], 0.))
+        b_A = tl.where(m_s, b_A * scale, 0.)
+    b_v = tl.load(v + ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
+    b_o = b_o * scale + tl.dot(b_A.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+    tl.store(o + ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty),
+             mask=m_t[:, None] & m_v[None, :])
+
+
+@triton.jit
+def decay_bwd_dv_kernel(q, k, v, gq, gc, A, dh, do, dv, dA, cu_seqlens, chunk_indices, scale, H: tl.constexpr,
+                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                        GATE: tl.constexpr, EXCLUSIVE: tl.constexpr, USE_A: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
+    i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    last = bos + tl.minimum(T, i_c * BT + BT) - 1
+    m_all = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
+    if EXCLUSIVE and not USE_A:
+        m_s = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
+    else:
+        m_s = m_all
+    if GATE == 1:
+        b_gc = tl.load(gc + (bos + o_t) * H + i_h, mask=m_t, other=0.)
+        b_gl = tl.load(gc + last * H + i_h)
+    if USE_A:
+        b_A = tl.load(A + ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :], mask=m_s, other=0.)
+    else:
+        b_A = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            p_k = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
+            m_tk = m_t[:, None] & (o_k < K)[None, :]
+            b_q = tl.load(q + p_k, mask=m_tk, other=0.)
+            b_k = tl.load(k + p_k, mask=m_tk, other=0.)
+            b_A += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
+        if GATE == 1:
+            b_gq = tl.load(gq + (bos + o_t) * H + i_h, mask=m_t, other=0.)
+            b_A *= tl.exp(tl.where(m_s, b_gq[:, None] - b_gc[None, :], 0.))
+        b_A = tl.where(m_s, b_A * scale, 0.)
+    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        p_v = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
+        b_do = tl.load(do + p_v, mask=m_t[:, None] & m_v[None, :], other=0.)
+        b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.)
+        b_dA += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
+        b_dv = tl.dot(tl.trans(b_A).to(b_do.dtype), b_do, input_precision=DOT_PRECISION)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            b_k = tl.load(k + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                          other=0.)
+            if GATE == 1:
+                b_k = (b_k.to(tl.float32) * tl.exp(b_gl - b_gc)[:, None]).to(b_k.dtype)
+            elif GATE == 2:
+                b_gk = tl.load(gc + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
+                               mask=m_t[:, None] & m_k[None, :], other=0.)
+                b_glk = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k, other=0.)
+                b_k = (b_k.to(tl.float32) * tl.exp(b_glk[None, :] - b_gk)).to(b_k.dtype)
+            b_dh = tl.load(dh + ((i_t * H + i_h) * K + o_k[:, None]) * V + o_v[None, :],
+                           mask=m_k[:, None] & m_v[None, :], other=0.)
+            b_dv += tl.dot(b_k, b_dh.to(b_k.dtype), input_precision=DOT_PRECISION)
+        tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+    tl.store(dA + ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :], tl.where(m_all, b_dA, 0.),
+             mask=m_t[:, None])
+
+
+@triton.jit
+def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, dh, do, dA, dq, dk, dgk, cu_seqlens, chunk_indices, scale, T_all,
+                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                         BV: tl.constexpr, GATE: tl.constexpr, EXCLUSIVE: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    i_k, i_t, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_k = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
+    b_q = tl.load(q + p_k, mask=m_tk, other=0.)
+    b_k = tl.load(k + p_k, mask=m_tk, other=0.)
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        p_v = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
+        p_h = ((i_t * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+        b_do = tl.load(do + p_v, mask=m_t[:, None] & m_v[None, :], other=0.)
+        b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.)
+        b_h = tl.load(h + p_h, mask=m_k[:, None] & m_v[None, :], other=0.)
+        b_dh = tl.load(dh + p_h, mask=m_k[:, None] & m_v[None, :], other=0.)
+        b_dq += tl.dot(b_do, tl.trans(b_h.to(b_do.dtype)), input_precision=DOT_PRECISION)
+        b_dk += tl.dot(b_v, tl.trans(b_dh.to(b_v.dtype)), input_precision=DOT_PRECISION)
+    if EXCLUSIVE:
+        m_s = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
+    else:
+        m_s = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
+    b_dA = tl.load(dA + ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :], mask=m_s, other=0.)
+    if GATE == 1:
+        b_gq = tl.load(gq + (bos + o_t) * H + i_h, mask=m_t, other=0.)
+        b_gc = tl.load(gc + (bos + o_t) * H + i_h, mask=m_t, other=0.)
+        b_gl = tl.load(gc + (bos + tl.minimum(T, i_c * BT + BT) - 1) * H + i_h)
+        b_dq *= tl.exp(b_gq)[:, None]
+        b_dk *= tl.exp(b_gl - b_gc)[:, None]
+        b_dA *= tl.exp(tl.where(m_s, b_gq[:, None] - b_gc[None, :], 0.))
+    b_dA = tl.where(m_s, b_dA * scale, 0.)
+    b_dq = b_dq * scale + tl.dot(b_dA.to(b_k.dtype), b_k, input_precision=DOT_PRECISION)
+    b_dk += tl.dot(tl.trans(b_dA).to(b_q.dtype), b_q, input_precision=DOT_PRECISION)
+    tl.store(dq + p_k, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    if GATE == 1:
+        b_g = tl.sum(b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk, axis=1)
+        tl.store(dgk + i_k * T_all * H + (bos + o_t) * H + i_h, b_g, mask=m_t)
+
+
+def output_fwd(q, k, v, gq, gc, h, A, scale: float, chunks: Chunks, exclusive: bool) -> torch.Tensor:
+    """o [1, T, H, V] in v's dtype."""
+    _, T, H, K = q.shape
+    V = v.shape[-1]
+    gate = 0 if gc is None else (1 if gc.dim() == 3 else 2)
+    BK = min(64, triton.next_power_of_2(K))
+    BV = min(64, triton.next_power_of_2(V))
+    o = torch.empty_like(v)
+    grid = (triton.cdiv(V, BV), chunks.NC, H)
+    decay_output_fwd_kernel[grid](q, k, v, gq if gq is not None else q, gc if gc is not None else q, h,
+                                  A if A is not None else q, o, chunks.cu_seqlens, chunks.chunk_indices, scale,
+                                  H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, GATE=gate, EXCLUSIVE=exclusive,
+                                  USE_A=A is not None, DOT_PRECISION=dot_precision(q.dtype))
+    return o
+
+
+def bwd_dv(q, k, v, gq, gc, A, dh, do, scale: float, chunks: Chunks, exclusive: bool):
+    """dv [1, T, H, V] in v's dtype and dA = lower(do v^T) [1, T, H, BT] fp32."""
+    _, T, H, K = q.shape
+    V = v.shape[-1]
+    gate = 0 if gc is None else (1 if gc.dim() == 3 else 2)
+    BK = min(64, triton.next_power_of_2(K))
+    BV = min(64, triton.next_power_of_2(V))
+    dv = torch.empty_like(v)
+    dA = torch.empty(1, T, H, chunks.BT, dtype=torch.float32, device=q.device)
+    decay_bwd_dv_kernel[(chunks.NC, H)](q, k, v, gq if gq is not None else q, gc if gc is not None else q,
+                                        A if A is not None else q, dh, do, dv, dA, chunks.cu_seqlens,
+                                        chunks.chunk_indices, scale, H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
+                                        GATE=gate, EXCLUSIVE=exclusive, USE_A=A is not None,
+                                        DOT_PRECISION=dot_precision(q.dtype))
+    return dv, dA
+
+
+def bwd_dqk(q, k, v, gq, gc, h, dh, do, dA, scale: float, chunks: Chunks, exclusive: bool):
+    """dq, dk (inputs' dtype) and, with a scalar gate, dgk = sum_c (q dq - k dk) [1, T, H] fp32."""
+    _, T, H, K = q.shape
+    V = v.shape[-1]
+    gate = 0 if gc is None else 1
+    BK = min(64, triton.next_power_of_2(K))
+    BV = min(64, triton.next_power_of_2(V))
+    NK = triton.cdiv(K, BK)
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dgk = torch.empty(NK, T, H, dtype=torch.float32, device=q.device) if gate else None
+    decay_bwd_dqk_kernel[(NK, chunks.NC, H)](q, k, v, gq if gq is not None else q, gc if gc is not None else q,
+                                             h, dh, do, dA, dq, dk, dgk if dgk is not None else dA,
+                                             chunks.cu_seqlens, chunks.chunk_indices, scale, T, H=H, K=K, V=V,
+                                             BT=chunks.BT, BK=BK, BV=BV, GATE=gate, EXCLUSIVE=exclusive,
+                                             DOT_PRECISION=dot_precision(q.dtype))
+    return dq, dk, (dgk.sum(0, keepdim=True) if dgk is not None else None)

@@ -1,0 +1,112 @@
+"""The state pass of the decay family: the one sequential loop, over chunks.
+
+Forward (``reverse=False``), with gc the chunk-local cumulative log decay and G = gc at the
+chunk's last token (scalar ``[1, T, H]`` or per channel ``[1, T, H, K]``, or no gate):
+
+    h[c]  = S before chunk c;     S <- Diag(exp G) S + (k * exp(G - gc))^T v
+
+Backward (``reverse=True``), the same loop run from the last chunk with x = q, y = do:
+
+    dh[c] = dL/dS after chunk c;  dS <- Diag(exp G) dS + (scale q * exp(gq))^T do
+
+(gq is gc, or gc one token earlier for RWKV-6's exclusive readout). ``h``/``dh`` are stored
+per chunk, ``[NC, H, K, V]``; the loop's last value is the final state (fwd) or dh0 (bwd).
+Every exponent is <= 0. ``GATE``: 0 none, 1 scalar, 2 per channel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastweight.kernels.common import Chunks
+
+
+@triton.jit
+def decay_state_pass_kernel(x, y, gx, gc, h, h0, ht, cu_seqlens, chunk_offsets, scale, H: tl.constexpr,
+                            K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                            BV: tl.constexpr, GATE: tl.constexpr, REVERSE: tl.constexpr,
+                            USE_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    NT = tl.cdiv(T, BT)
+    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    o_h = o_k[:, None] * V + o_v[None, :]
+    m_h = m_k[:, None] & m_v[None, :]
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + o_h, mask=m_h, other=0.).to(tl.float32)
+    # a while loop: the interpreter cannot iterate range() to a runtime bound
+    i_c = 0
+    while i_c < NT:
+        if REVERSE:
+            i_t = NT - 1 - i_c
+        else:
+            i_t = i_c
+        tl.store(h + ((boh + i_t) * H + i_h) * K * V + o_h, b_h.to(h.dtype.element_ty), mask=m_h)
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        b_x = tl.load(x + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                      other=0.).to(tl.float32)
+        b_y = tl.load(y + ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                      other=0.)
+        last = bos + tl.minimum(T, i_t * BT + BT) - 1
+        if GATE == 1:
+            b_gl = tl.load(gc + last * H + i_h)
+            b_gx = tl.load(gx + (bos + o_t) * H + i_h, mask=m_t, other=0.)
+            b_h *= tl.exp(b_gl)
+            if REVERSE:
+                b_x *= tl.exp(b_gx)[:, None]
+            else:
+                b_x *= tl.exp(b_gl - b_gx)[:, None]
+        elif GATE == 2:
+            b_gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k, other=0.)
+            b_gx = tl.load(gx + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
+                           mask=m_t[:, None] & m_k[None, :], other=0.)
+            b_h *= tl.exp(b_gl)[:, None]
+            if REVERSE:
+                b_x *= tl.exp(b_gx)
+            else:
+                b_x *= tl.exp(b_gl[None, :] - b_gx)
+        if REVERSE:
+            b_x *= scale
+        b_h += tl.dot(tl.trans(b_x.to(b_y.dtype)), b_y, input_precision=DOT_PRECISION)
+        i_c += 1
+    if STORE_HT:
+        tl.store(ht + i_nh.to(tl.int64) * K * V + o_h, b_h, mask=m_h)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 products (ieee); 16-bit inputs use the tensor cores."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def state_pass(x: torch.Tensor, y: torch.Tensor, gx: torch.Tensor | None, gc: torch.Tensor | None,
+               chunks: Chunks, initial: torch.Tensor | None, store_final: bool, reverse: bool,
+               scale: float = 1.0, state_dtype: torch.dtype | None = None):
+    """Per-chunk states (or state gradients) and the last one.
+
+    x: [1, T, H, K] (k forward, q backward); y: [1, T, H, V] (v forward, do backward);
+    gx, gc: gates as in the module docstring; initial: [N, H, K, V] (h0 forward, dht backward).
+    Returns (h [NC, H, K, V] in ``state_dtype`` (default x's), final [N, H, K, V] fp32 or None).
+    """
+    _, T, H, K = x.shape
+    V = y.shape[-1]
+    gate = 0 if gc is None else (1 if gc.dim() == 3 else 2)
+    h = torch.empty(chunks.NC, H, K, V, dtype=state_dtype or x.dtype, device=x.device)
+    final = torch.empty(chunks.N, H, K, V, dtype=torch.float32, device=x.device) if store_final else None
+    BK = min(64, triton.next_power_of_2(K))
+    BV = min(64, triton.next_power_of_2(V))
+    grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), chunks.N * H)
+    decay_state_pass_kernel[grid](x, y, gx if gx is not None else x, gc if gc is not None else x, h,
+                                  initial if initial is not None else h, final if final is not None else h,
+                                  chunks.cu_seqlens, chunks.chunk_offsets, scale, H=H, K=K, V=V, BT=chunks.BT,
+                                  BK=BK, BV=BV, GATE=gate, REVERSE=reverse, USE_H0=initial is not None,
+                                  STORE_HT=store_final, DOT_PRECISION=dot_precision(x.dtype))
+    return h, final
