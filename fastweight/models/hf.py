@@ -1,0 +1,177 @@
+"""Hugging Face ``transformers`` integration (optional dependency: ``pip install fastweight[hf]``).
+
+    from fastweight.models.hf import FastweightConfig, FastweightForCausalLM   # registers the Auto classes
+    model = FastweightForCausalLM(FastweightConfig(mixer="gdn,swa", vocab_size=64, d_model=64, n_layers=2, n_heads=2))
+    model.save_pretrained(path)                              # config.json + model.safetensors
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model.generate(input_ids, max_new_tokens=8)              # prefill, then decode from the recurrent cache
+
+``FastweightConfig`` holds the fields of :class:`fastweight.models.LMConfig`;
+``FastweightForCausalLM`` wraps one :class:`fastweight.models.LanguageModel` (``.model``), so a
+plain model converts either way with ``from_language_model`` / ``.model``. Generation passes
+the model's own :class:`fastweight.models.Cache` between steps (fixed size for linear
+mixers); left padding is not supported (an ``attention_mask`` with zeros is refused).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.utils import ModelOutput, generic
+
+from fastweight.models.config import LMConfig
+from fastweight.models.lm import Cache, LanguageModel
+
+FIELDS = tuple(f.name for f in dataclasses.fields(LMConfig))
+# transformers >= 5.x (late) names the generation cache `cache`; earlier versions `past_key_values`
+CACHE_KEY = "cache" if hasattr(generic, "_rename_kwargs_for_bc") else "past_key_values"
+
+
+class FastweightConfig(PretrainedConfig):
+    """The fields of :class:`LMConfig` (same names, same defaults) as a ``PretrainedConfig``."""
+
+    model_type = "fastweight"
+
+    def __init__(self, **kwargs):
+        defaults = {f.name: f.default for f in dataclasses.fields(LMConfig)}
+        own = {name: kwargs.pop(name, defaults[name]) for name in FIELDS}
+        lm = LMConfig(**own)  # validates, resolves head_dim
+        for name in FIELDS:
+            setattr(self, name, getattr(lm, name))
+        kwargs.setdefault("tie_word_embeddings", lm.tie_embeddings)
+        super().__init__(**kwargs)
+
+    def to_lm_config(self) -> LMConfig:
+        return LMConfig(**{name: getattr(self, name) for name in FIELDS})
+
+    @classmethod
+    def from_lm_config(cls, cfg: LMConfig, **kwargs) -> "FastweightConfig":
+        return cls(**cfg.to_dict(), **kwargs)
+
+
+@dataclass
+class FastweightCausalLMOutput(ModelOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    cache: Cache | None = None
+    past_key_values: Cache | None = None
+
+
+class FastweightCache(Cache):
+    """The model's cache with the methods ``generate`` calls on a cache."""
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        self.select(beam_idx)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+
+class FastweightForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = FastweightConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["Block"]
+    _is_stateful = True
+    _tied_weights_keys = {"model.lm_head.weight": "model.embed.weight"}
+    _supports_cache_class = False
+
+    def __init__(self, config: FastweightConfig):
+        super().__init__(config)
+        self.model = LanguageModel(config.to_lm_config())
+        self.post_init()
+
+    @classmethod
+    def from_language_model(cls, model: LanguageModel) -> "FastweightForCausalLM":
+        hf = cls(FastweightConfig.from_lm_config(model.cfg))
+        hf.model.load_state_dict(model.state_dict())
+        return hf
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False
+
+    def _init_weights(self, module):
+        """The LanguageModel initialises itself; nothing to do here."""
+
+    def get_input_embeddings(self):
+        return self.model.embed
+
+    def set_input_embeddings(self, value):
+        self.model.embed = value
+
+    def get_output_embeddings(self):
+        return self.model.lm_head
+
+    def set_output_embeddings(self, value):
+        self.model.lm_head = value
+
+    def new_cache(self) -> FastweightCache:
+        return FastweightCache(len(self.model.blocks))
+
+    def forward(self, input_ids: torch.Tensor, cache: Cache | None = None, labels: torch.Tensor | None = None,
+                use_cache: bool | None = None, attention_mask: torch.Tensor | None = None,
+                past_key_values: Cache | None = None, return_dict: bool | None = None, **kwargs):
+        """Logits (and the LM loss when ``labels`` is given, shifted inside). With ``use_cache``
+        the returned ``cache`` continues the sequence."""
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("`attention_mask` with zeros (padding) is not supported by fastweight models; "
+                             "pass sequences of equal length or pack them")
+        cache = cache if isinstance(cache, Cache) else past_key_values if isinstance(past_key_values, Cache) else None
+        if cache is None and use_cache:
+            cache = self.new_cache()
+        logits = self.model(input_ids, cache=cache)
+        loss = None
+        if labels is not None:
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                                     labels[:, 1:].flatten(), ignore_index=-100)
+        return FastweightCausalLMOutput(loss=loss, logits=logits, **{CACHE_KEY: cache})
+
+    def prepare_inputs_for_generation(self, input_ids, cache=None, past_key_values=None, use_cache=True,
+                                      attention_mask=None, **kwargs):
+        cache = cache if isinstance(cache, Cache) else past_key_values if isinstance(past_key_values, Cache) else None
+        if cache is not None and cache.seen > 0:
+            input_ids = input_ids[:, cache.seen:]
+        return {"input_ids": input_ids, "cache": cache, "use_cache": use_cache, "attention_mask": attention_mask}
+
+    def _reorder_cache(self, cache, beam_idx):
+        cache.select(beam_idx)
+        return cache
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, config=None, **kwargs):
+        """As ``PreTrainedModel.from_pretrained``; a ``config`` that differs from the checkpoint's
+        own in any model field is refused with a ValueError naming the fields."""
+        if isinstance(config, FastweightConfig):
+            saved = os.path.join(str(pretrained_model_name_or_path), "config.json")
+            if os.path.isfile(saved):
+                with open(saved) as f:
+                    stored = json.load(f)
+                diff = [f"{n}: checkpoint {stored[n]!r}, config {getattr(config, n)!r}" for n in FIELDS
+                        if n in stored and stored[n] != getattr(config, n)]
+                if diff:
+                    raise ValueError(f"the config does not match the checkpoint at {pretrained_model_name_or_path}: "
+                                     + "; ".join(diff))
+        return super().from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
+
+
+def register() -> None:
+    """Register with AutoConfig / AutoModelForCausalLM (done on import; safe to call twice)."""
+    try:
+        AutoConfig.register("fastweight", FastweightConfig)
+    except ValueError:
+        pass
+    try:
+        AutoModelForCausalLM.register(FastweightConfig, FastweightForCausalLM)
+    except ValueError:
+        pass
+
+
+register()
