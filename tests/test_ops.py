@@ -1,0 +1,155 @@
+"""The public ops: fla's signatures, served by the per-token definitions and by the best backend."""
+
+import inspect
+
+import pytest
+import torch
+
+from fastweight import ops
+from fastweight.dispatch import l2norm
+from fastweight.mechanisms import REGISTRY, get
+from fastweight.testing import generator, rel_err
+
+MECHANISMS = tuple(REGISTRY)
+MODES = ("chunk", "fused_recurrent")
+# Grouped value heads (HV = 2H): ops whose gates live on the value heads or on the key side.
+GROUPED = ("linear_attention", "retnet", "mamba2", "gla", "hgrn2", "deltanet", "gated_deltanet", "kda", "comba",
+           "longhorn", "rwkv7", "dplr")
+
+
+def op_of(name, mode):
+    return getattr(ops, f"{mode}_{get(name).op}")
+
+
+def sample(name, B, T, H=2, K=8, V=6, seed=None):
+    g = generator(seed)
+    return get(name).sample(B, T, H, K, V, dtype=torch.float64, device="cpu", generator=g), g
+
+
+def test_every_op_in_both_modes_ends_with_backend():
+    for op in ops.OPS:
+        for mode in MODES:
+            params = list(inspect.signature(getattr(ops, f"{mode}_{op}")).parameters)
+            assert params[-1] in ("backend", "g") and "backend" in params
+            assert {"scale", "initial_state", "output_final_state", "cu_seqlens"} <= set(params)
+
+
+def test_fla_argument_order():
+    def head(fn, n):
+        return list(inspect.signature(fn).parameters)[:n]
+    assert head(ops.chunk_gated_delta_rule, 9) == ["q", "k", "v", "g", "beta", "scale", "initial_state",
+                                                   "output_final_state", "cu_seqlens"]
+    assert head(ops.chunk_rwkv7, 6) == ["r", "w", "k", "v", "a", "b"]
+    assert inspect.signature(ops.chunk_rwkv7).parameters["scale"].default == 1.0
+    assert head(ops.chunk_rwkv6, 5) == ["r", "k", "v", "w", "u"]
+    assert head(ops.chunk_comba, 6) == ["q", "k", "v", "p", "g", "beta"]
+    assert head(ops.chunk_kda, 5) == ["q", "k", "v", "g", "beta"]
+    assert head(ops.chunk_simple_gla, 5) == ["q", "k", "v", "g", "g_gamma"]
+    assert head(ops.fused_recurrent_gla, 4) == ["q", "k", "v", "gk"]
+    assert head(ops.chunk_dplr_delta_rule, 6) == ["q", "k", "v", "a", "b", "gk"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", MECHANISMS)
+def test_reference_op_is_the_mechanism(name, mode):
+    """Each op (reference backend) reproduces its mechanism: odd T, initial state, scale, final state."""
+    x, g = sample(name, 2, 63)
+    m = get(name)
+    h0 = torch.randn(2, 2, 8, 6, dtype=torch.float64, generator=g)
+    o, S = m.recurrent(x, scale=0.4, initial_state=h0, output_final_state=True)
+    o_op, S_op = op_of(name, mode)(**m.to_op(x), scale=0.4, initial_state=h0, output_final_state=True,
+                                   backend="reference")
+    assert rel_err(o_op, o) <= 1e-12 and rel_err(S_op, S) <= 1e-12
+    assert o_op.shape == x["v"].shape and S_op.dtype == torch.float64
+    assert op_of(name, mode)(**m.to_op(x), backend="reference")[1] is None
+
+
+@pytest.mark.parametrize("name", MECHANISMS)
+def test_reference_op_varlen(name):
+    x, g = sample(name, 1, 100)
+    m = get(name)
+    cu = torch.tensor([0, 1, 37, 100])
+    h0 = torch.randn(3, 2, 8, 6, dtype=torch.float64, generator=g)
+    o, S = m.recurrent(x, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    o_op, S_op = op_of(name, "chunk")(**m.to_op(x), scale=8 ** -0.5 if m.op != "rwkv7" else None,
+                                      initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                      backend="reference")
+    assert rel_err(o_op, o) <= 1e-12 and rel_err(S_op, S) <= 1e-12
+
+
+@pytest.mark.parametrize("name", GROUPED)
+def test_grouped_value_heads(name):
+    """HV = 2H: value head j reads key head j // 2 (q/k and key-side gates repeated)."""
+    m = get(name)
+    x, g = sample(name, 1, 17, H=4)
+    kwargs = m.to_op(x)
+    key_side = {"q", "k", "p", "a", "b", "gk", "r", "w"} | ({"g"} if m.op in ("gla", "hgrn2") else set())
+    grouped = {n: (t[:, :, ::2] if n in key_side else t) for n, t in kwargs.items()}
+    expanded = {n: (t.repeat_interleave(2, dim=2) if n in key_side else t) for n, t in grouped.items()}
+    o, _ = op_of(name, "chunk")(**expanded, backend="reference")
+    o_g, _ = op_of(name, "chunk")(**grouped, backend="reference")
+    assert o_g.shape == o.shape and rel_err(o_g, o) <= 1e-15
+
+
+@pytest.mark.parametrize("op", ["delta_rule", "gated_delta_rule", "kda", "comba"])
+def test_qk_l2norm_in_kernel(op):
+    name = {m.op: n for n, m in REGISTRY.items()}[op]
+    x, _ = sample(name, 1, 9)
+    kwargs = get(name).to_op(x)
+    kwargs["q"], kwargs["k"] = 3 * kwargs["q"], 2 * kwargs["k"]
+    o, _ = op_of(name, "chunk")(**kwargs, use_qk_l2norm_in_kernel=True, backend="reference")
+    normed = {**kwargs, "q": l2norm(kwargs["q"]), "k": l2norm(kwargs["k"])}
+    if op == "comba":
+        normed["p"] = l2norm(kwargs["p"])
+    o_ref, _ = op_of(name, "chunk")(**normed, backend="reference")
+    assert rel_err(o, o_ref) <= 1e-15
+
+
+def test_allow_neg_eigval_widens_beta():
+    x, _ = sample("deltanet", 1, 9)
+    x["beta"] = 1.5 * torch.ones_like(x["beta"])
+    with pytest.raises(ValueError, match="allow_neg_eigval"):
+        ops.chunk_delta_rule(x["q"], x["k"], x["v"], x["beta"], backend="reference")
+    o, _ = ops.chunk_delta_rule(x["q"], x["k"], x["v"], x["beta"], allow_neg_eigval=True, backend="reference")
+    assert rel_err(o, get("deltanet").recurrent(x)[0]) <= 1e-12
+
+
+def test_simple_gla_gates_add_and_retention_is_retnet():
+    x, g = sample("retnet", 1, 20)
+    gt = -torch.rand(1, 20, 2, dtype=torch.float64, generator=g)
+    o, _ = ops.chunk_simple_gla(x["q"], x["k"], x["v"], g=gt, g_gamma=x["_log_gamma"], backend="reference")
+    gla_g = (gt + x["_log_gamma"])[..., None].expand(1, 20, 2, 8)
+    assert rel_err(o, ops.chunk_gla(x["q"], x["k"], x["v"], gla_g, backend="reference")[0]) <= 1e-15
+    o_ret, _ = ops.chunk_retention(x["q"], x["k"], x["v"], backend="reference")
+    assert rel_err(o_ret, get("retnet").recurrent(x)[0]) <= 1e-12
+    o_none, _ = ops.chunk_simple_gla(x["q"], x["k"], x["v"], backend="reference")
+    assert rel_err(o_none, ops.chunk_linear_attn(x["q"], x["k"], x["v"], backend="reference")[0]) <= 1e-15
+
+
+def test_reference_op_gradients():
+    """Differentiable in every tensor argument and the initial state (autograd against finite differences)."""
+    for name in ("gated_deltanet", "rwkv7", "rwkv6"):
+        m = get(name)
+        x, g = sample(name, 1, 4, H=1, K=3, V=2)
+        kwargs = m.to_op(x)
+        names = list(kwargs)
+        h0 = torch.randn(1, 1, 3, 2, dtype=torch.float64, generator=g, requires_grad=True)
+
+        def f(h0, *ts):
+            return op_of(name, "chunk")(**dict(zip(names, ts)), initial_state=h0, output_final_state=True,
+                                        backend="reference")
+
+        assert torch.autograd.gradcheck(f, (h0, *(kwargs[n].detach().clone().requires_grad_() for n in names)))
+
+
+@pytest.mark.parametrize("name", MECHANISMS)
+def test_default_backend_matches_the_reference(name):
+    """backend=None on the CPU (PyTorch chunk path where it exists): float64, T not a multiple of the chunk."""
+    x, g = sample(name, 1, 100, K=16, V=16)
+    m = get(name)
+    h0 = torch.randn(1, 2, 16, 16, dtype=torch.float64, generator=g)
+    for mode in MODES:
+        o, S = op_of(name, mode)(**m.to_op(x), initial_state=h0, output_final_state=True)
+        o_ref, S_ref = op_of(name, mode)(**m.to_op(x), initial_state=h0, output_final_state=True,
+                                         backend="reference")
+        assert rel_err(o, o_ref) <= 1e-10 and rel_err(S, S_ref) <= 1e-10
