@@ -17,6 +17,17 @@ import triton
 import triton.language as tl
 
 
+# Tests set this: every buffer a kernel should fully write starts as NaN, so a missed element shows.
+POISON_OUTPUTS = False
+
+
+def alloc(shape, *, dtype, device) -> torch.Tensor:
+    """An output buffer: uninitialised, or NaN-filled while POISON_OUTPUTS is set."""
+    if POISON_OUTPUTS:
+        return torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
 @dataclass(frozen=True)
 class Chunks:
     cu_seqlens: torch.Tensor      # [N+1] int64

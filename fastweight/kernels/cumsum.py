@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks
+from fastweight.kernels.common import Chunks, alloc
 
 
 @triton.jit
@@ -38,7 +38,7 @@ def chunk_local_cumsum(g: torch.Tensor, chunks: Chunks, reverse: bool = False,
     D = g.shape[3] if g.dim() == 4 else 1
     BD = min(64, triton.next_power_of_2(D))
     g = g.contiguous()
-    out = torch.empty_like(g, dtype=out_dtype)
+    out = alloc(g.shape, dtype=out_dtype, device=g.device)
     grid = (chunks.NC, H, triton.cdiv(D, BD))
     chunk_local_cumsum_kernel[grid](g, out, chunks.cu_seqlens, chunks.chunk_indices, H=H, D=D,
                                     BT=chunks.BT, BD=BD, REVERSE=reverse)

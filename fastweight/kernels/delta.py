@@ -19,6 +19,7 @@ import torch
 from fastweight.kernels.common import prepare_chunks
 from fastweight.kernels.cumsum import chunk_local_cumsum
 from fastweight.kernels.kkt_solve import BT_DELTA, kkt_solve
+from fastweight.kernels.l2norm import l2norm
 from fastweight.kernels.output import output_bwd
 from fastweight.kernels.state import state_bwd, state_output_fwd
 from fastweight.kernels.wy import recompute_w_u, wy_bwd
@@ -71,6 +72,10 @@ class ChunkDeltaFunction(torch.autograd.Function):
         dq, dk, dv, dg, dbeta, dh0 = delta_bwd(q, k, v, beta, saved, _pack(do), dht, ctx.scale, chunks,
                                                ctx.has_h0 and ctx.needs_input_grad[6])
         gshape = vshape[:3]
+        if vshape[2] != qshape[2]:
+            # grouped value heads: the key-side gradients summed over each group
+            HK, G = qshape[2], vshape[2] // qshape[2]
+            dq, dk = (x.view(*x.shape[:2], HK, G, x.shape[-1]).sum(3) for x in (dq, dk))
         dq = dq.to(q.dtype).reshape(qshape)
         dk = dk.to(k.dtype).reshape(qshape)
         dv = dv.to(v.dtype).reshape(vshape)
@@ -80,11 +85,45 @@ class ChunkDeltaFunction(torch.autograd.Function):
         return dq, dk, dv, dg, dbeta, None, dh0, None, None
 
 
-def chunk_delta(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None):
+def chunk_delta(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                use_qk_l2norm_in_kernel=False):
     """S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T (g None: no decay), chunked.
 
-    q, k: [B, T, H, K]; v: [B, T, H, V]; g, beta: [B, T, H]; initial_state [N, H, K, V].
-    Returns (o [B, T, H, V], final state [N, H, K, V] float32 or None).
+    q, k: [B, T, H, K]; v: [B, T, HV, V] (HV a multiple of H); g, beta: [B, T, HV];
+    initial_state [N, HV, K, V]. Returns (o [B, T, HV, V], final state [N, HV, K, V] fp32 or None).
     """
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
     o, ht = ChunkDeltaFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     return o, (ht if output_final_state else None)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, **_):
+    """Gated DeltaNet: S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T (scale q_t)."""
+    return chunk_delta(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def chunk_delta_rule(q, k, v, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                     use_qk_l2norm_in_kernel=False, **_):
+    """DeltaNet: S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T (scale q_t)."""
+    return chunk_delta(q, k, v, None, beta, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def chunk_longhorn(q, k, v, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
+    """Longhorn: the delta rule with step eps_t = beta_t / (1 + beta_t k_t^T k_t) (its gradient by autograd)."""
+    kk = (k.float() * k.float()).sum(-1)
+    if v.shape[2] != k.shape[2]:
+        kk = kk.repeat_interleave(v.shape[2] // k.shape[2], dim=2)
+    eps = (beta.float() / (1 + beta.float() * kk)).to(beta.dtype)
+    return chunk_delta(q, k, v, None, eps, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+for _impl in (chunk_gated_delta_rule, chunk_delta_rule, chunk_longhorn):
+    _impl.grouped_heads = True
+chunk_gated_delta_rule.fused_l2norm = chunk_delta_rule.fused_l2norm = True

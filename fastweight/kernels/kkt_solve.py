@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, mm
+from fastweight.kernels.common import Chunks, alloc, mm
 
 BT_DELTA = 64
 
@@ -55,23 +55,24 @@ def _gamma(g, bos, T, H: tl.constexpr, i_h, r0, c0, USE_G: tl.constexpr, STRICT:
 
 
 @triton.jit
-def kkt_solve_kernel(k, beta, g, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+def kkt_solve_kernel(k, beta, g, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
+                     K: tl.constexpr,
                      BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
     T = eos - bos
     t0 = i_t * BT
-    k += (bos * H + i_h) * K
+    k += (bos * HK + i_h // (H // HK)) * K
     b_A11 = tl.zeros([16, 16], dtype=tl.float32)
     b_A21, b_A22 = tl.zeros([16, 16], dtype=tl.float32), tl.zeros([16, 16], dtype=tl.float32)
     b_A31, b_A32, b_A33 = b_A11, b_A11, b_A11
     b_A41, b_A42, b_A43, b_A44 = b_A11, b_A11, b_A11, b_A11
     for i_k in range(tl.cdiv(K, BK)):
-        p_k1 = tl.make_block_ptr(k, (T, K), (H * K, 1), (t0, i_k * BK), (16, BK), (1, 0))
-        p_k2 = tl.make_block_ptr(k, (T, K), (H * K, 1), (t0 + 16, i_k * BK), (16, BK), (1, 0))
-        p_k3 = tl.make_block_ptr(k, (T, K), (H * K, 1), (t0 + 32, i_k * BK), (16, BK), (1, 0))
-        p_k4 = tl.make_block_ptr(k, (T, K), (H * K, 1), (t0 + 48, i_k * BK), (16, BK), (1, 0))
+        p_k1 = tl.make_block_ptr(k, (T, K), (HK * K, 1), (t0, i_k * BK), (16, BK), (1, 0))
+        p_k2 = tl.make_block_ptr(k, (T, K), (HK * K, 1), (t0 + 16, i_k * BK), (16, BK), (1, 0))
+        p_k3 = tl.make_block_ptr(k, (T, K), (HK * K, 1), (t0 + 32, i_k * BK), (16, BK), (1, 0))
+        p_k4 = tl.make_block_ptr(k, (T, K), (HK * K, 1), (t0 + 48, i_k * BK), (16, BK), (1, 0))
         b_k1, b_k2 = tl.load(p_k1, boundary_check=(0, 1)), tl.load(p_k2, boundary_check=(0, 1))
         b_k3, b_k4 = tl.load(p_k3, boundary_check=(0, 1)), tl.load(p_k4, boundary_check=(0, 1))
         b_A11 += mm(b_k1, tl.trans(b_k1))
@@ -140,12 +141,13 @@ def _store16(Ai, T, r0, c0, H: tl.constexpr, BT: tl.constexpr, b_1, b_2, b_3, b_
 
 
 def kkt_solve(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor | None, chunks: Chunks) -> torch.Tensor:
-    """k: [1, T, H, K]; beta: [1, T, H]; g_cum: [1, T, H] chunk-local cumsum or None -> Ai [1, T, H, 64] fp32."""
-    _, T, H, K = k.shape
+    """k: [1, T, HK, K]; beta: [1, T, H] (H a multiple of HK); g_cum: [1, T, H] chunk-local cumsum or None -> Ai [1, T, H, 64] fp32."""
+    _, T, HK, K = k.shape
+    H = beta.shape[2]
     BT = chunks.BT
     assert BT == BT_DELTA
-    Ai = torch.empty(1, T, H, BT, device=k.device, dtype=torch.float32)
+    Ai = alloc((1, T, H, BT), device=k.device, dtype=torch.float32)
     BK = min(64, triton.next_power_of_2(K))
-    kkt_solve_kernel[(chunks.NC, H)](k, beta, g_cum, Ai, chunks.cu_seqlens, chunks.chunk_indices, H=H, K=K,
+    kkt_solve_kernel[(chunks.NC, H)](k, beta, g_cum, Ai, chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK, K=K,
                                      BT=BT, BK=BK, USE_G=g_cum is not None, num_warps=4)
     return Ai

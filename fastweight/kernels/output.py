@@ -19,12 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, mm
+from fastweight.kernels.common import Chunks, alloc, mm
 
 
 @triton.jit
 def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, cu_seqlens, chunk_indices, scale,
-                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, USE_G: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
@@ -58,8 +58,8 @@ def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, cu_seqlens,
         b_ds += mm(b_do, tl.trans(b_vn))
         if USE_G:
             b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0)
-    p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+    p_q = tl.make_block_ptr(q + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+    p_k = tl.make_block_ptr(k + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
     b_q = tl.load(p_q, boundary_check=(0, 1))
     b_k = tl.load(p_k, boundary_check=(0, 1))
     if USE_G:
@@ -92,14 +92,14 @@ def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, cu_seqlens,
 
 
 def output_bwd(q, k, g_cum, h, dh, v_new, do, dv, scale: float, chunks: Chunks):
-    """Returns (dq, dk, dw, dg) in float32 (dg None without a gate); dk and dg are partial."""
-    _, T, H, K = k.shape
-    V = do.shape[-1]
+    """Returns (dq, dk, dw, dg) in float32, per value head (dg None without a gate); dk and dg are partial."""
+    _, T, HK, K = k.shape
+    H, V = do.shape[2], do.shape[-1]
     BK, BV = triton.next_power_of_2(K), min(64, triton.next_power_of_2(V))
     f32 = dict(device=q.device, dtype=torch.float32)
-    dq, dk, dw = torch.empty(q.shape, **f32), torch.empty(k.shape, **f32), torch.empty(k.shape, **f32)
-    dg = torch.empty(g_cum.shape, **f32) if g_cum is not None else None
+    dq, dk, dw = (alloc((1, T, H, K), **f32) for _ in range(3))
+    dg = alloc(g_cum.shape, **f32) if g_cum is not None else None
     output_bwd_kernel[(chunks.NC, H)](q, k, g_cum, h, dh, v_new, do, dv, dq, dk, dw, dg, chunks.cu_seqlens,
-                                      chunks.chunk_indices, scale, H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
+                                      chunks.chunk_indices, scale, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
                                       USE_G=g_cum is not None, num_warps=4 if K <= 64 else 8)
     return dq, dk, dw, dg

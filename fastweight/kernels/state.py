@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, mm
+from fastweight.kernels.common import Chunks, alloc, mm
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def _chunk_gates(g, bos, T, i_t, H: tl.constexpr, i_h, BT: tl.constexpr):
 
 @triton.jit
 def state_output_fwd_kernel(q, k, w, u, g, h0, o, ht, h, v_new, cu_seqlens, chunk_offsets, scale,
-                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                            H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                             BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
                             USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
                             STORE_H: tl.constexpr):
@@ -59,8 +59,8 @@ def state_output_fwd_kernel(q, k, w, u, g, h0, o, ht, h, v_new, cu_seqlens, chun
     # a while loop: the interpreter cannot range() over a value derived from program_id
     i_t = 0
     while i_t < NT:
-        p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-        p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+        p_q = tl.make_block_ptr(q + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+        p_k = tl.make_block_ptr(k + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
         p_w = tl.make_block_ptr(w + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
         p_u = tl.make_block_ptr(u + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
         p_o = tl.make_block_ptr(o + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
@@ -98,7 +98,7 @@ def state_output_fwd_kernel(q, k, w, u, g, h0, o, ht, h, v_new, cu_seqlens, chun
 
 @triton.jit
 def state_bwd_kernel(q, k, w, g, do, dht, dh, dh0, dv, cu_seqlens, chunk_offsets, scale,
-                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, USE_G: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
                      STORE_INITIAL_STATE_GRADIENT: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -118,8 +118,8 @@ def state_bwd_kernel(q, k, w, g, do, dht, dh, dh0, dv, cu_seqlens, chunk_offsets
     while i_t >= 0:
         p_dh = tl.make_block_ptr(dh + ((boh + i_t) * H + i_h) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
         tl.store(p_dh, b_dh.to(p_dh.dtype.element_ty), boundary_check=(0, 1))
-        p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-        p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+        p_q = tl.make_block_ptr(q + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+        p_k = tl.make_block_ptr(k + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
         p_w = tl.make_block_ptr(w + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
         p_do = tl.make_block_ptr(do + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
         p_dv = tl.make_block_ptr(dv + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
@@ -156,16 +156,16 @@ def _bv(V):
 def state_output_fwd(q, k, w, u, g_cum, initial_state, output_final_state: bool, store_h: bool,
                      scale: float, chunks: Chunks):
     """Returns (o, final state or None, h or None, v_new or None); o in v's dtype."""
-    _, T, H, K = k.shape
-    V = u.shape[-1]
+    _, T, HK, K = k.shape
+    H, V = u.shape[2], u.shape[-1]
     BK, BV = triton.next_power_of_2(K), _bv(V)
-    o = torch.empty_like(u)
-    ht = u.new_empty(chunks.N, H, K, V, dtype=torch.float32) if output_final_state else None
-    h = u.new_empty(chunks.NC, H, K, V, dtype=k.dtype) if store_h else None
-    v_new = torch.empty_like(u) if store_h else None
+    o = alloc(u.shape, dtype=u.dtype, device=u.device)
+    ht = alloc((chunks.N, H, K, V), dtype=torch.float32, device=u.device) if output_final_state else None
+    h = alloc((chunks.NC, H, K, V), dtype=k.dtype, device=u.device) if store_h else None
+    v_new = alloc(u.shape, dtype=u.dtype, device=u.device) if store_h else None
     grid = (triton.cdiv(V, BV), chunks.N * H)
     state_output_fwd_kernel[grid](q, k, w, u, g_cum, initial_state, o, ht, h, v_new, chunks.cu_seqlens,
-                                  chunks.chunk_offsets, scale, H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
+                                  chunks.chunk_offsets, scale, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
                                   USE_G=g_cum is not None, USE_INITIAL_STATE=initial_state is not None,
                                   STORE_FINAL_STATE=output_final_state, STORE_H=store_h,
                                   num_warps=4 if K <= 128 else 8)
@@ -174,15 +174,15 @@ def state_output_fwd(q, k, w, u, g_cum, initial_state, output_final_state: bool,
 
 def state_bwd(q, k, w, g_cum, do, dht, scale: float, chunks: Chunks, need_dh0: bool):
     """Returns (dh [NC, H, K, V], dv_tilde fp32 [1, T, H, V], d initial_state fp32 or None)."""
-    _, T, H, K = k.shape
-    V = do.shape[-1]
+    _, T, HK, K = k.shape
+    H, V = do.shape[2], do.shape[-1]
     BK, BV = triton.next_power_of_2(K), _bv(V)
-    dh = q.new_empty(chunks.NC, H, K, V, dtype=k.dtype)
-    dv = torch.empty(do.shape, device=do.device, dtype=torch.float32)
-    dh0 = q.new_empty(chunks.N, H, K, V, dtype=torch.float32) if need_dh0 else None
+    dh = alloc((chunks.NC, H, K, V), dtype=k.dtype, device=q.device)
+    dv = alloc(do.shape, device=do.device, dtype=torch.float32)
+    dh0 = alloc((chunks.N, H, K, V), dtype=torch.float32, device=q.device) if need_dh0 else None
     grid = (triton.cdiv(V, BV), chunks.N * H)
     state_bwd_kernel[grid](q, k, w, g_cum, do, dht, dh, dh0, dv, chunks.cu_seqlens, chunks.chunk_offsets, scale,
-                           H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, USE_G=g_cum is not None,
+                           H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, USE_G=g_cum is not None,
                            USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0,
                            num_warps=4 if K <= 128 else 8)
     return dh, dv, dh0

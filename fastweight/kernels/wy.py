@@ -23,11 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, mm
+from fastweight.kernels.common import Chunks, alloc, mm
 
 
 @triton.jit
-def recompute_w_u_kernel(k, v, beta, g, Ai, w, u, cu_seqlens, chunk_indices, H: tl.constexpr,
+def recompute_w_u_kernel(k, v, beta, g, Ai, w, u, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                          BV: tl.constexpr, USE_G: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -43,7 +43,7 @@ def recompute_w_u_kernel(k, v, beta, g, Ai, w, u, cu_seqlens, chunk_indices, H: 
     if USE_G:
         b_kscale = b_beta * tl.exp(tl.load(g + (bos + o_t) * H + i_h, mask=m_t, other=0.))
     for i_k in range(tl.cdiv(K, BK)):
-        p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+        p_k = tl.make_block_ptr(k + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
         p_w = tl.make_block_ptr(w + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
         b_k = tl.load(p_k, boundary_check=(0, 1))
         b_kb = (b_k * b_kscale[:, None]).to(b_k.dtype)
@@ -60,7 +60,7 @@ def recompute_w_u_kernel(k, v, beta, g, Ai, w, u, cu_seqlens, chunk_indices, H: 
 
 @triton.jit
 def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk, dv, dbeta, dg, cu_seqlens, chunk_indices,
-                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                  H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, USE_G: tl.constexpr):
     """dk and dg arrive holding the other stages' parts (float32) and are updated in place."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -87,7 +87,7 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk, dv, dbeta, dg, cu_seqlens, chun
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     b_dg = tl.zeros([BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
-        p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+        p_k = tl.make_block_ptr(k + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
         p_dw = tl.make_block_ptr(dw + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
         b_k = tl.load(p_k, boundary_check=(0, 1))
         b_dw = tl.load(p_dw, boundary_check=(0, 1)).to(b_k.dtype)
@@ -114,7 +114,7 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk, dv, dbeta, dg, cu_seqlens, chun
     b_t = b_M * b_kk
     b_dg += tl.sum(b_t, 1) - tl.sum(b_t, 0)
     for i_k in range(tl.cdiv(K, BK)):
-        p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+        p_k = tl.make_block_ptr(k + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
         p_dw = tl.make_block_ptr(dw + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
         p_dk = tl.make_block_ptr(dk + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
         b_k = tl.load(p_k, boundary_check=(0, 1))
@@ -138,12 +138,12 @@ def _blocks(K, V):
 
 def recompute_w_u(k, v, beta, g_cum, Ai, chunks: Chunks):
     """k: [1, T, H, K]; v: [1, T, H, V]; beta, g_cum: [1, T, H]; Ai: [1, T, H, BT] -> (w, u)."""
-    _, T, H, K = k.shape
-    V = v.shape[-1]
+    _, T, HK, K = k.shape
+    H, V = v.shape[2], v.shape[-1]
     BK, BV = _blocks(K, V)
-    w, u = torch.empty_like(k), torch.empty_like(v)
+    w, u = alloc((1, T, H, K), dtype=k.dtype, device=k.device), alloc(v.shape, dtype=v.dtype, device=v.device)
     recompute_w_u_kernel[(chunks.NC, H)](k, v, beta, g_cum, Ai, w, u, chunks.cu_seqlens, chunks.chunk_indices,
-                                         H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, USE_G=g_cum is not None)
+                                         H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, USE_G=g_cum is not None)
     return w, u
 
 
@@ -151,12 +151,12 @@ def wy_bwd(k, v, beta, g_cum, Ai, dw, du, dk, dg, chunks: Chunks):
     """Adds the W/U/A chain into dk (fp32, in place) and dg (fp32, in place, may be None without a gate).
 
     Returns (dv fp32, dbeta fp32)."""
-    _, T, H, K = k.shape
-    V = v.shape[-1]
+    _, T, HK, K = k.shape
+    H, V = v.shape[2], v.shape[-1]
     BK, BV = _blocks(K, V)
-    dv = torch.empty(v.shape, device=v.device, dtype=torch.float32)
-    dbeta = torch.empty(beta.shape, device=v.device, dtype=torch.float32)
+    dv = alloc(v.shape, device=v.device, dtype=torch.float32)
+    dbeta = alloc(beta.shape, device=v.device, dtype=torch.float32)
     wy_bwd_kernel[(chunks.NC, H)](k, v, beta, g_cum, Ai, dw, du, dk, dv, dbeta, dg, chunks.cu_seqlens,
-                                  chunks.chunk_indices, H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
+                                  chunks.chunk_indices, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
                                   USE_G=g_cum is not None)
     return dv, dbeta
