@@ -1,0 +1,183 @@
+"""GPU check and timing of the decay-family and DPLR chunk kernels (issue 5), in one call.
+
+    FASTWEIGHT_VALUE_CHECKS=0 python -m fastweight.bench.gpu_decay_dplr [check] [time] [long]
+
+check: every op with ``backend="triton"`` in bf16/fp16/fp32 against the same op with
+``backend="reference"`` in float64 on the GPU (output, final state, all gradients; varlen
+and initial state), with every ``torch.empty`` buffer poisoned with NaN.
+time:  median ms (``triton.testing.do_bench``) of forward and forward+backward in bf16 at
+the anchor shapes, next to fla 0.6.0's figures from ``../shared/anchors``.
+long:  RWKV-7 over T = 65536, bf16 inputs, fp32 state: finite, and close to fp32.
+Prints a short table last; writes every row to $OUT/gpu_decay_dplr.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from fastweight import kernels, ops
+from fastweight.testing import nan_like, rel_err
+
+DEV = "cuda"
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 2e-5}
+# fla 0.6.0 on this H200, bf16 (../shared/anchors/README.md): (fwd ms, fwd+bwd ms)
+ANCHORS = {
+    ("simple_gla", "gdn1.3b"): (0.518, 2.361),
+    ("gla", "rwkv7paper"): (11.064, 47.206),
+    ("rwkv7", "gdn1.3b"): (4.228, 16.177),
+    ("rwkv7", "rwkv7paper"): (26.036, 104.68),
+}
+SHAPES = {"gdn1.3b": (4, 8192, 16, 128), "rwkv7paper": (8, 16384, 64, 64)}
+ROWS = []
+
+
+def inputs(op, B, T, H, K, dtype, gen_scale=1.0):
+    """Inputs of ``ops.chunk_<op>`` by argument name (gates fp32, log-space, as the anchors)."""
+    r = lambda *s: torch.randn(*s, device=DEV)  # noqa: E731
+    q = F.normalize(r(B, T, H, K), dim=-1).to(dtype)
+    k = F.normalize(r(B, T, H, K), dim=-1).to(dtype)
+    v = r(B, T, H, K).to(dtype)
+    g_s = F.logsigmoid(r(B, T, H)) / 16 * gen_scale
+    g_v = F.logsigmoid(r(B, T, H, K)) / 16 * gen_scale
+    if op in ("linear_attn", "retention"):
+        return dict(q=q, k=k, v=v)
+    if op == "simple_gla":
+        return dict(q=q, k=k, v=v, g=g_s)
+    if op == "gla":
+        return dict(q=q, k=k, v=v, g=g_v)
+    if op == "rwkv6":
+        return dict(r=q, k=k, v=v, w=g_v, u=(r(H, K) * 0.5).to(dtype))
+    if op == "hgrn2":
+        return dict(q=q, v=v, g=g_v)
+    if op == "rwkv7":
+        iclr = torch.rand(B, T, H, 1, device=DEV)
+        kk = F.normalize(r(B, T, H, K), dim=-1)
+        w = -0.6065306597126334 * torch.sigmoid(r(B, T, H, K)) * gen_scale
+        return dict(r=q, w=w, k=k, v=v, a=(-kk).to(dtype), b=(kk * iclr).to(dtype))
+    if op == "dplr_delta_rule":
+        kk = F.normalize(r(B, T, H, K), dim=-1)
+        return dict(q=q, k=k, v=v, a=(-kk).to(dtype), b=(kk * torch.rand(B, T, H, 1, device=DEV)).to(dtype),
+                    gk=g_v)
+    raise ValueError(op)
+
+
+def available(op):
+    return hasattr(kernels, f"chunk_{op}")
+
+
+def check(op, dtype, T=200, H=3, K=64, cu_seqlens=None):
+    """Errors of output, final state and every gradient against float64 (inf on NaN)."""
+    B = 1 if cu_seqlens is not None else 2
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    x = inputs(op, B, T, H, K, dtype)
+    x["initial_state"] = torch.randn(N, H, K, K, device=DEV)
+    fn = getattr(ops, f"chunk_{op}")
+    low = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
+    ref = {n: t.detach().double().requires_grad_(True) for n, t in x.items()}
+    empty, empty_like = torch.empty, torch.empty_like
+    torch.empty = lambda *a, **kw: (lambda t: nan_like(t) if t.is_floating_point() else t)(empty(*a, **kw))
+    torch.empty_like = lambda *a, **kw: (lambda t: nan_like(t) if t.is_floating_point() else t)(empty_like(*a, **kw))
+    try:
+        o, ht = fn(**low, output_final_state=True, cu_seqlens=cu_seqlens, backend="triton")
+        do, dht = torch.randn_like(o, dtype=torch.float32), torch.randn_like(ht)
+        torch.autograd.backward([o, ht], [do.to(o.dtype), dht])
+    finally:
+        torch.empty, torch.empty_like = empty, empty_like
+    ro, rht = fn(**ref, output_final_state=True, cu_seqlens=cu_seqlens, backend="reference")
+    torch.autograd.backward([ro, rht], [do.double(), dht.double()])
+    errs = {"o": rel_err(o, ro), "ht": rel_err(ht, rht)}
+    errs.update({f"d{n}": rel_err(low[n].grad, ref[n].grad) for n in low})
+    worst = max(errs.values())
+    row = dict(kind="check", op=op, dtype=str(dtype).split(".")[-1], T=T, varlen=cu_seqlens is not None,
+               worst=worst, ok=worst < TOL[dtype], errs=errs)
+    ROWS.append(row)
+    print(f"check {op:16s} {row['dtype']:8s} varlen={row['varlen']!s:5s} worst {worst:.2e} "
+          f"{'ok' if row['ok'] else 'FAIL'}  " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()), flush=True)
+
+
+def bench(op, shape, backward):
+    B, T, H, K = SHAPES[shape]
+    x = inputs(op, B, T, H, K, torch.bfloat16)
+    fn = getattr(ops, f"chunk_{op}")
+    leaves = {n: t.detach().clone().requires_grad_(backward) for n, t in x.items()}
+    o = fn(**leaves, backend="triton")[0]
+    do = torch.randn_like(o)
+
+    def run():
+        out = fn(**leaves, backend="triton")[0]
+        if backward:
+            out.backward(do)
+    run()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(run, warmup=50, rep=300, return_mode="median")
+
+
+def timing(op, shape):
+    t0 = time.time()
+    fwd = bench(op, shape, False)
+    fb = bench(op, shape, True)
+    fla = ANCHORS.get((op, shape), (None, None))
+    row = dict(kind="time", op=op, shape=shape, fwd_ms=fwd, fwdbwd_ms=fb, fla_fwd_ms=fla[0], fla_fwdbwd_ms=fla[1],
+               ratio_fwd=fwd / fla[0] if fla[0] else None, ratio_fwdbwd=fb / fla[1] if fla[1] else None,
+               wall_s=time.time() - t0)
+    ROWS.append(row)
+    print(f"time {op} {shape}: fwd {fwd:.3f} ms, fwd+bwd {fb:.3f} ms (fla {fla[0]} / {fla[1]})", flush=True)
+    torch.cuda.empty_cache()
+
+
+def long_rwkv7(T=65536, H=4, K=64):
+    """RWKV-7 over T = 65536: bf16 inputs vs the same inputs in fp32 (both fp32 state)."""
+    x = inputs("rwkv7", 1, T, H, K, torch.bfloat16)
+    o, ht = ops.chunk_rwkv7(**x, output_final_state=True, backend="triton")
+    x32 = {n: t.float() for n, t in x.items()}
+    ro, rht = ops.chunk_rwkv7(**x32, output_final_state=True, backend="triton")
+    finite = bool(torch.isfinite(o).all()) and bool(torch.isfinite(ht).all())
+    row = dict(kind="long", op="rwkv7", T=T, finite=finite, err_o=rel_err(o, ro), err_ht=rel_err(ht, rht),
+               state_max=ht.abs().max().item())
+    ROWS.append(row)
+    print(f"long rwkv7 T={T}: finite={finite} rel err o {row['err_o']:.2e} state {row['err_ht']:.2e}", flush=True)
+
+
+def main(argv):
+    sections = argv or ["check", "time", "long"]
+    torch.manual_seed(0)
+    decay = ["linear_attn", "retention", "simple_gla", "gla", "rwkv6", "hgrn2"]
+    dplr = [op for op in ("dplr_delta_rule", "rwkv7") if available(op)]
+    if "check" in sections:
+        for op in decay + dplr:
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                check(op, dtype)
+        for op in ["simple_gla", "gla", "rwkv6"] + dplr:
+            check(op, torch.bfloat16, T=300, cu_seqlens=torch.tensor([0, 1, 100, 100, 300], device=DEV))
+    if "time" in sections:
+        for op, shape in [("simple_gla", "gdn1.3b"), ("gla", "rwkv7paper")] + [
+                ("rwkv7", s) for s in ("gdn1.3b", "rwkv7paper") if "rwkv7" in dplr]:
+            timing(op, shape)
+    if "long" in sections and "rwkv7" in dplr:
+        long_rwkv7()
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpu_decay_dplr.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           triton=triton.__version__, rows=ROWS), f, indent=1, default=str)
+    print("\n| what | result |\n|---|---|")
+    for r in ROWS:
+        if r["kind"] == "check" and not r["ok"]:
+            print(f"| FAIL {r['op']} {r['dtype']} varlen={r['varlen']} | worst {r['worst']:.2e} |")
+        elif r["kind"] == "time":
+            ratio = f" ({r['ratio_fwd']:.2f}x / {r['ratio_fwdbwd']:.2f}x fla)" if r["ratio_fwd"] else ""
+            print(f"| {r['op']} {r['shape']} | {r['fwd_ms']:.3f} / {r['fwdbwd_ms']:.3f} ms{ratio} |")
+        elif r["kind"] == "long":
+            print(f"| rwkv7 T={r['T']} bf16 | finite={r['finite']} err {r['err_o']:.1e} |")
+    checks = [r for r in ROWS if r["kind"] == "check"]
+    print(f"| checks | {sum(r['ok'] for r in checks)}/{len(checks)} ok |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
