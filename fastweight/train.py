@@ -7,6 +7,7 @@ drawn from the seed ``(seed, 0, s)``, so a resumed run sees exactly the data it
 would have seen, and under ``torchrun`` each of ``world`` ranks draws its slice of
 the global batch (examples ``rank * B / world ...``) and DDP averages the
 gradients: two ranks with batch B/2 each take the same step as one process with B.
+Several ``;``-separated task specs (one vocabulary) take turns, one per step.
 
     fastweight train --task mqar:seq_len=64,n_pairs=8 --mixer gdn --steps 300
     torchrun --nproc-per-node 2 -m fastweight.train --task s5:seq_len=32 --mixer rwkv7
@@ -42,7 +43,8 @@ def arg(default, help: str):
 
 @dataclass(frozen=True)
 class TrainConfig:
-    task: str = arg("mqar:seq_len=64,n_pairs=8", "task spec: name[:field=value,...] (fastweight.tasks)")
+    task: str = arg("mqar:seq_len=64,n_pairs=8",
+                    "task spec name[:field=value,...] (fastweight.tasks); several, ';'-separated, take turns")
     mixer: str = arg("gdn", "mixer pattern, e.g. gdn, 'gdn,swa', rwkv7")
     preset: str = arg("tiny", "LMConfig preset")
     d_model: int = arg(0, "model width (0: the preset's)")
@@ -80,13 +82,20 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"TrainConfig.device must be auto, cpu or cuda[:i], got {self.device!r}")
-        from_spec(self.task)
+        sizes = {from_spec(s).vocab_size for s in self.train_specs}
+        if len(sizes) != 1:
+            raise ValueError(f"TrainConfig.task: the tasks of {self.task!r} must share one vocabulary, got sizes {sizes}")
         for spec in self.eval_specs:
-            from_spec(spec)
+            if from_spec(spec).vocab_size not in sizes:
+                raise ValueError(f"TrainConfig.eval_tasks: {spec!r} has another vocabulary than the train task")
+
+    @property
+    def train_specs(self) -> list[str]:
+        return [s.strip() for s in self.task.split(";") if s.strip()] or [""]
 
     @property
     def eval_specs(self) -> list[str]:
-        return [s.strip() for s in self.eval_tasks.split(";") if s.strip()] or [self.task]
+        return [s.strip() for s in self.eval_tasks.split(";") if s.strip()] or self.train_specs
 
 
 def lm_config(cfg: TrainConfig, vocab_size: int):
@@ -208,10 +217,11 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = _device(cfg)
-    task = from_spec(cfg.task)
+    tasks = [from_spec(s) for s in cfg.train_specs]
+    vocab_size = tasks[0].vocab_size
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg, task.vocab_size).to(device)
-    model_config = lm_config(cfg, task.vocab_size).to_dict()
+    model = build_model(cfg, vocab_size).to(device)
+    model_config = lm_config(cfg, vocab_size).to_dict()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     start_step, curve = 0, []
     path = _checkpoint_path(cfg)
@@ -243,6 +253,7 @@ def train(cfg: TrainConfig) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(cfg, step)
         data_step = step % cfg.overfit_batches if cfg.overfit_batches else step
+        task = tasks[data_step % len(tasks)]
         batch = task.batch(local, seed=(cfg.seed, TRAIN_STREAM, data_step), start=rank * local).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
             loss = masked_loss(logits_of(net, batch.input_ids), batch)

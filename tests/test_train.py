@@ -5,40 +5,17 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from fastweight import train as train_module
 from fastweight.testing import rel_err
 from fastweight.train import TrainConfig, add_config_arguments, config_from_args, train
 
 
-class StandIn(torch.nn.Module):
-    """A tiny GRU language model standing in until fastweight.models lands."""
-
-    def __init__(self, vocab_size):
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab_size, 16)
-        self.rnn = torch.nn.GRU(16, 16, batch_first=True)
-        self.head = torch.nn.Linear(16, vocab_size)
-
-    def forward(self, ids):
-        return self.head(self.rnn(self.embed(ids))[0])
-
-
-def stand_in(cfg, vocab_size):
-    return StandIn(vocab_size)
-
-
-@pytest.fixture
-def model_stand_in(monkeypatch):
-    monkeypatch.setattr(train_module, "build_model", stand_in)
-
-
 def tiny(tmp_path, **kw):
-    base = dict(task="parity:seq_len=16", steps=6, batch_size=4, lr=1e-2, warmup=2, out_dir=str(tmp_path),
+    base = dict(task="parity:seq_len=16", mixer="gdn", d_model=32, n_layers=1, n_heads=2, steps=6, batch_size=4, lr=1e-2, warmup=2, out_dir=str(tmp_path),
                 eval_examples=8, progress=False, log_every=1, threads=1)
     return TrainConfig(**{**base, **kw})
 
 
-def test_loss_falls_on_an_overfit_batch(tmp_path, model_stand_in):
+def test_loss_falls_on_an_overfit_batch(tmp_path):
     res = train(tiny(tmp_path, task="mqar:seq_len=16,n_pairs=2,vocab_size=16", steps=60, overfit_batches=1,
                      lr=3e-2, weight_decay=0.0))
     first, last = res["curve"][0][1], res["curve"][-1][1]
@@ -48,7 +25,7 @@ def test_loss_falls_on_an_overfit_batch(tmp_path, model_stand_in):
     assert 0 <= saved["eval"][0]["acc"] <= 1 and saved["tokens_per_second"] > 0
 
 
-def test_resume_continues_exactly(tmp_path, model_stand_in):
+def test_resume_continues_exactly(tmp_path):
     straight = train(tiny(tmp_path / "a"))
     train(tiny(tmp_path / "b", stop_at=3))
     assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["step"] == 3
@@ -64,12 +41,11 @@ def test_resume_continues_exactly(tmp_path, model_stand_in):
 def _ddp_worker(rank, world, port, out_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    train_module.build_model = stand_in
     train(tiny(out_dir, device="cpu", steps=3))
     torch.distributed.destroy_process_group()
 
 
-def test_ddp_two_ranks_match_one_process(tmp_path, model_stand_in):
+def test_ddp_two_ranks_match_one_process(tmp_path):
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -94,8 +70,17 @@ def test_cli_is_generated_from_the_fields():
     assert cfg == TrainConfig(steps=5, progress=False, lr=0.5, task="s5:seq_len=8", allow_neg_eigval=True)
 
 
+def test_tasks_take_turns(tmp_path):
+    res = train(tiny(tmp_path, task="s_niah_1:context_len=40,value_len=2;s_niah_2:context_len=40,value_len=2",
+                     steps=2))
+    assert [r["task"].split(":")[0] for r in res["eval"]] == ["s_niah_1", "s_niah_2"]
+    with pytest.raises(ValueError, match="vocabulary"):
+        TrainConfig(task="s5;parity")
+
+
 @pytest.mark.parametrize("kw, name", [(dict(steps=0), "steps"), (dict(task="mqar:n_pairs=x"), "n_pairs"),
-                                      (dict(device="tpu"), "device"), (dict(eval_tasks="s5;bogus"), "bogus")])
+                                      (dict(device="tpu"), "device"), (dict(eval_tasks="mqar;bogus"), "bogus"),
+                                      (dict(eval_tasks="s5"), "vocabulary")])
 def test_bad_config_names_the_field(kw, name):
     with pytest.raises(ValueError, match=name):
         TrainConfig(**kw)
