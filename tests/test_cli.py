@@ -1,0 +1,68 @@
+"""The ``fastweight`` command and ``fastweight verify``."""
+
+import dataclasses
+import json
+
+import pytest
+
+from fastweight import cli, verify
+from fastweight.mechanisms import REGISTRY, get
+
+
+def test_verify_passes_and_prints_every_mechanism(capsys):
+    assert cli.main(["verify", "--seed", "0", "--length", "63"]) == 0
+    out = capsys.readouterr().out
+    for name, m in REGISTRY.items():
+        assert name in out and m.dplr_in_words in out
+    assert "all passed" in out and "FAIL" not in out
+
+
+def test_verify_json_and_float32(capsys):
+    assert cli.main(["verify", "--seed", "1", "--length", "5", "--dtype", "float32", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [r["mechanism"] for r in result["rows"]] == list(REGISTRY)
+    assert result["ok"] and result["dtype"] == "float32" and result["seed"] == 1
+    assert all(r["dplr_err"] <= 1e-5 and r["step_err"] <= 1e-5 for r in result["rows"])
+
+
+@pytest.mark.parametrize("broken", ["step", "to_dplr"])
+def test_verify_fails_on_a_broken_mechanism(broken, monkeypatch, capsys):
+    kda = get("kda")
+    if broken == "step":
+        bad = dataclasses.replace(kda, step=lambda S, x: kda.step(S, {**x, "beta": 0.9 * x["beta"]}))
+    else:
+        bad = dataclasses.replace(kda, to_dplr=lambda x: {**kda.to_dplr(x), "b": x["k"]})
+    monkeypatch.setitem(REGISTRY, "kda", bad)
+    assert cli.main(["verify", "--seed", "2", "--length", "4"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED: kda" in out
+    row = next(line for line in out.splitlines() if line.startswith("kda "))
+    assert row.endswith("FAIL")
+
+
+def test_verify_one_mechanism(capsys):
+    assert cli.main(["verify", "--mechanism", "rwkv7", "--length", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "rwkv7" in out and "gated_deltanet" not in out
+
+
+def test_missing_subcommand_modules_are_skipped():
+    parser = cli.build_parser(("fastweight.verify", "fastweight.not_written_yet"))
+    assert parser.parse_args(["verify", "--length", "3"]).length == 3
+
+
+def test_a_broken_subcommand_module_is_not_hidden(tmp_path, monkeypatch):
+    (tmp_path / "fw_broken_sub.py").write_text("import fw_missing_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError, match="fw_missing_dependency_xyz"):
+        cli.build_parser(("fw_broken_sub",))
+
+
+def test_no_command_prints_help(capsys):
+    assert cli.main([]) == 2
+    assert "verify" in capsys.readouterr().out
+
+
+def test_verify_run_api():
+    result = verify.run(seed=3, length=2, names=["gla", "longhorn"])
+    assert [r["mechanism"] for r in result["rows"]] == ["gla", "longhorn"] and result["ok"]
