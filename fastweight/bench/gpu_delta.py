@@ -1,0 +1,148 @@
+"""One GPU run for the delta family's chunked Triton kernels: correctness, then speed.
+
+    python -m fastweight.bench.gpu_delta [--out DIR] [--skip-check] [--ops gdn,kda,...]
+
+Correctness: bf16 / fp16 / fp32 against the float64 reference (``fastweight.reference.ops``) on
+the same rounded inputs, output, final state and every gradient, varlen with initial_state.
+Tolerance (flash-attention's rule, with the floor as the low-precision reference's error):
+each relative error must be within 3x of the error of the float64 result rounded to the input
+dtype, and at most 1e-4 for fp32 (whose rounding floor is ~1e-8). Buffers are NaN-poisoned.
+
+Speed: bf16, median of triton.testing.do_bench, forward and forward+backward, against fla
+0.6.0's anchors (../shared/anchors, same H200), plus peak memory of forward+backward.
+The table is printed last; everything is written to DIR/gpu_delta.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import triton
+
+import fastweight.kernels as kernels
+import fastweight.reference.ops as reference
+from fastweight.kernels import common
+from fastweight.mechanisms import get
+from fastweight.testing import generator, rel_err
+
+MECHANISM = {"delta_rule": "deltanet", "gated_delta_rule": "gated_deltanet", "longhorn": "longhorn",
+             "kda": "kda", "comba": "comba"}
+# (op, shape (B, T, H, K=V), fla fwd ms, fla fwd+bwd ms): ../shared/anchors/README.md
+SPEED = [
+    ("gated_delta_rule", (4, 8192, 16, 128), 0.879, 3.638),
+    ("kda", (4, 8192, 16, 128), 1.822, 10.143),
+    ("delta_rule", (8, 16384, 64, 64), 10.461, 28.321),
+    ("delta_rule", (4, 8192, 16, 128), None, None),
+    ("longhorn", (4, 8192, 16, 128), None, None),
+    ("comba", (4, 8192, 16, 128), None, None),
+]
+
+
+def inputs(op, B, T, H, K, V, dtype, device, seed=0):
+    x = get(MECHANISM[op]).sample(B, T, H, K, V, dtype=torch.float32, device=device,
+                                   generator=generator(seed, device))
+    return {n: t.to(dtype) for n, t in x.items()}
+
+
+def run(op, x, **kw):
+    return getattr(kernels, f"chunk_{op}")(**x, **kw)
+
+
+def check(op, dtype, device, T=1500, H=4, K=128, V=128):
+    cu = torch.tensor([0, T // 5, 2 * T // 3, T], dtype=torch.int64, device=device)
+    x = inputs(op, 1, T, H, K, V, dtype, device, seed=1)
+    h0 = torch.randn(3, H, K, V, device=device, generator=generator(2, device))
+    kw = dict(scale=K ** -0.5, output_final_state=True, cu_seqlens=cu)
+    mine = {n: t.clone().requires_grad_() for n, t in x.items()}
+    h0m = h0.clone().requires_grad_()
+    o, ht = run(op, mine, initial_state=h0m, **kw)
+    ref = {n: t.double().requires_grad_() for n, t in x.items()}
+    h0r = h0.double().requires_grad_()
+    o_r, ht_r = getattr(reference, op)(**ref, initial_state=h0r, **kw)
+    do = torch.randn_like(o_r)
+    dht = torch.randn_like(ht_r)
+    ((o_r * do).sum() + (ht_r * dht).sum()).backward()
+    ((o.float() * do.float()).sum() + (ht * dht.float()).sum()).backward()
+    rows = {}
+    pairs = [("o", o, o_r), ("final_state", ht, ht_r), ("d_initial_state", h0m.grad, h0r.grad)]
+    pairs += [(f"d{n}", mine[n].grad, ref[n].grad) for n in ref]
+    for name, got, want in pairs:
+        err, floor = rel_err(got, want), rel_err(want.to(dtype), want)
+        tol = max(3 * floor, 1e-4)
+        rows[name] = dict(err=err, floor=floor, tol=tol, ok=bool(err <= tol))
+    return rows
+
+
+def bench(op, B, T, H, K, device):
+    x = inputs(op, B, T, H, K, K, torch.bfloat16, device)
+    kw = dict(scale=K ** -0.5)
+    fwd = triton.testing.do_bench(lambda: run(op, x, **kw), warmup=25, rep=200, return_mode="median")
+    xg = {n: t.clone().requires_grad_() for n, t in x.items()}
+    do = torch.randn(B, T, H, K, device=device, dtype=torch.bfloat16)
+
+    def step():
+        o, _ = run(op, xg, **kw)
+        o.backward(do)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+    fb = triton.testing.do_bench(step, warmup=25, rep=200, grad_to_none=list(xg.values()), return_mode="median")
+    return fwd, fb, peak
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--ops", default="")
+    args = ap.parse_args()
+    device = "cuda"
+    ops = [o for o in MECHANISM if hasattr(kernels, f"chunk_{o}") and (not args.ops or o in args.ops.split(","))]
+    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), check={}, speed=[])
+    lines = []
+    if not args.skip_check:
+        common.POISON_OUTPUTS = True
+        for op in ops:
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                t0 = time.time()
+                try:
+                    rows = check(op, dtype, device)
+                except Exception as e:  # noqa: BLE001  (report and go on to the timings)
+                    rows = {"error": dict(err=float("nan"), floor=0, tol=0, ok=False, what=repr(e)[:300])}
+                result["check"][f"{op}/{str(dtype)[6:]}"] = rows
+                worst = max(rows.items(), key=lambda kv: kv[1]["err"] / max(kv[1]["tol"], 1e-30))
+                bad = [n for n, r in rows.items() if not r["ok"]]
+                lines.append(f"check {op:17s} {str(dtype)[6:]:8s} {'ok  ' if not bad else 'FAIL'} o {rows.get('o', {}).get('err', float('nan')):.2e} "
+                             f"(floor {rows.get('o', {}).get('floor', 0):.1e})  worst {worst[0]} {worst[1]['err']:.2e}/{worst[1]['tol']:.1e}"
+                             f"  {'bad: ' + ','.join(bad) if bad else ''} [{time.time() - t0:.0f}s]")
+                print(lines[-1], flush=True)
+        common.POISON_OUTPUTS = False
+    for op, (B, T, H, K), fla_f, fla_fb in SPEED:
+        if op not in ops:
+            continue
+        try:
+            fwd, fb, peak = bench(op, B, T, H, K, device)
+        except Exception as e:  # noqa: BLE001
+            print(f"speed {op} failed: {e!r}"[:400], flush=True)
+            continue
+        row = dict(op=op, shape=[B, T, H, K], fwd_ms=fwd, fwdbwd_ms=fb, peak_gib=peak, fla_fwd_ms=fla_f, fla_fwdbwd_ms=fla_fb)
+        result["speed"].append(row)
+        ratio = (f"{fwd / fla_f:.2f}x / {fb / fla_fb:.2f}x" if fla_f else "-")
+        lines.append(f"speed {op:17s} {str((B, T, H, K)):22s} fwd {fwd:7.3f} ms  fwd+bwd {fb:7.3f} ms  peak {peak:5.2f} GiB  vs fla {ratio}")
+        print(lines[-1], flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_delta.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print("\n".join([f"== {result['gpu']} torch {result['torch']} triton {result['triton']} {result['date']}"] + lines))
+
+
+if __name__ == "__main__":
+    main()
