@@ -6,7 +6,6 @@ import torch
 from fastweight import theory
 from fastweight.mechanisms import REGISTRY, Mechanism, get, register
 from fastweight.mechanisms.base import KERNEL_PATHS
-from fastweight.reference import dplr_recurrent
 from fastweight.testing import generator, rel_err
 
 NAMES = tuple(REGISTRY)
@@ -95,15 +94,3 @@ def test_gradients_flow_through_the_reference():
 
         assert torch.autograd.gradcheck(f, tuple(x[n].clone().requires_grad_() for n in names))
 
-
-def test_dplr_recurrent_matches_a_dense_transition():
-    """dplr_recurrent is S_t = (Diag(exp gk) + a b^T) S + k v^T with b^T S on the undecayed state."""
-    x, g = sample("dplr", 1, 5, H=1, K=4, V=3)
-    h0 = torch.randn(1, 1, 4, 3, dtype=torch.float64, generator=g)
-    o, S_final = dplr_recurrent(**x, initial_state=h0, output_final_state=True, scale=1.0)
-    S = h0[0, 0]
-    for t in range(5):
-        A = torch.diag(x["gk"][0, t, 0].exp()) + torch.outer(x["a"][0, t, 0], x["b"][0, t, 0])
-        S = A @ S + torch.outer(x["k"][0, t, 0], x["v"][0, t, 0])
-        assert rel_err(o[0, t, 0], S.T @ x["q"][0, t, 0]) <= TOL64
-    assert rel_err(S_final[0, 0], S) <= TOL64
