@@ -169,6 +169,16 @@ def check_qkv(q, k, v, *, head_first_hint: bool = True, names: tuple = ("q", "k"
     return B, T, H, K, HV, V
 
 
+def check_same_dtype(**tensors) -> None:
+    """All given tensors (None skipped) share one dtype (q, k, v and the key-side vectors; gates may differ)."""
+    dtypes = {n: t.dtype for n, t in tensors.items() if isinstance(t, torch.Tensor)}
+    if len(set(dtypes.values())) > 1:
+        first = next(iter(dtypes))
+        odd = [n for n, d in dtypes.items() if d != dtypes[first]]
+        desc = ", ".join(f"`{n}` is {d}" for n, d in dtypes.items())
+        raise TypeError(f"`{odd[0]}` must have the dtype of `{first}` ({dtypes[first]}); got {desc}")
+
+
 def check_range(name: str, x, low: float, high: float, hint: str = "") -> None:
     """Every value of ``x`` lies in [low, high] (value check)."""
     if x is None or not _checking_values():

@@ -45,6 +45,8 @@ def _op(op, mode, backend, tensors, *, scale, initial_state, output_final_state,
     for name, shape in shapes.items():
         checks.check_tensor(name, tensors[name], ndim=len(shape), shape=shape, allow_none=name in optional)
     checks.check_same_device(**tensors, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    vectors = [x for x in (qn, kn, vn, *key) if x not in log]
+    checks.check_same_dtype(**{x: tensors[x] for x in vectors})
     checks.check_finite(**{x: t for x, t in tensors.items() if x not in log}, initial_state=initial_state)
     for name in log:
         checks.check_log_gate(name, tensors[name])

@@ -48,6 +48,17 @@ def test_integer_tensor(name):
         gdn(**{name: x[name].to(torch.int64)})
 
 
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_mixed_dtypes(name):
+    x = inputs("gated_deltanet")
+    with raises(TypeError, name):
+        gdn(**{name: x[name].to(torch.float64)})
+    y = inputs("rwkv7")
+    ops.chunk_rwkv7(**{**y, "w": y["w"].double()}, backend="reference")  # gates may differ
+    with raises(TypeError, "b"):
+        ops.chunk_rwkv7(**{**y, "b": y["b"].half()}, backend="reference")
+
+
 def test_not_a_tensor():
     with raises(TypeError, "q"):
         gdn(q=[[1.0]])
