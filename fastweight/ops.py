@@ -64,24 +64,46 @@ def _beta_max(allow_neg_eigval):
 
 # Decay family: S_t = Diag(w_t) S_{t-1} + k_t v_t^T.
 
-def _linear_attn(mode, q, k, v, scale, initial_state, output_final_state, cu_seqlens, backend):
-    return _op("linear_attn", mode, backend, dict(q=q, k=k, v=v), scale=scale, initial_state=initial_state,
-               output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+def _normalize_output(q, k, o, scale, cu_seqlens):
+    """o_t / (scale q_t . sum_{s <= t} k_s): the running key-sum normaliser (initial state not counted)."""
+    dt = torch.float64 if o.dtype == torch.float64 else torch.float32
+    k = k.to(dt)
+    if cu_seqlens is None:
+        k_sum = k.cumsum(1)
+    else:
+        bounds = cu_seqlens.tolist()
+        k_sum = torch.cat([k[:, b:e].cumsum(1) for b, e in zip(bounds[:-1], bounds[1:])], dim=1)
+    z = (scale * q.to(dt) * k_sum).sum(-1, keepdim=True)
+    z = z.repeat_interleave(o.shape[2] // q.shape[2], dim=2)
+    return (o.to(dt) / (z + 1e-10)).to(o.dtype)
 
 
-def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                      backend=None):
+def _linear_attn(mode, q, k, v, scale, initial_state, output_final_state, normalize, cu_seqlens, backend):
+    o, final_state = _op("linear_attn", mode, backend, dict(q=q, k=k, v=v), scale=scale,
+                         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    if normalize:
+        o = _normalize_output(q, k, o, checks.check_scale(scale, q.shape[-1]), cu_seqlens)
+    return o, final_state
+
+
+def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=False,
+                      cu_seqlens=None, backend=None):
     """Linear attention: S_t = S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V]. Returns (o [B, T, HV, V], final state [N, HV, K, V] or None).
+    ``normalize=True`` divides o_t by ``scale q_t . sum_{s <= t} k_s`` (Katharopoulos et al.'s
+    normaliser; the initial state is not counted, as in fla). Note fla's default is
+    ``normalize=True``; ours is the plain recurrence.
     """
-    return _linear_attn("chunk", q, k, v, scale, initial_state, output_final_state, cu_seqlens, backend)
+    return _linear_attn("chunk", q, k, v, scale, initial_state, output_final_state, normalize, cu_seqlens,
+                        backend)
 
 
 def fused_recurrent_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False,
-                                cu_seqlens=None, backend=None):
+                                normalize=False, cu_seqlens=None, backend=None):
     """Linear attention one token at a time; as ``chunk_linear_attn``."""
-    return _linear_attn("fused_recurrent", q, k, v, scale, initial_state, output_final_state, cu_seqlens, backend)
+    return _linear_attn("fused_recurrent", q, k, v, scale, initial_state, output_final_state, normalize,
+                        cu_seqlens, backend)
 
 
 def _retention(mode, q, k, v, scale, initial_state, output_final_state, cu_seqlens, backend):

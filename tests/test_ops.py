@@ -114,6 +114,19 @@ def test_allow_neg_eigval_widens_beta():
     assert rel_err(o, get("deltanet").recurrent(x)[0]) <= 1e-12
 
 
+def test_linear_attn_normalize():
+    """normalize=True: o_t / (scale q_t . sum_{s<=t} k_s), per sequence with cu_seqlens."""
+    x, _ = sample("linear_attention", 1, 12)
+    x["k"] = x["k"].abs()
+    x["q"] = x["q"].abs()
+    cu = torch.tensor([0, 5, 12])
+    o, _ = ops.chunk_linear_attn(x["q"], x["k"], x["v"], cu_seqlens=cu, backend="reference")
+    o_n, _ = ops.chunk_linear_attn(x["q"], x["k"], x["v"], normalize=True, cu_seqlens=cu, backend="reference")
+    t, kt = 7, x["k"][:, 5:8].sum(1)
+    z = (8 ** -0.5 * x["q"][:, t] * kt).sum(-1, keepdim=True)
+    assert rel_err(o_n[:, t], o[:, t] / z) <= 1e-9  # the normaliser adds 1e-10 to z
+
+
 def test_simple_gla_gates_add_and_retention_is_retnet():
     x, g = sample("retnet", 1, 20)
     gt = -torch.rand(1, 20, 2, dtype=torch.float64, generator=g)
