@@ -49,8 +49,11 @@ def _checking_values() -> bool:
 
 
 def check_tensor(name: str, x, ndim: int | None = None, shape: tuple | None = None,
-                 allow_none: bool = False) -> None:
-    """``x`` is a floating tensor with ``ndim`` dims and, where given, ``shape`` (None = any)."""
+                 allow_none: bool = False, hint: str = "") -> None:
+    """``x`` is a floating tensor with ``ndim`` dims and, where given, ``shape`` (None = any).
+
+    ``hint`` is appended to a shape error (where the expected shape comes from).
+    """
     if x is None:
         if allow_none:
             return
@@ -61,11 +64,11 @@ def check_tensor(name: str, x, ndim: int | None = None, shape: tuple | None = No
         raise TypeError(f"`{name}` must be a floating tensor (float16/bfloat16/float32/float64), got {x.dtype}")
     if ndim is not None and x.ndim != ndim:
         want = f"shape {_fmt(shape)}" if shape is not None else f"{ndim} dims"
-        raise ValueError(f"`{name}` must have {want}, got shape {tuple(x.shape)}")
+        raise ValueError(f"`{name}` must have {want}, got shape {tuple(x.shape)}{hint}")
     if shape is not None:
         for want, got in zip(shape, x.shape):
             if want is not None and want != got:
-                raise ValueError(f"`{name}` must have shape {_fmt(shape)}, got {tuple(x.shape)}")
+                raise ValueError(f"`{name}` must have shape {_fmt(shape)}, got {tuple(x.shape)}{hint}")
 
 
 def _fmt(shape) -> str:
@@ -159,8 +162,8 @@ def check_qkv(q, k, v, *, head_first_hint: bool = True, names: tuple = ("q", "k"
     qn, kn, vn = names
     check_tensor(qn, q, ndim=4, shape=(None, None, None, None))
     B, T, H, K = q.shape
-    check_tensor(kn, k, ndim=4, shape=(B, T, H, K))
-    check_tensor(vn, v, ndim=4, shape=(B, T, None, None))
+    check_tensor(kn, k, ndim=4, shape=(B, T, H, K), hint=f" (the shape of `{qn}`, [B, T, H, K])")
+    check_tensor(vn, v, ndim=4, shape=(B, T, None, None), hint=f" ([B, T, HV, V] with B, T of `{qn}`)")
     HV, V = v.shape[2], v.shape[3]
     if HV % H != 0:
         raise ValueError(f"`{vn}` has {HV} heads, which must be a multiple of the {H} heads of `{qn}`/`{kn}` "

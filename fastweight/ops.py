@@ -39,11 +39,13 @@ def _op(op, mode, backend, tensors, *, scale, initial_state, output_final_state,
     n = checks.check_cu_seqlens(cu_seqlens, B, T) or B
     checks.check_initial_state(initial_state, n, HV, K, V)
     dims = dict(H=H, HV=HV, K=K)
-    shapes = {**{x: (B, T, H, K) for x in key}, **{x: (B, T, HV) for x in head},
-              **{x: (B, T, HV, K) for x in head_k},
-              **{x: tuple(dims[d] for d in s) for x, s in (params or {}).items()}}
-    for name, shape in shapes.items():
-        checks.check_tensor(name, tensors[name], ndim=len(shape), shape=shape, allow_none=name in optional)
+    shapes = {**{x: ((B, T, H, K), "[B, T, H, K] like `k`") for x in key},
+              **{x: ((B, T, HV), "[B, T, HV]: one per value head") for x in head},
+              **{x: ((B, T, HV, K), "[B, T, HV, K]") for x in head_k},
+              **{x: (tuple(dims[d] for d in s), f"[{', '.join(s)}]") for x, s in (params or {}).items()}}
+    for name, (shape, layout) in shapes.items():
+        checks.check_tensor(name, tensors[name], ndim=len(shape), shape=shape, allow_none=name in optional,
+                            hint=f" (expected {layout})")
     checks.check_same_device(**tensors, initial_state=initial_state, cu_seqlens=cu_seqlens)
     vectors = [x for x in (qn, kn, vn, *key) if x not in log]
     checks.check_same_dtype(**{x: tensors[x] for x in vectors})
