@@ -4,6 +4,8 @@ that op does not exist (yet), the same recurrence written as the generic DPLR op
     S_t = (Diag(exp gk_t) + b_t a_t^T) S_{t-1} + k_t v_t^T,   o_t = S_t^T (scale q_t)
 
 (fla's argument meaning: ``a`` is read against the state, ``b`` is the write direction).
+Under ``torch.compile`` the call is opaque (a graph break): the ops validate their inputs and
+pick kernels in Python, and compiling the rest of the model around them is what pays.
 :func:`force_generic` routes every call through the DPLR op: the tests use it to check
 that each specialised op and its DPLR form agree inside a layer.
 
@@ -114,6 +116,7 @@ def specialised(op: str, mode: str):
     return getattr(ops, f"{mode}_{op}", None)
 
 
+@torch.compiler.disable
 def linear_op(op: str, mode: str, *, scale: float, initial_state=None, output_final_state: bool = False,
               **tensors):
     """Run ``op`` (fla's name, e.g. "gated_delta_rule") in ``mode``; returns (o, final state or None)."""

@@ -1,0 +1,92 @@
+import pytest
+import torch
+
+from fastweight.layers import Attention, ShortConv, build_mixer, force_generic
+from fastweight.layers.common import TokenShift
+from fastweight.layers.linear_op import GENERIC
+from fastweight.models import MIXERS, LMConfig
+from fastweight.testing import generator, rel_err
+
+LINEAR = [m for m in MIXERS if m not in ("attn", "swa")]
+
+
+def cfg(mixer="gdn", **kw):
+    return LMConfig.preset("tiny", mixer=mixer, vocab_size=64, **kw)
+
+
+def x(B=2, T=19, D=64, seed=None):
+    return torch.randn(B, T, D, generator=generator(seed))
+
+
+def test_short_conv_is_causal_and_cached():
+    conv = ShortConv(8, 4, "silu")
+    inp = x(D=8)
+    full, tail = conv(inp)
+    assert torch.equal(tail, inp[:, -3:])
+    first, cache = conv(inp[:, :10])
+    steps = [first]
+    for t in range(10, 19):
+        y, cache = conv(inp[:, t:t + 1], cache)
+        steps.append(y)
+    assert rel_err(torch.cat(steps, 1), full) < 1e-6
+    changed = inp.clone()
+    changed[:, 12] += 1
+    assert torch.equal(conv(changed)[0][:, :12], full[:, :12])
+
+
+def test_token_shift():
+    inp = x(D=4)
+    prev, last = TokenShift()(inp)
+    assert torch.equal(prev[:, 1:], inp[:, :-1]) and not prev[:, 0].any() and torch.equal(last, inp[:, -1:])
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_attention_window_matches_a_dense_softmax(window):
+    layer = Attention(cfg(window_size=window or 8), window=window)
+    inp = x(B=1, T=11)
+    y = layer(inp)
+    # output i depends only on the tokens of its window: changing the others leaves it as it is
+    for i in (0, 6, 10):
+        lo = 0 if window is None else max(0, i - window + 1)
+        part = inp.clone()
+        part[:, :lo] = torch.randn_like(part[:, :lo])
+        part[:, i + 1:] = torch.randn_like(part[:, i + 1:])
+        assert rel_err(layer(part)[:, i], y[:, i]) < 1e-6
+
+
+@pytest.mark.parametrize("mixer", LINEAR)
+def test_specialised_op_matches_its_dplr_form(mixer):
+    """Each layer's fla-named op and the layer's own mapping onto the generic DPLR op agree."""
+    torch.manual_seed(0)
+    layer = build_mixer(mixer, cfg(mixer))
+    inp = x(seed=3)
+    cache_a, cache_b = {}, {}
+    out = layer(inp, cache_a)
+    with force_generic():
+        ref = layer(inp, cache_b)
+    assert rel_err(out, ref) < 1e-5
+    if "state" in cache_a:
+        assert rel_err(cache_a["state"], cache_b["state"]) < 1e-5
+
+
+def test_every_op_has_a_dplr_form():
+    used = {"linear_attn", "simple_gla", "gla", "rwkv6", "hgrn2", "delta_rule", "gated_delta_rule", "kda",
+            "comba", "longhorn", "rwkv7"}
+    assert used <= set(GENERIC)
+
+
+@pytest.mark.parametrize("mixer", ["gdn", "deltanet", "kda", "comba"])
+def test_allow_neg_eigval_doubles_beta(mixer):
+    torch.manual_seed(0)
+    layer = build_mixer(mixer, cfg(mixer, allow_neg_eigval=True))
+    beta = layer.gates(x())["beta"]
+    assert beta.max() > 1 and beta.max() <= 2
+    layer(x())  # the op accepts beta in [0, 2]
+
+
+@pytest.mark.parametrize("mixer", ["gdn", "rwkv7", "mamba2"])
+def test_eval_decode_switches_to_fused_recurrent(mixer):
+    layer = build_mixer(mixer, cfg(mixer))
+    assert layer.mode(1000) == "chunk" and layer.mode(1) == "chunk"
+    layer.eval()
+    assert layer.mode(1) == "fused_recurrent" and layer.mode(1000) == "chunk"
