@@ -27,10 +27,10 @@ from fastweight.kernels.decay_state import dot_precision
 
 
 @triton.jit
-def decay_output_fwd_kernel(q, k, v, gq, gc, h, A, o, cu_seqlens, chunk_indices, scale, H: tl.constexpr,
+def decay_output_fwd_kernel(q, k, v, gq, gc, h, A, A2, v2, o, cu_seqlens, chunk_indices, scale, H: tl.constexpr,
                             K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                             BV: tl.constexpr, GATE: tl.constexpr, EXCLUSIVE: tl.constexpr,
-                            USE_A: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                            USE_A: tl.constexpr, USE_A2: tl.constexpr, DOT_PRECISION: tl.constexpr):
     i_v, i_t, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -74,6 +74,11 @@ def decay_output_fwd_kernel(q, k, v, gq, gc, h, A, o, cu_seqlens, chunk_indices,
         b_A = tl.where(m_s, b_A * scale, 0.)
     b_v = tl.load(v + ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
     b_o = b_o * scale + tl.dot(b_A.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+    if USE_A2:
+        b_A2 = tl.load(A2 + ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :], mask=m_s, other=0.)
+        b_v2 = tl.load(v2 + ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                       other=0.)
+        b_o += tl.dot(b_A2.to(b_v2.dtype), b_v2, input_precision=DOT_PRECISION)
     tl.store(o + ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty),
              mask=m_t[:, None] & m_v[None, :])
 
@@ -194,8 +199,9 @@ def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, dh, do, dA, dq, dk, dgk, cu_seqlens
         tl.store(dgk + i_k * T_all * H + (bos + o_t) * H + i_h, b_g, mask=m_t)
 
 
-def output_fwd(q, k, v, gq, gc, h, A, scale: float, chunks: Chunks, exclusive: bool) -> torch.Tensor:
-    """o [1, T, H, V] in v's dtype."""
+def output_fwd(q, k, v, gq, gc, h, A, scale: float, chunks: Chunks, exclusive: bool, A2=None,
+               v2=None) -> torch.Tensor:
+    """o [1, T, H, V] in v's dtype (plus lower(A2) v2 when given: the DPLR reads' term)."""
     _, T, H, K = q.shape
     V = v.shape[-1]
     gate = 0 if gc is None else (1 if gc.dim() == 3 else 2)
@@ -204,9 +210,10 @@ def output_fwd(q, k, v, gq, gc, h, A, scale: float, chunks: Chunks, exclusive: b
     o = torch.empty_like(v)
     grid = (triton.cdiv(V, BV), chunks.NC, H)
     decay_output_fwd_kernel[grid](q, k, v, gq if gq is not None else q, gc if gc is not None else q, h,
-                                  A if A is not None else q, o, chunks.cu_seqlens, chunks.chunk_indices, scale,
+                                  A if A is not None else q, A2 if A2 is not None else q,
+                                  v2 if v2 is not None else v, o, chunks.cu_seqlens, chunks.chunk_indices, scale,
                                   H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, GATE=gate, EXCLUSIVE=exclusive,
-                                  USE_A=A is not None, DOT_PRECISION=dot_precision(q.dtype))
+                                  USE_A=A is not None, USE_A2=A2 is not None, DOT_PRECISION=dot_precision(q.dtype))
     return o
 
 

@@ -1,0 +1,109 @@
+"""Chunked Triton kernels of the generic DPLR recurrence (RWKV-7), forward and backward.
+
+fla's meaning (``a`` is read against the state, ``b`` is the write direction):
+
+    S_t = (Diag(exp gk_t) + b_t a_t^T) S_{t-1} + k_t v_t^T        o_t = S_t^T (scale q_t)
+
+Per chunk of 64 tokens, G the chunk-local cumulative log decay, G^- one token earlier, S the
+state before the chunk (the readable spec is ``fastweight/chunk/dplr.py``):
+
+    1. A_qk, A_qb (s <= t, decays exp(G_t - G_s)), A_ak, A_ab (s < t, exp(G^-_t - G_s))
+       with sub-chunked safe decays                                   ``decay_intra.py``
+    2. T = (I - A_ab)^{-1} (blockwise exact solve)                    ``kkt_solve.py``
+       W = T (a * exp(G^-)),  U~ = T A_ak V                          ``dplr_wy.py``
+    3. per chunk in order: U = W S + U~,
+       S <- Diag(exp G_e) S + (b exp(G_e - G))^T U + (k exp(G_e - G))^T V   ``dplr_state.py``
+    4. o = scale (q * exp G) S + A_qb U + A_qk V                     ``decay_output.py``
+
+Backward: steps 1-3 are recomputed; the state gradient runs the loop in reverse (with the
+reads' gradient dU), then ``dplr_wy.py`` forms dV and the four matrices' gradients per chunk
+and ``dplr_intra.py`` takes them to q, k, a, b and the per-token gate terms, whose reverse
+cumulative sum is dgk (the identity of ``decay.py``, with a reading exp(G_{t-1})).
+
+Every exponential has an argument <= 0; no gate is clamped. Shapes: q, k, a, b, gk
+[B, T, H, K], v [B, T, H, V], ``initial_state`` [N, H, K, V], ``cu_seqlens`` [N+1] (B = 1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastweight.kernels.common import Chunks, prepare_chunks
+from fastweight.kernels.decay_gate import gate_cumsum, gate_reverse_cumsum
+from fastweight.kernels.decay_intra import intra_fwd
+from fastweight.kernels.decay_output import output_fwd
+from fastweight.kernels.dplr_intra import dplr_intra_bwd
+from fastweight.kernels.dplr_state import dplr_state_bwd, dplr_state_fwd
+from fastweight.kernels.dplr_wy import dplr_bwd_local, dplr_wy_fwd
+from fastweight.kernels.kkt_solve import solve
+
+BT = 64
+
+
+def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks):
+    """Steps 1-2: gates, the four intra-chunk matrices, T, W and U~."""
+    T, H = q.shape[1], q.shape[2]
+    gc = gate_cumsum(gk, None, chunks, H, T)
+    gp = gc - gk.float()
+    Aqk = intra_fwd(q, k, gc, gc, None, scale, chunks, exclusive=False)
+    Aqb = intra_fwd(q, b, gc, gc, None, scale, chunks, exclusive=False)
+    Aak = intra_fwd(a, k, gp, gc, None, 1.0, chunks, exclusive=True)
+    Aab = intra_fwd(a, b, gp, gc, None, 1.0, chunks, exclusive=True)
+    Ai = solve(Aab, torch.full((1, T, H), -1.0, device=q.device), chunks)
+    w, ut = dplr_wy_fwd(a, v, gp, Ai, Aak, chunks)
+    return gc, gp, Aqk, Aqb, Aak, Ai, w, ut
+
+
+class ChunkDplrFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, a, b, gk, initial_state, scale: float, output_final_state: bool, chunks: Chunks):
+        gc, gp, Aqk, Aqb, Aak, Ai, w, ut = _prepare(q, k, v, a, b, gk, scale, chunks)
+        h, u, ht = dplr_state_fwd(k, v, b, gc, w, ut, chunks, initial_state, output_final_state)
+        o = output_fwd(q, k, v, gc, gc, h, Aqk, scale, chunks, False, A2=Aqb, v2=u)
+        ctx.save_for_backward(q, k, v, a, b, gk, initial_state, ht)
+        ctx.scale, ctx.chunks = scale, chunks
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, a, b, gk, initial_state, ht = ctx.saved_tensors
+        scale, chunks = ctx.scale, ctx.chunks
+        do = do.contiguous()
+        gc, gp, Aqk, Aqb, Aak, Ai, w, ut = _prepare(q, k, v, a, b, gk, scale, chunks)
+        h, u, _ = dplr_state_fwd(k, v, b, gc, w, ut, chunks, initial_state, False)
+        dh, du, dh0 = dplr_state_bwd(q, b, gc, w, Aqb, do, dht, scale, chunks, initial_state is not None)
+        dv, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s = dplr_bwd_local(
+            q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, scale, chunks)
+        dq, dk, da, db, dgk, dga = dplr_intra_bwd(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s,
+                                                  db_s, scale, chunks)
+        carry = (ht * dht).sum(-1) if dht is not None else None
+        dg = (gate_reverse_cumsum(dgk, chunks, carry) - dga).to(gk.dtype)
+        if dh0 is not None:
+            dh0 = dh0.to(initial_state.dtype)
+        return dq, dk, dv, da, db, dg, dh0, None, None, None
+
+
+def chunk_dplr_delta_rule(q, k, v, a, b, gk, *, scale, initial_state=None, output_final_state=False,
+                          cu_seqlens=None, **_):
+    """Generic DPLR, fla's meaning: S_t = (Diag(exp gk_t) + b_t a_t^T) S_{t-1} + k_t v_t^T,
+    o_t = S_t^T (scale q_t). Returns (o [B, T, H, V], final state [N, H, K, V] fp32 or None)."""
+    B, T, H, _ = q.shape
+    V = v.shape[-1]
+    chunks = prepare_chunks(cu_seqlens, B, T, BT, q.device)
+
+    def pack(x):
+        return x.reshape(1, B * T, *x.shape[2:]).contiguous()
+
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    o, ht = ChunkDplrFunction.apply(pack(q), pack(k), pack(v), pack(a), pack(b), pack(gk), initial_state, scale,
+                                    output_final_state, chunks)
+    return o.reshape(B, T, H, V), ht
+
+
+def chunk_rwkv7(r, w, k, v, a, b, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
+    """RWKV-7 with fla's arguments: ``chunk_dplr_delta_rule(q=r, k, v, a, b, gk=w)``, w the log decay,
+    a = -kappa^ (read), b = kappa^ * iclr (write)."""
+    return chunk_dplr_delta_rule(r, k, v, a, b, w, scale=scale, initial_state=initial_state,
+                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens)

@@ -1,0 +1,147 @@
+"""Backward of the generic DPLR chunk's four intra-chunk matrices, per sub-chunk of 16 tokens.
+
+fla's names (``a`` read, ``b`` write). With G the chunk-local cumulative log decay and G^- the
+same one token earlier, the forward formed
+
+    A_qk = lower(scale q k^T * exp(G_t - G_s))      A_qb = lower(scale q b^T * exp(G_t - G_s))
+    A_ak = strictLower(a k^T * exp(G^-_t - G_s))    A_ab = strictLower(a b^T * exp(G^-_t - G_s))
+
+so, given their gradients (``dplr_wy.py``), the row side gets dq_t = sum_s dA_qk[t, s] dA_qk/dq_t
++ (same with dA_qb), da_t likewise from dA_ak, dA_ab, and the column side dk_s, db_s from the
+transposes. As in ``decay_intra.py`` the exponentials are split only through a reference row
+between different sub-chunks (both factors <= 1), and taken pairwise inside one.
+
+The gate gradient (see ``decay.py``): q and a read exp(G_t) and exp(G_{t-1}), k and b
+exp(-G_s), so per token dgk = q dq - k dk - b db + a da and dga = a da, and
+dg_s = sum_{t >= s} dgk_t - dga_s (+ the final-state term).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastweight.kernels.common import Chunks
+from fastweight.kernels.decay_state import dot_precision
+
+
+@triton.jit
+def _load_rows(x, bos, o, m, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr):
+    return tl.load(x + ((bos + o) * H + i_h)[:, None] * K + o_k[None, :], mask=m[:, None] & m_k[None, :],
+                   other=0.).to(tl.float32)
+
+
+@triton.jit
+def _load_dA(dA, bos, o_r, m_r, c0, i_h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    return tl.load(dA + ((bos + o_r) * H + i_h)[:, None] * BT + (c0 + tl.arange(0, BC))[None, :], mask=m_r[:, None],
+                   other=0.)
+
+
+@triton.jit
+def dplr_intra_bwd_kernel(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s, dq, dk, da, db,
+                          dgk, dga, cu_seqlens, chunk_indices, scale, H: tl.constexpr, K: tl.constexpr,
+                          BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    i_k, i_tc, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NC: tl.constexpr = BT // BC
+    i_t, i_i = (i_tc // NC).to(tl.int64), i_tc % NC
+    i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    if i_c * BT + i_i * BC >= T:
+        return
+    o_c = tl.arange(0, BC)
+    o_i = i_c * BT + i_i * BC + o_c
+    m_i = o_i < T
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    m_ik = m_i[:, None] & m_k[None, :]
+    b_q = _load_rows(q, bos, o_i, m_i, i_h, o_k, m_k, H, K)
+    b_qs = b_q * scale
+    b_k = _load_rows(k, bos, o_i, m_i, i_h, o_k, m_k, H, K)
+    b_a = _load_rows(a, bos, o_i, m_i, i_h, o_k, m_k, H, K)
+    b_b = _load_rows(b, bos, o_i, m_i, i_h, o_k, m_k, H, K)
+    b_g = _load_rows(gc, bos, o_i, m_i, i_h, o_k, m_k, H, K)
+    b_gp = _load_rows(gp, bos, o_i, m_i, i_h, o_k, m_k, H, K)
+    # row side (dq, da) from earlier sub-chunks, through the reference row before sub-chunk i
+    b_dq = tl.zeros([BC, BK], dtype=tl.float32)
+    b_da = tl.zeros([BC, BK], dtype=tl.float32)
+    if i_i > 0:
+        b_gr = tl.load(gc + ((bos + i_c * BT + i_i * BC - 1) * H + i_h) * K + o_k, mask=m_k, other=0.)
+        for i_j in tl.static_range(0, NC - 1):
+            if i_j < i_i:
+                o_j = i_c * BT + i_j * BC + o_c
+                b_e = tl.exp(b_gr[None, :] - _load_rows(gc, bos, o_j, o_j < T, i_h, o_k, m_k, H, K))
+                b_kj = _load_rows(k, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e
+                b_bj = _load_rows(b, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e
+                b_dq += tl.dot(_load_dA(dAqk, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_kj, input_precision=DOT_PRECISION)
+                b_dq += tl.dot(_load_dA(dAqb, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_bj, input_precision=DOT_PRECISION)
+                b_da += tl.dot(_load_dA(dAak, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_kj, input_precision=DOT_PRECISION)
+                b_da += tl.dot(_load_dA(dAab, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_bj, input_precision=DOT_PRECISION)
+        b_dq *= tl.exp(tl.where(m_ik, b_g - b_gr[None, :], 0.))
+        b_da *= tl.exp(tl.where(m_ik, b_gp - b_gr[None, :], 0.))
+    # column side (dk, db) from later sub-chunks, through the reference row before each of them
+    b_dk = tl.zeros([BC, BK], dtype=tl.float32)
+    b_db = tl.zeros([BC, BK], dtype=tl.float32)
+    for i_j in tl.static_range(1, NC):
+        if (i_j > i_i) and (i_c * BT + i_j * BC < T):
+            o_j = i_c * BT + i_j * BC + o_c
+            m_j = o_j < T
+            m_jk = m_j[:, None] & m_k[None, :]
+            b_gr = tl.load(gc + ((bos + i_c * BT + i_j * BC - 1) * H + i_h) * K + o_k, mask=m_k, other=0.)
+            b_qj = _load_rows(q, bos, o_j, m_j, i_h, o_k, m_k, H, K) * scale * tl.exp(
+                tl.where(m_jk, _load_rows(gc, bos, o_j, m_j, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
+            b_aj = _load_rows(a, bos, o_j, m_j, i_h, o_k, m_k, H, K) * tl.exp(
+                tl.where(m_jk, _load_rows(gp, bos, o_j, m_j, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
+            b_e = tl.exp(tl.where(m_ik, b_gr[None, :] - b_g, 0.))
+            b_dkj = tl.dot(tl.trans(_load_dA(dAqk, bos, o_j, m_j, i_i * BC, i_h, H, BT, BC)), b_qj,
+                           input_precision=DOT_PRECISION)
+            b_dkj += tl.dot(tl.trans(_load_dA(dAak, bos, o_j, m_j, i_i * BC, i_h, H, BT, BC)), b_aj,
+                            input_precision=DOT_PRECISION)
+            b_dbj = tl.dot(tl.trans(_load_dA(dAqb, bos, o_j, m_j, i_i * BC, i_h, H, BT, BC)), b_qj,
+                           input_precision=DOT_PRECISION)
+            b_dbj += tl.dot(tl.trans(_load_dA(dAab, bos, o_j, m_j, i_i * BC, i_h, H, BT, BC)), b_aj,
+                            input_precision=DOT_PRECISION)
+            b_dk += b_dkj * b_e
+            b_db += b_dbj * b_e
+    # the diagonal sub-chunk: pairwise differences
+    m_incl = (o_i[:, None] >= o_i[None, :]) & m_i[:, None] & m_i[None, :]
+    m_strict = (o_i[:, None] > o_i[None, :]) & m_i[:, None] & m_i[None, :]
+    b_ei = tl.exp(tl.where(m_incl[:, :, None], b_g[:, None, :] - b_g[None, :, :], float("-inf")))
+    b_es = tl.exp(tl.where(m_strict[:, :, None], b_gp[:, None, :] - b_g[None, :, :], float("-inf")))
+    b_dqk = tl.where(m_incl, _load_dA(dAqk, bos, o_i, m_i, i_i * BC, i_h, H, BT, BC), 0.)[:, :, None] * b_ei
+    b_dqb = tl.where(m_incl, _load_dA(dAqb, bos, o_i, m_i, i_i * BC, i_h, H, BT, BC), 0.)[:, :, None] * b_ei
+    b_dak = tl.where(m_strict, _load_dA(dAak, bos, o_i, m_i, i_i * BC, i_h, H, BT, BC), 0.)[:, :, None] * b_es
+    b_dab = tl.where(m_strict, _load_dA(dAab, bos, o_i, m_i, i_i * BC, i_h, H, BT, BC), 0.)[:, :, None] * b_es
+    b_dq += tl.sum(b_dqk * b_k[None, :, :] + b_dqb * b_b[None, :, :], axis=1)
+    b_da += tl.sum(b_dak * b_k[None, :, :] + b_dab * b_b[None, :, :], axis=1)
+    b_dk += tl.sum(b_dqk * b_qs[:, None, :] + b_dak * b_a[:, None, :], axis=0)
+    b_db += tl.sum(b_dqb * b_qs[:, None, :] + b_dab * b_a[:, None, :], axis=0)
+    # plus the parts through the states, then the gate terms
+    p_i = ((bos + o_i) * H + i_h)[:, None] * K + o_k[None, :]
+    b_dq = b_dq * scale + tl.load(dq_s + p_i, mask=m_ik, other=0.)
+    b_dk += tl.load(dk_s + p_i, mask=m_ik, other=0.)
+    b_da += tl.load(da_s + p_i, mask=m_ik, other=0.)
+    b_db += tl.load(db_s + p_i, mask=m_ik, other=0.)
+    tl.store(dgk + p_i, b_q * b_dq - b_k * b_dk - b_b * b_db + b_a * b_da, mask=m_ik)
+    tl.store(dga + p_i, b_a * b_da, mask=m_ik)
+    tl.store(dq + p_i, b_dq.to(dq.dtype.element_ty), mask=m_ik)
+    tl.store(dk + p_i, b_dk.to(dk.dtype.element_ty), mask=m_ik)
+    tl.store(da + p_i, b_da.to(da.dtype.element_ty), mask=m_ik)
+    tl.store(db + p_i, b_db.to(db.dtype.element_ty), mask=m_ik)
+
+
+def dplr_intra_bwd(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s, scale: float,
+                   chunks: Chunks):
+    """dq, dk, da, db (inputs' dtypes) and the per-token gate terms dgk, dga [1, T, H, K] fp32."""
+    _, T, H, K = q.shape
+    BT, BC = chunks.BT, 16
+    BK = min(32, max(16, triton.next_power_of_2(K)))
+    dq, dk, da, db = (torch.empty_like(x) for x in (q, k, a, b))
+    dgk = torch.empty(1, T, H, K, dtype=torch.float32, device=q.device)
+    dga = torch.empty_like(dgk)
+    dplr_intra_bwd_kernel[(triton.cdiv(K, BK), chunks.NC * (BT // BC), H)](
+        q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s, dq, dk, da, db, dgk, dga,
+        chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, BT=BT, BC=BC, BK=BK,
+        DOT_PRECISION=dot_precision(q.dtype))
+    return dq, dk, da, db, dgk, dga

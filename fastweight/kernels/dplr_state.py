@@ -1,0 +1,159 @@
+"""The state pass of the generic DPLR chunk algorithm, forward and backward.
+
+In fla's names (``a`` read against the state, ``b`` the write direction), per chunk with S the
+state before it, G the chunk-local cumulative log decay, G_e its value at the chunk's last token,
+W = T (a * exp(G^-)) and U~ = T A_ak V from ``dplr_wy.py``:
+
+    U  = W S + U~                                   (the reads u_t = a_t^T S_{t-1}, [BT, V])
+    S' = Diag(exp G_e) S + (b * exp(G_e - G))^T U + (k * exp(G_e - G))^T V
+
+Backward, the same loop from the last chunk, with dS' the gradient of the state after the chunk:
+
+    dU = A_qb^T dO + (b * exp(G_e - G)) dS'
+    dS = Diag(exp G_e) dS' + (scale q * exp(G))^T dO + W^T dU
+
+W U reads contract the whole key dimension, so one program holds all of K (BK = K padded to a
+power of two) for a block of V. ``h``/``dh`` are stored per chunk ([NC, H, K, V]), U and dU per
+token ([1, T, H, V]).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastweight.kernels.common import Chunks
+from fastweight.kernels.decay_state import dot_precision
+
+
+@triton.jit
+def dplr_state_fwd_kernel(k, v, b, gc, w, ut, h, u, h0, ht, cu_seqlens, chunk_offsets, H: tl.constexpr,
+                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                          USE_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    NT = tl.cdiv(T, BT)
+    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    o_h = o_k[:, None] * V + o_v[None, :]
+    m_h = m_k[:, None] & m_v[None, :]
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + o_h, mask=m_h, other=0.).to(tl.float32)
+    # a while loop: the interpreter cannot iterate range() to a runtime bound
+    i_t = 0
+    while i_t < NT:
+        tl.store(h + ((boh + i_t) * H + i_h) * K * V + o_h, b_h.to(h.dtype.element_ty), mask=m_h)
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_k = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
+        p_v = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
+        b_w = tl.load(w + p_k, mask=m_tk, other=0.)
+        b_u = tl.dot(b_w, b_h.to(b_w.dtype), input_precision=DOT_PRECISION)
+        b_u += tl.load(ut + p_v, mask=m_tv, other=0.).to(tl.float32)
+        tl.store(u + p_v, b_u.to(u.dtype.element_ty), mask=m_tv)
+        last = bos + tl.minimum(T, i_t * BT + BT) - 1
+        b_gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k, other=0.)
+        b_e = tl.exp(tl.where(m_tk, b_gl[None, :] - tl.load(gc + p_k, mask=m_tk, other=0.), float("-inf")))
+        b_bd = (tl.load(b + p_k, mask=m_tk, other=0.).to(tl.float32) * b_e).to(b_w.dtype)
+        b_kd = (tl.load(k + p_k, mask=m_tk, other=0.).to(tl.float32) * b_e).to(b_w.dtype)
+        b_v = tl.load(v + p_v, mask=m_tv, other=0.)
+        b_h *= tl.exp(b_gl)[:, None]
+        b_h += tl.dot(tl.trans(b_bd), b_u.to(b_w.dtype), input_precision=DOT_PRECISION)
+        b_h += tl.dot(tl.trans(b_kd), b_v.to(b_w.dtype), input_precision=DOT_PRECISION)
+        i_t += 1
+    if STORE_HT:
+        tl.store(ht + i_nh.to(tl.int64) * K * V + o_h, b_h, mask=m_h)
+
+
+@triton.jit
+def dplr_state_bwd_kernel(q, b, gc, w, Aqb, do, dh, du, dht, dh0, cu_seqlens, chunk_offsets, scale,
+                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                          BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    NT = tl.cdiv(T, BT)
+    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    o_h = o_k[:, None] * V + o_v[None, :]
+    m_h = m_k[:, None] & m_v[None, :]
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_dh += tl.load(dht + i_nh.to(tl.int64) * K * V + o_h, mask=m_h, other=0.).to(tl.float32)
+    i_c = 0
+    while i_c < NT:
+        i_t = NT - 1 - i_c
+        tl.store(dh + ((boh + i_t) * H + i_h) * K * V + o_h, b_dh.to(dh.dtype.element_ty), mask=m_h)
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_k = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
+        p_v = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
+        last = bos + tl.minimum(T, i_t * BT + BT) - 1
+        b_gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k, other=0.)
+        b_g = tl.load(gc + p_k, mask=m_tk, other=0.)
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.)
+        b_w = tl.load(w + p_k, mask=m_tk, other=0.)
+        m_s = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
+        b_A = tl.load(Aqb + ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :], mask=m_s, other=0.)
+        b_bd = tl.load(b + p_k, mask=m_tk, other=0.).to(tl.float32) * tl.exp(
+            tl.where(m_tk, b_gl[None, :] - b_g, float("-inf")))
+        b_du = tl.dot(tl.trans(b_A).to(b_do.dtype), b_do, input_precision=DOT_PRECISION)
+        b_du += tl.dot(b_bd.to(b_w.dtype), b_dh.to(b_w.dtype), input_precision=DOT_PRECISION)
+        tl.store(du + p_v, b_du.to(du.dtype.element_ty), mask=m_tv)
+        b_qg = tl.load(q + p_k, mask=m_tk, other=0.).to(tl.float32) * tl.exp(b_g) * scale
+        b_dh *= tl.exp(b_gl)[:, None]
+        b_dh += tl.dot(tl.trans(b_qg.to(b_do.dtype)), b_do, input_precision=DOT_PRECISION)
+        b_dh += tl.dot(tl.trans(b_w), b_du.to(b_w.dtype), input_precision=DOT_PRECISION)
+        i_c += 1
+    if STORE_DH0:
+        tl.store(dh0 + i_nh.to(tl.int64) * K * V + o_h, b_dh, mask=m_h)
+
+
+def _blocks(K, V):
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(64 if BK <= 64 else 32, max(16, triton.next_power_of_2(V)))
+    return BK, BV
+
+
+def dplr_state_fwd(k, v, b, gc, w, ut, chunks: Chunks, initial_state, output_final_state: bool):
+    """h [NC, H, K, V] (k's dtype), U [1, T, H, V] (k's dtype), final state [N, H, K, V] fp32 or None."""
+    _, T, H, K = k.shape
+    V = v.shape[-1]
+    BK, BV = _blocks(K, V)
+    h = torch.empty(chunks.NC, H, K, V, dtype=k.dtype, device=k.device)
+    u = torch.empty(1, T, H, V, dtype=k.dtype, device=k.device)
+    ht = torch.empty(chunks.N, H, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
+    dplr_state_fwd_kernel[(triton.cdiv(V, BV), chunks.N * H)](
+        k, v, b, gc, w, ut, h, u, initial_state if initial_state is not None else h, ht if ht is not None else h,
+        chunks.cu_seqlens, chunks.chunk_offsets, H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
+        USE_H0=initial_state is not None, STORE_HT=output_final_state, DOT_PRECISION=dot_precision(k.dtype))
+    return h, u, ht
+
+
+def dplr_state_bwd(q, b, gc, w, Aqb, do, dht, scale: float, chunks: Chunks, need_dh0: bool):
+    """dh [NC, H, K, V] fp32 (gradient of the state after each chunk), dU [1, T, H, V] fp32, dh0 or None."""
+    _, T, H, K = q.shape
+    V = do.shape[-1]
+    BK, BV = _blocks(K, V)
+    dh = torch.empty(chunks.NC, H, K, V, dtype=torch.float32, device=q.device)
+    du = torch.empty(1, T, H, V, dtype=torch.float32, device=q.device)
+    dh0 = torch.empty(chunks.N, H, K, V, dtype=torch.float32, device=q.device) if need_dh0 else None
+    dplr_state_bwd_kernel[(triton.cdiv(V, BV), chunks.N * H)](
+        q, b, gc, w, Aqb, do, dh, du, dht if dht is not None else dh, dh0 if dh0 is not None else dh,
+        chunks.cu_seqlens, chunks.chunk_offsets, scale, H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
+        USE_DHT=dht is not None, STORE_DH0=need_dh0, DOT_PRECISION=dot_precision(q.dtype))
+    return dh, du, dh0

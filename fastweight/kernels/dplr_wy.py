@@ -1,0 +1,186 @@
+"""The WY stage of the generic DPLR chunk algorithm and the per-chunk backward that mirrors it.
+
+fla's names: ``a`` is read against the state, ``b`` is the write direction. Per chunk (G the
+chunk-local cumulative log decay, G^- = G one token earlier, all decays <= 1; the intra-chunk
+matrices from ``decay_intra.py``):
+
+    A_ab = strictLower(a b^T * exp(G^-_t - G_s))    A_ak = strictLower(a k^T * exp(G^-_t - G_s))
+    T    = (I - A_ab)^{-1}                          (``kkt_solve.solve``, blockwise exact)
+    W    = T (a * exp(G^-))     U~ = T A_ak V       (this file, forward)
+
+Backward, per chunk, given the state S = h[c], its gradient after the chunk dS' = dh[c], the
+reads U = W S + U~ and their gradient dU (``dplr_state.py``):
+
+    dX = T^T dU,   dA~ = T^T (dU S^T)                       (the transposed solves)
+    dV = A_qk^T dO + A_ak^T dX + (k * exp(G_e - G)) dS'
+    dA_qk = dO V^T,  dA_qb = dO U^T,  dA_ak = dX V^T,  dA_ab = dA~ W^T + dX U~^T   (masked)
+    da (via W) = dA~ * exp(G^-),  dq (via S) = scale (dO S^T) * exp(G),
+    db, dk (via S') = (U dS'^T, V dS'^T) * exp(G_e - G)
+
+The intra-chunk matrices' gradients reach q, k, a, b in ``dplr_intra.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastweight.kernels.common import Chunks
+from fastweight.kernels.decay_state import dot_precision
+
+
+@triton.jit
+def dplr_wy_fwd_kernel(a, v, gp, Ai, Aak, w, ut, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+                       V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+    i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    m_all = m_t[:, None] & m_t[None, :]
+    p_A = ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
+    b_T = tl.load(Ai + p_A, mask=m_all & (o_t[:, None] >= o_t[None, :]), other=0.)
+    b_Aak = tl.load(Aak + p_A, mask=m_all & (o_t[:, None] > o_t[None, :]), other=0.)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        p_k = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
+        b_a = tl.load(a + p_k, mask=m_tk, other=0.).to(tl.float32) * tl.exp(tl.load(gp + p_k, mask=m_tk, other=0.))
+        b_w = tl.dot(b_T, b_a, input_precision=DOT_PRECISION)
+        tl.store(w + p_k, b_w.to(w.dtype.element_ty), mask=m_tk)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_v = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
+        b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_y = tl.dot(b_Aak, b_v, input_precision=DOT_PRECISION)
+        b_ut = tl.dot(b_T, b_y, input_precision=DOT_PRECISION)
+        tl.store(ut + p_v, b_ut.to(ut.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit
+def dplr_bwd_local_kernel(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dAqk, dAqb, dAak, dAab,
+                          dq, dk, da, db, cu_seqlens, chunk_indices, scale, H: tl.constexpr, K: tl.constexpr,
+                          V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):
+    i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    m_all = m_t[:, None] & m_t[None, :]
+    m_incl = m_all & (o_t[:, None] >= o_t[None, :])
+    m_strict = m_all & (o_t[:, None] > o_t[None, :])
+    last = bos + tl.minimum(T, i_c * BT + BT) - 1
+    p_A = ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
+    b_T = tl.load(Ai + p_A, mask=m_incl, other=0.)
+    b_Aqk = tl.load(Aqk + p_A, mask=m_incl, other=0.)
+    b_Aak = tl.load(Aak + p_A, mask=m_strict, other=0.)
+    b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dAqb = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dAak = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dAab = tl.zeros([BT, BT], dtype=tl.float32)
+    o_h = (i_t * H + i_h) * K * V
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_v = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_ut = tl.load(ut + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_du = tl.load(du + p_v, mask=m_tv, other=0.)
+        b_dx = tl.dot(tl.trans(b_T), b_du, input_precision=DOT_PRECISION)
+        b_dv = tl.dot(tl.trans(b_Aqk), b_do, input_precision=DOT_PRECISION)
+        b_dv += tl.dot(tl.trans(b_Aak), b_dx, input_precision=DOT_PRECISION)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            m_tk = m_t[:, None] & m_k[None, :]
+            p_k = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
+            b_gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k, other=0.)
+            b_e = tl.exp(tl.where(m_tk, b_gl[None, :] - tl.load(gc + p_k, mask=m_tk, other=0.), float("-inf")))
+            b_kd = tl.load(k + p_k, mask=m_tk, other=0.).to(tl.float32) * b_e
+            b_dh = tl.load(dh + o_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.)
+            b_dv += tl.dot(b_kd, b_dh, input_precision=DOT_PRECISION)
+        tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_tv)
+        b_dAqk += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
+        b_dAqb += tl.dot(b_do, tl.trans(b_u), input_precision=DOT_PRECISION)
+        b_dAak += tl.dot(b_dx, tl.trans(b_v), input_precision=DOT_PRECISION)
+        b_dAab += tl.dot(b_dx, tl.trans(b_ut), input_precision=DOT_PRECISION)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        p_k = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
+        b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dqi = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dbi = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dki = tl.zeros([BT, BK], dtype=tl.float32)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_tv = m_t[:, None] & m_v[None, :]
+            p_v = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
+            p_h = o_h + o_k[:, None] * V + o_v[None, :]
+            b_h = tl.load(h + p_h, mask=m_k[:, None] & m_v[None, :], other=0.).to(tl.float32)
+            b_dh = tl.load(dh + p_h, mask=m_k[:, None] & m_v[None, :], other=0.)
+            b_du = tl.load(du + p_v, mask=m_tv, other=0.)
+            b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(tl.float32)
+            b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
+            b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
+            b_dw += tl.dot(b_du, tl.trans(b_h), input_precision=DOT_PRECISION)
+            b_dqi += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PRECISION)
+            b_dbi += tl.dot(b_u, tl.trans(b_dh), input_precision=DOT_PRECISION)
+            b_dki += tl.dot(b_v, tl.trans(b_dh), input_precision=DOT_PRECISION)
+        b_da = tl.dot(tl.trans(b_T), b_dw, input_precision=DOT_PRECISION)
+        b_w = tl.load(w + p_k, mask=m_tk, other=0.).to(tl.float32)
+        b_dAab += tl.dot(b_da, tl.trans(b_w), input_precision=DOT_PRECISION)
+        b_g = tl.load(gc + p_k, mask=m_tk, other=0.)
+        b_gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k, other=0.)
+        b_e = tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, float("-inf")))
+        tl.store(da + p_k, b_da * tl.exp(tl.load(gp + p_k, mask=m_tk, other=0.)), mask=m_tk)
+        tl.store(dq + p_k, b_dqi * scale * tl.exp(b_g), mask=m_tk)
+        tl.store(db + p_k, b_dbi * b_e, mask=m_tk)
+        tl.store(dk + p_k, b_dki * b_e, mask=m_tk)
+    tl.store(dAqk + p_A, tl.where(m_incl, b_dAqk, 0.), mask=m_t[:, None])
+    tl.store(dAqb + p_A, tl.where(m_incl, b_dAqb, 0.), mask=m_t[:, None])
+    tl.store(dAak + p_A, tl.where(m_strict, b_dAak, 0.), mask=m_t[:, None])
+    tl.store(dAab + p_A, tl.where(m_strict, b_dAab, 0.), mask=m_t[:, None])
+
+
+def _blocks(K, V):
+    return min(64, max(16, triton.next_power_of_2(K))), min(64, max(16, triton.next_power_of_2(V)))
+
+
+def dplr_wy_fwd(a, v, gp, Ai, Aak, chunks: Chunks):
+    """W = T (a * exp(G^-)) [1, T, H, K] and U~ = T A_ak V [1, T, H, V], both in a's dtype."""
+    _, T, H, K = a.shape
+    V = v.shape[-1]
+    BK, BV = _blocks(K, V)
+    w = torch.empty_like(a)
+    ut = torch.empty(1, T, H, V, dtype=a.dtype, device=a.device)
+    dplr_wy_fwd_kernel[(chunks.NC, H)](a, v, gp, Ai, Aak, w, ut, chunks.cu_seqlens, chunks.chunk_indices, H=H, K=K,
+                                       V=V, BT=chunks.BT, BK=BK, BV=BV, DOT_PRECISION=dot_precision(a.dtype))
+    return w, ut
+
+
+def dplr_bwd_local(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, scale: float, chunks: Chunks):
+    """dv (v's dtype); dA_qk, dA_qb, dA_ak, dA_ab [1, T, H, BT] fp32; the state parts of dq, dk, da, db (fp32)."""
+    _, T, H, K = q.shape
+    V = v.shape[-1]
+    BK, BV = _blocks(K, V)
+    BK, BV = min(BK, 32), min(BV, 32)
+    dv = torch.empty_like(v)
+    dAs = [torch.empty(1, T, H, chunks.BT, dtype=torch.float32, device=q.device) for _ in range(4)]
+    dqkab = [torch.empty(1, T, H, K, dtype=torch.float32, device=q.device) for _ in range(4)]
+    dplr_bwd_local_kernel[(chunks.NC, H)](q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, *dAs, *dqkab,
+                                          chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, V=V,
+                                          BT=chunks.BT, BK=BK, BV=BV, DOT_PRECISION=dot_precision(q.dtype),
+                                          num_warps=8)
+    return (dv, *dAs, *dqkab)
