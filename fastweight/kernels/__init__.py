@@ -1,3 +1,11 @@
 from fastweight.kernels.delta import chunk_delta_rule  # noqa: F401
 from fastweight.kernels.delta import chunk_gated_delta_rule  # noqa: F401
 from fastweight.kernels.delta import chunk_longhorn  # noqa: F401
+from fastweight.kernels.decay import chunk_linear_attn  # noqa: F401
+from fastweight.kernels.decay import chunk_retention  # noqa: F401
+from fastweight.kernels.decay import chunk_simple_gla  # noqa: F401
+from fastweight.kernels.decay import chunk_gla  # noqa: F401
+from fastweight.kernels.decay import chunk_rwkv6  # noqa: F401
+from fastweight.kernels.decay import chunk_hgrn2  # noqa: F401
+from fastweight.kernels.dplr import chunk_dplr_delta_rule  # noqa: F401
+from fastweight.kernels.dplr import chunk_rwkv7  # noqa: F401
