@@ -4,8 +4,10 @@
     window(i) = {j : j <= i}                (full)      {j : i - W < j <= i}   (swa)
 
 Rotary positions on q and k; grouped key/value heads (``cfg.n_kv_heads``). The decode
-cache holds the keys and values seen so far: all of them for full attention (it grows
-with the sequence), the last W - 1 for a sliding window (constant size).
+cache holds the keys and values seen so far: all of them for full attention (a buffer
+that grows by doubling, so a decode step appends in place), the last W - 1 for a sliding
+window (constant size). A sliding window over a long sequence runs blockwise: queries in
+blocks of W, each attending to its own block and the previous one, O(T W) work.
 """
 
 from __future__ import annotations
@@ -39,10 +41,7 @@ class Attention(Mixer):
         k = rotary(split_heads(self.k_proj(x), self.n_kv_heads), offset, self.rope_theta)
         v = split_heads(self.v_proj(x), self.n_kv_heads)
         if cache is not None:
-            if "k" in cache:
-                k, v = torch.cat([cache["k"], k], dim=1), torch.cat([cache["v"], v], dim=1)
-            keep = k.shape[1] if self.window is None else min(k.shape[1], self.window - 1)
-            cache["k"], cache["v"] = k[:, k.shape[1] - keep:], v[:, v.shape[1] - keep:]
+            k, v = self.append(cache, k, v)
         group = self.n_heads // self.n_kv_heads
         if group > 1:
             k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
@@ -50,6 +49,8 @@ class Attention(Mixer):
         S = k.shape[2]
         if self.window is None and S == T:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif S == T and T > self.window:
+            o = window_blocks(q, k, v, self.window)
         else:
             q_pos = torch.arange(S - T, S, device=x.device)[:, None]
             k_pos = torch.arange(S, device=x.device)[None, :]
@@ -58,3 +59,45 @@ class Attention(Mixer):
                 mask = mask & (k_pos > q_pos - self.window)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(o.transpose(1, 2).flatten(-2))
+
+    def append(self, cache: dict, k: torch.Tensor, v: torch.Tensor):
+        """Add k, v [B, T, H, d] to the cache; returns the keys and values to attend to."""
+        if self.window is not None:
+            if "k" in cache:
+                k, v = torch.cat([cache["k"], k], dim=1), torch.cat([cache["v"], v], dim=1)
+            keep = min(k.shape[1], self.window - 1)
+            cache["k"], cache["v"] = k[:, k.shape[1] - keep:], v[:, v.shape[1] - keep:]
+            return k, v
+        n, T = cache.get("length", 0), k.shape[1]
+        if "k" not in cache or n + T > cache["k"].shape[1]:
+            size = max(2 * n, n + T)
+            for name, new in (("k", k), ("v", v)):
+                buf = new.new_empty(new.shape[0], size, *new.shape[2:])
+                if n:
+                    buf[:, :n] = cache[name][:, :n]
+                cache[name] = buf
+        cache["k"][:, n:n + T], cache["v"][:, n:n + T] = k, v
+        cache["length"] = n + T
+        return cache["k"][:, :n + T], cache["v"][:, :n + T]
+
+
+def window_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """Causal sliding-window attention of q, k, v [B, H, T, d] in blocks of W = ``window`` queries.
+
+    Block n attends to keys of blocks n-1 and n: query i of the block (position nW + i) sees
+    the keys at local positions j in (i, W + i] of the 2W keys, i.e. (nW + i - W, nW + i].
+    """
+    B, H, T, d = q.shape
+    W = window
+    n = -(-T // W)
+    pad = n * W - T
+    q, k, v = (F.pad(t, (0, 0, 0, pad)).view(B, H, n, W, d) for t in (q, k, v))
+    k, v = (torch.cat([F.pad(t, (0, 0, 0, 0, 1, 0))[:, :, :n], t], dim=3) for t in (k, v))  # [B, H, n, 2W, d]
+    i = torch.arange(W, device=q.device)[:, None]
+    j = torch.arange(2 * W, device=q.device)[None, :]
+    mask = (j > i) & (j <= W + i)
+    mask = mask.expand(n, W, 2 * W).clone()
+    mask[0, :, :W] = False  # block 0 has no previous block
+    o = F.scaled_dot_product_attention(q.reshape(B, H * n, W, d), k.reshape(B, H * n, 2 * W, d),
+                                       v.reshape(B, H * n, 2 * W, d), attn_mask=mask.repeat(H, 1, 1))
+    return o.view(B, H, n * W, d)[:, :, :T]

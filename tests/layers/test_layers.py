@@ -90,3 +90,26 @@ def test_eval_decode_switches_to_fused_recurrent(mixer):
     assert layer.mode(1000) == "chunk" and layer.mode(1) == "chunk"
     layer.eval()
     assert layer.mode(1) == "fused_recurrent" and layer.mode(1000) == "chunk"
+
+
+@pytest.mark.parametrize("T", [8, 13, 24])
+def test_window_blocks_match_the_masked_dense_form(T):
+    from fastweight.layers.attention import window_blocks
+    g = generator()
+    q, k, v = (torch.randn(2, 3, T, 8, generator=g) for _ in range(3))
+    pos = torch.arange(T)
+    mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - 4)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert rel_err(window_blocks(q, k, v, 4), ref) < 1e-6
+
+
+def test_full_attention_cache_grows_in_place():
+    layer = Attention(cfg("attn"))
+    cache = {}
+    inp = x(B=1, T=9)
+    ref = layer(inp)
+    outs = [layer(inp[:, :4], cache, {"offset": 0})]
+    for t in range(4, 9):
+        outs.append(layer(inp[:, t:t + 1], cache, {"offset": t}))
+    assert cache["length"] == 9 and cache["k"].shape[1] == 16  # capacities 4, 8, 16
+    assert rel_err(torch.cat(outs, 1), ref) < 1e-6
