@@ -25,7 +25,8 @@ def _load(name: str):
 
 
 def build_parser(modules=SUBCOMMANDS) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fastweight", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="fastweight", description="fastweight: the linear-attention family "
+                                     "as fast weights (one DPLR recurrence).")
     subparsers = parser.add_subparsers(dest="command", metavar="command")
     for name in modules:
         module = _load(name)

@@ -93,7 +93,8 @@ def format_table(result: dict) -> str:
              f"{'mechanism':<18} {'DPLR parameters':<{width}}  {'own vs DPLR':>11}  {'grad step':>9}  status"]
     for r in rows:
         status = "ok" if r["ok"] else "FAIL"
-        lines.append(f"{r['mechanism']:<18} {r['dplr']:<{width}}  {r['dplr_err']:11.1e}  {r['step_err']:9.1e}  {status}")
+        errors = f"{r['dplr_err']:11.1e}  {r['step_err']:9.1e}"
+        lines.append(f"{r['mechanism']:<18} {r['dplr']:<{width}}  {errors}  {status}")
     lines.append("")
     for f in result["facts"]:
         lines.append(f"{'ok  ' if f['ok'] else 'FAIL'} {f['fact']}: {f['err']:.1e}")
@@ -115,11 +116,18 @@ def _main(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def register(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("verify", help="check every mechanism against the DPLR core and its objective",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one, printed)")
-    parser.add_argument("--length", type=int, default=64, help="sequence length T (default 64)")
+    parser.add_argument("--length", type=_positive, default=64, help="sequence length T (default 64)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float64", help="computation dtype")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--mechanism", action="append", choices=tuple(REGISTRY),

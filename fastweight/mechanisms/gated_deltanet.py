@@ -7,9 +7,7 @@ Online learning: decay first, then one SGD step with learning rate beta_t on
 DPLR: w = alpha_t, a = -beta k, b = alpha_t k, write (beta k, v).
 """
 
-import torch
-
-from fastweight.mechanisms.base import Mechanism, kT_S, l2norm, outer, rand, randn, register
+from fastweight.mechanisms.base import Mechanism, kT_S, l2norm, outer, rand, randn, register, regression
 
 
 def sample(B, T, H, K, V, *, dtype, device, generator):
@@ -36,9 +34,7 @@ def to_dplr(inputs):
 
 def objective(S, x):
     S_decayed = x["g"].exp()[..., None, None] * S
-    k, v = x["k"], x["v"]
-    loss = lambda X: 0.5 * ((kT_S(k, X) - v) ** 2).sum()  # noqa: E731
-    return S_decayed, [(x["beta"][..., None, None], loss)], False
+    return S_decayed, [(x["beta"][..., None, None], regression(x["k"], x["v"]))], False
 
 
 MECHANISM = register(Mechanism(
