@@ -4,10 +4,11 @@ One generic path serves them all (DESIGN.md section 2):
 
     S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T (scale q_t)
 
-with alpha_t = exp(g_t) (``g`` None: DeltaNet). Longhorn is this with beta replaced by
+with alpha_t = exp(g_t) (``g`` None: DeltaNet); KDA's per-channel gate
+(``g`` [B, T, H, K]) decays first: S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T. Longhorn is this with beta replaced by
 eps = beta / (1 + beta k^T k). Stages (one file each): chunk-local cumsum of g, the solve
-``Ai = (I + A)^{-1}`` (kkt_solve), W and U (wy), the state pass fused with the output
-(state). The backward recomputes nothing per token: the forward keeps the chunk-start states
+``Ai = (I + A)^{-1}`` (kkt_solve; with a per-channel gate, A and the intra-chunk scores come
+from intra), W and U (wy), the state pass fused with the output (state). The backward recomputes nothing per token: the forward keeps the chunk-start states
 ``h`` and v_tilde; the dh pass (state), the per-chunk output backward (output), and the WY
 backward (wy) give every gradient. Derivations: docs/kernels.md.
 """
@@ -18,7 +19,8 @@ import torch
 
 from fastweight.kernels.common import prepare_chunks
 from fastweight.kernels.cumsum import chunk_local_cumsum
-from fastweight.kernels.kkt_solve import BT_DELTA, kkt_solve
+from fastweight.kernels.intra import intra_bwd, intra_fwd
+from fastweight.kernels.kkt_solve import BT_DELTA, kkt_solve, solve
 from fastweight.kernels.l2norm import l2norm
 from fastweight.kernels.output import output_bwd
 from fastweight.kernels.state import state_bwd, state_output_fwd
@@ -31,19 +33,29 @@ def _pack(x):
 
 
 def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks, store_h):
-    g_cum = chunk_local_cumsum(g, chunks) if g is not None else None
-    Ai = kkt_solve(k, beta, g_cum, chunks)
-    w, u = recompute_w_u(k, v, beta, g_cum, Ai, chunks)
-    o, ht, h, v_new = state_output_fwd(q, k, w, u, g_cum, initial_state, output_final_state, store_h, scale, chunks)
-    return o, ht, (g_cum, Ai, w, h, v_new)
+    """g: None, [1, T, H] (scalar gate) or [1, T, H, K] (per-channel gate, KDA)."""
+    g_cum = gk_cum = Aqk = Akk = None
+    if g is not None and g.dim() == 4:
+        gk_cum = chunk_local_cumsum(g, chunks)
+        Aqk, Akk = intra_fwd(q, k, gk_cum, chunks)
+        Ai = solve(Akk, beta, chunks)
+    else:
+        g_cum = chunk_local_cumsum(g, chunks) if g is not None else None
+        Ai = kkt_solve(k, beta, g_cum, chunks)
+    w, u = recompute_w_u(k, v, beta, g_cum, Ai, chunks, gk_cum=gk_cum)
+    o, ht, h, v_new = state_output_fwd(q, k, w, u, g_cum, initial_state, output_final_state, store_h, scale, chunks,
+                                       gk_cum=gk_cum, Aqk=Aqk)
+    return o, ht, (g_cum, gk_cum, Ai, Aqk, Akk, w, h, v_new)
 
 
 def delta_bwd(q, k, v, beta, saved, do, dht, scale, chunks, need_dh0):
-    g_cum, Ai, w, h, v_new = saved
-    dh, dv_tilde, dh0 = state_bwd(q, k, w, g_cum, do, dht, scale, chunks, need_dh0)
-    dq, dk, dw, dg_cum = output_bwd(q, k, g_cum, h, dh, v_new, do, dv_tilde, scale, chunks)
-    dv, dbeta = wy_bwd(k, v, beta, g_cum, Ai, dw, dv_tilde, dk, dg_cum, chunks)
-    dg = chunk_local_cumsum(dg_cum, chunks, reverse=True) if g_cum is not None else None
+    g_cum, gk_cum, Ai, Aqk, Akk, w, h, v_new = saved
+    dh, dv_tilde, dh0 = state_bwd(q, k, w, g_cum, do, dht, scale, chunks, need_dh0, gk_cum=gk_cum, Aqk=Aqk)
+    dq, dk, dw, dg_cum, dAqk = output_bwd(q, k, g_cum, h, dh, v_new, do, dv_tilde, scale, chunks, gk_cum=gk_cum)
+    dv, dbeta, dAkk = wy_bwd(k, v, beta, g_cum, Ai, dw, dv_tilde, dk, dg_cum, chunks, gk_cum=gk_cum, Akk=Akk)
+    if gk_cum is not None:
+        intra_bwd(q, k, gk_cum, dAqk, dAkk, dq, dk, dg_cum, chunks)
+    dg = chunk_local_cumsum(dg_cum, chunks, reverse=True) if dg_cum is not None else None
     return dq, dk, dv, dg, dbeta, dh0
 
 
@@ -53,6 +65,7 @@ class ChunkDeltaFunction(torch.autograd.Function):
         B, T = q.shape[:2]
         chunks = prepare_chunks(cu_seqlens, B, T, BT_DELTA, q.device)
         shapes = (q.shape, v.shape)
+        qshape_k = q.shape[-1]
         q, k, v, g, beta = (_pack(x) for x in (q, k, v, g, beta))
         if initial_state is not None:
             initial_state = initial_state.contiguous()
@@ -62,6 +75,7 @@ class ChunkDeltaFunction(torch.autograd.Function):
         ctx.has_g, ctx.chunks, ctx.scale, ctx.shapes = g is not None, chunks, scale, shapes
         ctx.has_h0 = initial_state is not None
         ctx.g_dtype = g.dtype if g is not None else None
+        ctx.g_shape = shapes[1][:3] + ((qshape_k,) if g is not None and g.dim() == 4 else ())
         ctx.h0_dtype = initial_state.dtype if initial_state is not None else None
         return o.reshape(shapes[1]), ht
 
@@ -79,7 +93,7 @@ class ChunkDeltaFunction(torch.autograd.Function):
         dq = dq.to(q.dtype).reshape(qshape)
         dk = dk.to(k.dtype).reshape(qshape)
         dv = dv.to(v.dtype).reshape(vshape)
-        dg = dg.to(ctx.g_dtype).reshape(gshape) if dg is not None else None
+        dg = dg.to(ctx.g_dtype).reshape(ctx.g_shape) if dg is not None else None
         dbeta = dbeta.to(beta.dtype).reshape(gshape)
         dh0 = dh0.to(ctx.h0_dtype) if dh0 is not None else None
         return dq, dk, dv, dg, dbeta, None, dh0, None, None
@@ -114,6 +128,14 @@ def chunk_delta_rule(q, k, v, beta, *, scale, initial_state=None, output_final_s
                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
+def chunk_kda(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+              use_qk_l2norm_in_kernel=False, **_):
+    """KDA: S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T, g: [B, T, HV, K]."""
+    return chunk_delta(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
 def chunk_longhorn(q, k, v, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
     """Longhorn: the delta rule with step eps_t = beta_t / (1 + beta_t k_t^T k_t) (its gradient by autograd)."""
     kk = (k.float() * k.float()).sum(-1)
@@ -124,6 +146,7 @@ def chunk_longhorn(q, k, v, beta, *, scale, initial_state=None, output_final_sta
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
-for _impl in (chunk_gated_delta_rule, chunk_delta_rule, chunk_longhorn):
+for _impl in (chunk_gated_delta_rule, chunk_delta_rule, chunk_kda, chunk_longhorn):
     _impl.grouped_heads = True
-chunk_gated_delta_rule.fused_l2norm = chunk_delta_rule.fused_l2norm = True
+for _impl in (chunk_gated_delta_rule, chunk_delta_rule, chunk_kda):
+    _impl.fused_l2norm = True

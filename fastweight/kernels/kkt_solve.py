@@ -85,11 +85,10 @@ def kkt_solve_kernel(k, beta, g, Ai, cu_seqlens, chunk_indices, H: tl.constexpr,
         b_A42 += mm(b_k4, tl.trans(b_k2))
         b_A43 += mm(b_k4, tl.trans(b_k3))
         b_A44 += mm(b_k4, tl.trans(b_k4))
-    o_t = t0 + tl.arange(0, 16)
-    b_b1 = tl.load(beta + (bos + o_t) * H + i_h, mask=o_t < T, other=0.).to(tl.float32)[:, None]
-    b_b2 = tl.load(beta + (bos + o_t + 16) * H + i_h, mask=o_t + 16 < T, other=0.).to(tl.float32)[:, None]
-    b_b3 = tl.load(beta + (bos + o_t + 32) * H + i_h, mask=o_t + 32 < T, other=0.).to(tl.float32)[:, None]
-    b_b4 = tl.load(beta + (bos + o_t + 48) * H + i_h, mask=o_t + 48 < T, other=0.).to(tl.float32)[:, None]
+    b_b1 = _beta16(beta, bos, T, t0, H, i_h)
+    b_b2 = _beta16(beta, bos, T, t0 + 16, H, i_h)
+    b_b3 = _beta16(beta, bos, T, t0 + 32, H, i_h)
+    b_b4 = _beta16(beta, bos, T, t0 + 48, H, i_h)
     b_A11 *= b_b1 * _gamma(g, bos, T, H, i_h, t0, t0, USE_G, True)
     b_A21 *= b_b2 * _gamma(g, bos, T, H, i_h, t0 + 16, t0, USE_G, False)
     b_A22 *= b_b2 * _gamma(g, bos, T, H, i_h, t0 + 16, t0 + 16, USE_G, True)
@@ -102,6 +101,47 @@ def kkt_solve_kernel(k, beta, g, Ai, cu_seqlens, chunk_indices, H: tl.constexpr,
     b_A44 *= b_b4 * _gamma(g, bos, T, H, i_h, t0 + 48, t0 + 48, USE_G, True)
     store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44,
                  Ai + (bos * H + i_h) * BT, T, t0, H, BT)
+
+
+@triton.jit
+def solve_kernel(Akk, beta, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, BT: tl.constexpr):
+    """Ai = (I + Diag(beta) Akk)^{-1} for an Akk already formed (strictly lower, [T, H, BT], e.g. by intra.py)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
+    bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
+    T = eos - bos
+    t0 = i_t * BT
+    Akk += (bos * H + i_h) * BT
+    b_b1 = _beta16(beta, bos, T, t0, H, i_h)
+    b_b2 = _beta16(beta, bos, T, t0 + 16, H, i_h)
+    b_b3 = _beta16(beta, bos, T, t0 + 32, H, i_h)
+    b_b4 = _beta16(beta, bos, T, t0 + 48, H, i_h)
+    o_i = tl.arange(0, 16)
+    m_strict = o_i[:, None] > o_i[None, :]
+    b_A11 = tl.where(m_strict, _load16(Akk, T, t0, 0, H, BT), 0.) * b_b1
+    b_A21 = _load16(Akk, T, t0 + 16, 0, H, BT) * b_b2
+    b_A22 = tl.where(m_strict, _load16(Akk, T, t0 + 16, 16, H, BT), 0.) * b_b2
+    b_A31 = _load16(Akk, T, t0 + 32, 0, H, BT) * b_b3
+    b_A32 = _load16(Akk, T, t0 + 32, 16, H, BT) * b_b3
+    b_A33 = tl.where(m_strict, _load16(Akk, T, t0 + 32, 32, H, BT), 0.) * b_b3
+    b_A41 = _load16(Akk, T, t0 + 48, 0, H, BT) * b_b4
+    b_A42 = _load16(Akk, T, t0 + 48, 16, H, BT) * b_b4
+    b_A43 = _load16(Akk, T, t0 + 48, 32, H, BT) * b_b4
+    b_A44 = tl.where(m_strict, _load16(Akk, T, t0 + 48, 48, H, BT), 0.) * b_b4
+    store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44,
+                 Ai + (bos * H + i_h) * BT, T, t0, H, BT)
+
+
+@triton.jit
+def _beta16(beta, bos, T, r0, H: tl.constexpr, i_h):
+    o_t = r0 + tl.arange(0, 16)
+    return tl.load(beta + (bos + o_t) * H + i_h, mask=o_t < T, other=0.).to(tl.float32)[:, None]
+
+
+@triton.jit
+def _load16(A, T, r0, c0, H: tl.constexpr, BT: tl.constexpr):
+    p = tl.make_block_ptr(A, (T, BT), (H * BT, 1), (r0, c0), (16, 16), (1, 0))
+    return tl.load(p, boundary_check=(0, 1))
 
 
 @triton.jit
@@ -150,4 +190,12 @@ def kkt_solve(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor | None, c
     BK = min(64, triton.next_power_of_2(K))
     kkt_solve_kernel[(chunks.NC, H)](k, beta, g_cum, Ai, chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK, K=K,
                                      BT=BT, BK=BK, USE_G=g_cum is not None, num_warps=4)
+    return Ai
+
+
+def solve(Akk: torch.Tensor, beta: torch.Tensor, chunks: Chunks) -> torch.Tensor:
+    """Akk: [1, T, H, 64] strictly lower per chunk (fp32); beta: [1, T, H] -> Ai [1, T, H, 64] fp32."""
+    _, T, H, BT = Akk.shape
+    Ai = alloc((1, T, H, BT), device=Akk.device, dtype=torch.float32)
+    solve_kernel[(chunks.NC, H)](Akk, beta, Ai, chunks.cu_seqlens, chunks.chunk_indices, H=H, BT=BT, num_warps=4)
     return Ai

@@ -20,12 +20,13 @@ import triton
 import triton.language as tl
 
 from fastweight.kernels.common import Chunks, alloc, mm
+from fastweight.kernels.state import _chunk_gates_k
 
 
 @triton.jit
-def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, cu_seqlens, chunk_indices, scale,
+def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, cu_seqlens, chunk_indices, scale,
                       H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                      BV: tl.constexpr, USE_G: tl.constexpr):
+                      BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
@@ -56,13 +57,26 @@ def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, cu_seqlens,
         b_dk += mm(b_vn, b_dh.to(b_vn.dtype))
         b_dw += mm(b_dv, b_h.to(b_vn.dtype))
         b_ds += mm(b_do, tl.trans(b_vn))
-        if USE_G:
+        if USE_G or USE_GK:
             b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0)
     p_q = tl.make_block_ptr(q + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
     p_k = tl.make_block_ptr(k + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
     b_q = tl.load(p_q, boundary_check=(0, 1))
     b_k = tl.load(p_k, boundary_check=(0, 1))
-    if USE_G:
+    if USE_GK:
+        # per-channel gate: the intra-chunk part goes through dAqk to intra.py
+        b_gk, b_gklast = _chunk_gates_k(g, bos, T, i_t, H, i_h, K, BT, BK)
+        b_dq = b_dq * tl.exp(b_gk) * scale
+        b_dgk = b_dq * b_q.to(tl.float32)
+        b_dk = b_dk * tl.where(m_t[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)
+        b_dkk = b_dk * b_k.to(tl.float32)
+        b_dglast = tl.sum(b_dkk, 0) + tl.exp(b_gklast) * b_hdh
+        b_dgk += tl.where((o_t == tl.minimum(i_t * BT + BT, T) - 1)[:, None], b_dglast[None, :], 0.) - b_dkk
+        p_dg = tl.make_block_ptr(dg + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+        tl.store(p_dg, b_dgk, boundary_check=(0, 1))
+        p_dA = tl.make_block_ptr(dAqk + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_t * BT, 0), (BT, BT), (1, 0))
+        tl.store(p_dA, tl.where(m_causal, b_ds, 0.) * scale, boundary_check=(0, 1))
+    elif USE_G:
         b_g = tl.load(g + (bos + o_t) * H + i_h, mask=m_t, other=0.)
         b_glast = tl.load(g + (bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h)
         b_dq = b_dq * (tl.exp(b_g) * scale)[:, None]
@@ -80,9 +94,10 @@ def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, cu_seqlens,
     else:
         b_dq = b_dq * scale
         b_ds = tl.where(m_causal, b_ds, 0.) * scale
-    b_dsc = b_ds.to(b_q.dtype)
-    b_dq += mm(b_dsc, b_k)
-    b_dk += mm(tl.trans(b_dsc), b_q)
+    if not USE_GK:
+        b_dsc = b_ds.to(b_q.dtype)
+        b_dq += mm(b_dsc, b_k)
+        b_dk += mm(tl.trans(b_dsc), b_q)
     p_dq = tl.make_block_ptr(dq + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
     p_dk = tl.make_block_ptr(dk + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
     p_dw = tl.make_block_ptr(dw + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
@@ -91,15 +106,20 @@ def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, cu_seqlens,
     tl.store(p_dw, (-b_dw).to(p_dw.dtype.element_ty), boundary_check=(0, 1))
 
 
-def output_bwd(q, k, g_cum, h, dh, v_new, do, dv, scale: float, chunks: Chunks):
-    """Returns (dq, dk, dw, dg) in float32, per value head (dg None without a gate); dk and dg are partial."""
+def output_bwd(q, k, g_cum, h, dh, v_new, do, dv, scale: float, chunks: Chunks, gk_cum=None):
+    """Returns (dq, dk, dw, dg, dAqk) in float32, per value head; dk and dg are partial.
+
+    dg: None without a gate, [1, T, H, K] with a per-channel gate ``gk_cum``, whose intra-chunk
+    part of dq, dk, dg is left to ``intra.intra_bwd`` through dAqk (None otherwise)."""
     _, T, HK, K = k.shape
     H, V = do.shape[2], do.shape[-1]
     BK, BV = triton.next_power_of_2(K), min(64, triton.next_power_of_2(V))
     f32 = dict(device=q.device, dtype=torch.float32)
     dq, dk, dw = (alloc((1, T, H, K), **f32) for _ in range(3))
-    dg = alloc(g_cum.shape, **f32) if g_cum is not None else None
-    output_bwd_kernel[(chunks.NC, H)](q, k, g_cum, h, dh, v_new, do, dv, dq, dk, dw, dg, chunks.cu_seqlens,
+    gate = g_cum if gk_cum is None else gk_cum
+    dg = alloc(gate.shape, **f32) if gate is not None else None
+    dAqk = alloc((1, T, H, chunks.BT), **f32) if gk_cum is not None else None
+    output_bwd_kernel[(chunks.NC, H)](q, k, gate, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, chunks.cu_seqlens,
                                       chunks.chunk_indices, scale, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
-                                      USE_G=g_cum is not None, num_warps=4 if K <= 64 else 8)
-    return dq, dk, dw, dg
+                                      USE_G=g_cum is not None, USE_GK=gk_cum is not None, num_warps=4 if K <= 64 else 8)
+    return dq, dk, dw, dg, dAqk

@@ -38,9 +38,18 @@ def _chunk_gates(g, bos, T, i_t, H: tl.constexpr, i_h, BT: tl.constexpr):
 
 
 @triton.jit
-def state_output_fwd_kernel(q, k, w, u, g, h0, o, ht, h, v_new, cu_seqlens, chunk_offsets, scale,
+def _chunk_gates_k(g, bos, T, i_t, H: tl.constexpr, i_h, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """(per-channel G of the chunk's rows [BT, BK] (0 past the end), G at the chunk's last row [BK])."""
+    p_g = tl.make_block_ptr(g + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+    o_k = tl.arange(0, BK)
+    b_glast = tl.load(g + ((bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h) * K + o_k, mask=o_k < K, other=0.)
+    return tl.load(p_g, boundary_check=(0, 1)), b_glast
+
+
+@triton.jit
+def state_output_fwd_kernel(q, k, w, u, g, Aqk, h0, o, ht, h, v_new, cu_seqlens, chunk_offsets, scale,
                             H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                            BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+                            BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr,
                             USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
                             STORE_H: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -68,6 +77,7 @@ def state_output_fwd_kernel(q, k, w, u, g, h0, o, ht, h, v_new, cu_seqlens, chun
         b_k = tl.load(p_k, boundary_check=(0, 1))
         b_w = tl.load(p_w, boundary_check=(0, 1))
         b_hc = b_h.to(b_q.dtype)
+        m_row = i_t * BT + o_i < T
         if STORE_H:
             p_h = tl.make_block_ptr(h + ((boh + i_t) * H + i_h) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
             tl.store(p_h, b_h.to(p_h.dtype.element_ty), boundary_check=(0, 1))
@@ -75,21 +85,31 @@ def state_output_fwd_kernel(q, k, w, u, g, h0, o, ht, h, v_new, cu_seqlens, chun
         if STORE_H:
             p_vn = tl.make_block_ptr(v_new + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
             tl.store(p_vn, b_v.to(p_vn.dtype.element_ty), boundary_check=(0, 1))
-        b_o = mm(b_q, b_hc)
-        b_A = mm(b_q, tl.trans(b_k))
-        if USE_G:
-            b_g, b_glast = _chunk_gates(g, bos, T, i_t, H, i_h, BT)
-            b_o = b_o * tl.exp(b_g)[:, None]
-            b_A = b_A * tl.where(m_causal, tl.exp(b_g[:, None] - b_g[None, :]), 0.)
-            b_vk = b_v * tl.exp(b_glast - b_g)[:, None]
-            b_h = b_h * tl.exp(b_glast)
+        b_kd = b_k
+        b_vk = b_v
+        if USE_GK:
+            # per-channel decay: the intra-chunk scores come precomputed (intra.py)
+            b_gk, b_gklast = _chunk_gates_k(g, bos, T, i_t, H, i_h, K, BT, BK)
+            b_o = mm((b_q * tl.exp(b_gk)).to(b_q.dtype), b_hc)
+            p_A = tl.make_block_ptr(Aqk + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_t * BT, 0), (BT, BT), (1, 0))
+            b_A = tl.load(p_A, boundary_check=(0, 1))
+            b_kd = (b_k * tl.where(m_row[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)).to(b_k.dtype)
+            b_h = b_h * tl.exp(b_gklast)[:, None]
         else:
-            b_A = tl.where(m_causal, b_A, 0.)
-            b_vk = b_v
+            b_o = mm(b_q, b_hc)
+            b_A = mm(b_q, tl.trans(b_k))
+            if USE_G:
+                b_g, b_glast = _chunk_gates(g, bos, T, i_t, H, i_h, BT)
+                b_o = b_o * tl.exp(b_g)[:, None]
+                b_A = b_A * tl.where(m_causal, tl.exp(b_g[:, None] - b_g[None, :]), 0.)
+                b_vk = b_v * tl.exp(b_glast - b_g)[:, None]
+                b_h = b_h * tl.exp(b_glast)
+            else:
+                b_A = tl.where(m_causal, b_A, 0.)
         b_vc = b_v.to(b_q.dtype)
         b_o = (b_o + mm(b_A.to(b_q.dtype), b_vc)) * scale
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))
-        b_h += mm(tl.trans(b_k), b_vk.to(b_q.dtype))
+        b_h += mm(tl.trans(b_kd), b_vk.to(b_q.dtype))
         i_t += 1
     if STORE_FINAL_STATE:
         p_ht = tl.make_block_ptr(ht + i_nh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
@@ -97,10 +117,10 @@ def state_output_fwd_kernel(q, k, w, u, g, h0, o, ht, h, v_new, cu_seqlens, chun
 
 
 @triton.jit
-def state_bwd_kernel(q, k, w, g, do, dht, dh, dh0, dv, cu_seqlens, chunk_offsets, scale,
-                     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr, USE_G: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
-                     STORE_INITIAL_STATE_GRADIENT: tl.constexpr):
+def state_bwd_kernel(q, k, w, g, Aqk, do, dht, dh, dh0, dv, cu_seqlens, chunk_offsets, scale,
+                     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr,
+                     USE_FINAL_STATE_GRADIENT: tl.constexpr, STORE_INITIAL_STATE_GRADIENT: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
@@ -127,19 +147,28 @@ def state_bwd_kernel(q, k, w, g, do, dht, dh, dh0, dv, cu_seqlens, chunk_offsets
         b_k = tl.load(p_k, boundary_check=(0, 1))
         b_w = tl.load(p_w, boundary_check=(0, 1))
         b_do = tl.load(p_do, boundary_check=(0, 1)).to(b_q.dtype)
-        # [BT, BT]: entry (j, i) = k_j . q_i, the transpose of the output's Q K^T
-        b_At = mm(b_k, tl.trans(b_q))
-        if USE_G:
+        if USE_GK:
+            b_gk, b_gklast = _chunk_gates_k(g, bos, T, i_t, H, i_h, K, BT, BK)
+            p_A = tl.make_block_ptr(Aqk + (bos * H + i_h) * BT, (BT, T), (1, H * BT), (0, i_t * BT), (BT, BT), (0, 1))
+            b_At = tl.load(p_A, boundary_check=(0, 1))
+            m_row = i_t * BT + o_i < T
+            b_kd = (b_k * tl.where(m_row[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)).to(b_q.dtype)
+            b_qd = (b_q * tl.exp(b_gk) * scale).to(b_q.dtype)
+        elif USE_G:
+            # [BT, BT]: entry (j, i) = k_j . q_i, the transpose of the output's Q K^T
+            b_At = mm(b_k, tl.trans(b_q))
             b_g, b_glast = _chunk_gates(g, bos, T, i_t, H, i_h, BT)
             b_At = b_At * tl.where(m_anticausal, tl.exp(b_g[None, :] - b_g[:, None]), 0.)
             b_kd = (b_k * tl.exp(b_glast - b_g)[:, None]).to(b_q.dtype)
             b_qd = (b_q * (tl.exp(b_g) * scale)[:, None]).to(b_q.dtype)
         else:
-            b_At = tl.where(m_anticausal, b_At, 0.)
+            b_At = tl.where(m_anticausal, mm(b_k, tl.trans(b_q)), 0.)
             b_kd = b_k
             b_qd = (b_q * scale).to(b_q.dtype)
         b_dv = mm((b_At * scale).to(b_q.dtype), b_do) + mm(b_kd, b_dh.to(b_q.dtype))
         tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), boundary_check=(0, 1))
+        if USE_GK:
+            b_dh = b_dh * tl.exp(b_gklast)[:, None]
         if USE_G:
             b_dh = b_dh * tl.exp(b_glast)
         b_dh += mm(tl.trans(b_qd), b_do) - mm(tl.trans(b_w), b_dv.to(b_q.dtype))
@@ -154,8 +183,10 @@ def _bv(V):
 
 
 def state_output_fwd(q, k, w, u, g_cum, initial_state, output_final_state: bool, store_h: bool,
-                     scale: float, chunks: Chunks):
-    """Returns (o, final state or None, h or None, v_new or None); o in v's dtype."""
+                     scale: float, chunks: Chunks, gk_cum=None, Aqk=None):
+    """Returns (o, final state or None, h or None, v_new or None); o in v's dtype.
+
+    Per-channel gate: ``gk_cum`` [1, T, H, K] with ``Aqk`` from ``intra.intra_fwd`` (g_cum None)."""
     _, T, HK, K = k.shape
     H, V = u.shape[2], u.shape[-1]
     BK, BV = triton.next_power_of_2(K), _bv(V)
@@ -164,15 +195,16 @@ def state_output_fwd(q, k, w, u, g_cum, initial_state, output_final_state: bool,
     h = alloc((chunks.NC, H, K, V), dtype=k.dtype, device=u.device) if store_h else None
     v_new = alloc(u.shape, dtype=u.dtype, device=u.device) if store_h else None
     grid = (triton.cdiv(V, BV), chunks.N * H)
-    state_output_fwd_kernel[grid](q, k, w, u, g_cum, initial_state, o, ht, h, v_new, chunks.cu_seqlens,
+    state_output_fwd_kernel[grid](q, k, w, u, g_cum if gk_cum is None else gk_cum, Aqk, initial_state, o, ht, h, v_new, chunks.cu_seqlens,
                                   chunks.chunk_offsets, scale, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
-                                  USE_G=g_cum is not None, USE_INITIAL_STATE=initial_state is not None,
+                                  USE_G=g_cum is not None, USE_GK=gk_cum is not None,
+                                  USE_INITIAL_STATE=initial_state is not None,
                                   STORE_FINAL_STATE=output_final_state, STORE_H=store_h,
                                   num_warps=4 if K <= 128 else 8)
     return o, ht, h, v_new
 
 
-def state_bwd(q, k, w, g_cum, do, dht, scale: float, chunks: Chunks, need_dh0: bool):
+def state_bwd(q, k, w, g_cum, do, dht, scale: float, chunks: Chunks, need_dh0: bool, gk_cum=None, Aqk=None):
     """Returns (dh [NC, H, K, V], dv_tilde fp32 [1, T, H, V], d initial_state fp32 or None)."""
     _, T, HK, K = k.shape
     H, V = do.shape[2], do.shape[-1]
@@ -181,8 +213,8 @@ def state_bwd(q, k, w, g_cum, do, dht, scale: float, chunks: Chunks, need_dh0: b
     dv = alloc(do.shape, device=do.device, dtype=torch.float32)
     dh0 = alloc((chunks.N, H, K, V), dtype=torch.float32, device=q.device) if need_dh0 else None
     grid = (triton.cdiv(V, BV), chunks.N * H)
-    state_bwd_kernel[grid](q, k, w, g_cum, do, dht, dh, dh0, dv, chunks.cu_seqlens, chunks.chunk_offsets, scale,
+    state_bwd_kernel[grid](q, k, w, g_cum if gk_cum is None else gk_cum, Aqk, do, dht, dh, dh0, dv, chunks.cu_seqlens, chunks.chunk_offsets, scale,
                            H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, USE_G=g_cum is not None,
-                           USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0,
+                           USE_GK=gk_cum is not None, USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0,
                            num_warps=4 if K <= 128 else 8)
     return dh, dv, dh0

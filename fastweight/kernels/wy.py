@@ -27,9 +27,16 @@ from fastweight.kernels.common import Chunks, alloc, mm
 
 
 @triton.jit
+def _gate_tile(g, bos, T, i_t, i_k, H: tl.constexpr, i_h, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """exp(G) of a [BT, BK] tile of the per-channel cumsum (USE_GK)."""
+    p_g = tl.make_block_ptr(g + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+    return tl.exp(tl.load(p_g, boundary_check=(0, 1)))
+
+
+@triton.jit
 def recompute_w_u_kernel(k, v, beta, g, Ai, w, u, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                         BV: tl.constexpr, USE_G: tl.constexpr):
+                         BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
@@ -43,11 +50,14 @@ def recompute_w_u_kernel(k, v, beta, g, Ai, w, u, cu_seqlens, chunk_indices, H: 
     if USE_G:
         b_kscale = b_beta * tl.exp(tl.load(g + (bos + o_t) * H + i_h, mask=m_t, other=0.))
     for i_k in range(tl.cdiv(K, BK)):
-        p_k = tl.make_block_ptr(k + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+        p_k = tl.make_block_ptr(k + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, i_k * BK),
+                                (BT, BK), (1, 0))
         p_w = tl.make_block_ptr(w + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
         b_k = tl.load(p_k, boundary_check=(0, 1))
-        b_kb = (b_k * b_kscale[:, None]).to(b_k.dtype)
-        b_w = mm(b_Ai.to(b_k.dtype), b_kb)
+        b_kb = b_k * b_kscale[:, None]
+        if USE_GK:
+            b_kb *= _gate_tile(g, bos, T, i_t, i_k, H, i_h, K, BT, BK)
+        b_w = mm(b_Ai.to(b_k.dtype), b_kb.to(b_k.dtype))
         tl.store(p_w, b_w.to(p_w.dtype.element_ty), boundary_check=(0, 1))
     for i_v in range(tl.cdiv(V, BV)):
         p_v = tl.make_block_ptr(v + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
@@ -59,10 +69,14 @@ def recompute_w_u_kernel(k, v, beta, g, Ai, w, u, cu_seqlens, chunk_indices, H: 
 
 
 @triton.jit
-def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk, dv, dbeta, dg, cu_seqlens, chunk_indices,
-                  H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                  BV: tl.constexpr, USE_G: tl.constexpr):
-    """dk and dg arrive holding the other stages' parts (float32) and are updated in place."""
+def wy_bwd_kernel(k, v, beta, g, Ai, Akk, dw, du, dk, dv, dbeta, dg, dAkk, cu_seqlens, chunk_indices,
+                  H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr):
+    """dk and dg arrive holding the other stages' parts (float32) and are updated in place.
+
+    USE_GK (per-channel gate): the A part of dk and dg is left to intra.py; this kernel writes
+    dAkk, the gradient of the raw (beta-free) Akk, for it.
+    """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
@@ -87,13 +101,17 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk, dv, dbeta, dg, cu_seqlens, chun
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     b_dg = tl.zeros([BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
-        p_k = tl.make_block_ptr(k + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+        p_k = tl.make_block_ptr(k + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, i_k * BK),
+                                (BT, BK), (1, 0))
         p_dw = tl.make_block_ptr(dw + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
         b_k = tl.load(p_k, boundary_check=(0, 1))
         b_dw = tl.load(p_dw, boundary_check=(0, 1)).to(b_k.dtype)
-        b_kb = (b_k * b_kscale[:, None]).to(b_k.dtype)
-        b_dAi += mm(b_dw, tl.trans(b_kb))
-        b_kk += mm(b_k, tl.trans(b_k))
+        b_kb = b_k * b_kscale[:, None]
+        if USE_GK:
+            b_kb *= _gate_tile(g, bos, T, i_t, i_k, H, i_h, K, BT, BK)
+        else:
+            b_kk += mm(b_k, tl.trans(b_k))
+        b_dAi += mm(b_dw, tl.trans(b_kb.to(b_k.dtype)))
     for i_v in range(tl.cdiv(V, BV)):
         p_v = tl.make_block_ptr(v + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
         p_du = tl.make_block_ptr(du + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
@@ -109,22 +127,38 @@ def wy_bwd_kernel(k, v, beta, g, Ai, dw, du, dk, dv, dbeta, dg, cu_seqlens, chun
     b_dAi = tl.where(o_t[:, None] >= o_t[None, :], b_dAi, 0.)
     b_dA = -mm(tl.trans(b_Ai), mm(b_dAi, tl.trans(b_Ai)))
     b_dA = b_dA * b_Gamma
-    b_dbeta += tl.sum(b_dA * b_kk, 1)
+    if USE_GK:
+        p_Akk = tl.make_block_ptr(Akk + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_t * BT, 0), (BT, BT), (1, 0))
+        p_dAkk = tl.make_block_ptr(dAkk + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_t * BT, 0), (BT, BT), (1, 0))
+        b_dbeta += tl.sum(b_dA * tl.load(p_Akk, boundary_check=(0, 1)), 1)
+        tl.store(p_dAkk, b_dA * b_beta[:, None], boundary_check=(0, 1))
+    else:
+        b_dbeta += tl.sum(b_dA * b_kk, 1)
     b_M = b_dA * b_beta[:, None]
     b_t = b_M * b_kk
     b_dg += tl.sum(b_t, 1) - tl.sum(b_t, 0)
     for i_k in range(tl.cdiv(K, BK)):
-        p_k = tl.make_block_ptr(k + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+        p_k = tl.make_block_ptr(k + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, i_k * BK),
+                                (BT, BK), (1, 0))
         p_dw = tl.make_block_ptr(dw + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
         p_dk = tl.make_block_ptr(dk + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
         b_k = tl.load(p_k, boundary_check=(0, 1))
         b_dw = tl.load(p_dw, boundary_check=(0, 1)).to(b_k.dtype)
         b_dkb = mm(tl.trans(b_Ai.to(b_k.dtype)), b_dw)
-        b_dbeta += tl.sum(b_dkb * b_k * b_gamma[:, None], 1)
-        b_dg += tl.sum(b_dkb * b_k * b_kscale[:, None], 1)
-        b_Mk = b_M.to(b_k.dtype)
-        b_dk = tl.load(p_dk, boundary_check=(0, 1)) + b_dkb * b_kscale[:, None]
-        b_dk += mm(b_Mk, b_k) + mm(tl.trans(b_Mk), b_k)
+        b_dk = tl.load(p_dk, boundary_check=(0, 1))
+        if USE_GK:
+            b_e = _gate_tile(g, bos, T, i_t, i_k, H, i_h, K, BT, BK)
+            b_dkbe = b_dkb * b_e
+            b_dbeta += tl.sum(b_dkbe * b_k, 1)
+            b_dk += b_dkbe * b_beta[:, None]
+            p_dg = tl.make_block_ptr(dg + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+            b_dgk = tl.load(p_dg, boundary_check=(0, 1)) + b_dkbe * b_k * b_beta[:, None]
+            tl.store(p_dg, b_dgk, boundary_check=(0, 1))
+        else:
+            b_dbeta += tl.sum(b_dkb * b_k * b_gamma[:, None], 1)
+            b_dg += tl.sum(b_dkb * b_k * b_kscale[:, None], 1)
+            b_Mk = b_M.to(b_k.dtype)
+            b_dk += b_dkb * b_kscale[:, None] + mm(b_Mk, b_k) + mm(tl.trans(b_Mk), b_k)
         tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), boundary_check=(0, 1))
     tl.store(dbeta + (bos + o_t) * H + i_h, b_dbeta, mask=m_t)
     if USE_G:
@@ -136,27 +170,31 @@ def _blocks(K, V):
     return min(64, triton.next_power_of_2(K)), min(64, triton.next_power_of_2(V))
 
 
-def recompute_w_u(k, v, beta, g_cum, Ai, chunks: Chunks):
-    """k: [1, T, H, K]; v: [1, T, H, V]; beta, g_cum: [1, T, H]; Ai: [1, T, H, BT] -> (w, u)."""
+def recompute_w_u(k, v, beta, g_cum, Ai, chunks: Chunks, gk_cum=None):
+    """k: [1, T, HK, K]; v: [1, T, H, V]; beta, g_cum: [1, T, H]; Ai: [1, T, H, BT]; gk_cum: [1, T, H, K]
+    (per-channel gate, instead of g_cum) -> (w [1, T, H, K], u [1, T, H, V])."""
     _, T, HK, K = k.shape
     H, V = v.shape[2], v.shape[-1]
     BK, BV = _blocks(K, V)
     w, u = alloc((1, T, H, K), dtype=k.dtype, device=k.device), alloc(v.shape, dtype=v.dtype, device=v.device)
-    recompute_w_u_kernel[(chunks.NC, H)](k, v, beta, g_cum, Ai, w, u, chunks.cu_seqlens, chunks.chunk_indices,
-                                         H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, USE_G=g_cum is not None)
+    recompute_w_u_kernel[(chunks.NC, H)](k, v, beta, g_cum if gk_cum is None else gk_cum, Ai, w, u, chunks.cu_seqlens,
+                                         chunks.chunk_indices, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
+                                         USE_G=g_cum is not None, USE_GK=gk_cum is not None)
     return w, u
 
 
-def wy_bwd(k, v, beta, g_cum, Ai, dw, du, dk, dg, chunks: Chunks):
-    """Adds the W/U/A chain into dk (fp32, in place) and dg (fp32, in place, may be None without a gate).
+def wy_bwd(k, v, beta, g_cum, Ai, dw, du, dk, dg, chunks: Chunks, gk_cum=None, Akk=None):
+    """Adds the W/U/A chain into dk (fp32, in place) and dg (fp32, in place; None without a gate).
 
-    Returns (dv fp32, dbeta fp32)."""
+    Returns (dv fp32, dbeta fp32, dAkk fp32 or None); with a per-channel gate ``gk_cum`` (and its
+    raw ``Akk``) the A part goes to dAkk for ``intra.intra_bwd`` instead of into dk, dg."""
     _, T, HK, K = k.shape
     H, V = v.shape[2], v.shape[-1]
     BK, BV = _blocks(K, V)
     dv = alloc(v.shape, device=v.device, dtype=torch.float32)
     dbeta = alloc(beta.shape, device=v.device, dtype=torch.float32)
-    wy_bwd_kernel[(chunks.NC, H)](k, v, beta, g_cum, Ai, dw, du, dk, dv, dbeta, dg, chunks.cu_seqlens,
-                                  chunks.chunk_indices, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
-                                  USE_G=g_cum is not None)
-    return dv, dbeta
+    dAkk = alloc(Ai.shape, device=v.device, dtype=torch.float32) if gk_cum is not None else None
+    wy_bwd_kernel[(chunks.NC, H)](k, v, beta, g_cum if gk_cum is None else gk_cum, Ai, Akk, dw, du, dk, dv, dbeta, dg,
+                                  dAkk, chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK, K=K, V=V, BT=chunks.BT,
+                                  BK=BK, BV=BV, USE_G=g_cum is not None, USE_GK=gk_cum is not None)
+    return dv, dbeta, dAkk

@@ -17,7 +17,7 @@ from fastweight.kernels import common
 from fastweight.mechanisms import get
 from fastweight.testing import generator, rel_err
 
-MECHANISM = {"delta_rule": "deltanet", "gated_delta_rule": "gated_deltanet", "longhorn": "longhorn"}
+MECHANISM = {"delta_rule": "deltanet", "gated_delta_rule": "gated_deltanet", "longhorn": "longhorn", "kda": "kda"}
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
 
 
@@ -33,8 +33,11 @@ def sample(op, B, T, H, K, V, G=1, seed=None):
     return {n: t for n, t in x.items() if n not in ("p",)}
 
 
-def check(op, B, T, H, K, V, dtype, *, G=1, cu_seqlens=None, initial_state=True, qk_l2norm=False, via_ops=False):
+def check(op, B, T, H, K, V, dtype, *, G=1, cu_seqlens=None, initial_state=True, qk_l2norm=False, via_ops=False,
+          gate_scale=1.0):
     x = sample(op, B, T, H, K, V, G)
+    if "g" in x:
+        x["g"] = x["g"] * gate_scale
     x = {n: t.to(dtype) for n, t in x.items()}
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     h0 = torch.randn(N, H * G, K, V, generator=generator()) if initial_state else None
@@ -73,7 +76,7 @@ def check(op, B, T, H, K, V, dtype, *, G=1, cu_seqlens=None, initial_state=True,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("op", ["gated_delta_rule", "delta_rule", "longhorn"])
+@pytest.mark.parametrize("op", ["gated_delta_rule", "delta_rule", "longhorn", "kda"])
 def test_two_chunks_with_tail(op, dtype):
     check(op, 2, 100, 2, 32, 16, dtype)
 
@@ -83,7 +86,7 @@ def test_short(T):
     check("gated_delta_rule", 1, T, 2, 32, 32, torch.float32)
 
 
-@pytest.mark.parametrize("op", ["gated_delta_rule", "delta_rule"])
+@pytest.mark.parametrize("op", ["gated_delta_rule", "delta_rule", "kda"])
 def test_varlen(op):
     cu = torch.tensor([0, 1, 64, 100, 129], dtype=torch.int64)
     check(op, 1, 129, 1, 16, 16, torch.float32, cu_seqlens=cu)
@@ -93,8 +96,14 @@ def test_no_initial_state_odd_dims():
     check("gated_delta_rule", 1, 70, 1, 80, 24, torch.float32, initial_state=False)
 
 
-def test_grouped_heads_and_fused_l2norm():
-    check("gated_delta_rule", 1, 65, 1, 32, 16, torch.float32, G=2, qk_l2norm=True)
+@pytest.mark.parametrize("op", ["gated_delta_rule", "kda"])
+def test_grouped_heads_and_fused_l2norm(op):
+    check(op, 1, 65, 1, 32, 16, torch.float32, G=2, qk_l2norm=True)
+
+
+def test_kda_strong_decay():
+    """Per-token log decays down to -20 per channel: the intra-chunk products must not overflow."""
+    check("kda", 1, 100, 1, 32, 16, torch.float32, gate_scale=40.0)
 
 
 def test_through_ops():
@@ -104,3 +113,4 @@ def test_through_ops():
 def test_flags():
     assert kernels.chunk_gated_delta_rule.grouped_heads and kernels.chunk_gated_delta_rule.fused_l2norm
     assert kernels.chunk_delta_rule.fused_l2norm and kernels.chunk_longhorn.grouped_heads
+    assert kernels.chunk_kda.grouped_heads and kernels.chunk_kda.fused_l2norm
