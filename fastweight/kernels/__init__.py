@@ -9,3 +9,4 @@ from fastweight.kernels.decay import chunk_rwkv6  # noqa: F401
 from fastweight.kernels.decay import chunk_hgrn2  # noqa: F401
 from fastweight.kernels.dplr import chunk_dplr_delta_rule  # noqa: F401
 from fastweight.kernels.dplr import chunk_rwkv7  # noqa: F401
+from fastweight.kernels.delta import chunk_kda  # noqa: F401
