@@ -5,7 +5,7 @@
 
 Rotary positions on q and k; grouped key/value heads (``cfg.n_kv_heads``). The decode
 cache holds the keys and values seen so far: all of them for full attention (a buffer
-that grows by doubling, so a decode step appends in place), the last W - 1 for a sliding
+with room for the next max(256, n/8) tokens, so a decode step appends in place), the last W - 1 for a sliding
 window (constant size). A sliding window over a long sequence runs blockwise: queries in
 blocks of W, each attending to its own block and the previous one, O(T W) work.
 """
@@ -70,7 +70,7 @@ class Attention(Mixer):
             return k, v
         n, T = cache.get("length", 0), k.shape[1]
         if "k" not in cache or n + T > cache["k"].shape[1]:
-            size = max(2 * n, n + T)
+            size = n + T + (0 if n == 0 else max(256, n // 8))
             for name, new in (("k", k), ("v", v)):
                 buf = new.new_empty(new.shape[0], size, *new.shape[2:])
                 if n:

@@ -118,7 +118,8 @@ class FastweightForCausalLM(PreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids: torch.Tensor, cache: Cache | None = None, labels: torch.Tensor | None = None,
                 use_cache: bool | None = None, attention_mask: torch.Tensor | None = None,
-                past_key_values: Cache | None = None, return_dict: bool | None = None, **kwargs):
+                past_key_values: Cache | None = None, return_dict: bool | None = None, logits_to_keep: int = 0,
+                **kwargs):
         """Logits (and the LM loss when ``labels`` is given, shifted inside). With ``use_cache``
         the returned ``cache`` continues the sequence."""
         if attention_mask is not None and not bool(attention_mask.all()):
@@ -127,7 +128,7 @@ class FastweightForCausalLM(PreTrainedModel, GenerationMixin):
         cache = cache if isinstance(cache, Cache) else past_key_values if isinstance(past_key_values, Cache) else None
         if cache is None and use_cache:
             cache = self.new_cache()
-        logits = self.model(input_ids, cache=cache)
+        logits = self.model(input_ids, cache=cache, logits_to_keep=logits_to_keep if labels is None else 0)
         loss = None
         if labels is not None:
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),

@@ -86,9 +86,9 @@ class LanguageModel(nn.Module):
     def new_cache(self) -> Cache:
         return Cache(len(self.blocks))
 
-    def forward(self, input_ids: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
-        """Logits ``[B, T, vocab]``. With ``cache`` the tokens continue the cached sequence and
-        the cache is updated in place."""
+    def forward(self, input_ids: torch.Tensor, cache: Cache | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+        """Logits ``[B, T, vocab]`` (only the last ``logits_to_keep`` positions when > 0). With
+        ``cache`` the tokens continue the cached sequence and the cache is updated in place."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"`input_ids` must be an int64 tensor [B, T], got "
                             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
@@ -102,6 +102,8 @@ class LanguageModel(nn.Module):
             x = block(x, None if cache is None else cache.layers[i], shared)
         if cache is not None:
             cache.seen += input_ids.shape[1]
+        if logits_to_keep > 0:
+            x = x[:, -logits_to_keep:]
         return self.lm_head(self.norm(x))
 
     @torch.no_grad()
@@ -120,7 +122,7 @@ class LanguageModel(nn.Module):
         self.eval()
         try:
             cache = self.new_cache()
-            logits = self(input_ids, cache=cache)
+            logits = self(input_ids, cache=cache, logits_to_keep=1)
             out, done = [input_ids], torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
             for step in range(max_new_tokens):
                 token = sample_next(logits[:, -1], temperature, top_k, generator)

@@ -111,5 +111,5 @@ def test_full_attention_cache_grows_in_place():
     outs = [layer(inp[:, :4], cache, {"offset": 0})]
     for t in range(4, 9):
         outs.append(layer(inp[:, t:t + 1], cache, {"offset": t}))
-    assert cache["length"] == 9 and cache["k"].shape[1] == 16  # capacities 4, 8, 16
+    assert cache["length"] == 9 and cache["k"].shape[1] == 4 + 1 + 256  # the prompt, then room for 256 more
     assert rel_err(torch.cat(outs, 1), ref) < 1e-6
