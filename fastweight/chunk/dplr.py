@@ -24,55 +24,60 @@ sequential loop, over chunks. Per-token states are never formed.
 Numerical safety without clamping gates: every exponent taken is <= 0. Pairs (t, s) in
 different 16-token sub-chunks factor exp(G_t - G_s) = exp(G_t - G_r) exp(G_r - G_s) with r
 the end of the sub-chunk before t's (both factors <= 1); pairs inside one sub-chunk take
-the pairwise difference directly ([16, 16, K] per sub-chunk).
+the pairwise difference directly ([16, 16, K] per sub-chunk). The cumulative log gates and
+their differences are kept in float64 and rounded once, before ``exp``: over a chunk G
+reaches -1e3 with strong gates, and an fp32 prefix sum carries an absolute error of
+ulp(|G|) ~ 6e-5 into every factor (100x the fp32 recurrence's error, mostly in d gk).
 """
 
 from __future__ import annotations
+
+from math import inf
 
 import torch
 import torch.nn.functional as F
 
 from fastweight.checks import check_chunk_size
-from fastweight.reference.recurrence import compute_dtype
+from fastweight.chunk.common import SUB_CHUNK, chunk_layout, compute_dtype, finish, initial, to_chunks
+from fastweight.chunk.solve_tril import solve_unit_lower
 
-SUB_CHUNK = 16
 
+def precise_decayed_scores(x: torch.Tensor, ys: tuple, Gx: torch.Tensor, Gy: torch.Tensor,
+                           strict: bool = False) -> list:
+    """M_ts = sum_c x_t[c] y_s[c] exp(Gx_t[c] - Gy_s[c]) for s <= t (s < t if ``strict``), else 0,
+    for each y in ``ys`` (the decay factors are formed once and shared).
 
-def decayed_scores(x: torch.Tensor, g_row: torch.Tensor, y: torch.Tensor, g_col: torch.Tensor,
-                   strict: bool) -> torch.Tensor:
-    """A[t, s] = sum_c x[t, c] y[s, c] exp(g_row[t, c] - g_col[s, c]) for s <= t (s < t if strict).
-
-    x, g_row, y, g_col: [..., C, K]; returns [..., C, C], zero above the (strict) diagonal.
-    ``g_col`` is the inclusive cumulative log decay from the chunk start (<= 0, non-increasing)
-    and ``g_row[t]`` is g_col at t or t - 1 (0 before the chunk start), so g_row[t] <= g_col[s]
-    wherever A[t, s] is kept and every exponential below has an argument <= 0.
+    ``chunk.common.decayed_scores`` with the log-gate differences taken in float64: x, y
+    [..., C, K] in the compute dtype; Gx, Gy [..., C, K] or [..., C, 1] (scalar gates), float64.
+    Gy is the inclusive cumulative log decay from the chunk start, Gx is Gy at t or t - 1 (0
+    before the chunk), so every exponent kept is <= 0 (masked ones are -inf: exactly 0).
+    Returns a list of [..., C, C] in x's dtype.
     """
-    C, K = x.shape[-2:]
+    C = x.shape[-2]
     BS = min(SUB_CHUNK, C)
     NS = C // BS
-    # off-diagonal sub-chunk blocks: reference r_i = g_col at the end of sub-chunk i - 1 (0 for i = 0)
-    g_ref = F.pad(g_col[..., BS - 1::BS, :][..., :-1, :], (0, 0, 1, 0))  # [..., NS, K]
-    x_off = x.unflatten(-2, (NS, BS)) * (g_row.unflatten(-2, (NS, BS)) - g_ref[..., None, :]).exp()
-    m_off = (torch.arange(C, device=x.device)[None, :] < torch.arange(NS, device=x.device)[:, None] * BS)
-    e_off = torch.where(m_off[..., None], g_ref[..., :, None, :] - g_col[..., None, :, :], 0.0)
-    y_off = y[..., None, :, :] * e_off.exp() * m_off[..., None]  # [..., NS, C, K]
-    A = torch.einsum("...itc,...isc->...its", x_off, y_off).flatten(-3, -2)  # [..., C, C]
-    # diagonal sub-chunk blocks: pairwise differences
+    if Gx.shape[-1] == 1 and Gy.shape[-1] == 1:
+        m_all = torch.ones(C, C, dtype=torch.bool, device=x.device).tril(-1 if strict else 0)
+        e = (Gx - Gy.transpose(-1, -2)).masked_fill_(~m_all, -inf).to(x.dtype).exp()
+        return [(x @ y.transpose(-1, -2)) * e for y in ys]
+    # different sub-chunks i > j: through the reference r_i = Gy at the end of sub-chunk i - 1 (0 for i = 0)
+    G_ref = F.pad(Gy[..., BS - 1::BS, :][..., :-1, :], (0, 0, 1, 0))[..., None, :]  # [..., NS, 1, K]
+    x_off = x.unflatten(-2, (NS, BS)) * (Gx.unflatten(-2, (NS, BS)) - G_ref).to(x.dtype).exp()
+    m_off = torch.arange(C, device=x.device)[None, :] < torch.arange(NS, device=x.device)[:, None] * BS
+    e_off = (G_ref - Gy[..., None, :, :]).masked_fill_(~m_off[..., None], -inf).to(x.dtype).exp()  # [..., NS, C, K]
+    # one sub-chunk: pairwise differences, [..., NS, BS, BS, K]
     i_t = torch.arange(BS, device=x.device)
     m_diag = (i_t[:, None] > i_t[None, :]) if strict else (i_t[:, None] >= i_t[None, :])
-    xs, ys = x.unflatten(-2, (NS, BS)), y.unflatten(-2, (NS, BS))
-    gr, gc = g_row.unflatten(-2, (NS, BS)), g_col.unflatten(-2, (NS, BS))
-    e_diag = torch.where(m_diag[..., None], gr[..., :, None, :] - gc[..., None, :, :], 0.0)
-    A_diag = (xs[..., :, None, :] * ys[..., None, :, :] * e_diag.exp()).sum(-1) * m_diag  # [..., NS, BS, BS]
-    eye = torch.eye(NS, dtype=A.dtype, device=A.device)
-    return A + (A_diag[..., :, :, None, :] * eye[:, None, :, None]).flatten(-4, -3).flatten(-2, -1)
-
-
-def _to_chunks(x: torch.Tensor, NT: int, C: int, dt: torch.dtype) -> torch.Tensor:
-    """[B, T, H, D] -> [B, H, NT, C, D], zero-padded at the end of T."""
-    x = x.to(dt)
-    x = F.pad(x, (0, 0, 0, 0, 0, NT * C - x.shape[1]))
-    return x.transpose(1, 2).unflatten(2, (NT, C))
+    Gx_s, Gy_s = Gx.unflatten(-2, (NS, BS)), Gy.unflatten(-2, (NS, BS))
+    e_diag = (Gx_s[..., :, None, :] - Gy_s[..., None, :, :]).masked_fill_(~m_diag[..., None], -inf)
+    x_diag = x.unflatten(-2, (NS, BS))[..., :, None, :] * e_diag.to(x.dtype).exp()
+    eye = torch.eye(NS, dtype=x.dtype, device=x.device)
+    out = []
+    for y in ys:
+        M = (x_off @ (y[..., None, :, :] * e_off).transpose(-1, -2)).flatten(-3, -2)  # zero from t's sub-chunk on
+        M_diag = (x_diag * y.unflatten(-2, (NS, BS))[..., None, :, :]).sum(-1)  # [..., NS, BS, BS]
+        out.append(M + (M_diag[..., :, :, None, :] * eye[:, None, :, None]).flatten(-4, -3).flatten(-2, -1))
+    return out
 
 
 def dplr_chunk(q, k, v, a=None, b=None, gk=None, *, scale: float, u=None, initial_state=None,
@@ -85,94 +90,63 @@ def dplr_chunk(q, k, v, a=None, b=None, gk=None, *, scale: float, u=None, initia
 
     q, k, a, b: [B, T, H, K]; gk: [B, T, H, K], [B, T, H] (scalar decay) or None (no decay);
     a, b: None for no low-rank term; v: [B, T, H, V]; u: [H, K]. ``initial_state``
-    [N, H, K, V]; ``cu_seqlens`` [N+1] packs N sequences along T (B = 1). Any T; T is
-    zero-padded to a multiple of ``chunk_size`` (16, 32 or 64), which is exact: a padded
-    token does not change the state. Computes in fp32 (fp64 for fp64 inputs).
+    [N, H, K, V]; ``cu_seqlens`` [N+1] packs N sequences along T (B = 1). Any T: each
+    sequence is zero-padded to a multiple of ``chunk_size`` (16, 32 or 64), which is exact
+    (a padded token leaves the state unchanged). Computes in fp32 (fp64 for fp64 inputs).
 
     Returns (o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32/fp64 or None).
     """
-    C = check_chunk_size(chunk_size)
-    if cu_seqlens is not None:
-        return _varlen(q, k, v, a, b, gk, scale=scale, u=u, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=C)
     B, T, H, K = q.shape
     V, out_dtype = v.shape[-1], v.dtype
     dt = compute_dtype(q, k, v, a, b, gk, u, initial_state)
+    layout = chunk_layout(B, T, check_chunk_size(chunk_size), cu_seqlens, q.device)
+    C = layout.C
     low_rank = a is not None and b is not None
     if gk is None:
-        gk = q.new_zeros(B, T, H, K)
-    elif gk.dim() == 3:
-        gk = gk[..., None].expand(B, T, H, K)
-    NT = max(-(-T // C), 1)
-    q, k, v, gk = (_to_chunks(x, NT, C, dt) for x in (q, k, v, gk))  # [B, H, NT, C, *]
+        gk = q.new_zeros(B, T, H)
+    q, k, v = (to_chunks(x, layout, dt) for x in (q, k, v))  # [N, H, NT, C, *]
+    gk = to_chunks(gk, layout, torch.float64)  # [N, H, NT, C, K or 1]
     q = q * scale
 
-    # 1. cumulative log decays from the chunk start, and the intra-chunk matrices
+    # 1. cumulative log decays from the chunk start (float64), the intra-chunk matrices
     G = gk.cumsum(-2)
-    G_prev = F.pad(G, (0, 0, 1, 0))[..., :-1, :]
-    G_last = G[..., -1:, :]
+    G_prev = F.pad(G, (0, 0, 1, 0))[..., :-1, :]  # one token earlier (0 at the chunk start)
+    G_end = G[..., -1:, :]
     bonus = u is not None
-    G_q = G_prev if bonus else G
-    A_qk = decayed_scores(q, G_q, k, G, strict=bonus)
-    q_eff = q * G_q.exp()
-    k_end = k * (G_last - G).exp()
+    G_q = G_prev if bonus else G  # RWKV-6's bonus: the query reads S_{t-1}
+    to_end = (G_end - G).to(dt).exp()
+    q_start = q * G_q.to(dt).exp()
+    if low_rank:
+        a, b = to_chunks(a, layout, dt), to_chunks(b, layout, dt)
+        A_qk, A_qa = precise_decayed_scores(q, (k, a), G_q, G, strict=bonus)
+        A_bk, A_ba = precise_decayed_scores(b, (k, a), G_prev, G, strict=True)
+    else:
+        A_qk, = precise_decayed_scores(q, (k,), G_q, G, strict=bonus)
     o_intra = A_qk @ v
     if bonus:
-        o_intra = o_intra + (q * u.to(dt)[:, None, None, :] * k).sum(-1, keepdim=True) * v
+        o_intra = o_intra + (q * u.to(dt)[None, :, None, None, :] * k).sum(-1, keepdim=True) * v
     if low_rank:
-        a, b = _to_chunks(a, NT, C, dt), _to_chunks(b, NT, C, dt)
-        A_ba = decayed_scores(b, G_prev, a, G, strict=True)
-        A_bk = decayed_scores(b, G_prev, k, G, strict=True)
-        A_qa = decayed_scores(q, G_q, a, G, strict=bonus)
-        # 2. WY form of u_t = b_t^T S_{t-1}: one unit-lower solve for W and U~ together
-        I_minus = torch.eye(C, dtype=dt, device=q.device) - A_ba
-        WU = torch.linalg.solve_triangular(I_minus, torch.cat([b * G_prev.exp(), A_bk @ v], -1),
-                                           upper=False, unitriangular=True)
-        W, U_tilde = WU[..., :K], WU[..., K:]
-        # 3. output, everything but the S products
-        q_eff = q_eff + A_qa @ W
+        # 2. WY form of the reads u_t = b_t^T S_{t-1}:  u = W S + U~  (the UT transform)
+        T_ut = solve_unit_lower(-A_ba)
+        W = T_ut @ (b * G_prev.to(dt).exp())
+        U_tilde = T_ut @ (A_bk @ v)
+        # 3. output, all but the state products
+        q_start = q_start + A_qa @ W
         o_intra = o_intra + A_qa @ U_tilde
-        a_end = a * (G_last - G).exp()
-    decay_last = G_last.exp().transpose(-1, -2)  # [B, H, NT, K, 1]
+        a_end = (a * to_end).transpose(-1, -2)
+    k_end = (k * to_end).transpose(-1, -2)
+    decay_end = G_end.to(dt).exp().transpose(-1, -2)  # [N, H, NT, K or 1, 1]
 
-    # 4. state passing, chunk by chunk
-    if initial_state is None:
-        S = q.new_zeros(B, H, K, V)
-    else:
-        S = initial_state.to(dt)
-    outs = []
-    for n in range(NT):
-        outs.append(q_eff[:, :, n] @ S + o_intra[:, :, n])
-        S_next = decay_last[:, :, n] * S + k_end[:, :, n].transpose(-1, -2) @ v[:, :, n]
+    # 4. state passing, the only sequential step
+    S = initial(initial_state, layout.N, H, K, V, dt, q.device)
+    o = []
+    for n in range(layout.NT):
+        o.append(q_start[:, :, n] @ S + o_intra[:, :, n])
+        S_next = decay_end[:, :, n] * S + k_end[:, :, n] @ v[:, :, n]
         if low_rank:
-            S_next = S_next + a_end[:, :, n].transpose(-1, -2) @ (W[:, :, n] @ S + U_tilde[:, :, n])
+            S_next = S_next + a_end[:, :, n] @ (W[:, :, n] @ S + U_tilde[:, :, n])
         S = S_next
-    o = torch.stack(outs, 2).flatten(2, 3)[:, :, :T].transpose(1, 2)
-    return o.to(out_dtype), (S if output_final_state else None)
-
-
-def _varlen(q, k, v, a, b, gk, *, scale, u, initial_state, output_final_state, cu_seqlens, chunk_size):
-    """Packed sequences: gather each into a zero-padded row of a [N, L, H, *] batch, run, scatter back."""
-    bounds = cu_seqlens.tolist()
-    starts = torch.tensor(bounds[:-1], device=q.device)
-    lens = torch.tensor([e - s for s, e in zip(bounds[:-1], bounds[1:])], device=q.device)
-    T = q.shape[1]
-    L = max(int(lens.max()) if len(lens) else 0, 1)
-    pos = torch.arange(L, device=q.device)
-    valid = pos[None, :] < lens[:, None]  # [N, L]
-    idx = (starts[:, None] + pos[None, :]).clamp(max=max(T - 1, 0))
-
-    def gather(x):
-        if x is None:
-            return None
-        if T == 0:
-            return x.new_zeros(len(lens), L, *x.shape[2:])
-        return x[0][idx] * valid.view(*valid.shape, *([1] * (x.dim() - 2))).to(x.dtype)
-
-    o, S = dplr_chunk(gather(q), gather(k), gather(v), gather(a), gather(b), gather(gk), scale=scale,
-                      u=u, initial_state=initial_state, output_final_state=output_final_state,
-                      chunk_size=chunk_size)
-    return o[valid][None], S
+    return finish(torch.stack(o, dim=2), S, layout, out_dtype, output_final_state)
 
 
 def chunk_dplr_delta_rule(q, k, v, a, b, gk, *, scale, initial_state=None, output_final_state=False,

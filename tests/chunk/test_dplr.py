@@ -4,13 +4,15 @@ import pytest
 import torch
 
 from fastweight import ops
-from fastweight.chunk.dplr import chunk_dplr_delta_rule, chunk_rwkv7, decayed_scores, dplr_chunk
+from fastweight.chunk.dplr import chunk_dplr_delta_rule, chunk_rwkv7, dplr_chunk
 from fastweight.mechanisms import get
 from fastweight.reference import dplr_recurrent
 from fastweight.testing import generator, rel_err
 
 NAMES = ("q", "k", "v", "a", "b", "gk")
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+# measured worst over 8 seeds (o, S, every gradient): fp64 2e-14, fp32 3.4e-7 (1.6e-5 in d gk
+# with strong gates when the cumulative log gates are fp32 rather than fp64: this catches it)
+TOL = {torch.float64: 1e-10, torch.float32: 1e-6}
 
 
 def sample(B, T, H, K, V, dtype, seed=None, gk_range=None):
@@ -106,21 +108,6 @@ def test_scalar_decay_no_low_rank_and_bonus():
         assert rel_err(o, o_ref) <= TOL[torch.float64]
 
 
-def test_decayed_scores_extreme_gates_are_finite():
-    """Pairs across sub-chunks with cumulative log decays near -1e4: exact zeros, no inf/NaN."""
-    C, K = 64, 4
-    g = -torch.rand(1, C, K, dtype=torch.float64, generator=generator()) * 300
-    g[..., 20:, :] = -1e-3
-    G = g.cumsum(-2)
-    x = torch.randn(1, C, K, dtype=torch.float64, generator=generator()).requires_grad_()
-    A = decayed_scores(x, G, x, G, strict=False)
-    A.sum().backward()
-    assert torch.isfinite(A).all() and torch.isfinite(x.grad).all()
-    assert torch.equal(A.triu(1), torch.zeros_like(A))
-    # the diagonal is exp(0) = 1 per channel: sum_c x_c^2
-    assert torch.allclose(A.diagonal(dim1=-2, dim2=-1), (x * x).sum(-1))
-
-
 def test_fla_names_swap_a_and_b():
     """chunk_dplr_delta_rule(q, k, v, a, b, gk) is S = (Diag(exp gk) + b a^T) S + k v^T."""
     x = sample(1, 70, 2, 16, 8, torch.float64)
@@ -155,7 +142,7 @@ def test_public_op_uses_this_path():
     x = sample(1, 40, 2, 16, 8, torch.float32)
     fla = dict(q=x["q"], k=x["k"], v=x["v"], a=x["b"], b=x["a"], gk=x["gk"])
     o, _ = ops.chunk_dplr_delta_rule(**fla, backend="torch")
-    o_ref, _ = ops.chunk_dplr_delta_rule(**fla, backend="reference")
+    o_ref, _ = ops.chunk_dplr_delta_rule(**{n: t.double() for n, t in fla.items()}, backend="reference")
     assert rel_err(o, o_ref) <= TOL[torch.float32]
 
 
