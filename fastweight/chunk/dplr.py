@@ -98,9 +98,8 @@ def dplr_chunk(q, k, v, a=None, b=None, gk=None, *, scale: float, u=None, initia
     """
     B, T, H, K = q.shape
     V, out_dtype = v.shape[-1], v.dtype
-    dt = compute_dtype(q, k, v, a, b, gk, u, initial_state)
+    dt = compute_dtype(q, k, v, a, b, gk)
     layout = chunk_layout(B, T, check_chunk_size(chunk_size), cu_seqlens, q.device)
-    C = layout.C
     low_rank = a is not None and b is not None
     if gk is None:
         gk = q.new_zeros(B, T, H)
