@@ -4,7 +4,9 @@
   ``cu_seqlens``) <-> ``[N, H, NT, C, ...]``, one row per sequence, the tail zero padded.
   A padded token has k = v = 0, beta = 0 and log decay 0: it leaves the state unchanged,
   so the final state of a sequence is the state after its last real token.
-- :func:`local_cumsum`: ``G_r = sum_{j <= r} g_j`` inside each chunk (log of ``gamma^r``).
+- :func:`local_cumsum`: ``G_r = sum_{j <= r} g_j`` inside each chunk (log of ``gamma^r``), kept in
+  float64: a difference ``G_r - G_i`` of sums that reach -1000 keeps fp32 accuracy only so.
+  Exponentials are taken after the difference, in the compute dtype (:func:`exp_to`).
 - :func:`decayed_scores`: the intra-chunk matrix ``M_ri = sum_k x_r[k] y_i[k] exp(Gx_r[k] - Gy_i[k])``
   on and below the diagonal, without ever forming ``exp(-G)`` (which overflows for strong
   decays): pairwise differences inside 16-token sub-chunks, and a reference point at the
@@ -71,18 +73,23 @@ def from_chunks(o: torch.Tensor, layout: Layout) -> torch.Tensor:
 
 
 def local_cumsum(g: torch.Tensor) -> torch.Tensor:
-    """G_r = sum_{j <= r} g_j within each chunk: [..., C, K or 1]."""
-    return g.cumsum(-2)
+    """G_r = sum_{j <= r} g_j within each chunk, in float64: [..., C, K or 1]."""
+    return g.double().cumsum(-2)
+
+
+def exp_to(log_decay: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """exp of a (float64) log decay or difference of log decays, in ``dtype``."""
+    return log_decay.to(dtype).exp()
 
 
 def _causal_mask(C: int, strict: bool, device) -> torch.Tensor:
     return torch.ones(C, C, dtype=torch.bool, device=device).tril(-1 if strict else 0)
 
 
-def _pairwise_decay(Gx: torch.Tensor, Gy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _pairwise_decay(Gx: torch.Tensor, Gy: torch.Tensor, mask: torch.Tensor, dtype) -> torch.Tensor:
     """exp(Gx_r - Gy_i) where ``mask`` (i on or before r), 0 elsewhere: [..., C, C, K]."""
     diff = Gx[..., :, None, :] - Gy[..., None, :, :]
-    return diff.masked_fill(~mask[..., None], float("-inf")).exp()
+    return exp_to(diff.masked_fill(~mask[..., None], float("-inf")), dtype)
 
 
 def decayed_scores(x: torch.Tensor, y: torch.Tensor, Gx: torch.Tensor, Gy: torch.Tensor,
@@ -96,19 +103,21 @@ def decayed_scores(x: torch.Tensor, y: torch.Tensor, Gx: torch.Tensor, Gy: torch
     C = x.shape[-2]
     mask = _causal_mask(C, strict, x.device)
     if Gx.shape[-1] == 1 and Gy.shape[-1] == 1:
-        return (x @ y.transpose(-1, -2)) * _pairwise_decay(Gx, Gy, mask)[..., 0]
+        return (x @ y.transpose(-1, -2)) * _pairwise_decay(Gx, Gy, mask, x.dtype)[..., 0]
     S = min(SUB_CHUNK, C)
     rows = []
     for s in range(0, C, S):
         x_s, Gx_s = x[..., s:s + S, :], Gx[..., s:s + S, :]
         # inside the sub-chunk: pairwise differences, every exponent <= 0
         diag = torch.einsum("...rk,...ik,...rik->...ri", x_s, y[..., s:s + S, :],
-                            _pairwise_decay(Gx_s, Gy[..., s:s + S, :], mask[:S, :S]))
+                            _pairwise_decay(Gx_s, Gy[..., s:s + S, :], mask[:S, :S], x.dtype))
         blocks = [diag, x.new_zeros(*diag.shape[:-1], C - s - S)]
         if s > 0:
             # earlier sub-chunks: both factors decay towards the reference point G_{s-1}
             ref = Gy[..., s - 1:s, :]
-            blocks.insert(0, (x_s * (Gx_s - ref).exp()) @ (y[..., :s, :] * (ref - Gy[..., :s, :]).exp()).transpose(-1, -2))
+            x_ref = x_s * exp_to(Gx_s - ref, x.dtype)
+            y_ref = y[..., :s, :] * exp_to(ref - Gy[..., :s, :], x.dtype)
+            blocks.insert(0, x_ref @ y_ref.transpose(-1, -2))
         rows.append(torch.cat(blocks, dim=-1))
     return torch.cat(rows, dim=-2)
 
@@ -153,5 +162,5 @@ def finish(o: torch.Tensor, S: torch.Tensor, layout: Layout, out_dtype: torch.dt
     return from_chunks(o, layout).to(out_dtype), final
 
 
-__all__ = ["Layout", "chunk_layout", "to_chunks", "from_chunks", "local_cumsum", "decayed_scores",
+__all__ = ["Layout", "chunk_layout", "to_chunks", "from_chunks", "local_cumsum", "exp_to", "decayed_scores",
            "pass_states", "initial", "finish", "compute_dtype"]

@@ -29,7 +29,7 @@ import torch
 
 from fastweight.checks import check_chunk_size
 from fastweight.chunk.common import (chunk_layout, compute_dtype, decayed_scores, finish, initial,
-                                     local_cumsum, pass_states, to_chunks)
+                                     exp_to, local_cumsum, pass_states, to_chunks)
 
 
 def decay_chunk(q, k, v, g=None, u=None, *, scale, initial_state=None, output_final_state=False,
@@ -52,10 +52,10 @@ def decay_chunk(q, k, v, g=None, u=None, *, scale, initial_state=None, output_fi
     # 2. chunk states: S <- exp(G_C) S + (K * exp(G_C - G))^T V
     G_end = G[..., -1:, :]
     S0 = initial(initial_state, layout.N, H, K, V, dt, q.device)
-    states, _, S = pass_states(v, None, k * (G_end - G).exp(), G_end.squeeze(-2).exp(), S0)
+    states, _, S = pass_states(v, None, k * exp_to(G_end - G, dt), exp_to(G_end.squeeze(-2), dt), S0)
 
     # 3. output: O = (Q * exp G^q) S + (Q K^T * Gamma * M) V
-    o = (q * G_q.exp()) @ states + decayed_scores(q, k, G_q, G, strict=u is not None) @ v
+    o = (q * exp_to(G_q, dt)) @ states + decayed_scores(q, k, G_q, G, strict=u is not None) @ v
 
     # 4. RWKV-6's bonus: the current token through u instead of the state
     if u is not None:

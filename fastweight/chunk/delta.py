@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from fastweight.checks import check_chunk_size
 from fastweight.chunk.common import (chunk_layout, compute_dtype, decayed_scores, finish, initial,
-                                     local_cumsum, pass_states, to_chunks)
+                                     exp_to, local_cumsum, pass_states, to_chunks)
 from fastweight.chunk.solve_tril import solve_unit_lower
 
 
@@ -58,16 +58,16 @@ def delta_chunk(q, k, v, beta, g=None, read_key=None, read_after_decay=True, *, 
     # 2. UT transform: T = (I + strictLower(diag(beta) (R K^T * Gamma)))^{-1} diag(beta)
     A_kk = beta * decayed_scores(r, k, G_read, G, strict=True)
     T_ut = solve_unit_lower(A_kk) * beta.transpose(-1, -2)
-    W = T_ut @ (r * G_read.exp())
+    W = T_ut @ (r * exp_to(G_read, dt))
     U = T_ut @ v
 
     # 3. state passing: v_tilde = U - W S, S <- exp(G_C) S + K_end^T v_tilde
     G_end = G[..., -1:, :]
     S0 = initial(initial_state, layout.N, H, K, V, dt, q.device)
-    states, v_tilde, S = pass_states(U, W, k * (G_end - G).exp(), G_end.squeeze(-2).exp(), S0)
+    states, v_tilde, S = pass_states(U, W, k * exp_to(G_end - G, dt), exp_to(G_end.squeeze(-2), dt), S0)
 
     # 4. output: O = (Q * gamma) S + (Q K^T * Gamma * M) v_tilde
-    o = (q * G.exp()) @ states + decayed_scores(q, k, G, G) @ v_tilde
+    o = (q * exp_to(G, dt)) @ states + decayed_scores(q, k, G, G) @ v_tilde
     return finish(o, S, layout, out_dtype, output_final_state)
 
 
