@@ -16,6 +16,7 @@ The needle goes in at a sentence boundary at a uniformly random depth.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import ClassVar
 
 import numpy as np
@@ -54,6 +55,11 @@ def uuid_like(rng: np.random.Generator, n: int) -> str:
 def sentence_starts(ids) -> list[int]:
     period = tokenizer().ids["."]
     return [0] + [i + 1 for i, t in enumerate(ids[:-1]) if t == period]
+
+
+@lru_cache(maxsize=None)
+def source_sentence_starts(source: tuple) -> tuple:
+    return tuple(sentence_starts(source))
 
 
 def cyclic_run(ids: tuple, start: int, n: int) -> list[int]:
@@ -95,7 +101,7 @@ class NeedleTask(Task):
         needle, query, answer = self.parts(rng)
         n_hay = self.context_len + 1 - len(needle) - len(query) - len(answer)
         source = self.haystack_ids()
-        hay = cyclic_run(source, int(rng.choice(sentence_starts(source))), n_hay)
+        hay = cyclic_run(source, int(rng.choice(source_sentence_starts(source))), n_hay)
         cut = int(rng.choice(sentence_starts(hay) + [n_hay])) if n_hay else 0
         seq = np.array(hay[:cut] + needle + hay[cut:] + query + answer, dtype=np.int64)
         mask = np.zeros(len(seq), dtype=bool)

@@ -1,0 +1,218 @@
+"""``fastweight eval``: the suite that tests the seed's claims, as a table.
+
+Two groups of experiments, each a model trained from scratch by
+:func:`fastweight.train.train` and scored on held-out examples:
+
+- retrieval: mixers {DeltaNet, Mamba-2, Gated DeltaNet, KDA, RWKV-7}, one model per
+  mixer trained on S-NIAH-1/2/3 in turns at one context length and scored at
+  several (exact match of the whole needle value), one model per mixer on MQAR
+  (query accuracy). The seed's three conclusions (decay hurts retention, gating
+  helps filtering, the delta rule helps memorisation) are read off this table.
+- state tracking: {DeltaNet, DeltaNet with ``allow_neg_eigval``, RWKV-7, Mamba-2}, one
+  layer, on parity and S5 (per-position accuracy of the running product), scored
+  at the training length and at twice it.
+
+``--tiny`` (default) is sized for a 2-core CPU in under 10 minutes; ``--full`` for
+one GPU. The table goes to stdout and, with the per-run results, to ``--out``
+(``suite.json``, ``table.md``); ``fastweight plot niah-length`` draws its curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+
+from fastweight.tasks import from_spec
+from fastweight.train import TrainConfig, train
+
+RETRIEVAL_MIXERS = ("deltanet", "mamba2", "gdn", "kda", "rwkv7")
+STATE_TRACKING_MIXERS = (("deltanet", False), ("deltanet", True), ("rwkv7", False), ("mamba2", False))
+TASK_TITLES = {"s_niah_1": "S-NIAH-1", "s_niah_2": "S-NIAH-2", "s_niah_3": "S-NIAH-3", "mqar": "MQAR",
+               "parity": "parity", "s5": "S5"}
+
+
+@dataclass(frozen=True)
+class Scale:
+    """The sizes of one setting of the suite."""
+
+    niah_train_len: int
+    niah_eval_lens: tuple
+    number_digits: int
+    uuid_hex: int
+    mqar: str
+    state_len: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    steps: int
+    state_steps: int
+    batch_size: int
+    lr: float
+    eval_examples: int
+
+
+SCALES = {
+    "tiny": Scale(niah_train_len=64, niah_eval_lens=(64, 128, 256), number_digits=3, uuid_hex=8,
+                  mqar="mqar:seq_len=64,n_pairs=4,vocab_size=64", state_len=16, d_model=32, n_layers=2,
+                  n_heads=2, steps=150, state_steps=150, batch_size=16, lr=3e-3, eval_examples=64),
+    "full": Scale(niah_train_len=512, niah_eval_lens=(512, 1024, 2048), number_digits=7, uuid_hex=32,
+                  mqar="mqar:seq_len=256,n_pairs=16,vocab_size=1024", state_len=64, d_model=128, n_layers=2,
+                  n_heads=2, steps=600, state_steps=1000, batch_size=32, lr=2e-3, eval_examples=256),
+}
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One row of one table: a model trained on ``train_task`` and scored on ``eval_tasks``."""
+
+    group: str
+    label: str
+    config: TrainConfig
+
+
+def niah_specs(scale: Scale, length: int) -> list[str]:
+    return [f"s_niah_1:context_len={length},value_len={scale.number_digits}",
+            f"s_niah_2:context_len={length},value_len={scale.number_digits}",
+            f"s_niah_3:context_len={length},value_len={scale.uuid_hex}"]
+
+
+def suite(scale_name: str = "tiny", *, mixers=None, groups=("retrieval", "state tracking"), seed: int = 0,
+          steps: int | None = None, eval_examples: int | None = None, out_dir: str = "runs/eval",
+          progress: bool = False, threads: int = 0) -> list[Experiment]:
+    """The experiments of a setting, optionally restricted to some mixers or groups."""
+    if scale_name not in SCALES:
+        raise ValueError(f"`scale` must be one of {sorted(SCALES)}, got {scale_name!r}")
+    unknown = set(groups) - {"retrieval", "state tracking"}
+    if unknown:
+        raise ValueError(f"`groups` must be among 'retrieval', 'state tracking', got {sorted(unknown)}")
+    s = SCALES[scale_name]
+    base = TrainConfig(d_model=s.d_model, n_layers=s.n_layers, n_heads=s.n_heads, steps=steps or s.steps,
+                       batch_size=s.batch_size, lr=s.lr, warmup=min(20, (steps or s.steps) // 5),
+                       eval_examples=eval_examples or s.eval_examples, seed=seed, progress=progress,
+                       threads=threads, checkpoint_every=0, log_every=5)
+    experiments = []
+    if "retrieval" in groups:
+        niah_eval = ";".join(spec for n in s.niah_eval_lens for spec in niah_specs(s, n))
+        for mixer in RETRIEVAL_MIXERS:
+            if mixers and mixer not in mixers:
+                continue
+            experiments.append(Experiment("retrieval", mixer, replace(
+                base, mixer=mixer, task=";".join(niah_specs(s, s.niah_train_len)), eval_tasks=niah_eval,
+                out_dir=os.path.join(out_dir, f"niah-{mixer}"))))
+            experiments.append(Experiment("retrieval", mixer, replace(
+                base, mixer=mixer, task=s.mqar, eval_tasks="", out_dir=os.path.join(out_dir, f"mqar-{mixer}"))))
+    if "state tracking" in groups:
+        for mixer, neg in STATE_TRACKING_MIXERS:
+            if mixers and mixer not in mixers:
+                continue
+            label = mixer + (" (neg. eig.)" if neg else "")
+            for task in ("parity", "s5"):
+                experiments.append(Experiment("state tracking", label, replace(
+                    base, mixer=mixer, allow_neg_eigval=neg, n_layers=1, steps=steps or s.state_steps,
+                    task=f"{task}:seq_len={s.state_len}", eval_tasks=f"{task}:seq_len={s.state_len};"
+                    f"{task}:seq_len={2 * s.state_len}",
+                    out_dir=os.path.join(out_dir, f"{task}-{mixer}{'-neg' if neg else ''}"))))
+    return experiments
+
+
+def column(spec: str) -> str:
+    """'s_niah_2:context_len=128,...' -> 'S-NIAH-2 128' (the task and its length)."""
+    task = from_spec(spec)
+    return f"{TASK_TITLES[task.name]} {task.seq_len}"
+
+
+def run(experiments: list[Experiment], *, log=sys.stderr) -> list[dict]:
+    """Train and score every experiment; one result dict each (the trainer's, plus group and label)."""
+    results = []
+    for i, exp in enumerate(experiments):
+        t0 = time.perf_counter()
+        res = train(exp.config)
+        res.update(group=exp.group, label=exp.label)
+        results.append(res)
+        accs = ", ".join(f"{column(r['task'])}: {r['acc']:.2f}" for r in res["eval"])
+        print(f"[{i + 1}/{len(experiments)}] {exp.group} / {exp.label} / {exp.config.task.split(':')[0]} "
+              f"({time.perf_counter() - t0:.0f} s, loss {res['final_loss']:.3f}): {accs}", file=log, flush=True)
+    return results
+
+
+def table(results: list[dict], group: str) -> str:
+    """A markdown table: one row per label, one column per scored task (accuracy in %)."""
+    rows, columns = {}, []
+    for res in results:
+        if res["group"] != group:
+            continue
+        for r in res["eval"]:
+            col = column(r["task"])
+            if col not in columns:
+                columns.append(col)
+            rows.setdefault(res["label"], {})[col] = r["acc"]
+    if not rows:
+        return ""
+    order = list(TASK_TITLES.values())
+    columns.sort(key=lambda c: (order.index(c.rsplit(" ", 1)[0]), int(c.rsplit(" ", 1)[1])))
+    lines = ["| " + " | ".join([group] + columns) + " |", "|" + "---|" * (len(columns) + 1)]
+    for label, accs in rows.items():
+        cells = [f"{100 * accs[c]:.1f}" if c in accs else "-" for c in columns]
+        lines.append("| " + " | ".join([label] + cells) + " |")
+    return "\n".join(lines)
+
+
+def report(results: list[dict], seconds: float, scale: str) -> str:
+    parts = [f"fastweight eval --{scale}: {len(results)} runs in {seconds:.0f} s"]
+    for group in ("retrieval", "state tracking"):
+        t = table(results, group)
+        if t:
+            parts.append(t)
+    return "\n\n".join(parts) + "\n"
+
+
+def _run(args: argparse.Namespace) -> int:
+    scale = "full" if args.full else "tiny"
+    experiments = suite(scale, mixers=args.mixers.split(",") if args.mixers else None,
+                        groups=tuple(g.replace("-", " ") for g in args.groups.split(",")), seed=args.seed,
+                        steps=args.steps, eval_examples=args.eval_examples, out_dir=args.out,
+                        progress=args.progress, threads=args.threads)
+    t0 = time.perf_counter()
+    results = run(experiments)
+    text = report(results, time.perf_counter() - t0, scale)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "suite.json"), "w") as f:
+        json.dump(dict(scale=scale, scale_config=asdict(SCALES[scale]), results=results), f, indent=1)
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("eval", help="train and score the retrieval and state-tracking suite",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--tiny", action="store_true", help="CPU setting, minutes (the default)")
+    size.add_argument("--full", action="store_true", help="one-GPU setting")
+    parser.add_argument("--mixers", default="", help="only these mixers (comma-separated)")
+    parser.add_argument("--groups", default="retrieval,state-tracking", help="retrieval, state-tracking")
+    parser.add_argument("--steps", type=int, default=None, help="override the training steps of every run")
+    parser.add_argument("--eval-examples", type=int, default=None, help="override held-out examples per task")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False,
+                        help="a progress bar per run")
+    parser.add_argument("--out", default="runs/eval", help="where suite.json, table.md and each run go")
+    parser.set_defaults(func=_run)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="fastweight")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["eval"] + list(sys.argv[1:] if argv is None else argv))
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""``fastweight plot``: the analysis figures (matplotlib, PNG).
+
+    fastweight plot spectra     [--mechanisms deltanet,rwkv7,...] [--length 32]   eigenvalues of P_t
+    fastweight plot state-norm  [--mechanisms rwkv7,rwkv6,gla] [--length 4096]    ||S_t|| over time
+    fastweight plot attention   --checkpoint runs/eval/mqar-gdn/checkpoint.pt     A of a trained model
+    fastweight plot niah-length --suite runs/eval/suite.json                      accuracy vs length
+
+Each writes ``--out`` (a PNG) and prints its path. The data come from
+:mod:`fastweight.analysis`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+
+from fastweight import analysis
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save(fig, out: str) -> str:
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    _pyplot().close(fig)
+    return out
+
+
+def _grid(n: int, size: float = 2.6):
+    plt = _pyplot()
+    cols = min(n, 4)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(size * cols, size * rows), squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.axis("off")
+    return fig, list(axes.flat[:n])
+
+
+def plot_spectra(mechanisms, out: str, *, length: int = 32, key_dim: int = 16, seed: int = 0) -> str:
+    """One panel per mechanism: the eigenvalues of every step's transition in the complex plane
+    (colour: time), with the unit circle."""
+    fig, axes = _grid(len(mechanisms))
+    circle = torch.linspace(0, 2 * math.pi, 200)
+    for ax, name in zip(axes, mechanisms):
+        ev = analysis.sample_spectra(name, T=length, K=key_dim, seed=seed)  # [T, H, K]
+        t = torch.arange(length)[:, None, None].expand(ev.shape).flatten()
+        ax.plot(circle.cos().numpy(), circle.sin().numpy(), color="0.8", lw=0.8)
+        ax.scatter(ev.real.flatten().numpy(), ev.imag.flatten().numpy(), c=t.numpy(), s=6, cmap="viridis")
+        ax.set_title(f"{name}\nmin {ev.real.min():.2f}, max |.| {ev.abs().max():.2f}", fontsize=8)
+        ax.set_xlim(-1.15, 1.15)
+        ax.set_ylim(-1.15, 1.15)
+        ax.set_aspect("equal")
+        ax.tick_params(labelsize=6)
+    fig.suptitle(f"transition eigenvalues over {length} steps (random inputs, K={key_dim})", fontsize=9)
+    return _save(fig, out)
+
+
+def plot_state_norms(mechanisms, out: str, *, length: int = 4096, decay_factor: float = 0.01,
+                     seed: int = 0) -> str:
+    """||S_t||_F against t for each mechanism on long random inputs with slow decays."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name in mechanisms:
+        norms = analysis.sample_state_norms(name, T=length, decay_factor=decay_factor, seed=seed)[:, 0]
+        ax.plot(range(1, length + 1), norms.numpy(), label=name, lw=1)
+    ax.set_xlabel("t")
+    ax.set_ylabel("||S_t||_F")
+    ax.set_yscale("log")
+    ax.set_title(f"state norm over time (random inputs, log decays x {decay_factor})", fontsize=9)
+    ax.legend(fontsize=8)
+    return _save(fig, out)
+
+
+def load_trained(checkpoint: str):
+    """(model, task) of a ``fastweight train`` checkpoint (the first train task)."""
+    from fastweight.models import LanguageModel, LMConfig
+    from fastweight.tasks import from_spec
+    from fastweight.train import TrainConfig
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    model = LanguageModel(LMConfig.from_dict(state["model_config"]))
+    model.load_state_dict(state["model"])
+    cfg = TrainConfig(**state["config"])
+    return model, from_spec(cfg.train_specs[0])
+
+
+def plot_attention(checkpoint: str, out: str, *, seed: int = 0, max_heads: int = 4) -> str:
+    """Heat maps of A (rows: output position, columns: source) of every recurrent layer and head of
+    a trained model, on one held-out example of its task; scored positions are marked."""
+    from fastweight.train import EVAL_STREAM
+    model, task = load_trained(checkpoint)
+    batch = task.batch(1, seed=(seed, EVAL_STREAM))
+    maps = analysis.layer_attention_maps(model, batch.input_ids)
+    panels = [(layer, h, A[0, h]) for layer, A in maps for h in range(min(A.shape[1], max_heads))]
+    if not panels:
+        raise ValueError(f"`checkpoint`: {checkpoint} holds a model without recurrent layers")
+    fig, axes = _grid(len(panels), size=3.0)
+    scored = batch.loss_mask[0].nonzero().flatten()
+    for ax, (layer, h, A) in zip(axes, panels):
+        scale = A.abs().max().clamp_min(1e-12)
+        ax.imshow(A.numpy(), cmap="RdBu_r", vmin=-scale.item(), vmax=scale.item(), interpolation="nearest")
+        ax.scatter([-1.5] * len(scored), scored.tolist(), marker=">", s=6, color="k", clip_on=False)
+        ax.set_title(f"layer {layer} ({model.blocks[layer].mixer_name}), head {h}", fontsize=8)
+        ax.tick_params(labelsize=6)
+    fig.suptitle(f"attention map of a trained model: {task.spec()}", fontsize=9)
+    return _save(fig, out)
+
+
+def plot_niah_length(suite: str, out: str) -> str:
+    """One panel per S-NIAH task: accuracy against context length, one line per mixer."""
+    with open(suite) as f:
+        results = json.load(f)["results"]
+    curves = analysis.accuracy_by_length(results)
+    if not curves:
+        raise ValueError(f"`suite`: {suite} holds no S-NIAH results")
+    fig, axes = _grid(len(curves), size=3.2)
+    for ax, (task, by_label) in zip(axes, curves.items()):
+        for label, points in by_label.items():
+            ax.plot([p[0] for p in points], [100 * p[1] for p in points], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-5, 105)
+        ax.set_title(task.replace("s_niah_", "S-NIAH-"), fontsize=9)
+        ax.set_xlabel("context length", fontsize=8)
+        ax.set_ylabel("exact match (%)", fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[0].legend(fontsize=7)
+    return _save(fig, out)
+
+
+def _run(args: argparse.Namespace) -> int:
+    names = lambda s: [m for m in s.split(",") if m]  # noqa: E731
+    if args.figure == "spectra":
+        from fastweight.mechanisms import REGISTRY
+        path = plot_spectra(names(args.mechanisms) or list(REGISTRY), args.out or "spectra.png",
+                            length=args.length or 32, seed=args.seed)
+    elif args.figure == "state-norm":
+        path = plot_state_norms(names(args.mechanisms) or ["rwkv7", "rwkv6", "gla"], args.out or "state_norm.png",
+                                length=args.length or 4096, decay_factor=args.decay_factor, seed=args.seed)
+    elif args.figure == "attention":
+        if not args.checkpoint:
+            raise SystemExit("fastweight plot attention: --checkpoint is required")
+        path = plot_attention(args.checkpoint, args.out or "attention.png", seed=args.seed)
+    else:
+        path = plot_niah_length(args.suite, args.out or "niah_length.png")
+    print(path)
+    return 0
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("plot", help="analysis figures (PNG)", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("figure", choices=("spectra", "state-norm", "attention", "niah-length"))
+    parser.add_argument("--out", default="", help="PNG path (default: <figure>.png)")
+    parser.add_argument("--mechanisms", default="", help="comma-separated registry names")
+    parser.add_argument("--length", type=int, default=0, help="sequence length (spectra 32, state-norm 4096)")
+    parser.add_argument("--decay-factor", type=float, default=0.01, help="state-norm: log decays scaled by this")
+    parser.add_argument("--checkpoint", default="", help="attention: a fastweight train checkpoint")
+    parser.add_argument("--suite", default="runs/eval/suite.json", help="niah-length: a fastweight eval result")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=_run)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="fastweight")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["plot"] + list(sys.argv[1:] if argv is None else argv))
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+import json
+
+import pytest
+
+from fastweight.cli import main as cli_main
+from fastweight.evaluate import RETRIEVAL_MIXERS, column, suite, table
+
+
+def test_suite_covers_the_brief():
+    exps = suite("tiny")
+    retrieval = [e for e in exps if e.group == "retrieval"]
+    state = [e for e in exps if e.group == "state tracking"]
+    assert sorted({e.config.mixer for e in retrieval}) == sorted(RETRIEVAL_MIXERS)
+    assert {e.config.task.split(":")[0] for e in retrieval} == {"s_niah_1", "mqar"}
+    niah = next(e for e in retrieval if e.config.task.startswith("s_niah"))
+    assert {column(s) for s in niah.config.eval_specs} >= {"S-NIAH-3 64", "S-NIAH-3 256", "S-NIAH-2 128"}
+    assert {(e.label, e.config.task.split(":")[0]) for e in state} == {
+        (m, t) for m in ("deltanet", "deltanet (neg. eig.)", "rwkv7", "mamba2") for t in ("parity", "s5")}
+    assert all(e.config.n_layers == 1 for e in state)
+    assert [e.config.allow_neg_eigval for e in state if e.label.startswith("deltanet")] == [False, False, True, True]
+    assert len(suite("full")) == len(exps)
+    with pytest.raises(ValueError, match="scale"):
+        suite("huge")
+
+
+def test_eval_tiny_smoke(tmp_path, capsys):
+    out = tmp_path / "eval"
+    assert cli_main(["eval", "--tiny", "--steps", "2", "--eval-examples", "2", "--mixers", "deltanet,rwkv7",
+                     "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| retrieval | S-NIAH-1 64 |" in printed and "| deltanet (neg. eig.) |" in printed
+    saved = json.load(open(out / "suite.json"))
+    assert saved["scale"] == "tiny" and len(saved["results"]) == 2 * 2 + 3 * 2
+    for res in saved["results"]:
+        assert res["steps_done"] == 2 and all(0 <= r["acc"] <= 1 for r in res["eval"])
+    assert (out / "table.md").read_text().strip() in printed
+
+
+def test_table_layout():
+    results = [dict(group="retrieval", label="gdn", eval=[dict(task="mqar", acc=0.25),
+                                                            dict(task="s_niah_1:context_len=128", acc=1.0),
+                                                            dict(task="s_niah_1:context_len=64", acc=0.5)])]
+    assert table(results, "retrieval").splitlines() == [
+        "| retrieval | S-NIAH-1 64 | S-NIAH-1 128 | MQAR 64 |", "|---|---|---|---|", "| gdn | 50.0 | 100.0 | 25.0 |"]
+    assert table(results, "state tracking") == ""
