@@ -48,8 +48,10 @@ class Scale:
     d_model: int
     n_layers: int
     n_heads: int
-    steps: int
-    state_steps: int
+    niah_steps: int
+    mqar_steps: int
+    parity_steps: int
+    s5_steps: int
     batch_size: int
     lr: float
     eval_examples: int
@@ -57,11 +59,13 @@ class Scale:
 
 SCALES = {
     "tiny": Scale(niah_train_len=64, niah_eval_lens=(64, 128, 256), number_digits=3, uuid_hex=8,
-                  mqar="mqar:seq_len=64,n_pairs=4,vocab_size=64", state_len=16, d_model=32, n_layers=2,
-                  n_heads=2, steps=150, state_steps=150, batch_size=16, lr=3e-3, eval_examples=64),
+                  mqar="mqar:seq_len=32,n_pairs=4,vocab_size=64", state_len=16, d_model=32, n_layers=2,
+                  n_heads=2, niah_steps=80, mqar_steps=150, parity_steps=200, s5_steps=100, batch_size=16,
+                  lr=3e-3, eval_examples=32),
     "full": Scale(niah_train_len=512, niah_eval_lens=(512, 1024, 2048), number_digits=7, uuid_hex=32,
                   mqar="mqar:seq_len=256,n_pairs=16,vocab_size=1024", state_len=64, d_model=128, n_layers=2,
-                  n_heads=2, steps=600, state_steps=1000, batch_size=32, lr=2e-3, eval_examples=256),
+                  n_heads=2, niah_steps=600, mqar_steps=600, parity_steps=1000, s5_steps=1000, batch_size=32,
+                  lr=2e-3, eval_examples=256),
 }
 
 
@@ -90,29 +94,33 @@ def suite(scale_name: str = "tiny", *, mixers=None, groups=("retrieval", "state 
     if unknown:
         raise ValueError(f"`groups` must be among 'retrieval', 'state tracking', got {sorted(unknown)}")
     s = SCALES[scale_name]
-    base = TrainConfig(d_model=s.d_model, n_layers=s.n_layers, n_heads=s.n_heads, steps=steps or s.steps,
-                       batch_size=s.batch_size, lr=s.lr, warmup=min(20, (steps or s.steps) // 5),
-                       eval_examples=eval_examples or s.eval_examples, seed=seed, progress=progress,
+    base = TrainConfig(d_model=s.d_model, n_layers=s.n_layers, n_heads=s.n_heads, batch_size=s.batch_size,
+                       lr=s.lr, eval_examples=eval_examples or s.eval_examples, seed=seed, progress=progress,
                        threads=threads, checkpoint_every=0, log_every=5)
+
+    def sized(n_steps, **kw):
+        n_steps = steps or n_steps
+        return replace(base, steps=n_steps, warmup=min(20, n_steps // 5), **kw)
+
     experiments = []
     if "retrieval" in groups:
         niah_eval = ";".join(spec for n in s.niah_eval_lens for spec in niah_specs(s, n))
         for mixer in RETRIEVAL_MIXERS:
             if mixers and mixer not in mixers:
                 continue
-            experiments.append(Experiment("retrieval", mixer, replace(
-                base, mixer=mixer, task=";".join(niah_specs(s, s.niah_train_len)), eval_tasks=niah_eval,
+            experiments.append(Experiment("retrieval", mixer, sized(
+                s.niah_steps, mixer=mixer, task=";".join(niah_specs(s, s.niah_train_len)), eval_tasks=niah_eval,
                 out_dir=os.path.join(out_dir, f"niah-{mixer}"))))
-            experiments.append(Experiment("retrieval", mixer, replace(
-                base, mixer=mixer, task=s.mqar, eval_tasks="", out_dir=os.path.join(out_dir, f"mqar-{mixer}"))))
+            experiments.append(Experiment("retrieval", mixer, sized(
+                s.mqar_steps, mixer=mixer, task=s.mqar, eval_tasks="", out_dir=os.path.join(out_dir, f"mqar-{mixer}"))))
     if "state tracking" in groups:
         for mixer, neg in STATE_TRACKING_MIXERS:
             if mixers and mixer not in mixers:
                 continue
             label = mixer + (" (neg. eig.)" if neg else "")
-            for task in ("parity", "s5"):
-                experiments.append(Experiment("state tracking", label, replace(
-                    base, mixer=mixer, allow_neg_eigval=neg, n_layers=1, steps=steps or s.state_steps,
+            for task, n_steps in (("parity", s.parity_steps), ("s5", s.s5_steps)):
+                experiments.append(Experiment("state tracking", label, sized(
+                    n_steps, mixer=mixer, allow_neg_eigval=neg, n_layers=1,
                     task=f"{task}:seq_len={s.state_len}", eval_tasks=f"{task}:seq_len={s.state_len};"
                     f"{task}:seq_len={2 * s.state_len}",
                     out_dir=os.path.join(out_dir, f"{task}-{mixer}{'-neg' if neg else ''}"))))
