@@ -19,7 +19,7 @@ state once. Constexpr flags pick the pieces of the step:
   ``beta`` replaced by Longhorn's ``eps = beta / (1 + beta k^T k)`` with ``USE_LONGHORN``;
   ``2`` free ``a``, ``b`` (generic DPLR, RWKV-7).
 - readout: ``USE_BONUS`` is RWKV-6's, ``o_t = S_{t-1}^T (scale q) + (scale q . (u * k_t)) v_t``.
-- ``USE_QK_L2NORM``: q and k divided by ``sqrt(sum x^2 + 1e-6)`` in the kernel.
+- ``USE_QK_L2NORM``: q and k (and p) divided by ``sqrt(sum x^2 + 1e-6)`` in the kernel.
 - grouped value heads: q, k (and p) have H heads, everything else HV (a multiple of H).
 
 With ``STORE_R`` the kernel also writes ``r_t = b_t^T S_{t-1}`` (``[B, T, HV, V]`` fp32), which
@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def fused_recurrent_fwd_kernel(
     q, k, v, g, g_gamma, gk, beta, p, a, b, u, A_log, dt_bias,
     o, h0, ht, r, cu_seqlens,
@@ -81,7 +81,7 @@ def fused_recurrent_fwd_kernel(
         b_u = tl.load(u + i_hv * K + o_k, mask=m_k, other=0).to(tl.float32)
 
     # a while loop, not range(T): the interpreter cannot iterate to a runtime bound
-    t = 0
+    t = tl.zeros([], dtype=tl.int64)
     while t < T:
         i_tok = bos + t
         o_qk = (i_tok * H + i_h) * K + o_k
@@ -119,6 +119,8 @@ def fused_recurrent_fwd_kernel(
         if LOW_RANK == 1:
             if USE_P:
                 b_b = tl.load(p + o_qk, mask=m_k, other=0).to(tl.float32)
+                if USE_QK_L2NORM:
+                    b_b = b_b * tl.rsqrt(tl.sum(b_b * b_b) + 1e-6)
             else:
                 b_b = b_k
             b_beta = tl.load(beta + i_tok * HV + i_hv).to(tl.float32)
@@ -163,6 +165,11 @@ class Spec:
     gate_in_kernel: bool = False
 
 
+def buffer(like: torch.Tensor, *shape, dtype=None) -> torch.Tensor:
+    """An uninitialised output buffer (the tests poison every one with NaN through this function)."""
+    return like.new_empty(*shape, dtype=dtype or like.dtype)
+
+
 def default_block_v(K: int, V: int) -> tuple[int, int]:
     """(BV, num_warps): a [K, BV] fp32 state block of at most 4096 elements per program."""
     BK = triton.next_power_of_2(K)
@@ -187,9 +194,9 @@ def fused_recurrent_fwd(spec: Spec, q, k, v, *, g=None, g_gamma=None, gk=None, b
     BV, warps = default_block_v(K, V)
     BV, warps = block_v or BV, num_warps or warps
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    o = torch.empty_like(v)
-    ht = q.new_empty(N, HV, K, V, dtype=torch.float32) if output_final_state else None
-    r = q.new_empty(B, T, HV, V, dtype=torch.float32) if store_r and spec.low_rank else None
+    o = buffer(v, *v.shape)
+    ht = buffer(q, N, HV, K, V, dtype=torch.float32) if output_final_state else None
+    r = buffer(q, B, T, HV, V, dtype=torch.float32) if store_r and spec.low_rank else None
     cont = lambda x: None if x is None else x.contiguous()  # noqa: E731
     grid = (triton.cdiv(V, BV), N * HV)
     fused_recurrent_fwd_kernel[grid](
@@ -243,7 +250,9 @@ def generic_inputs(spec: Spec, x: dict, scale: float):
         decay = gk if decay is None else gk + decay[..., None]
     a = b = None
     if spec.low_rank == 1:
-        b = heads(x["p"].float()) if spec.use_p else k
+        b = k
+        if spec.use_p:
+            b = heads(_l2norm(x["p"].float()) if spec.qk_l2norm else x["p"].float())
         beta = x["beta"].float()[..., None]
         if spec.longhorn:
             beta = beta / (1 + beta * (k * k).sum(-1, keepdim=True))
@@ -318,3 +327,103 @@ def fused_recurrent(q, k, v, *, spec: Spec, scale: float, initial_state=None, ou
     x = dict(q=q, k=k, v=v, initial_state=initial_state, **tensors)
     return FusedRecurrentFunction.apply(spec, scale, cu_seqlens, output_final_state,
                                         *(x.get(n) for n in TENSORS))
+
+
+# The ops: each maps its arguments (fastweight.ops names, validated, see fastweight.dispatch)
+# onto the generic step. Common keywords: scale, initial_state, output_final_state, cu_seqlens.
+
+def _grouped(fn):
+    """Marks an op whose kernel reads q, k at H heads and the rest at HV (no expansion needed)."""
+    fn.grouped_heads = True
+    fn.fused_l2norm = True
+    return fn
+
+
+def _gate_spec(A_log, dt_bias):
+    if (A_log is None) != (dt_bias is None):
+        raise ValueError("the in-kernel gate needs both `A_log` and `dt_bias`, or neither")
+    return A_log is not None
+
+
+def fused_recurrent_linear_attn(q, k, v, **kw):
+    """S_t = S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t)."""
+    return fused_recurrent(q, k, v, spec=Spec(), **kw)
+
+
+def fused_recurrent_retention(q, k, v, **kw):
+    """S_t = gamma_h S_{t-1} + k_t v_t^T, gamma_h = 1 - 2^(-5-h) per value head."""
+    from fastweight.mechanisms.retnet import retnet_log_gamma
+    return fused_recurrent(q, k, v, spec=Spec(), g_gamma=retnet_log_gamma(v.shape[2], device=v.device), **kw)
+
+
+def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, **kw):
+    """S_t = exp(g_t + g_gamma) S_{t-1} + k_t v_t^T; g: [B, T, HV], g_gamma: [HV] (either may be None)."""
+    return fused_recurrent(q, k, v, spec=Spec(), g=g, g_gamma=g_gamma, **kw)
+
+
+def fused_recurrent_gla(q, k, v, g, **kw):
+    """S_t = Diag(exp g_t) S_{t-1} + k_t v_t^T; g: [B, T, H, K]."""
+    return fused_recurrent(q, k, v, spec=Spec(), gk=g, **kw)
+
+
+def fused_recurrent_rwkv6(r, k, v, w, u, **kw):
+    """S_t = Diag(exp w_t) S_{t-1} + k_t v_t^T, o_t = S_{t-1}^T (scale r_t) + (scale r_t . (u * k_t)) v_t."""
+    return fused_recurrent(r, k, v, spec=Spec(bonus=True), gk=w, u=u, **kw)
+
+
+def fused_recurrent_hgrn2(q, v, g, **kw):
+    """S_t = Diag(exp g_t) S_{t-1} + (1 - exp g_t) v_t^T: GLA with the key 1 - exp(g)."""
+    return fused_recurrent(q, -torch.expm1(g), v, spec=Spec(), gk=g, **kw)
+
+
+@_grouped
+def fused_recurrent_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=False, **kw):
+    """S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T; beta: [B, T, HV]."""
+    return fused_recurrent(q, k, v, spec=Spec(low_rank=1, qk_l2norm=use_qk_l2norm_in_kernel), beta=beta, **kw)
+
+
+@_grouped
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=False, A_log=None,
+                                     dt_bias=None, **kw):
+    """S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T; g, beta: [B, T, HV].
+
+    With ``A_log``, ``dt_bias`` ([HV]) the gate is ``-exp(A_log) * softplus(g + dt_bias)``, in the kernel.
+    """
+    spec = Spec(low_rank=1, b_decayed=True, qk_l2norm=use_qk_l2norm_in_kernel,
+                gate_in_kernel=_gate_spec(A_log, dt_bias))
+    return fused_recurrent(q, k, v, spec=spec, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, **kw)
+
+
+@_grouped
+def fused_recurrent_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, **kw):
+    """S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T; g: [B, T, HV, K].
+
+    With ``A_log`` ([HV]), ``dt_bias`` ([HV * K]) the gate is ``-exp(A_log) * softplus(g + dt_bias)``.
+    """
+    spec = Spec(low_rank=1, b_decayed=True, qk_l2norm=use_qk_l2norm_in_kernel,
+                gate_in_kernel=_gate_spec(A_log, dt_bias))
+    return fused_recurrent(q, k, v, spec=spec, gk=g, beta=beta, A_log=A_log, dt_bias=dt_bias, **kw)
+
+
+@_grouped
+def fused_recurrent_comba(q, k, v, p, g, beta, use_qk_l2norm_in_kernel=False, **kw):
+    """S_t = (exp(g_t) I - beta_t k_t p_t^T) S_{t-1} + beta_t k_t v_t^T (p reads the undecayed state)."""
+    spec = Spec(low_rank=1, use_p=True, qk_l2norm=use_qk_l2norm_in_kernel)
+    return fused_recurrent(q, k, v, spec=spec, p=p, g=g, beta=beta, **kw)
+
+
+@_grouped
+def fused_recurrent_longhorn(q, k, v, beta, use_qk_l2norm_in_kernel=False, **kw):
+    """S_t = (I - eps_t k_t k_t^T) S_{t-1} + eps_t k_t v_t^T, eps_t = beta_t / (1 + beta_t k_t^T k_t)."""
+    spec = Spec(low_rank=1, longhorn=True, qk_l2norm=use_qk_l2norm_in_kernel)
+    return fused_recurrent(q, k, v, spec=spec, beta=beta, **kw)
+
+
+def fused_recurrent_dplr_delta_rule(q, k, v, a, b, gk, **kw):
+    """fla's meaning: S_t = (Diag(exp gk_t) + b_t a_t^T) S_{t-1} + k_t v_t^T (fla's a reads the state)."""
+    return fused_recurrent(q, k, v, spec=Spec(low_rank=2), a=b, b=a, gk=gk, **kw)
+
+
+def fused_recurrent_rwkv7(r, w, k, v, a, b, **kw):
+    """fla's chunk_rwkv7 meaning: S_t = (Diag(exp w_t) + b_t a_t^T) S_{t-1} + k_t v_t^T, o_t = S_t^T (scale r_t)."""
+    return fused_recurrent(r, k, v, spec=Spec(low_rank=2), a=b, b=a, gk=w, **kw)

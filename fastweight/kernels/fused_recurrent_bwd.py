@@ -28,8 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
+from fastweight.kernels import fused_recurrent as base
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["T", "TT"])
 def fused_recurrent_bwd_reverse_kernel(
     q, k, v, a, b, g, r, do, dht, dh0, dk, dv, da, dr, cu_seqlens,
     scale, T, TT,
@@ -56,7 +58,7 @@ def fused_recurrent_bwd_reverse_kernel(
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
         b_dh += tl.load(dht + i_nh.to(tl.int64) * K * V + o_h, mask=m_h, other=0).to(tl.float32)
-    t = T - 1
+    t = tl.zeros([], dtype=tl.int64) + T - 1
     while t >= 0:
         i_tok = bos + t
         o_tk = (i_tok * H + i_h) * K + o_k
@@ -92,7 +94,7 @@ def fused_recurrent_bwd_reverse_kernel(
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + o_h, b_dh, mask=m_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "TT"])
 def fused_recurrent_bwd_forward_kernel(
     q, k, v, a, b, g, do, dr, h0, dq, db, cu_seqlens,
     scale, T, TT,
@@ -119,7 +121,7 @@ def fused_recurrent_bwd_forward_kernel(
     if USE_INITIAL_STATE:
         b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :],
                        mask=m_h, other=0).to(tl.float32)
-    t = 0
+    t = tl.zeros([], dtype=tl.int64)
     while t < T:
         i_tok = bos + t
         o_tk = (i_tok * H + i_h) * K + o_k
@@ -177,14 +179,12 @@ def fused_recurrent_bwd(q, k, v, a, b, g, r, do, dht, h0, ht, *, scale: float, c
 
     Returns (dq, dk, dv, da, db, dg, dh0) in fp32 (None where the input is None).
     """
-    from fastweight.kernels.fused_recurrent import default_block_v
-
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     TT = B * T
     BK = triton.next_power_of_2(K)
-    BV, warps = default_block_v(K, V)
+    BV, warps = base.default_block_v(K, V)
     BV, warps = block_v or BV, num_warps or warps
     NV = triton.cdiv(V, BV)
     low_rank = a is not None
@@ -193,12 +193,12 @@ def fused_recurrent_bwd(q, k, v, a, b, g, r, do, dht, h0, ht, *, scale: float, c
     cont = lambda x: None if x is None else x.contiguous()  # noqa: E731
     a, b, g, r, h0, dht = map(cont, (a, b, g, r, h0, dht))
 
-    dq, dk = (q.new_empty(NV, B, T, H, K, dtype=torch.float32) for _ in range(2))
-    da, db = ((q.new_empty(NV, B, T, H, K, dtype=torch.float32) for _ in range(2)) if low_rank
-              else (None, None))
-    dv = q.new_empty(B, T, H, V, dtype=torch.float32)
-    dr = q.new_empty(B, T, H, V, dtype=torch.float32) if low_rank else None
-    dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if h0 is not None else None
+    f32 = torch.float32
+    dq, dk = (base.buffer(q, NV, B, T, H, K, dtype=f32) for _ in range(2))
+    da, db = (base.buffer(q, NV, B, T, H, K, dtype=f32) for _ in range(2)) if low_rank else (None, None)
+    dv = base.buffer(q, B, T, H, V, dtype=f32)
+    dr = base.buffer(q, B, T, H, V, dtype=f32) if low_rank else None
+    dh0 = base.buffer(q, N, H, K, V, dtype=f32) if h0 is not None else None
     grid = (NV, N * H)
     common = dict(H=H, K=K, V=V, BK=BK, BV=BV, GATE=gate, LOW_RANK=low_rank, READOUT_PREV=readout_prev,
                   IS_VARLEN=cu_seqlens is not None, num_warps=warps)
@@ -215,7 +215,7 @@ def fused_recurrent_bwd(q, k, v, a, b, g, r, do, dht, h0, ht, *, scale: float, c
     dg = None
     if g is not None:
         # the gate gradient from the identity in the module docstring
-        qf, kf = q.float(), k.float()
+        qf, kf = q.double(), k.double()
         inclusive = -kf * dk
         exclusive = torch.zeros_like(inclusive)
         if readout_prev:
@@ -223,8 +223,8 @@ def fused_recurrent_bwd(q, k, v, a, b, g, r, do, dht, h0, ht, *, scale: float, c
         else:
             inclusive = inclusive + qf * dq
         if low_rank:
-            inclusive = inclusive - a.float() * da
-            exclusive = exclusive + b.float() * db
+            inclusive = inclusive - a.double() * da
+            exclusive = exclusive + b.double() * db
         dg = _reverse_cumsum(inclusive, cu_seqlens) + _reverse_cumsum(exclusive, cu_seqlens, exclusive=True)
         if dht is not None:
             dg = dg + _per_token((dht.float() * ht.float()).sum(-1), B, T, cu_seqlens)

@@ -1,0 +1,157 @@
+"""The fused recurrent Triton kernels (every op's ``fused_recurrent_*``) against the float64 definitions.
+
+Runs on CPU under TRITON_INTERPRET=1 (fp32, fp16). Every output buffer the kernels write is
+poisoned with NaN first, so an unwritten element fails. Each check compares the public op with
+``backend="triton"`` to the same op with ``backend="reference"`` (the mechanism's own recurrence)
+on float64 copies of the same inputs: outputs, final state and the gradient of every input.
+"""
+
+import pytest
+import torch
+
+from fastweight import ops
+from fastweight.bench.gpu_decode import op_inputs as _inputs
+from fastweight.kernels import fused_recurrent as fr
+from fastweight.testing import generator, nan_like, rel_err
+
+# measured: fp32 errors are <= 1e-6 (gate gradients through the reverse-cumsum identity ~1e-6);
+# fp16 errors are the rounding of the fp16 outputs and gradients (~5e-4)
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3}
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    monkeypatch.setattr(fr, "buffer", lambda like, *shape, dtype=None: nan_like(
+        like.new_empty(*shape, dtype=dtype or like.dtype)))
+
+
+@pytest.fixture
+def narrow_blocks(monkeypatch):
+    """BV = 8: several programs split V, so the backward sums per-block partials."""
+    monkeypatch.setattr(fr, "default_block_v", lambda K, V: (8, 1))
+
+
+def _check(op, inputs, *, dtype=torch.float32, initial_state=None, cu_seqlens=None, grads=True, **options):
+    """Run op on triton (dtype) and reference (float64 copies of the same values); compare everything."""
+    fn = getattr(ops, f"fused_recurrent_{op}")
+    low = {n: t.to(dtype) for n, t in inputs.items()}
+    if initial_state is not None:
+        low["initial_state"] = initial_state
+    tri = {n: t.clone().requires_grad_(grads) for n, t in low.items()}
+    ref = {n: t.double().requires_grad_(grads) for n, t in low.items()}
+    kw = dict(output_final_state=True, cu_seqlens=cu_seqlens, **options)
+    o, ht = fn(**tri, backend="triton", **kw)
+    ro, rht = fn(**ref, backend="reference", **kw)
+    tol = TOL[dtype]
+    assert o.dtype == dtype and ht.dtype == torch.float32
+    assert rel_err(o, ro) < tol, f"o: {rel_err(o, ro):.3g}"
+    assert rel_err(ht, rht) < tol, f"final state: {rel_err(ht, rht):.3g}"
+    if not grads:
+        return
+    do, dht = torch.randn_like(ro), torch.randn_like(rht)
+    names = list(tri)
+    gt = torch.autograd.grad((o.double() * do).sum() + (ht.double() * dht).sum(), [tri[n] for n in names])
+    gr = torch.autograd.grad((ro * do).sum() + (rht * dht).sum(), [ref[n] for n in names])
+    for n, x, y in zip(names, gt, gr):
+        assert x.dtype == tri[n].dtype
+        assert rel_err(x, y) < tol, f"d{n}: {rel_err(x, y):.3g}"
+
+
+# The interpreter runs ~100 token steps a second: shapes are the smallest that still cover
+# several heads and batches, an odd length, and a V split across programs.
+
+@pytest.mark.parametrize("op", ops.OPS)
+def test_op_matches_definition(op):
+    gen = generator()
+    B, T, H, K, V = 1, 33, 2, 16, 16
+    h0 = torch.randn(B, H, K, V, generator=gen)
+    _check(op, _inputs(op, B, T, H, K, V, gen=gen), initial_state=h0)
+
+
+def test_batch_and_odd_length():
+    gen = generator()
+    B, T, H, K, V = 2, 63, 1, 16, 16
+    _check("gated_delta_rule", _inputs("gated_delta_rule", B, T, H, K, V, gen=gen),
+           initial_state=torch.randn(B, H, K, V, generator=gen))
+
+
+@pytest.mark.parametrize("op", ["gated_delta_rule", "rwkv6", "rwkv7"])
+def test_varlen_and_split_value_blocks(op, narrow_blocks):
+    gen = generator()
+    cu_seqlens = torch.tensor([0, 1, 1, 17, 40])
+    H, K, V = 1, 16, 24
+    h0 = torch.randn(4, H, K, V, generator=gen)
+    _check(op, _inputs(op, 1, 40, H, K, V, gen=gen), initial_state=h0, cu_seqlens=cu_seqlens)
+
+
+@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("op", ["gated_delta_rule", "kda", "gla"])
+def test_decode_lengths(op, T):
+    gen = generator()
+    B, H, K, V = 2, 2, 16, 16
+    _check(op, _inputs(op, B, T, H, K, V, gen=gen), initial_state=torch.randn(B, H, K, V, generator=gen))
+
+
+@pytest.mark.parametrize("op", ["gated_delta_rule", "rwkv6", "dplr_delta_rule"])
+def test_fp16(op):
+    gen = generator()
+    B, T, H, K, V = 1, 33, 2, 16, 16
+    _check(op, _inputs(op, B, T, H, K, V, gen=gen), dtype=torch.float16,
+           initial_state=torch.randn(B, H, K, V, generator=gen))
+
+
+@pytest.mark.parametrize("op", ["gated_delta_rule", "comba", "kda"])
+def test_grouped_heads_and_fused_l2norm(op):
+    gen = generator()
+    B, T, H, HV, K, V = 1, 20, 1, 2, 16, 16
+    x = _inputs(op, B, T, H, K, V, HV=HV, gen=gen)
+    x["k"] = torch.randn(B, T, H, K, generator=gen)
+    assert getattr(ops, f"fused_recurrent_{op}") and fr.fused_recurrent_gated_delta_rule.grouped_heads
+    _check(op, x, initial_state=torch.randn(B, HV, K, V, generator=gen), use_qk_l2norm_in_kernel=True)
+
+
+@pytest.mark.parametrize("op", ["gated_delta_rule", "kda"])
+def test_gate_in_kernel(op):
+    """g = -exp(A_log) * softplus(g_raw + dt_bias), computed in the kernel, gradients to all three.
+
+    dA_log and ddt_bias are sums over tokens of dg_t dg_t/dtheta, all of one sign in dg_t/dtheta:
+    their error is the per-token error times sum |dg_t dg_t/dtheta|, which can exceed |dtheta| a lot
+    (cancellation in the sum); the tolerance is scaled by that ratio, computed from the reference.
+    """
+    gen = generator()
+    B, T, H, K, V = 1, 20, 2, 16, 16
+    x = _inputs(op, B, T, H, K, V, gen=gen)
+    raw = torch.randn(x["g"].shape, generator=gen).requires_grad_()
+    A_log = torch.randn(H, generator=gen).mul(0.5).requires_grad_()
+    dt_bias = torch.randn(H if op == "gated_delta_rule" else H * K, generator=gen).requires_grad_()
+    fn = getattr(fr, f"fused_recurrent_{op}")
+    o, _ = fn(x["q"], x["k"], x["v"], raw, x["beta"], A_log=A_log, dt_bias=dt_bias, scale=K ** -0.5)
+    shape = (H,) if op == "gated_delta_rule" else (H, K)
+    g = -A_log.double().exp().view(H, *[1] * (len(shape) - 1)) * torch.nn.functional.softplus(
+        raw.double() + dt_bias.double().view(shape))
+    ro, _ = getattr(ops, f"fused_recurrent_{op}")(x["q"].double(), x["k"].double(), x["v"].double(), g,
+                                                  x["beta"].double(), backend="reference")
+    assert rel_err(o, ro) < TOL[torch.float32]
+    do = torch.randn_like(ro)
+    got = torch.autograd.grad((o.double() * do).sum(), [raw, A_log, dt_bias])
+    want = torch.autograd.grad((ro * do).sum(), [raw, A_log, dt_bias, g], retain_graph=True)
+    magnitude = torch.autograd.grad((g * want[3].abs()).sum(), [raw, A_log, dt_bias])
+    for n, x_, y, m in zip(("g", "A_log", "dt_bias"), got, want, magnitude):
+        tol = TOL[torch.float32] * (1 if n == "g" else max(1.0, m.norm().item() / y.norm().item()))
+        assert rel_err(x_, y) < tol, f"d{n}: {rel_err(x_, y):.3g} (tolerance {tol:.3g})"
+
+
+def test_gradient_of_final_state_only():
+    """Only the final state is used: the output's gradient is absent (None) in the backward."""
+    gen = generator()
+    x = _inputs("kda", 1, 9, 2, 16, 16, gen=gen)
+    tri = {n: t.clone().requires_grad_() for n, t in x.items()}
+    ref = {n: t.double().requires_grad_() for n, t in x.items()}
+    _, ht = ops.fused_recurrent_kda(**tri, output_final_state=True, backend="triton")
+    _, rht = ops.fused_recurrent_kda(**ref, output_final_state=True, backend="reference")
+    dht = torch.randn_like(rht)
+    gt = torch.autograd.grad((ht.double() * dht).sum(), list(tri.values()))
+    gr = torch.autograd.grad((rht * dht).sum(), list(ref.values()), allow_unused=True)
+    for n, a, b in zip(tri, gt, gr):
+        # q does not reach the final state: its gradient is zero
+        assert rel_err(a, torch.zeros_like(a) if b is None else b) < TOL[torch.float32], n
