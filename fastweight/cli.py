@@ -19,7 +19,8 @@ def _load(name: str):
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
-        if e.name == name:
+        # The module itself (or its package) is not written yet; a missing dependency is an error.
+        if e.name == name or name.startswith(f"{e.name}."):
             return None
         raise
 
