@@ -298,7 +298,7 @@ def _progress(cfg: TrainConfig, rank: int, start: int, end: int):
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=end, initial=start, desc=f"{cfg.mixer} {cfg.task}", dynamic_ncols=True, file=sys.stderr)
+    return tqdm(total=end, initial=start, desc=f"{cfg.mixer} {cfg.task.split(':')[0]}", dynamic_ncols=True, file=sys.stderr)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls) -> None:
