@@ -84,7 +84,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.device must be auto, cpu or cuda[:i], got {self.device!r}")
         sizes = {from_spec(s).vocab_size for s in self.train_specs}
         if len(sizes) != 1:
-            raise ValueError(f"TrainConfig.task: the tasks of {self.task!r} must share one vocabulary, got sizes {sizes}")
+            raise ValueError(f"TrainConfig.task: the tasks of {self.task!r} must share one vocabulary, "
+                             f"got sizes {sizes}")
         for spec in self.eval_specs:
             if from_spec(spec).vocab_size not in sizes:
                 raise ValueError(f"TrainConfig.eval_tasks: {spec!r} has another vocabulary than the train task")
@@ -298,7 +299,8 @@ def _progress(cfg: TrainConfig, rank: int, start: int, end: int):
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=end, initial=start, desc=f"{cfg.mixer} {cfg.task.split(':')[0]}", dynamic_ncols=True, file=sys.stderr)
+    return tqdm(total=end, initial=start, desc=f"{cfg.mixer} {cfg.task.split(':')[0]}", dynamic_ncols=True,
+                file=sys.stderr)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls) -> None:

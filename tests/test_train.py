@@ -10,8 +10,8 @@ from fastweight.train import TrainConfig, add_config_arguments, config_from_args
 
 
 def tiny(tmp_path, **kw):
-    base = dict(task="parity:seq_len=16", mixer="gdn", d_model=32, n_layers=1, n_heads=2, steps=6, batch_size=4, lr=1e-2, warmup=2, out_dir=str(tmp_path),
-                eval_examples=8, progress=False, log_every=1, threads=1)
+    base = dict(task="parity:seq_len=16", mixer="gdn", d_model=32, n_layers=1, n_heads=2, steps=6, batch_size=4,
+                lr=1e-2, warmup=2, out_dir=str(tmp_path), eval_examples=8, progress=False, log_every=1, threads=1)
     return TrainConfig(**{**base, **kw})
 
 
