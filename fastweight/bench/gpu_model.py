@@ -1,0 +1,197 @@
+"""One GPU run for the language model (issue 6): correctness of the model on the kernels, then speed.
+
+    python -m fastweight.bench.gpu_model [--out DIR] [--budget SECONDS] [--smoke]
+
+1. Correctness (fp32, tiny model): logits on the device (Triton kernels) against the same
+   model on the CPU (PyTorch chunk path), and prefill-then-decode against one pass, for
+   "gdn", "gdn,swa", "mamba2,gdn,swa", "rwkv7", "kda".
+2. Training throughput (tokens/s of forward + backward + AdamW step, bf16 autocast, fp32
+   weights): the 340M "gdn" preset at B=8, T=4096; "gdn,swa" and pure attention ("attn") of
+   the same preset at B=2, T=16384.
+3. Decoding throughput at batch 64 after a 16k-token prompt (prefill by chunk, then one
+   token per step from the cache): "gdn", "gdn,swa", "attn".
+
+Parts past ``--budget`` seconds are skipped (and say so). The table is printed last; all
+results go to DIR/model.json. ``--smoke`` runs every part at toy sizes (CPU is fine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from fastweight.models import LMConfig, LanguageModel
+from fastweight.testing import rel_err
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def check(device, results, T=100, prefill=70):
+    """fp32 tiny models: device vs CPU logits and prefill/decode vs one pass."""
+    for mixer in ("gdn", "gdn,swa", "mamba2,gdn,swa", "rwkv7", "kda"):
+        torch.manual_seed(0)
+        cfg = LMConfig.preset("tiny", mixer=mixer, vocab_size=128, n_layers=3, d_model=128, n_heads=2,
+                              window_size=32)
+        cpu = LanguageModel(cfg)
+        dev = LanguageModel(cfg).to(device)
+        dev.load_state_dict(cpu.state_dict())
+        ids = torch.randint(0, 128, (2, T))
+        with torch.no_grad():
+            ref = cpu(ids)
+            out = dev(ids.to(device))
+            dev.eval()
+            cache = dev.new_cache()
+            parts = [dev(ids[:, :prefill].to(device), cache=cache)]
+            parts += [dev(ids[:, t:t + 1].to(device), cache=cache) for t in range(prefill, T)]
+            step = torch.cat(parts, 1)
+        dev.train()
+        ids_grad = ids.to(device)
+        loss = torch.nn.functional.cross_entropy(dev(ids_grad).flatten(0, 1), ids_grad.flatten())
+        loss.backward()
+        grads_finite = all(bool(torch.isfinite(p.grad).all()) for p in dev.parameters() if p.grad is not None)
+        row = dict(part="check", mixer=mixer, device_vs_cpu=rel_err(out.cpu(), ref),
+                   decode_vs_one_pass=rel_err(step, out), grads_finite=grads_finite)
+        row["ok"] = row["device_vs_cpu"] < 1e-4 and row["decode_vs_one_pass"] < 1e-4 and grads_finite
+        results.append(row)
+        print(row, flush=True)
+
+
+def train_throughput(cfg, B, T, device, steps=4, warmup=2):
+    torch.manual_seed(0)
+    with device:
+        model = LanguageModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    ids = torch.randint(0, cfg.vocab_size, (B, T + 1), device=device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def step():
+        with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
+            logits = model(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(warmup):
+        step()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    sync(device)
+    dt = (time.perf_counter() - t0) / steps
+    peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else 0.0
+    n_params = model.num_parameters()
+    del model, opt
+    return dict(ms_per_step=1e3 * dt, tokens_per_s=B * T / dt, params_M=n_params / 1e6, peak_GiB=peak,
+                loss=float(loss))
+
+
+@torch.no_grad()
+def decode_throughput(cfg, B, prompt, device, steps=32, prefill_chunk=None):
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with device:
+        model = LanguageModel(cfg).to(dtype=dtype).eval()
+    ids = torch.randint(0, cfg.vocab_size, (B, prompt), device=device)
+    cache = model.new_cache()
+    sync(device)
+    t0 = time.perf_counter()
+    prefill_chunk = prefill_chunk or prompt
+    for s in range(0, prompt, prefill_chunk):
+        logits = model(ids[:, s:s + prefill_chunk], cache=cache, logits_to_keep=1)
+    sync(device)
+    prefill_s = time.perf_counter() - t0
+    token = logits[:, -1].argmax(-1, keepdim=True)
+    for _ in range(2):
+        token = model(token, cache=cache)[:, -1].argmax(-1, keepdim=True)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        token = model(token, cache=cache)[:, -1].argmax(-1, keepdim=True)
+    sync(device)
+    dt = (time.perf_counter() - t0) / steps
+    out = dict(prefill_s=prefill_s, ms_per_step=1e3 * dt, tokens_per_s=B / dt, cache_GiB=cache.nbytes() / 2 ** 30)
+    del model, cache
+    return out
+
+
+def guarded(name, fn, results, start, budget, **meta):
+    if time.perf_counter() - start > budget:
+        row = dict(part=name, **meta, skipped=f"past the {budget:.0f} s budget")
+    else:
+        try:
+            row = dict(part=name, **meta, **fn())
+        except torch.cuda.OutOfMemoryError as e:
+            row = dict(part=name, **meta, error=f"out of memory: {str(e)[:120]}")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    row["elapsed_s"] = round(time.perf_counter() - start, 1)
+    results.append(row)
+    print(row, flush=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--budget", type=float, default=170.0)
+    parser.add_argument("--smoke", action="store_true", help="toy sizes, any device")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    start = time.perf_counter()
+    results = []
+    t0 = time.perf_counter()
+    check(device, results, *((24, 17) if args.smoke else (100, 70)))
+    print(f"check: {time.perf_counter() - t0:.1f} s", flush=True)
+    if args.smoke:
+        base = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=2, window_size=16)
+        train = [("gdn", 2, 64), ("gdn,swa", 1, 128), ("attn", 1, 128)]
+        decode = (4, 64)
+        preset = lambda mixer: LMConfig(mixer=mixer, **base)  # noqa: E731
+    else:
+        train = [("gdn", 8, 4096), ("gdn,swa", 2, 16384), ("attn", 2, 16384)]
+        decode = (64, 16384)
+        preset = lambda mixer: LMConfig.preset("340M", mixer=mixer)  # noqa: E731
+    for mixer, B, T in train:
+        guarded("train", lambda: train_throughput(preset(mixer), B, T, device), results, start, args.budget,
+                mixer=mixer, B=B, T=T)
+    for mixer in ("gdn", "gdn,swa", "attn"):
+        B, P = decode
+        guarded("decode", lambda: decode_throughput(preset(mixer), B, P, device), results, start, args.budget,
+                mixer=mixer, B=B, prompt=P)
+    env = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__)
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "model.json"), "w") as f:
+        json.dump(dict(env=env, results=results, wall_s=time.perf_counter() - start), f, indent=1)
+    print(f"\n{env}")
+    print(f"{'part':7} {'mixer':16} {'shape':14} {'ms/step':>9} {'tokens/s':>11}  note")
+    for r in results:
+        if r["part"] == "check":
+            print(f"check   {r['mixer']:16} {'':14} {'':>9} {'':>11}  device/cpu {r['device_vs_cpu']:.1e}  "
+                  f"decode/one-pass {r['decode_vs_one_pass']:.1e}  {'ok' if r['ok'] else 'FAIL'}")
+            continue
+        shape = f"{r['B']}x{r.get('T', r.get('prompt'))}"
+        if "skipped" in r or "error" in r:
+            print(f"{r['part']:7} {r['mixer']:16} {shape:14} {'':>9} {'':>11}  {r.get('skipped') or r.get('error')}")
+            continue
+        note = (f"{r['params_M']:.0f}M params, peak {r['peak_GiB']:.1f} GiB" if r["part"] == "train"
+                else f"prefill {r['prefill_s']:.1f} s, cache {r['cache_GiB']:.2f} GiB")
+        print(f"{r['part']:7} {r['mixer']:16} {shape:14} {r['ms_per_step']:9.1f} {r['tokens_per_s']:11.0f}  {note}")
+
+
+if __name__ == "__main__":
+    main()
