@@ -66,18 +66,21 @@ def plot_spectra(mechanisms, out: str, *, length: int = 32, key_dim: int = 16, s
     return _save(fig, out)
 
 
-def plot_state_norms(mechanisms, out: str, *, length: int = 4096, decay_factor: float = 0.01,
-                     seed: int = 0) -> str:
-    """||S_t||_F against t for each mechanism on long random inputs with slow decays."""
+def plot_state_norms(mechanisms, out: str, *, length: int = 4096, decay_factor: float = 0.001,
+                     write_bias: float = 0.5, seed: int = 0) -> str:
+    """||S_t||_F against t for each mechanism on long random inputs with slow decays and
+    coherent writes (:func:`fastweight.analysis.state_norms.trained_like`)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name in mechanisms:
-        norms = analysis.sample_state_norms(name, T=length, decay_factor=decay_factor, seed=seed)[:, 0]
-        ax.plot(range(1, length + 1), norms.numpy(), label=name, lw=1)
+    for i, name in enumerate(mechanisms):
+        norms = analysis.sample_state_norms(name, T=length, decay_factor=decay_factor, write_bias=write_bias,
+                                            seed=seed)[:, 0]
+        ax.plot(range(1, length + 1), norms.numpy(), label=name, lw=1.2, ls=("-", "--", ":", "-.")[i % 4])
     ax.set_xlabel("t")
     ax.set_ylabel("||S_t||_F")
     ax.set_yscale("log")
-    ax.set_title(f"state norm over time (random inputs, log decays x {decay_factor})", fontsize=9)
+    ax.set_title(f"state norm over time (random inputs, log decays x {decay_factor}, write bias {write_bias})",
+                 fontsize=9)
     ax.legend(fontsize=8)
     return _save(fig, out)
 
@@ -144,8 +147,9 @@ def _run(args: argparse.Namespace) -> int:
         path = plot_spectra(names(args.mechanisms) or list(REGISTRY), args.out or "spectra.png",
                             length=args.length or 32, seed=args.seed)
     elif args.figure == "state-norm":
-        path = plot_state_norms(names(args.mechanisms) or ["rwkv7", "rwkv6", "gla"], args.out or "state_norm.png",
-                                length=args.length or 4096, decay_factor=args.decay_factor, seed=args.seed)
+        path = plot_state_norms(names(args.mechanisms) or ["rwkv7", "rwkv6", "gla", "gated_deltanet"],
+                                args.out or "state_norm.png", length=args.length or 4096,
+                                decay_factor=args.decay_factor, write_bias=args.write_bias, seed=args.seed)
     elif args.figure == "attention":
         if not args.checkpoint:
             raise SystemExit("fastweight plot attention: --checkpoint is required")
@@ -163,7 +167,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--out", default="", help="PNG path (default: <figure>.png)")
     parser.add_argument("--mechanisms", default="", help="comma-separated registry names")
     parser.add_argument("--length", type=int, default=0, help="sequence length (spectra 32, state-norm 4096)")
-    parser.add_argument("--decay-factor", type=float, default=0.01, help="state-norm: log decays scaled by this")
+    parser.add_argument("--decay-factor", type=float, default=0.001, help="state-norm: log decays scaled by this")
+    parser.add_argument("--write-bias", type=float, default=0.5, help="state-norm: constant added to k and v")
     parser.add_argument("--checkpoint", default="", help="attention: a fastweight train checkpoint")
     parser.add_argument("--suite", default="runs/eval/suite.json", help="niah-length: a fastweight eval result")
     parser.add_argument("--seed", type=int, default=0)

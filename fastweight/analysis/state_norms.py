@@ -1,9 +1,10 @@
 """How large the state grows over a long input: ``||S_t||_F`` for t = 1..T.
 
 A transition whose eigenvalues sit near 1 in some direction lets every write along it
-pile up: ``||S_t||`` grows like the number of tokens written there (RWKV-6 and GLA with
-slow channels). RWKV-7's delta term removes the old value before writing the new one
-along ``kappa-hat``, so its state stays bounded (RWKV-7 paper, Fig. state values).
+pile up: with slow channels and writes that share a direction (as a trained model's do),
+``||S_t||`` grows like the number of tokens written, up to ``1 / (1 - w)`` (RWKV-6, GLA).
+RWKV-7's delta term removes the value stored along ``kappa-hat`` before writing the new
+one, so its state stays bounded (RWKV-7 paper: RWKV-6's state values reach thousands).
 """
 
 from __future__ import annotations
@@ -30,20 +31,25 @@ def state_norms(mechanism, inputs: dict) -> torch.Tensor:
     return cols.norm(dim=-1)
 
 
-def slow_decay(inputs: dict, factor: float) -> dict:
-    """The same inputs with every log decay (``g``, ``w``, ``gk``) multiplied by ``factor``: the slow
-    channels of a trained model, whose decay is close to 1."""
-    return {n: (t * factor if n in ("g", "w", "gk") else t) for n, t in inputs.items()}
+def trained_like(inputs: dict, decay_factor: float = 1.0, write_bias: float = 0.0) -> dict:
+    """Random inputs made to look like a trained model's: every log decay (``g``, ``w``, ``gk``)
+    scaled by ``decay_factor`` (< 1: the slow channels, decay close to 1) and a constant
+    ``write_bias`` added to the values (``write_bias / sqrt(K)`` to the keys): features shared
+    by all tokens, so that successive writes add up instead of cancelling."""
+    out = {n: (t * decay_factor if n in ("g", "w", "gk") else t) for n, t in inputs.items()}
+    out["v"] = out["v"] + write_bias
+    out["k"] = out["k"] + write_bias * out["k"].shape[-1] ** -0.5
+    return out
 
 
 def sample_state_norms(mechanism, *, T: int = 2048, H: int = 1, K: int = 16, seed: int = 0,
-                       decay_factor: float = 1.0) -> torch.Tensor:
-    """:func:`state_norms` on the mechanism's random inputs (B = 1, float64), log decays scaled
-    by ``decay_factor`` (< 1: slower decay): [T, H]."""
+                       decay_factor: float = 1.0, write_bias: float = 0.0) -> torch.Tensor:
+    """:func:`state_norms` on the mechanism's random inputs (B = 1, float64), passed through
+    :func:`trained_like`: [T, H]."""
     mech = get(mechanism) if isinstance(mechanism, str) else mechanism
     g = torch.Generator().manual_seed(seed)
     inputs = mech.sample(1, T, H, K, K, dtype=torch.float64, device="cpu", generator=g)
-    return state_norms(mech, slow_decay(inputs, decay_factor))[0]
+    return state_norms(mech, trained_like(inputs, decay_factor, write_bias))[0]
 
 
 @torch.no_grad()

@@ -27,10 +27,12 @@ def test_state_norms_over_time():
     _, final = mech.recurrent(inputs, output_final_state=True)
     assert norms.shape == (2, 7, 2)
     assert rel_err(norms[:, -1], final.norm(dim=(-2, -1))) < 1e-12
-    long = {m: sample_state_norms(m, T=1024, K=8, decay_factor=0.01)[:, 0] for m in ("rwkv6", "rwkv7")}
-    # RWKV-6 with slow decays piles writes up; RWKV-7's delta term keeps its state bounded
-    assert long["rwkv6"][-1] > 3 * long["rwkv7"][-1]
-    assert long["rwkv7"][512:].max() < 2 * long["rwkv7"][256:512].max()
+    long = {m: sample_state_norms(m, T=1024, K=8, decay_factor=0.001, write_bias=0.5)[:, 0]
+            for m in ("rwkv6", "rwkv7")}
+    # RWKV-6 with slow decays piles coherent writes up; RWKV-7's delta term keeps its state bounded
+    assert long["rwkv6"][-1] > 20 * long["rwkv7"][-1]
+    assert long["rwkv6"][-1] > 1.5 * long["rwkv6"][511]
+    assert long["rwkv7"][512:].max() < 1.5 * long["rwkv7"][256:512].max()
 
 
 def test_attention_maps_of_model_layers_reproduce_their_outputs():
