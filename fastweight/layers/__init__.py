@@ -9,7 +9,7 @@ from fastweight.layers.base import Mixer
 from fastweight.layers.common import GatedRMSNorm, LowRank, RMSNorm, ShortConv, SwiGLU, TokenShift
 from fastweight.layers.delta import DeltaRuleMixer
 from fastweight.layers.gated import DecayMixer, Mamba2Mixer
-from fastweight.layers.linear_op import force_generic, linear_op
+from fastweight.layers.linear_op import force_generic, linear_op, use_backend
 
 
 def build_mixer(name: str, cfg) -> Mixer:
@@ -31,4 +31,4 @@ def build_mixer(name: str, cfg) -> Mixer:
 
 
 __all__ = ["Attention", "DecayMixer", "DeltaRuleMixer", "GatedRMSNorm", "LowRank", "Mamba2Mixer", "Mixer",
-           "RMSNorm", "ShortConv", "SwiGLU", "TokenShift", "build_mixer", "force_generic", "linear_op"]
+           "RMSNorm", "ShortConv", "SwiGLU", "TokenShift", "build_mixer", "force_generic", "linear_op", "use_backend"]

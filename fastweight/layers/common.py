@@ -67,12 +67,16 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None):
         B, T, C = x.shape
+        W = self.kernel_size
+        weight, bias = self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
         if cache is None:
-            cache = x.new_zeros(B, self.kernel_size - 1, C)
+            # zero history: pad inside the conv, keep the first T outputs (no copy of x)
+            y = F.conv1d(x.transpose(1, 2), weight, bias, padding=W - 1, groups=C)[..., :T]
+            tail = F.pad(x[:, max(T - (W - 1), 0):], (0, 0, max(W - 1 - T, 0), 0))
+            return self.act(y.transpose(1, 2)), tail
         xx = torch.cat([cache.to(x.dtype), x], dim=1)  # [B, T + W - 1, C]
-        y = F.conv1d(xx.transpose(1, 2), self.weight.to(x.dtype),
-                     None if self.bias is None else self.bias.to(x.dtype), groups=C)
-        return self.act(y.transpose(1, 2)), xx[:, xx.shape[1] - (self.kernel_size - 1):]
+        y = F.conv1d(xx.transpose(1, 2), weight, bias, groups=C)
+        return self.act(y.transpose(1, 2)), xx[:, xx.shape[1] - (W - 1):]
 
 
 class TokenShift(nn.Module):

@@ -23,6 +23,18 @@ from fastweight import ops
 
 MODES = ("chunk", "fused_recurrent")
 _FORCE_GENERIC = False
+_BACKEND = None
+
+
+@contextmanager
+def use_backend(backend: str | None):
+    """Within the block, every op runs on ``backend`` ("triton", "torch", "reference"; None = best)."""
+    global _BACKEND
+    old, _BACKEND = _BACKEND, backend
+    try:
+        yield
+    finally:
+        _BACKEND = old
 
 
 @contextmanager
@@ -90,7 +102,7 @@ def _rwkv7(mode, r, w, k, v, a, b, **kw):
 
 
 def _rwkv6(mode, r, k, v, w, u, *, scale, initial_state=None, output_final_state=False, **_):
-    # stand-in until ops.*_rwkv6 exists: the per-token definition with RWKV-6's bonus readout
+    # the DPLR op has no bonus readout: RWKV-6's DPLR form is the definition with ``u``
     from fastweight.reference import dplr_recurrent
     return dplr_recurrent(r, k, v, gk=w, u=u, scale=scale, initial_state=initial_state,
                           output_final_state=output_final_state)
@@ -124,6 +136,8 @@ def linear_op(op: str, mode: str, *, scale: float, initial_state=None, output_fi
         raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
     fn = None if _FORCE_GENERIC else specialised(op, mode)
     kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state)
+    if _BACKEND is not None:
+        kw["backend"] = _BACKEND
     if fn is not None:
         return fn(**tensors, **kw)
     if op not in GENERIC:

@@ -113,3 +113,12 @@ def test_full_attention_cache_grows_in_place():
         outs.append(layer(inp[:, t:t + 1], cache, {"offset": t}))
     assert cache["length"] == 9 and cache["k"].shape[1] == 4 + 1 + 256  # the prompt, then room for 256 more
     assert rel_err(torch.cat(outs, 1), ref) < 1e-6
+
+
+@pytest.mark.parametrize("T", [1, 2, 7])
+def test_short_conv_short_inputs_keep_a_full_cache(T):
+    conv = ShortConv(8, 4, None)
+    inp = x(T=T, D=8)
+    y, tail = conv(inp)
+    y2, tail2 = conv(inp, torch.zeros(2, 3, 8))
+    assert tail.shape == (2, 3, 8) and torch.equal(tail, tail2) and rel_err(y, y2) < 1e-6
