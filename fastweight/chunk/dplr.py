@@ -136,14 +136,18 @@ def dplr_chunk(q, k, v, a=None, b=None, gk=None, *, scale: float, u=None, initia
     k_end = (k * to_end).transpose(-1, -2)
     decay_end = G_end.to(dt).exp().transpose(-1, -2)  # [N, H, NT, K or 1, 1]
 
-    # 4. state passing, the only sequential step
+    # 4. state passing, the only sequential step (unbind: one backward for all chunk slices)
     S = initial(initial_state, layout.N, H, K, V, dt, q.device)
+    writes = (k_end @ v).unbind(2)  # [N, H, K, V] per chunk
+    q_start, o_intra, decay_end = q_start.unbind(2), o_intra.unbind(2), decay_end.unbind(2)
+    if low_rank:
+        W, U_tilde, a_end = W.unbind(2), U_tilde.unbind(2), a_end.unbind(2)
     o = []
     for n in range(layout.NT):
-        o.append(q_start[:, :, n] @ S + o_intra[:, :, n])
-        S_next = decay_end[:, :, n] * S + k_end[:, :, n] @ v[:, :, n]
+        o.append(q_start[n] @ S + o_intra[n])
+        S_next = decay_end[n] * S + writes[n]
         if low_rank:
-            S_next = S_next + a_end[:, :, n] @ (W[:, :, n] @ S + U_tilde[:, :, n])
+            S_next = S_next + a_end[n] @ (W[n] @ S + U_tilde[n])
         S = S_next
     return finish(torch.stack(o, dim=2), S, layout, out_dtype, output_final_state)
 
