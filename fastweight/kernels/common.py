@@ -36,6 +36,7 @@ class Chunks:
     N: int
     NC: int
     BT: int
+    NT: int | None = None          # chunks per sequence when all have the same length (no cu_seqlens)
 
 
 def prepare_chunks(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, device) -> Chunks:
@@ -46,7 +47,7 @@ def prepare_chunks(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, dev
         n = torch.arange(B, device=device, dtype=torch.int32).repeat_interleave(NT)
         i = torch.arange(NT, device=device, dtype=torch.int32).repeat(B)
         offsets = torch.arange(B + 1, device=device, dtype=torch.int64) * NT
-        return Chunks(cu, torch.stack([n, i], 1).contiguous(), offsets, B, B * NT, BT)
+        return Chunks(cu, torch.stack([n, i], 1).contiguous(), offsets, B, B * NT, BT, NT)
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     lens = (cu[1:] - cu[:-1]).tolist()
     counts = [triton.cdiv(L, BT) for L in lens]

@@ -38,7 +38,7 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
     if g is not None and g.dim() == 4:
         gk_cum = chunk_local_cumsum(g, chunks)
         Aqk, Akk = intra_fwd(q, k, gk_cum, chunks)
-        Ai = solve(Akk, beta, chunks)
+        Ai = solve(Akk, beta, chunks, dtype=k.dtype)
     else:
         g_cum = chunk_local_cumsum(g, chunks) if g is not None else None
         Ai = kkt_solve(k, beta, g_cum, chunks)
@@ -51,8 +51,12 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
 def delta_bwd(q, k, v, beta, saved, do, dht, scale, chunks, need_dh0):
     g_cum, gk_cum, Ai, Aqk, Akk, w, h, v_new = saved
     dh, dv_tilde, dh0 = state_bwd(q, k, w, g_cum, do, dht, scale, chunks, need_dh0, gk_cum=gk_cum, Aqk=Aqk)
-    dq, dk, dw, dg_cum, dAqk = output_bwd(q, k, g_cum, h, dh, v_new, do, dv_tilde, scale, chunks, gk_cum=gk_cum)
-    dv, dbeta, dAkk = wy_bwd(k, v, beta, g_cum, Ai, dw, dv_tilde, dk, dg_cum, chunks, gk_cum=gk_cum, Akk=Akk)
+    # gradients still to be accumulated (grouped heads, the per-channel intra part) stay fp32
+    final = q.dtype if gk_cum is None and q.shape[2] == v.shape[2] else torch.float32
+    dq, dk, dw, dg_cum, dAqk = output_bwd(q, k, g_cum, h, dh, v_new, do, dv_tilde, scale, chunks, gk_cum=gk_cum,
+                                          dq_dtype=final)
+    dk, dv, dbeta, dAkk = wy_bwd(k, v, beta, g_cum, Ai, dw, dv_tilde, dk, dg_cum, chunks, gk_cum=gk_cum, Akk=Akk,
+                                 dk_dtype=final)
     if gk_cum is not None:
         intra_bwd(q, k, gk_cum, dAqk, dAkk, dq, dk, dg_cum, chunks)
     dg = chunk_local_cumsum(dg_cum, chunks, reverse=True) if dg_cum is not None else None
@@ -70,7 +74,7 @@ class ChunkDeltaFunction(torch.autograd.Function):
         if initial_state is not None:
             initial_state = initial_state.contiguous()
         o, ht, saved = delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks,
-                                 store_h=torch.is_grad_enabled() or ctx.needs_input_grad[0])
+                                 store_h=any(ctx.needs_input_grad))
         ctx.save_for_backward(q, k, v, beta, *saved)
         ctx.has_g, ctx.chunks, ctx.scale, ctx.shapes = g is not None, chunks, scale, shapes
         ctx.has_h0 = initial_state is not None

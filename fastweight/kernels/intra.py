@@ -84,7 +84,7 @@ def intra_fwd_kernel(q, k, g, Aqk, Akk, cu_seqlens, chunk_indices, H: tl.constex
                 b_kk = tl.where(o_i[:, None] > o_i[None, :], b_kk, 0.)
             p_qk = tl.make_block_ptr(Aqk + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (r0, 16 * c), (16, 16), (1, 0))
             p_kk = tl.make_block_ptr(Akk + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (r0, 16 * c), (16, 16), (1, 0))
-            tl.store(p_qk, b_qk, boundary_check=(0, 1))
+            tl.store(p_qk, b_qk.to(p_qk.dtype.element_ty), boundary_check=(0, 1))
             tl.store(p_kk, b_kk, boundary_check=(0, 1))
 
 
@@ -161,11 +161,11 @@ def intra_bwd_kernel(q, k, g, dAqk, dAkk, dq, dk, dg, cu_seqlens, chunk_indices,
 
 
 def intra_fwd(q, k, g_cum, chunks: Chunks):
-    """q, k: [1, T, HK, K]; g_cum: [1, T, H, K] -> (Aqk, Akk) [1, T, H, BT] float32 (unscaled, no beta)."""
+    """q, k: [1, T, HK, K]; g_cum: [1, T, H, K] -> (Aqk in q's dtype, Akk float32), [1, T, H, BT] (unscaled, no beta)."""
     _, T, HK, K = k.shape
     H = g_cum.shape[2]
     f32 = dict(dtype=torch.float32, device=k.device)
-    Aqk, Akk = alloc((1, T, H, chunks.BT), **f32), alloc((1, T, H, chunks.BT), **f32)
+    Aqk, Akk = alloc((1, T, H, chunks.BT), dtype=q.dtype, device=k.device), alloc((1, T, H, chunks.BT), **f32)
     intra_fwd_kernel[(chunks.NC, H)](q, k, g_cum, Aqk, Akk, chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK,
                                      K=K, BT=chunks.BT, BK=min(32, triton.next_power_of_2(K)))
     return Aqk, Akk

@@ -11,7 +11,7 @@ block forward substitution on the 4 x 4 block matrix:
 
     Ai_rr = (I + A_rr)^{-1}       Ai_rc = -Ai_rr sum_{c <= m < r} A_rm Ai_mc      (r > c)
 
-Output: ``Ai`` [1, T, H, BT] float32 (row t holds its chunk's row of the inverse; the columns
+Output: ``Ai`` [1, T, H, BT] (solved in float32, stored in k's dtype; row t holds its chunk's row of the inverse; the columns
 are the chunk's tokens). W = Ai Diag(beta gamma) K and U = Ai Diag(beta) V are in ``wy.py``;
 the backward of this stage (dA = -Ai^T dAi Ai^T and the chain to k, beta, g) is there too,
 where dAi is formed.
@@ -181,21 +181,23 @@ def _store16(Ai, T, r0, c0, H: tl.constexpr, BT: tl.constexpr, b_1, b_2, b_3, b_
 
 
 def kkt_solve(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor | None, chunks: Chunks) -> torch.Tensor:
-    """k: [1, T, HK, K]; beta: [1, T, H] (H a multiple of HK); g_cum: [1, T, H] chunk-local cumsum or None -> Ai [1, T, H, 64] fp32."""
+    """k: [1, T, HK, K]; beta: [1, T, H] (H a multiple of HK); g_cum: [1, T, H] chunk-local cumsum or None.
+
+    Returns Ai [1, T, H, 64], solved in fp32 and stored in k's dtype (its consumers multiply in that dtype)."""
     _, T, HK, K = k.shape
     H = beta.shape[2]
     BT = chunks.BT
     assert BT == BT_DELTA
-    Ai = alloc((1, T, H, BT), device=k.device, dtype=torch.float32)
+    Ai = alloc((1, T, H, BT), device=k.device, dtype=k.dtype)
     BK = min(64, triton.next_power_of_2(K))
     kkt_solve_kernel[(chunks.NC, H)](k, beta, g_cum, Ai, chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK, K=K,
                                      BT=BT, BK=BK, USE_G=g_cum is not None, num_warps=4)
     return Ai
 
 
-def solve(Akk: torch.Tensor, beta: torch.Tensor, chunks: Chunks) -> torch.Tensor:
-    """Akk: [1, T, H, 64] strictly lower per chunk (fp32); beta: [1, T, H] -> Ai [1, T, H, 64] fp32."""
+def solve(Akk: torch.Tensor, beta: torch.Tensor, chunks: Chunks, dtype=torch.float32) -> torch.Tensor:
+    """Akk: [1, T, H, 64] strictly lower per chunk (fp32); beta: [1, T, H] -> Ai [1, T, H, 64] in ``dtype``."""
     _, T, H, BT = Akk.shape
-    Ai = alloc((1, T, H, BT), device=Akk.device, dtype=torch.float32)
+    Ai = alloc((1, T, H, BT), device=Akk.device, dtype=dtype)
     solve_kernel[(chunks.NC, H)](Akk, beta, Ai, chunks.cu_seqlens, chunks.chunk_indices, H=H, BT=BT, num_warps=4)
     return Ai

@@ -106,8 +106,10 @@ def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, cu_se
     tl.store(p_dw, (-b_dw).to(p_dw.dtype.element_ty), boundary_check=(0, 1))
 
 
-def output_bwd(q, k, g_cum, h, dh, v_new, do, dv, scale: float, chunks: Chunks, gk_cum=None):
-    """Returns (dq, dk, dw, dg, dAqk) in float32, per value head; dk and dg are partial.
+def output_bwd(q, k, g_cum, h, dh, v_new, do, dv, scale: float, chunks: Chunks, gk_cum=None,
+               dq_dtype=torch.float32):
+    """Returns (dq in ``dq_dtype``, dk fp32, dw in k's dtype, dg fp32, dAqk fp32), per value head; dk and
+    dg are partial.
 
     dg: None without a gate, [1, T, H, K] with a per-channel gate ``gk_cum``, whose intra-chunk
     part of dq, dk, dg is left to ``intra.intra_bwd`` through dAqk (None otherwise)."""
@@ -115,7 +117,9 @@ def output_bwd(q, k, g_cum, h, dh, v_new, do, dv, scale: float, chunks: Chunks, 
     H, V = do.shape[2], do.shape[-1]
     BK, BV = triton.next_power_of_2(K), min(64, triton.next_power_of_2(V))
     f32 = dict(device=q.device, dtype=torch.float32)
-    dq, dk, dw = (alloc((1, T, H, K), **f32) for _ in range(3))
+    dev = q.device
+    dq, dk = alloc((1, T, H, K), dtype=dq_dtype, device=dev), alloc((1, T, H, K), **f32)
+    dw = alloc((1, T, H, K), dtype=k.dtype, device=dev)
     gate = g_cum if gk_cum is None else gk_cum
     dg = alloc(gate.shape, **f32) if gate is not None else None
     dAqk = alloc((1, T, H, chunks.BT), **f32) if gk_cum is not None else None

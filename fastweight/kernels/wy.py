@@ -69,10 +69,11 @@ def recompute_w_u_kernel(k, v, beta, g, Ai, w, u, cu_seqlens, chunk_indices, H: 
 
 
 @triton.jit
-def wy_bwd_kernel(k, v, beta, g, Ai, Akk, dw, du, dk, dv, dbeta, dg, dAkk, cu_seqlens, chunk_indices,
+def wy_bwd_kernel(k, v, beta, g, Ai, Akk, dw, du, dk, dk_out, dv, dbeta, dg, dAkk, cu_seqlens, chunk_indices,
                   H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                   BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr):
-    """dk and dg arrive holding the other stages' parts (float32) and are updated in place.
+    """dk and dg arrive holding the other stages' parts (float32); dg is updated in place, dk is
+    written complete to dk_out (which may be dk itself).
 
     USE_GK (per-channel gate): the A part of dk and dg is left to intra.py; this kernel writes
     dAkk, the gradient of the raw (beta-free) Akk, for it.
@@ -125,7 +126,8 @@ def wy_bwd_kernel(k, v, beta, g, Ai, Akk, dw, du, dk, dv, dbeta, dg, dAkk, cu_se
         tl.store(p_dv, (b_dvb * b_beta[:, None]).to(p_dv.dtype.element_ty), boundary_check=(0, 1))
 
     b_dAi = tl.where(o_t[:, None] >= o_t[None, :], b_dAi, 0.)
-    b_dA = -mm(tl.trans(b_Ai), mm(b_dAi, tl.trans(b_Ai)))
+    b_Aic = b_Ai.to(k.dtype.element_ty)
+    b_dA = -mm(tl.trans(b_Aic), mm(b_dAi.to(b_Aic.dtype), tl.trans(b_Aic)).to(b_Aic.dtype))
     b_dA = b_dA * b_Gamma
     if USE_GK:
         p_Akk = tl.make_block_ptr(Akk + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_t * BT, 0), (BT, BT), (1, 0))
@@ -142,6 +144,8 @@ def wy_bwd_kernel(k, v, beta, g, Ai, Akk, dw, du, dk, dv, dbeta, dg, dAkk, cu_se
                                 (BT, BK), (1, 0))
         p_dw = tl.make_block_ptr(dw + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
         p_dk = tl.make_block_ptr(dk + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+        p_dko = tl.make_block_ptr(dk_out + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK),
+                                  (1, 0))
         b_k = tl.load(p_k, boundary_check=(0, 1))
         b_dw = tl.load(p_dw, boundary_check=(0, 1)).to(b_k.dtype)
         b_dkb = mm(tl.trans(b_Ai.to(b_k.dtype)), b_dw)
@@ -159,7 +163,7 @@ def wy_bwd_kernel(k, v, beta, g, Ai, Akk, dw, du, dk, dv, dbeta, dg, dAkk, cu_se
             b_dg += tl.sum(b_dkb * b_k * b_kscale[:, None], 1)
             b_Mk = b_M.to(b_k.dtype)
             b_dk += b_dkb * b_kscale[:, None] + mm(b_Mk, b_k) + mm(tl.trans(b_Mk), b_k)
-        tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), boundary_check=(0, 1))
+        tl.store(p_dko, b_dk.to(p_dko.dtype.element_ty), boundary_check=(0, 1))
     tl.store(dbeta + (bos + o_t) * H + i_h, b_dbeta, mask=m_t)
     if USE_G:
         b_dg += tl.load(dg + (bos + o_t) * H + i_h, mask=m_t, other=0.)
@@ -183,18 +187,19 @@ def recompute_w_u(k, v, beta, g_cum, Ai, chunks: Chunks, gk_cum=None):
     return w, u
 
 
-def wy_bwd(k, v, beta, g_cum, Ai, dw, du, dk, dg, chunks: Chunks, gk_cum=None, Akk=None):
-    """Adds the W/U/A chain into dk (fp32, in place) and dg (fp32, in place; None without a gate).
+def wy_bwd(k, v, beta, g_cum, Ai, dw, du, dk, dg, chunks: Chunks, gk_cum=None, Akk=None, dk_dtype=torch.float32):
+    """Adds the W/U/A chain to dk (fp32 partial) and dg (fp32, in place; None without a gate).
 
-    Returns (dv fp32, dbeta fp32, dAkk fp32 or None); with a per-channel gate ``gk_cum`` (and its
+    Returns (dk in ``dk_dtype`` (dk itself when fp32), dv in v's dtype, dbeta fp32, dAkk fp32 or None); with a per-channel gate ``gk_cum`` (and its
     raw ``Akk``) the A part goes to dAkk for ``intra.intra_bwd`` instead of into dk, dg."""
     _, T, HK, K = k.shape
     H, V = v.shape[2], v.shape[-1]
     BK, BV = _blocks(K, V)
-    dv = alloc(v.shape, device=v.device, dtype=torch.float32)
+    dv = alloc(v.shape, device=v.device, dtype=v.dtype)
+    dk_out = dk if dk_dtype == torch.float32 else alloc(dk.shape, device=dk.device, dtype=dk_dtype)
     dbeta = alloc(beta.shape, device=v.device, dtype=torch.float32)
     dAkk = alloc(Ai.shape, device=v.device, dtype=torch.float32) if gk_cum is not None else None
-    wy_bwd_kernel[(chunks.NC, H)](k, v, beta, g_cum if gk_cum is None else gk_cum, Ai, Akk, dw, du, dk, dv, dbeta, dg,
+    wy_bwd_kernel[(chunks.NC, H)](k, v, beta, g_cum if gk_cum is None else gk_cum, Ai, Akk, dw, du, dk, dk_out, dv, dbeta, dg,
                                   dAkk, chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK, K=K, V=V, BT=chunks.BT,
                                   BK=BK, BV=BV, USE_G=g_cum is not None, USE_GK=gk_cum is not None)
-    return dv, dbeta, dAkk
+    return dk_out, dv, dbeta, dAkk
