@@ -138,11 +138,16 @@ def test_low_precision_inputs(dtype):
     assert rel_err(o, o_ref) <= 1e-2 and rel_err(S, S_ref) <= 1e-5
 
 
-def test_public_op_uses_this_path():
+def test_public_ops_use_this_path():
     x = sample(1, 40, 2, 16, 8, torch.float32)
     fla = dict(q=x["q"], k=x["k"], v=x["v"], a=x["b"], b=x["a"], gk=x["gk"])
     o, _ = ops.chunk_dplr_delta_rule(**fla, backend="torch")
     o_ref, _ = ops.chunk_dplr_delta_rule(**{n: t.double() for n, t in fla.items()}, backend="reference")
+    assert rel_err(o, o_ref) <= TOL[torch.float32]
+    mech = get("rwkv7")
+    y = mech.to_op(mech.sample(1, 40, 2, 16, 8, dtype=torch.float64, device="cpu", generator=generator()))
+    o, _ = ops.chunk_rwkv7(**{n: t.float() for n, t in y.items()}, backend="torch")
+    o_ref, _ = ops.chunk_rwkv7(**y, backend="reference")
     assert rel_err(o, o_ref) <= TOL[torch.float32]
 
 
