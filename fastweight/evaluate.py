@@ -54,18 +54,19 @@ class Scale:
     s5_steps: int
     batch_size: int
     lr: float
+    state_lr: float
     eval_examples: int
 
 
 SCALES = {
     "tiny": Scale(niah_train_len=64, niah_eval_lens=(64, 128, 256), number_digits=3, uuid_hex=8,
                   mqar="mqar:seq_len=32,n_pairs=4,vocab_size=64", state_len=16, d_model=32, n_layers=2,
-                  n_heads=2, niah_steps=80, mqar_steps=150, parity_steps=200, s5_steps=100, batch_size=16,
-                  lr=3e-3, eval_examples=32),
+                  n_heads=2, niah_steps=80, mqar_steps=300, parity_steps=200, s5_steps=100, batch_size=16,
+                  lr=1e-2, state_lr=3e-3, eval_examples=32),
     "full": Scale(niah_train_len=512, niah_eval_lens=(512, 1024, 2048), number_digits=7, uuid_hex=32,
                   mqar="mqar:seq_len=256,n_pairs=16,vocab_size=1024", state_len=64, d_model=128, n_layers=2,
                   n_heads=2, niah_steps=600, mqar_steps=600, parity_steps=1000, s5_steps=1000, batch_size=32,
-                  lr=2e-3, eval_examples=256),
+                  lr=3e-3, state_lr=3e-3, eval_examples=256),
 }
 
 
@@ -120,7 +121,7 @@ def suite(scale_name: str = "tiny", *, mixers=None, groups=("retrieval", "state 
             label = mixer + (" (neg. eig.)" if neg else "")
             for task, n_steps in (("parity", s.parity_steps), ("s5", s.s5_steps)):
                 experiments.append(Experiment("state tracking", label, sized(
-                    n_steps, mixer=mixer, allow_neg_eigval=neg, n_layers=1,
+                    n_steps, mixer=mixer, allow_neg_eigval=neg, n_layers=1, lr=s.state_lr,
                     task=f"{task}:seq_len={s.state_len}", eval_tasks=f"{task}:seq_len={s.state_len};"
                     f"{task}:seq_len={2 * s.state_len}",
                     out_dir=os.path.join(out_dir, f"{task}-{mixer}{'-neg' if neg else ''}"))))
