@@ -36,10 +36,10 @@ SPEED = [
     ("gated_delta_rule", (4, 8192, 16, 128), 0.879, 3.638),
     ("kda", (4, 8192, 16, 128), 1.822, 10.143),
     ("delta_rule", (8, 16384, 64, 64), 10.461, 28.321),
-    ("delta_rule", (4, 8192, 16, 128), None, None),
-    ("longhorn", (4, 8192, 16, 128), None, None),
     ("comba", (4, 8192, 16, 128), None, None),
 ]
+# correctness runs: (varlen, dtypes); uniform lengths take the state passes' pipelined for-loop
+CHECKS = [(True, (torch.bfloat16, torch.float16, torch.float32)), (False, (torch.bfloat16,))]
 
 
 def inputs(op, B, T, H, K, V, dtype, device, seed=0):
@@ -52,10 +52,13 @@ def run(op, x, **kw):
     return getattr(kernels, f"chunk_{op}")(**x, **kw)
 
 
-def check(op, dtype, device, T=1500, H=4, K=128, V=128):
-    cu = torch.tensor([0, T // 5, 2 * T // 3, T], dtype=torch.int64, device=device)
-    x = inputs(op, 1, T, H, K, V, dtype, device, seed=1)
-    h0 = torch.randn(3, H, K, V, device=device, generator=generator(2, device))
+def check(op, dtype, device, varlen=True, T=1000, H=4, K=128, V=128):
+    if varlen:
+        B, cu = 1, torch.tensor([0, T // 5, 2 * T // 3, T], dtype=torch.int64, device=device)
+    else:
+        B, T, cu = 2, T // 2, None
+    x = inputs(op, B, T, H, K, V, dtype, device, seed=1)
+    h0 = torch.randn(3 if varlen else B, H, K, V, device=device, generator=generator(2, device))
     kw = dict(scale=K ** -0.5, output_final_state=True, cu_seqlens=cu)
     mine = {n: t.clone().requires_grad_() for n, t in x.items()}
     h0m = h0.clone().requires_grad_()
@@ -97,11 +100,68 @@ def bench(op, B, T, H, K, device):
     return fwd, fb, peak
 
 
+def stages(op, B, T, H, K, device):
+    """Each stage of forward and backward on its own (bf16), and the state passes' value block BV."""
+    from fastweight.kernels.common import prepare_chunks
+    from fastweight.kernels.cumsum import chunk_local_cumsum
+    from fastweight.kernels.delta import _pack, delta_fwd
+    from fastweight.kernels.intra import intra_bwd, intra_fwd
+    from fastweight.kernels.kkt_solve import kkt_solve, solve
+    from fastweight.kernels.output import output_bwd
+    from fastweight.kernels.state import state_bwd, state_output_fwd
+    from fastweight.kernels.wy import recompute_w_u, wy_bwd
+    x = {n: _pack(t) for n, t in inputs(op, B, T, H, K, K, torch.bfloat16, device).items()}
+    q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
+    ch = prepare_chunks(None, B, T, 64, device)
+    scale = K ** -0.5
+    per_channel = g.dim() == 4
+    bench_ms = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")  # noqa: E731
+    res = {}
+    res["cumsum"] = bench_ms(lambda: chunk_local_cumsum(g, ch))
+    gc = chunk_local_cumsum(g, ch)
+    g_cum, gk_cum = (None, gc) if per_channel else (gc, None)
+    if per_channel:
+        res["intra_fwd"] = bench_ms(lambda: intra_fwd(q, k, gc, ch))
+        Aqk, Akk = intra_fwd(q, k, gc, ch)
+        res["solve"] = bench_ms(lambda: solve(Akk, beta, ch, dtype=k.dtype))
+        Ai = solve(Akk, beta, ch, dtype=k.dtype)
+    else:
+        Aqk = Akk = None
+        res["kkt_solve"] = bench_ms(lambda: kkt_solve(k, beta, gc, ch))
+        Ai = kkt_solve(k, beta, gc, ch)
+    res["wy_fwd"] = bench_ms(lambda: recompute_w_u(k, v, beta, g_cum, Ai, ch, gk_cum=gk_cum))
+    w, u = recompute_w_u(k, v, beta, g_cum, Ai, ch, gk_cum=gk_cum)
+    for bv in (32, 64):
+        res[f"state_fwd_bv{bv}"] = bench_ms(lambda: state_output_fwd(q, k, w, u, g_cum, None, False, False, scale, ch,
+                                                                     gk_cum=gk_cum, Aqk=Aqk, block_v=bv))
+    res["state_fwd_store_h"] = bench_ms(lambda: state_output_fwd(q, k, w, u, g_cum, None, False, True, scale, ch,
+                                                                 gk_cum=gk_cum, Aqk=Aqk))
+    _, _, saved = delta_fwd(q, k, v, g, beta, scale, None, False, ch, True)
+    g_cum, gk_cum, Ai, Aqk, Akk, w, h, v_new = saved
+    do = torch.randn_like(v)
+    for bv in (32, 64):
+        res[f"state_bwd_bv{bv}"] = bench_ms(lambda: state_bwd(q, k, w, g_cum, do, None, scale, ch, False,
+                                                              gk_cum=gk_cum, Aqk=Aqk, block_v=bv))
+    dh, dvt, _ = state_bwd(q, k, w, g_cum, do, None, scale, ch, False, gk_cum=gk_cum, Aqk=Aqk)
+    final = torch.float32 if per_channel else q.dtype
+    res["output_bwd"] = bench_ms(lambda: output_bwd(q, k, g_cum, h, dh, v_new, do, dvt, scale, ch, gk_cum=gk_cum,
+                                                    dq_dtype=final))
+    dq, dk, dw, dg, dAqk = output_bwd(q, k, g_cum, h, dh, v_new, do, dvt, scale, ch, gk_cum=gk_cum, dq_dtype=final)
+    res["wy_bwd"] = bench_ms(lambda: wy_bwd(k, v, beta, g_cum, Ai, dw, dvt, dk.clone(), dg.clone(), ch,
+                                            gk_cum=gk_cum, Akk=Akk, dk_dtype=final))
+    if per_channel:
+        _, _, _, dAkk = wy_bwd(k, v, beta, g_cum, Ai, dw, dvt, dk, dg, ch, gk_cum=gk_cum, Akk=Akk)
+        res["intra_bwd"] = bench_ms(lambda: intra_bwd(q, k, gk_cum, dAqk, dAkk, dq, dk, dg, ch))
+    res["cumsum_bwd"] = bench_ms(lambda: chunk_local_cumsum(dg, ch, reverse=True))
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--ops", default="")
+    ap.add_argument("--quick", action="store_true", help="bf16 checks only")
     args = ap.parse_args()
     device = "cuda"
     ops = [o for o in MECHANISM if hasattr(kernels, f"chunk_{o}") and (not args.ops or o in args.ops.split(","))]
@@ -110,20 +170,21 @@ def main():
     lines = []
     if not args.skip_check:
         common.POISON_OUTPUTS = True
-        for op in ops:
-            for dtype in (torch.bfloat16, torch.float16, torch.float32):
-                t0 = time.time()
-                try:
-                    rows = check(op, dtype, device)
-                except Exception as e:  # noqa: BLE001  (report and go on to the timings)
-                    rows = {"error": dict(err=float("nan"), floor=0, tol=0, ok=False, what=repr(e)[:300])}
-                result["check"][f"{op}/{str(dtype)[6:]}"] = rows
-                worst = max(rows.items(), key=lambda kv: kv[1]["err"] / max(kv[1]["tol"], 1e-30))
-                bad = [n for n, r in rows.items() if not r["ok"]]
-                lines.append(f"check {op:17s} {str(dtype)[6:]:8s} {'ok  ' if not bad else 'FAIL'} o {rows.get('o', {}).get('err', float('nan')):.2e} "
-                             f"(floor {rows.get('o', {}).get('floor', 0):.1e})  worst {worst[0]} {worst[1]['err']:.2e}/{worst[1]['tol']:.1e}"
-                             f"  {'bad: ' + ','.join(bad) if bad else ''} [{time.time() - t0:.0f}s]")
-                print(lines[-1], flush=True)
+        runs = [(o, vl, d) for vl, dts in CHECKS for o in ops for d in dts]
+        for op, varlen, dtype in [r for r in runs if not args.quick or r[2] == torch.bfloat16]:
+            t0 = time.time()
+            try:
+                rows = check(op, dtype, device, varlen=varlen)
+            except Exception as e:  # noqa: BLE001  (report and go on to the timings)
+                rows = {"error": dict(err=float("nan"), floor=0, tol=0, ok=False, what=repr(e)[:300])}
+            tag = f"{op}/{str(dtype)[6:]}/{'varlen' if varlen else 'uniform'}"
+            result["check"][tag] = rows
+            worst = max(rows.items(), key=lambda kv: kv[1]["err"] / max(kv[1]["tol"], 1e-30))
+            bad = [n for n, r in rows.items() if not r["ok"]]
+            lines.append(f"check {op:17s} {str(dtype)[6:]:8s} {'varlen ' if varlen else 'uniform'} {'ok  ' if not bad else 'FAIL'} o {rows.get('o', {}).get('err', float('nan')):.2e} "
+                         f"(floor {rows.get('o', {}).get('floor', 0):.1e})  worst {worst[0]} {worst[1]['err']:.2e}/{worst[1]['tol']:.1e}"
+                         f"  {'bad: ' + ','.join(bad) if bad else ''} [{time.time() - t0:.0f}s]")
+            print(lines[-1], flush=True)
         common.POISON_OUTPUTS = False
     for op, (B, T, H, K), fla_f, fla_fb in SPEED:
         if op not in ops:
@@ -138,6 +199,12 @@ def main():
         ratio = (f"{fwd / fla_f:.2f}x / {fb / fla_fb:.2f}x" if fla_f else "-")
         lines.append(f"speed {op:17s} {str((B, T, H, K)):22s} fwd {fwd:7.3f} ms  fwd+bwd {fb:7.3f} ms  peak {peak:5.2f} GiB  vs fla {ratio}")
         print(lines[-1], flush=True)
+    for op in ("gated_delta_rule", "kda"):
+        if op in ops:
+            result[f"stages_{op}"] = stages(op, 4, 8192, 16, 128, device)
+            lines.append(f"stages {op} (4, 8192, 16, 128) ms: " +
+                         ", ".join(f"{n} {t:.3f}" for n, t in result[f"stages_{op}"].items()))
+            print(lines[-1], flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_delta.json"), "w") as f:
         json.dump(result, f, indent=1)

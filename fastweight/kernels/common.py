@@ -10,6 +10,7 @@ per-chunk tensors (boundary states ``h``) are ``[NC, H, K, V]`` with ``NC`` chun
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -42,12 +43,7 @@ class Chunks:
 def prepare_chunks(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, device) -> Chunks:
     """Chunk indices on ``device``; with ``cu_seqlens`` the lengths are read on the host once."""
     if cu_seqlens is None:
-        NT = triton.cdiv(T, BT)
-        cu = torch.arange(B + 1, device=device, dtype=torch.int64) * T
-        n = torch.arange(B, device=device, dtype=torch.int32).repeat_interleave(NT)
-        i = torch.arange(NT, device=device, dtype=torch.int32).repeat(B)
-        offsets = torch.arange(B + 1, device=device, dtype=torch.int64) * NT
-        return Chunks(cu, torch.stack([n, i], 1).contiguous(), offsets, B, B * NT, BT, NT)
+        return _uniform_chunks(B, T, BT, torch.device(device))
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     lens = (cu[1:] - cu[:-1]).tolist()
     counts = [triton.cdiv(L, BT) for L in lens]
@@ -55,6 +51,17 @@ def prepare_chunks(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, dev
     indices = torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2).to(device)
     offsets = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0).to(device)
     return Chunks(cu, indices, offsets, len(lens), len(pairs), BT)
+
+
+@functools.lru_cache(maxsize=64)
+def _uniform_chunks(B: int, T: int, BT: int, device: torch.device) -> Chunks:
+    """B sequences of T tokens (cached: the same shapes come back every training step)."""
+    NT = triton.cdiv(T, BT)
+    cu = torch.arange(B + 1, device=device, dtype=torch.int64) * T
+    n = torch.arange(B, device=device, dtype=torch.int32).repeat_interleave(NT)
+    i = torch.arange(NT, device=device, dtype=torch.int32).repeat(B)
+    offsets = torch.arange(B + 1, device=device, dtype=torch.int64) * NT
+    return Chunks(cu, torch.stack([n, i], 1).contiguous(), offsets, B, B * NT, BT, NT)
 
 
 @triton.jit

@@ -241,7 +241,8 @@ def state_output_fwd(q, k, w, u, g_cum, initial_state, output_final_state: bool,
         q, k, w, u, gate, Aqk, initial_state, o, ht, h, v_new, chunks.cu_seqlens, chunks.chunk_offsets, scale,
         chunks.NT or 0, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, USE_G=g_cum is not None,
         USE_GK=gk_cum is not None, USE_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=output_final_state, STORE_H=store_h, IS_VARLEN=_while_loop(chunks), num_warps=_warps(K))
+        STORE_FINAL_STATE=output_final_state, STORE_H=store_h, IS_VARLEN=_while_loop(chunks), num_warps=_warps(K),
+        num_stages=2)
     return o, ht, h, v_new
 
 
@@ -260,5 +261,5 @@ def state_bwd(q, k, w, g_cum, do, dht, scale: float, chunks: Chunks, need_dh0: b
         q, k, w, gate, Aqk, do, dht, dh, dh0, dv, chunks.cu_seqlens, chunks.chunk_offsets, scale, chunks.NT or 0,
         H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, USE_G=g_cum is not None, USE_GK=gk_cum is not None,
         USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0,
-        IS_VARLEN=_while_loop(chunks), num_warps=_warps(K))
+        IS_VARLEN=_while_loop(chunks), num_warps=_warps(K), num_stages=2)
     return dh, dv, dh0
