@@ -3,6 +3,7 @@
     fastweight plot spectra     [--mechanisms deltanet,rwkv7,...] [--length 32]   eigenvalues of P_t
     fastweight plot state-norm  [--mechanisms rwkv7,rwkv6,gla] [--length 4096]    ||S_t|| over time
     fastweight plot attention   --checkpoint runs/eval/mqar-gdn/checkpoint.pt     A of a trained model
+    fastweight plot trained-spectra --checkpoint runs/eval/parity-deltanet-neg/checkpoint.pt
     fastweight plot niah-length --suite runs/eval/suite.json                      accuracy vs length
 
 Each writes ``--out`` (a PNG) and prints its path. The data come from
@@ -119,6 +120,41 @@ def plot_attention(checkpoint: str, out: str, *, seed: int = 0, max_heads: int =
     return _save(fig, out)
 
 
+def plot_trained_spectra(checkpoint: str, out: str, *, seed: int = 0, max_len: int = 32) -> str:
+    """Per recurrent layer of a trained model: the real parts of its transitions' eigenvalues at
+    every position of one held-out example (dots), the smallest per head (lines), and the input
+    tokens on the x axis. A parity model with negative eigenvalues flips its state on the 1s."""
+    from fastweight.analysis.spectra import recurrence_eigenvalues
+    from fastweight.train import EVAL_STREAM
+    model, task = load_trained(checkpoint)
+    ids = task.batch(1, seed=(seed, EVAL_STREAM)).input_ids[:, :max_len]
+    model.train()
+    with torch.no_grad(), analysis.recorded_recurrences() as records:
+        model(ids)
+    if not records:
+        raise ValueError(f"`checkpoint`: {checkpoint} holds a model without recurrent layers")
+    fig, axes = _grid(len(records), size=4.0)
+    T = ids.shape[1]
+    mixers = [block.mixer for block in model.blocks]
+    for ax, rec in zip(axes, records):
+        ev = recurrence_eigenvalues(rec)[0].real  # [T, H, K]
+        t = torch.arange(T)[:, None, None].expand(ev.shape)
+        ax.scatter(t.flatten().numpy(), ev.flatten().numpy(), s=4, color="0.6")
+        for h in range(ev.shape[1]):
+            ax.plot(range(T), ev[:, h].min(dim=-1).values.numpy(), lw=1, label=f"head {h} min")
+        ax.axhline(0, color="k", lw=0.5)
+        ax.set_ylim(-1.1, 1.1)
+        ax.set_xticks(range(T))
+        ax.set_xticklabels([str(i) for i in ids[0].tolist()], fontsize=5)
+        layer = mixers.index(rec.layer) if rec.layer in mixers else -1
+        ax.set_title(f"layer {layer} ({rec.op}{', neg. eig.' if rec.tensors.get('allow_neg_eigval') else ''})",
+                     fontsize=8)
+        ax.set_xlabel("input token", fontsize=7)
+        ax.legend(fontsize=6)
+    fig.suptitle(f"transition eigenvalues of a trained model: {task.spec()}", fontsize=9)
+    return _save(fig, out)
+
+
 def plot_niah_length(suite: str, out: str) -> str:
     """One panel per S-NIAH task: accuracy against context length, one line per mixer."""
     with open(suite) as f:
@@ -150,6 +186,10 @@ def _run(args: argparse.Namespace) -> int:
         path = plot_state_norms(names(args.mechanisms) or ["rwkv7", "rwkv6", "gla", "gated_deltanet"],
                                 args.out or "state_norm.png", length=args.length or 4096,
                                 decay_factor=args.decay_factor, write_bias=args.write_bias, seed=args.seed)
+    elif args.figure == "trained-spectra":
+        if not args.checkpoint:
+            raise SystemExit("fastweight plot trained-spectra: --checkpoint is required")
+        path = plot_trained_spectra(args.checkpoint, args.out or "trained_spectra.png", seed=args.seed)
     elif args.figure == "attention":
         if not args.checkpoint:
             raise SystemExit("fastweight plot attention: --checkpoint is required")
@@ -163,13 +203,13 @@ def _run(args: argparse.Namespace) -> int:
 def register(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("plot", help="analysis figures (PNG)", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("figure", choices=("spectra", "state-norm", "attention", "niah-length"))
+    parser.add_argument("figure", choices=("spectra", "trained-spectra", "state-norm", "attention", "niah-length"))
     parser.add_argument("--out", default="", help="PNG path (default: <figure>.png)")
     parser.add_argument("--mechanisms", default="", help="comma-separated registry names")
     parser.add_argument("--length", type=int, default=0, help="sequence length (spectra 32, state-norm 4096)")
     parser.add_argument("--decay-factor", type=float, default=0.001, help="state-norm: log decays scaled by this")
     parser.add_argument("--write-bias", type=float, default=0.5, help="state-norm: constant added to k and v")
-    parser.add_argument("--checkpoint", default="", help="attention: a fastweight train checkpoint")
+    parser.add_argument("--checkpoint", default="", help="attention, trained-spectra: a fastweight train checkpoint")
     parser.add_argument("--suite", default="runs/eval/suite.json", help="niah-length: a fastweight eval result")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=_run)

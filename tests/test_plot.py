@@ -19,6 +19,9 @@ def test_plots_are_written(tmp_path, capsys):
     assert cli_main(["plot", "attention", "--checkpoint", str(tmp_path / "run" / "checkpoint.pt"),
                      "--out", str(tmp_path / "att.png")]) == 0
     _png(tmp_path / "att.png")
+    assert cli_main(["plot", "trained-spectra", "--checkpoint", str(tmp_path / "run" / "checkpoint.pt"),
+                     "--out", str(tmp_path / "ts.png")]) == 0
+    _png(tmp_path / "ts.png")
     suite = dict(results=[dict(label=m, group="retrieval", eval=[
         dict(task=f"s_niah_{i}:context_len={n}", acc=a) for i in (1, 2) for n, a in ((64, 1.0), (128, 0.5))])
         for m in ("gdn", "mamba2")])

@@ -1,5 +1,6 @@
 import torch
 
+from fastweight.analysis.spectra import recurrence_eigenvalues
 from fastweight.analysis import (accuracy_by_length, layer_attention_maps, model_state_norms, recorded_recurrences,
                                  recurrence_attention_map, sample_spectra, sample_state_norms, state_norms)
 from fastweight.mechanisms import get
@@ -60,3 +61,19 @@ def test_accuracy_by_length():
                                        dict(task="s_niah_1:context_len=64,value_len=3", acc=1.0),
                                        dict(task="mqar", acc=0.3)])]
     assert accuracy_by_length(results) == {"s_niah_1": {"gdn": [(64, 1.0), (128, 0.5)]}}
+
+
+def test_eigenvalues_of_a_model_layer():
+    torch.manual_seed(1)
+    model = LanguageModel(LMConfig.preset("tiny", mixer="deltanet,rwkv7", n_layers=2, vocab_size=16, d_model=32,
+                                          allow_neg_eigval=True))
+    with recorded_recurrences() as records:
+        model(torch.randint(0, 16, (2, 20)))
+    delta, rwkv7 = records
+    ev = recurrence_eigenvalues(delta)  # [B, T, H, K]
+    k, beta = delta.tensors["k"].double(), delta.tensors["beta"].double()
+    want = householder_eigenvalues(beta * k.norm(dim=-1) ** 2, k.shape[-1])
+    assert rel_err(ev.real.sort(dim=-1).values, want) < 1e-6 and ev.imag.abs().max() < 1e-6
+    assert beta.max() > 1  # allow_neg_eigval reaches the layer: beta in (0, 2)
+    ev = recurrence_eigenvalues(rwkv7)
+    assert ev.imag.abs().max() < 1e-6 and ev.real.min() >= -1 and ev.real.max() < 1
