@@ -4,10 +4,10 @@
 
 1. Correctness (fp32, tiny model): logits on the device (Triton kernels) against the same
    model on the CPU (PyTorch chunk path), and prefill-then-decode against one pass, for
-   "gdn", "gdn,swa", "mamba2,gdn,swa", "rwkv7", "kda".
+   "gdn,swa" (``--check`` names more patterns).
 2. Training throughput (tokens/s of forward + backward + AdamW step, bf16 autocast, fp32
-   weights): the 340M "gdn" preset at B=8, T=4096; "gdn,swa" and pure attention ("attn") of
-   the same preset at B=2, T=16384.
+   weights, eager): the 340M "gdn" preset at B=8, T=4096; "gdn,swa" and pure attention
+   ("attn") of the same preset at B=2, T=16384; last, "gdn" again under torch.compile.
 3. Decoding throughput at batch 64 after a 16k-token prompt (prefill by chunk, then one
    token per step from the cache): "gdn", "gdn,swa", "attn".
 
@@ -33,9 +33,9 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def check(device, results, T=100, prefill=70):
+def check(device, results, mixers, T=100, prefill=70):
     """fp32 tiny models: device vs CPU logits and prefill/decode vs one pass."""
-    for mixer in ("gdn", "gdn,swa", "mamba2,gdn,swa", "rwkv7", "kda"):
+    for mixer in mixers:
         torch.manual_seed(0)
         cfg = LMConfig.preset("tiny", mixer=mixer, vocab_size=128, n_layers=3, d_model=128, n_heads=2,
                               window_size=32)
@@ -63,26 +63,29 @@ def check(device, results, T=100, prefill=70):
         print(row, flush=True)
 
 
-def train_throughput(cfg, B, T, device, steps=4, warmup=2):
+def train_throughput(cfg, B, T, device, steps=4, warmup=2, compile=False):
     torch.manual_seed(0)
     with device:
         model = LanguageModel(cfg)
+    forward = torch.compile(model) if compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     ids = torch.randint(0, cfg.vocab_size, (B, T + 1), device=device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
     def step():
         with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
-            logits = model(ids[:, :-1])
+            logits = forward(ids[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
+    t0 = time.perf_counter()
     for _ in range(warmup):
         step()
     sync(device)
+    warmup_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(steps):
         loss = step()
@@ -92,7 +95,7 @@ def train_throughput(cfg, B, T, device, steps=4, warmup=2):
     n_params = model.num_parameters()
     del model, opt
     return dict(ms_per_step=1e3 * dt, tokens_per_s=B * T / dt, params_M=n_params / 1e6, peak_GiB=peak,
-                loss=float(loss))
+                loss=float(loss), warmup_s=warmup_s)
 
 
 @torch.no_grad()
@@ -145,29 +148,34 @@ def main(argv=None):
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--budget", type=float, default=170.0)
     parser.add_argument("--smoke", action="store_true", help="toy sizes, any device")
+    parser.add_argument("--check", default="gdn,swa", help="patterns to check, separated by ';'")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()
     results = []
     t0 = time.perf_counter()
-    check(device, results, *((24, 17) if args.smoke else (100, 70)))
+    check(device, results, args.check.split(";"), *((24, 17) if args.smoke else (100, 70)))
     print(f"check: {time.perf_counter() - t0:.1f} s", flush=True)
     if args.smoke:
         base = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=2, window_size=16)
-        train = [("gdn", 2, 64), ("gdn,swa", 1, 128), ("attn", 1, 128)]
+        train = [("gdn", 2, 64, False), ("gdn,swa", 1, 128, False), ("attn", 1, 128, False)]
         decode = (4, 64)
         preset = lambda mixer: LMConfig(mixer=mixer, **base)  # noqa: E731
     else:
-        train = [("gdn", 8, 4096), ("gdn,swa", 2, 16384), ("attn", 2, 16384)]
+        train = [("gdn", 8, 4096, False), ("gdn,swa", 2, 16384, False), ("attn", 2, 16384, False)]
         decode = (64, 16384)
         preset = lambda mixer: LMConfig.preset("340M", mixer=mixer)  # noqa: E731
-    for mixer, B, T in train:
-        guarded("train", lambda: train_throughput(preset(mixer), B, T, device), results, start, args.budget,
-                mixer=mixer, B=B, T=T)
+    for mixer, B, T, compiled in train:
+        guarded("train", lambda: train_throughput(preset(mixer), B, T, device, compile=compiled), results, start,
+                args.budget, mixer=mixer, B=B, T=T, compiled=compiled)
     for mixer in ("gdn", "gdn,swa", "attn"):
         B, P = decode
         guarded("decode", lambda: decode_throughput(preset(mixer), B, P, device), results, start, args.budget,
                 mixer=mixer, B=B, prompt=P)
+    if not args.smoke:
+        B, T = train[0][1:3]
+        guarded("train", lambda: train_throughput(preset("gdn"), B, T, device, compile=True), results, start,
+                args.budget, mixer="gdn", B=B, T=T, compiled=True)
     env = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__)
     try:
         import triton
@@ -188,7 +196,8 @@ def main(argv=None):
         if "skipped" in r or "error" in r:
             print(f"{r['part']:7} {r['mixer']:16} {shape:14} {'':>9} {'':>11}  {r.get('skipped') or r.get('error')}")
             continue
-        note = (f"{r['params_M']:.0f}M params, peak {r['peak_GiB']:.1f} GiB" if r["part"] == "train"
+        note = (f"{r['params_M']:.0f}M params, peak {r['peak_GiB']:.1f} GiB, warmup {r['warmup_s']:.0f} s"
+                + (", compiled" if r["compiled"] else "") if r["part"] == "train"
                 else f"prefill {r['prefill_s']:.1f} s, cache {r['cache_GiB']:.2f} GiB")
         print(f"{r['part']:7} {r['mixer']:16} {shape:14} {r['ms_per_step']:9.1f} {r['tokens_per_s']:11.0f}  {note}")
 
