@@ -57,10 +57,11 @@ def to_chunks(x: torch.Tensor | None, layout: Layout, dtype: torch.dtype) -> tor
         x = x[..., None]
     N, NT, C = layout.N, layout.NT, layout.C
     if layout.positions is None:
-        x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, NT * C - layout.T))
-    else:
-        x = x.new_zeros(N * NT * C, *x.shape[2:]).index_copy(0, layout.positions, x[0])
-    return x.reshape(N, NT, C, *x.shape[-2:]).permute(0, 3, 1, 2, 4)
+        # pad the [B, H, T, ...] view: one copy, contiguous in the chunked layout
+        x = torch.nn.functional.pad(x.transpose(1, 2), (0, 0, 0, NT * C - layout.T))
+        return x.reshape(N, x.shape[1], NT, C, x.shape[-1])
+    x = x.new_zeros(N * NT * C, *x.shape[2:]).index_copy(0, layout.positions, x[0])
+    return x.reshape(N, NT, C, *x.shape[-2:]).permute(0, 3, 1, 2, 4).contiguous()
 
 
 def from_chunks(o: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -82,44 +83,73 @@ def exp_to(log_decay: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return log_decay.to(dtype).exp()
 
 
-def _causal_mask(C: int, strict: bool, device) -> torch.Tensor:
-    return torch.ones(C, C, dtype=torch.bool, device=device).tril(-1 if strict else 0)
+def _causal_mask(C: int, strict: bool, dtype, device) -> torch.Tensor:
+    return torch.ones(C, C, dtype=dtype, device=device).tril(-1 if strict else 0)
 
 
-def _pairwise_decay(Gx: torch.Tensor, Gy: torch.Tensor, mask: torch.Tensor, dtype) -> torch.Tensor:
-    """exp(Gx_r - Gy_i) where ``mask`` (i on or before r), 0 elsewhere: [..., C, C, K]."""
-    diff = Gx[..., :, None, :] - Gy[..., None, :, :]
-    return exp_to(diff.masked_fill(~mask[..., None], float("-inf")), dtype)
+class _PairwiseDecay(torch.autograd.Function):
+    """Gamma_ri = exp(Gx_r - Gy_i) on the 0/1 ``mask`` (i on or before r), 0 elsewhere.
+
+    Gx: [..., C, K], Gy: [..., C', K] (float64) -> [..., C, C', K] in the mask's dtype. The
+    difference is taken in float64 and stored in the compute dtype; the exponent is clamped at 0
+    (off the mask it may be positive and overflow; on the mask it is <= 0 already). Backward:
+    with P = dGamma * Gamma, dGx_r = sum_i P_ri and dGy_i = -sum_r P_ri.
+    """
+
+    @staticmethod
+    def forward(ctx, Gx, Gy, mask):
+        Gamma = torch.empty(*Gx.shape[:-1], Gy.shape[-2], Gx.shape[-1], dtype=mask.dtype, device=Gx.device)
+        torch.sub(Gx[..., :, None, :], Gy[..., None, :, :], out=Gamma)
+        Gamma.clamp_(max=0).exp_().mul_(mask[..., None])
+        ctx.save_for_backward(Gamma)
+        return Gamma
+
+    @staticmethod
+    def backward(ctx, dGamma):
+        (Gamma,) = ctx.saved_tensors
+        P = (dGamma * Gamma).double()
+        return P.sum(-2), -P.sum(-3), None
 
 
-def decayed_scores(x: torch.Tensor, y: torch.Tensor, Gx: torch.Tensor, Gy: torch.Tensor,
-                   strict: bool = False) -> torch.Tensor:
+def _pairwise_decay(Gx: torch.Tensor, Gy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return _PairwiseDecay.apply(Gx, Gy, mask)
+
+
+def decayed_scores(xs, y: torch.Tensor, Gx: torch.Tensor, Gy: torch.Tensor, strict: bool = False):
     """M_ri = sum_k x_r[k] y_i[k] exp(Gx_r[k] - Gy_i[k]) for i <= r (i < r if ``strict``), else 0.
 
-    x, y: [..., C, K]; Gx, Gy: [..., C, K] or [..., C, 1] (scalar gates). Needs Gy non-increasing
+    xs: one [..., C, K] tensor or a list of them (they share the decays: one Gamma for all);
+    y: [..., C, K]; Gx, Gy: [..., C, K] or [..., C, 1] (scalar gates). Needs Gy non-increasing
     along C and ``Gx_r <= Gy_{r'}`` for every r' < r, true for ``Gx = Gy = G`` and for the
-    exclusive ``Gx = G - g`` with ``Gy = G``. Returns [..., C, C].
+    exclusive ``Gx = G - g`` with ``Gy = G``. Returns [..., C, C] (a list for a list).
     """
-    C = x.shape[-2]
-    mask = _causal_mask(C, strict, x.device)
+    if isinstance(xs, torch.Tensor):
+        return decayed_scores([xs], y, Gx, Gy, strict)[0]
+    C, dtype = y.shape[-2], y.dtype
+    mask = _causal_mask(C, strict, dtype, y.device)
     if Gx.shape[-1] == 1 and Gy.shape[-1] == 1:
-        return (x @ y.transpose(-1, -2)) * _pairwise_decay(Gx, Gy, mask, x.dtype)[..., 0]
+        # one [C, C] Gamma; all of xs in one matmul
+        Gamma = _pairwise_decay(Gx, Gy, mask)[..., 0]
+        scores = torch.cat(xs, dim=-2) @ y.transpose(-1, -2)
+        return [M * Gamma for M in scores.split(C, dim=-2)]
     S = min(SUB_CHUNK, C)
-    rows = []
+    rows = [[] for _ in xs]
     for s in range(0, C, S):
-        x_s, Gx_s = x[..., s:s + S, :], Gx[..., s:s + S, :]
+        Gx_s = Gx[..., s:s + S, :]
         # inside the sub-chunk: pairwise differences, every exponent <= 0
-        diag = torch.einsum("...rk,...ik,...rik->...ri", x_s, y[..., s:s + S, :],
-                            _pairwise_decay(Gx_s, Gy[..., s:s + S, :], mask[:S, :S], x.dtype))
-        blocks = [diag, x.new_zeros(*diag.shape[:-1], C - s - S)]
+        y_pair = y[..., None, s:s + S, :] * _pairwise_decay(Gx_s, Gy[..., s:s + S, :], mask[:S, :S])
         if s > 0:
             # earlier sub-chunks: both factors decay towards the reference point G_{s-1}
             ref = Gy[..., s - 1:s, :]
-            x_ref = x_s * exp_to(Gx_s - ref, x.dtype)
-            y_ref = y[..., :s, :] * exp_to(ref - Gy[..., :s, :], x.dtype)
-            blocks.insert(0, x_ref @ y_ref.transpose(-1, -2))
-        rows.append(torch.cat(blocks, dim=-1))
-    return torch.cat(rows, dim=-2)
+            y_ref = y[..., :s, :] * exp_to(ref - Gy[..., :s, :], dtype)
+            x_decay = exp_to(Gx_s - ref, dtype)
+        for x, row in zip(xs, rows):
+            x_s = x[..., s:s + S, :]
+            blocks = [(y_pair @ x_s[..., None]).squeeze(-1), x.new_zeros(*x_s.shape[:-1], C - s - S)]
+            if s > 0:
+                blocks.insert(0, (x_s * x_decay) @ y_ref.transpose(-1, -2))
+            row.append(torch.cat(blocks, dim=-1))
+    return [torch.cat(row, dim=-2) for row in rows]
 
 
 def pass_states(U: torch.Tensor, W: torch.Tensor | None, k_end: torch.Tensor, decay_end: torch.Tensor,
@@ -132,18 +162,22 @@ def pass_states(U: torch.Tensor, W: torch.Tensor | None, k_end: torch.Tensor, de
     U: [N, H, NT, C, V]; W, k_end: [N, H, NT, C, K]; decay_end: [N, H, NT, K or 1]; S0: [N, H, K, V].
     Returns (S_n at every chunk start [N, H, NT, K, V], v_tilde [N, H, NT, C, V], final state).
     """
-    NT = U.shape[2]
+    # unbind once: slicing chunk n out of a stacked tensor in the loop would cost a full-size
+    # zero-filled gradient per slice in backward (quadratic in T)
+    decay_end = decay_end[..., None].unbind(2)
     if W is None:
-        writes = k_end.transpose(-1, -2) @ U  # [N, H, NT, K, V]
+        writes = (k_end.transpose(-1, -2) @ U).unbind(2)  # [N, H, K, V] each
+    else:
+        U, W, k_end_T = U.unbind(2), W.unbind(2), k_end.transpose(-1, -2).unbind(2)
     states, v_tilde, S = [], [], S0
-    for n in range(NT):
+    for n in range(len(decay_end)):
         states.append(S)
         if W is None:
-            S = decay_end[:, :, n, :, None] * S + writes[:, :, n]
+            S = decay_end[n] * S + writes[n]
         else:
-            v_n = U[:, :, n] - W[:, :, n] @ S
+            v_n = U[n] - W[n] @ S
             v_tilde.append(v_n)
-            S = decay_end[:, :, n, :, None] * S + k_end[:, :, n].transpose(-1, -2) @ v_n
+            S = decay_end[n] * S + k_end_T[n] @ v_n
     v_tilde = U if W is None else torch.stack(v_tilde, dim=2)
     return torch.stack(states, dim=2), v_tilde, S
 
@@ -152,6 +186,14 @@ def initial(initial_state: torch.Tensor | None, N: int, H: int, K: int, V: int, 
     if initial_state is None:
         return torch.zeros(N, H, K, V, dtype=dtype, device=device)
     return initial_state.to(dtype)
+
+
+def scaled_sum(X1, Y1, X2, Y2, scale: float) -> torch.Tensor:
+    """scale (X1 Y1 + X2 Y2) for batched matrices [..., m, n] (one fused matmul-add)."""
+    out = X1 @ Y1
+    lead = out.shape[:-2]
+    return torch.baddbmm(out.flatten(0, -3), X2.flatten(0, -3), Y2.flatten(0, -3),
+                         beta=scale, alpha=scale).view(*lead, *out.shape[-2:])
 
 
 def finish(o: torch.Tensor, S: torch.Tensor, layout: Layout, out_dtype: torch.dtype, output_final_state: bool):
@@ -163,4 +205,4 @@ def finish(o: torch.Tensor, S: torch.Tensor, layout: Layout, out_dtype: torch.dt
 
 
 __all__ = ["Layout", "chunk_layout", "to_chunks", "from_chunks", "local_cumsum", "exp_to", "decayed_scores",
-           "pass_states", "initial", "finish", "compute_dtype"]
+           "pass_states", "initial", "scaled_sum", "finish", "compute_dtype"]

@@ -29,7 +29,7 @@ import torch
 
 from fastweight.checks import check_chunk_size
 from fastweight.chunk.common import (chunk_layout, compute_dtype, decayed_scores, finish, initial,
-                                     exp_to, local_cumsum, pass_states, to_chunks)
+                                     exp_to, local_cumsum, pass_states, scaled_sum, to_chunks)
 
 
 def decay_chunk(q, k, v, g=None, u=None, *, scale, initial_state=None, output_final_state=False,
@@ -41,7 +41,6 @@ def decay_chunk(q, k, v, g=None, u=None, *, scale, initial_state=None, output_fi
     dt = compute_dtype(q, k, v, g, u)
     layout = chunk_layout(B, T, check_chunk_size(chunk_size), cu_seqlens, q.device)
     q, k, v, g = (to_chunks(x, layout, dt) for x in (q, k, v, g))
-    q = q * scale
 
     # 1. gates: G_r = log gamma^r inside the chunk; G^q is the decay the query sees
     if g is None:
@@ -54,12 +53,13 @@ def decay_chunk(q, k, v, g=None, u=None, *, scale, initial_state=None, output_fi
     S0 = initial(initial_state, layout.N, H, K, V, dt, q.device)
     states, _, S = pass_states(v, None, k * exp_to(G_end - G, dt), exp_to(G_end.squeeze(-2), dt), S0)
 
-    # 3. output: O = (Q * exp G^q) S + (Q K^T * Gamma * M) V
-    o = (q * exp_to(G_q, dt)) @ states + decayed_scores(q, k, G_q, G, strict=u is not None) @ v
+    # 3. output: O = scale ((Q * exp G^q) S + (Q K^T * Gamma * M) V)
+    A_qk = decayed_scores(q, k, G_q, G, strict=u is not None)
+    o = scaled_sum(q * exp_to(G_q, dt), states, A_qk, v, scale)
 
     # 4. RWKV-6's bonus: the current token through u instead of the state
     if u is not None:
-        o = o + (q * u.to(dt)[None, :, None, None, :] * k).sum(-1, keepdim=True) * v
+        o = o + scale * (q * u.to(dt)[None, :, None, None, :] * k).sum(-1, keepdim=True) * v
     return finish(o, S, layout, out_dtype, output_final_state)
 
 

@@ -31,9 +31,11 @@ Gradients flow to every input (autograd through the chunk loop; the solve has it
 
 from __future__ import annotations
 
+import torch
+
 from fastweight.checks import check_chunk_size
 from fastweight.chunk.common import (chunk_layout, compute_dtype, decayed_scores, finish, initial,
-                                     exp_to, local_cumsum, pass_states, to_chunks)
+                                     exp_to, local_cumsum, pass_states, scaled_sum, to_chunks)
 from fastweight.chunk.solve_tril import solve_unit_lower
 
 
@@ -47,7 +49,6 @@ def delta_chunk(q, k, v, beta, g=None, read_key=None, read_after_decay=True, *, 
     layout = chunk_layout(B, T, check_chunk_size(chunk_size), cu_seqlens, q.device)
     q, k, v, beta, g, r = (to_chunks(x, layout, dt) for x in (q, k, v, beta, g, read_key))
     r = k if r is None else r
-    q = q * scale
 
     # 1. gates: G_r = log gamma^r inside the chunk; G~ is the decay the read key sees
     if g is None:
@@ -55,9 +56,14 @@ def delta_chunk(q, k, v, beta, g=None, read_key=None, read_after_decay=True, *, 
     G = local_cumsum(g)
     G_read = G if read_after_decay else G - g
 
-    # 2. UT transform: T = (I + strictLower(diag(beta) (R K^T * Gamma)))^{-1} diag(beta)
-    A_kk = beta * decayed_scores(r, k, G_read, G, strict=True)
-    T_ut = solve_unit_lower(A_kk) * beta.transpose(-1, -2)
+    # 2. intra-chunk scores (Q K^T * Gamma * M) and the UT transform
+    #    T = (I + strictLower(diag(beta) (R K^T * Gamma)))^{-1} diag(beta)
+    if read_after_decay:
+        # same decays on both: one Gamma; the solve reads only the strictly lower part
+        A_kk, A_qk = decayed_scores([r, q], k, G, G)
+    else:
+        A_kk, A_qk = decayed_scores(r, k, G_read, G, strict=True), decayed_scores(q, k, G, G)
+    T_ut = solve_unit_lower(beta * A_kk) * beta.transpose(-1, -2)
     W = T_ut @ (r * exp_to(G_read, dt))
     U = T_ut @ v
 
@@ -66,8 +72,8 @@ def delta_chunk(q, k, v, beta, g=None, read_key=None, read_after_decay=True, *, 
     S0 = initial(initial_state, layout.N, H, K, V, dt, q.device)
     states, v_tilde, S = pass_states(U, W, k * exp_to(G_end - G, dt), exp_to(G_end.squeeze(-2), dt), S0)
 
-    # 4. output: O = (Q * gamma) S + (Q K^T * Gamma * M) v_tilde
-    o = (q * exp_to(G, dt)) @ states + decayed_scores(q, k, G, G) @ v_tilde
+    # 4. output: O = scale ((Q * gamma) S + (Q K^T * Gamma * M) v_tilde)
+    o = scaled_sum(q * exp_to(G, dt), states, A_qk, v_tilde, scale)
     return finish(o, S, layout, out_dtype, output_final_state)
 
 

@@ -4,7 +4,7 @@ Done as the kernels do it (fla's ``solve_tril``):
 
 1. forward substitution on each 16x16 diagonal block, one row at a time:
    ``X_ii[r, :r] = -L_ii[r, :r] X_ii[:r, :r]``;
-2. exact blockwise merge of neighbouring diagonal blocks, 16 -> 32 -> 64:
+2. exact blockwise merge of neighbouring diagonal blocks, 16 -> 32 -> 64, in place:
 
        [[A, 0], [L21, D]]^{-1} = [[A^{-1}, 0], [-D^{-1} L21 A^{-1}, D^{-1}]]
 
@@ -30,23 +30,14 @@ def _forward_substitution(L: torch.Tensor) -> torch.Tensor:
     return X
 
 
-def _blocks(L: torch.Tensor, s: int) -> torch.Tensor:
-    """[..., n*s, n*s] -> [..., n, n, s, s]: block (I, J) at [..., I, J, :, :]."""
+def _diagonal_blocks(L: torch.Tensor, s: int, row: int = 0, col: int = 0) -> torch.Tensor:
+    """View of the s x s blocks (2p + row, 2p + col) of [..., n*s, n*s] (or every (p, p) with
+    row = col = None) as [..., blocks, s, s]: writing into it writes into L."""
     n = L.shape[-1] // s
-    return L.reshape(*L.shape[:-2], n, s, n, s).transpose(-3, -2)
-
-
-def _merge(L: torch.Tensor, X_diag: torch.Tensor) -> torch.Tensor:
-    """One merge level: inverses of the s x s diagonal blocks ``X_diag`` [..., n, s, s] (n even)
-    -> inverses of the 2s x 2s diagonal blocks [..., n/2, 2s, 2s]. ``L``: [..., n*s, n*s]."""
-    n, s = X_diag.shape[-3], X_diag.shape[-1]
-    i_even = torch.arange(0, n, 2, device=L.device)
-    L21 = _blocks(L, s)[..., i_even + 1, i_even, :, :]  # [..., n/2, s, s]
-    A, D = X_diag[..., 0::2, :, :], X_diag[..., 1::2, :, :]
-    B = -(D @ L21 @ A)
-    top = torch.cat([A, torch.zeros_like(A)], dim=-1)
-    bottom = torch.cat([B, D], dim=-1)
-    return torch.cat([top, bottom], dim=-2)
+    b_L = L.reshape(*L.shape[:-2], n, s, n, s).transpose(-3, -2)  # block (I, J) at [..., I, J, :, :]
+    if row is not None:
+        b_L = b_L[..., row::2, col::2, :, :]
+    return b_L.diagonal(dim1=-4, dim2=-3).movedim(-1, -3)
 
 
 def _solve_unit_lower(L: torch.Tensor) -> torch.Tensor:
@@ -55,17 +46,22 @@ def _solve_unit_lower(L: torch.Tensor) -> torch.Tensor:
         return _forward_substitution(L)
     if C % BLOCK or (C // BLOCK) & (C // BLOCK - 1):
         raise ValueError(f"the chunk size must be 16 times a power of two, got {C}")
-    n = C // BLOCK
-    i_n = torch.arange(n, device=L.device)
-    X = _forward_substitution(_blocks(L, BLOCK)[..., i_n, i_n, :, :])  # [..., n, 16, 16]
-    while X.shape[-3] > 1:
-        X = _merge(L, X)
-    return X.squeeze(-3)
+    X = torch.zeros_like(L)
+    _diagonal_blocks(X, BLOCK, None, None).copy_(_forward_substitution(_diagonal_blocks(L, BLOCK, None, None)))
+    s = BLOCK
+    while s < C:
+        # merge neighbouring inverted diagonal blocks A, D into [[A, 0], [-D L21 A, D]]
+        A, D = _diagonal_blocks(X, s, 0, 0), _diagonal_blocks(X, s, 1, 1)
+        _diagonal_blocks(X, s, 1, 0).copy_(-(D @ _diagonal_blocks(L, s, 1, 0) @ A))
+        s *= 2
+    return X
 
 
 class _SolveUnitLower(torch.autograd.Function):
     @staticmethod
     def forward(ctx, L):
+        # forward substitution reads the strictly lower part of the diagonal blocks, the merge
+        # only blocks below the diagonal: the diagonal and above are never read
         X = _solve_unit_lower(L)
         ctx.save_for_backward(X)
         return X
@@ -83,4 +79,4 @@ def solve_unit_lower(L: torch.Tensor) -> torch.Tensor:
     Only the strictly lower part of ``L`` is read (the diagonal and above are ignored).
     Differentiable (the gradient is strictly lower triangular).
     """
-    return _SolveUnitLower.apply(L.tril(-1))
+    return _SolveUnitLower.apply(L)

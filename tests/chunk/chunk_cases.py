@@ -29,12 +29,13 @@ CASES = {
 DECAY_OPS = ("linear_attn", "retention", "simple_gla", "gla", "rwkv6", "hgrn2")
 DELTA_OPS = ("delta_rule", "gated_delta_rule", "kda", "comba", "longhorn")
 GATED_OPS = ("simple_gla", "gla", "rwkv6", "hgrn2", "gated_delta_rule", "kda", "comba")
-GATES = ("g", "w", "g_gamma")
+GATES = ("g", "w")
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
 def sample(op, B, T, H, K, V, *, gate_range=None, seed=None) -> dict:
-    """float64 inputs of ``op``; ``gate_range=(lo, hi)`` redraws every log gate uniformly in it."""
+    """float64 inputs of ``op``; ``gate_range=(lo, hi)`` redraws every per-token log gate uniformly in
+    it (and zeroes simple GLA's per-head g_gamma, so that the decay of one step stays in the range)."""
     g = generator(seed)
     name, rename, drop = CASES[op]
     x = get(name).sample(B, T, H, K, V, dtype=torch.float64, device="cpu", generator=g)
@@ -47,6 +48,8 @@ def sample(op, B, T, H, K, V, *, gate_range=None, seed=None) -> dict:
         for n in GATES:
             if n in x:
                 x[n] = lo + (hi - lo) * torch.rand(x[n].shape, dtype=torch.float64, generator=g)
+        if "g_gamma" in x:
+            x["g_gamma"] = torch.zeros_like(x["g_gamma"])
     return x
 
 
