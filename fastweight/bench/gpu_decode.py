@@ -116,6 +116,57 @@ def short_sequence(device, results, shape=(8, 256, 16, 128)):
         results.append(dict(kind="short", what=f"{op} {shape}", fwd_ms=fwd, fwd_bwd_ms=both))
 
 
+def backward_blocks(device, results, configs, shape=(8, 256, 16, 128)):
+    """Forward+backward of the gated delta rule with the backward's (BV, warps) forced."""
+    import triton
+    B, T, H, K = shape
+    x = {n: t.to(torch.bfloat16).requires_grad_() for n, t in
+         op_inputs("gated_delta_rule", B, T, H, K, K, gen=generator(0, device), device=device).items()}
+    do = torch.randn(B, T, H, K, device=device, dtype=torch.bfloat16)
+    default = fr.default_block_v
+    for block_v, warps in configs:
+        fr.default_block_v = lambda K, V, backward=False: (block_v, warps) if backward else default(K, V)
+
+        def fwd_bwd():
+            o, _ = ops.fused_recurrent_gated_delta_rule(**x)
+            o.backward(do)
+        ms = triton.testing.do_bench(fwd_bwd, warmup=25, rep=200, return_mode="median",
+                                     grad_to_none=list(x.values()))
+        results.append(dict(kind="short", what=f"gated_delta_rule {shape}, bwd BV={block_v} warps={warps}",
+                            fwd_ms=float("nan"), fwd_bwd_ms=ms))
+    fr.default_block_v = default
+
+
+def forward_blocks(device, results, configs, shape=(8, 256, 16, 128)):
+    """The forward kernel alone at a short-sequence shape, per (BV, warps)."""
+    import triton
+    B, T, H, K = shape
+    x = {n: t.to(torch.bfloat16) for n, t in
+         op_inputs("gated_delta_rule", B, T, H, K, K, gen=generator(0, device), device=device).items()}
+    spec = fr.Spec(low_rank=1, b_decayed=True)
+    for block_v, warps in configs:
+        ms = triton.testing.do_bench(lambda: fr.fused_recurrent_fwd(
+            spec, x["q"], x["k"], x["v"], g=x["g"], beta=x["beta"], scale=K ** -0.5, block_v=block_v,
+            num_warps=warps), warmup=25, rep=200, return_mode="median")
+        results.append(dict(kind="short", what=f"gated_delta_rule {shape} fwd kernel BV={block_v} warps={warps}",
+                            fwd_ms=ms, fwd_bwd_ms=float("nan")))
+
+
+def profile(device, shape=(8, 256, 16, 128)) -> str:
+    """Where the time of one forward+backward goes (CUDA time per kernel, torch.profiler)."""
+    B, T, H, K = shape
+    x = {n: t.to(torch.bfloat16).requires_grad_() for n, t in
+         op_inputs("gated_delta_rule", B, T, H, K, K, gen=generator(0, device), device=device).items()}
+    do = torch.randn(B, T, H, K, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        ops.fused_recurrent_gated_delta_rule(**x)[0].backward(do)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        ops.fused_recurrent_gated_delta_rule(**x)[0].backward(do)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+
+
 def check(op, dtype, device, results, B=2, T=100, H=4, K=64, V=64):
     """Triton vs the float64 definition on the same rounded inputs; the definition in dtype beside it."""
     gen = generator(3, device)
@@ -171,7 +222,12 @@ def main():
     decode(device, [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 8)], results)
     save()
     short_sequence(device, results)
+    backward_blocks(device, results, [(16, 2), (32, 4), (64, 4), (64, 8)])
+    forward_blocks(device, results, [(16, 1), (32, 4), (64, 4), (64, 8)])
     save()
+    table = profile(device)
+    with open(os.path.join(args.out, "profile.txt"), "w") as f:
+        f.write(table)
     if not args.skip_check:
         fr.buffer = lambda like, *shape, dtype=None: nan_like(like.new_empty(*shape, dtype=dtype or like.dtype))
         for op in ops.OPS:
@@ -183,6 +239,7 @@ def main():
                     results.append(dict(kind="check", op=op, dtype=str(dtype), error=repr(e)[:300]))
                 save()
 
+    print(table)
     print(f"{env}")
     copy = env["copy_TBps"] * 1e3
     print(f"\ndecode step, gated delta rule, T=1 (256, 16, 128), bf16, fp32 state; copy rate {copy:.0f} GB/s")

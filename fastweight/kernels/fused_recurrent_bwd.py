@@ -150,16 +150,15 @@ def fused_recurrent_bwd_forward_kernel(
         t += 1
 
 
-def _reverse_cumsum(x: torch.Tensor, cu_seqlens, exclusive: bool = False) -> torch.Tensor:
-    """sum_{s >= t} x_s (or s > t) along dim 1, within each sequence of ``cu_seqlens``."""
-    c = x.flip(1).cumsum(1).flip(1)
-    if cu_seqlens is not None:
-        # subtract what lies beyond the end of each token's sequence
-        T = x.shape[1]
-        c = torch.cat([c, torch.zeros_like(c[:, :1])], 1)
-        ends = torch.repeat_interleave(cu_seqlens[1:], cu_seqlens.diff(), output_size=T)
-        c = c[:, :T] - c[:, ends]
-    return c - x if exclusive else c
+def _reverse_cumsum(x: torch.Tensor, cu_seqlens) -> torch.Tensor:
+    """sum_{s >= t} x_s along dim 1, within each sequence of ``cu_seqlens`` (one cumsum, no flips)."""
+    T = x.shape[1]
+    prefix = torch.cat([torch.zeros_like(x[:, :1]), x.cumsum(1)], 1)  # [B, T + 1, ...]: sum_{s < t}
+    if cu_seqlens is None:
+        end = prefix[:, T:]
+    else:
+        end = prefix[:, torch.repeat_interleave(cu_seqlens[1:], cu_seqlens.diff(), output_size=T)]
+    return end - prefix[:, :T]
 
 
 def _per_token(x: torch.Tensor, B: int, T: int, cu_seqlens) -> torch.Tensor:
@@ -184,7 +183,7 @@ def fused_recurrent_bwd(q, k, v, a, b, g, r, do, dht, h0, ht, *, scale: float, c
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     TT = B * T
     BK = triton.next_power_of_2(K)
-    BV, warps = base.default_block_v(K, V)
+    BV, warps = base.default_block_v(K, V, backward=True)
     BV, warps = block_v or BV, num_warps or warps
     NV = triton.cdiv(V, BV)
     low_rank = a is not None
@@ -214,20 +213,16 @@ def fused_recurrent_bwd(q, k, v, a, b, g, r, do, dht, h0, ht, *, scale: float, c
 
     dg = None
     if g is not None:
-        # the gate gradient from the identity in the module docstring
-        qf, kf = q.double(), k.double()
-        inclusive = -kf * dk
-        exclusive = torch.zeros_like(inclusive)
-        if readout_prev:
-            exclusive = exclusive + qf * dq
-        else:
-            inclusive = inclusive + qf * dq
+        # the gate gradient from the identity in the module docstring, summed in float64: its
+        # terms can be much larger than their sum (docs/fused_recurrent.md, Precision)
+        qdq = q.double() * dq
+        inclusive = -k.double() * dk + (0 if readout_prev else qdq)
+        exclusive = qdq if readout_prev else torch.zeros_like(inclusive)
         if low_rank:
             inclusive = inclusive - a.double() * da
             exclusive = exclusive + b.double() * db
-        dg = _reverse_cumsum(inclusive, cu_seqlens) + _reverse_cumsum(exclusive, cu_seqlens, exclusive=True)
+        dg = _reverse_cumsum(inclusive + exclusive, cu_seqlens) - exclusive
         if dht is not None:
             dg = dg + _per_token((dht.float() * ht.float()).sum(-1), B, T, cu_seqlens)
-        if gate == 1:
-            dg = dg.sum(-1)
+        dg = (dg.sum(-1) if gate == 1 else dg).float()
     return dq, dk, dv, da, db, dg, dh0

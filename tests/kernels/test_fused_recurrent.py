@@ -28,7 +28,7 @@ def poisoned(monkeypatch):
 @pytest.fixture
 def narrow_blocks(monkeypatch):
     """BV = 8: several programs split V, so the backward sums per-block partials."""
-    monkeypatch.setattr(fr, "default_block_v", lambda K, V: (8, 1))
+    monkeypatch.setattr(fr, "default_block_v", lambda K, V, backward=False: (8, 1))
 
 
 def _check(op, inputs, *, dtype=torch.float32, initial_state=None, cu_seqlens=None, grads=True, **options):
