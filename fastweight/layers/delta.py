@@ -28,7 +28,9 @@ import torch.nn.functional as F
 
 from fastweight.layers.base import Mixer, split_heads
 from fastweight.layers.common import GatedRMSNorm, LowRank, ShortConv, l2norm, mamba_decay_init
-from fastweight.layers.linear_op import specialised
+
+# ops whose kernels normalise q and k themselves (Comba's would normalise its read key p too)
+FUSED_L2NORM = ("delta_rule", "gated_delta_rule", "kda")
 
 VARIANTS = {
     "deltanet": dict(op="delta_rule", decay=None, gate=None),
@@ -97,7 +99,7 @@ class DeltaRuleMixer(Mixer):
         extra = {n: t.to(v.dtype) if n == "beta" else t for n, t in self.gates(x).items()}
         if self.implicit:
             q = l2norm(q)
-        elif self.op == "gated_delta_rule" and specialised(self.op, self.mode(x.shape[1])) is not None:
+        elif self.op in FUSED_L2NORM:
             extra["use_qk_l2norm_in_kernel"] = True
         else:
             q, k = l2norm(q), l2norm(k)
