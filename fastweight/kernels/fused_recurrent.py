@@ -343,10 +343,16 @@ def _grouped(fn):
     return fn
 
 
-def _gate_spec(A_log, dt_bias):
+def _gate_spec(A_log, dt_bias, heads: int, channels: int) -> bool:
+    """Whether the gate is computed in the kernel; checks ``A_log`` [HV] and ``dt_bias`` [HV * channels]."""
+    from fastweight import checks
     if (A_log is None) != (dt_bias is None):
         raise ValueError("the in-kernel gate needs both `A_log` and `dt_bias`, or neither")
-    return A_log is not None
+    if A_log is None:
+        return False
+    checks.check_tensor("A_log", A_log, ndim=1, shape=(heads,))
+    checks.check_tensor("dt_bias", dt_bias, ndim=1, shape=(heads * channels,))
+    return True
 
 
 def fused_recurrent_linear_attn(q, k, v, **kw):
@@ -395,7 +401,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=F
     With ``A_log``, ``dt_bias`` ([HV]) the gate is ``-exp(A_log) * softplus(g + dt_bias)``, in the kernel.
     """
     spec = Spec(low_rank=1, b_decayed=True, qk_l2norm=use_qk_l2norm_in_kernel,
-                gate_in_kernel=_gate_spec(A_log, dt_bias))
+                gate_in_kernel=_gate_spec(A_log, dt_bias, v.shape[2], 1))
     return fused_recurrent(q, k, v, spec=spec, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, **kw)
 
 
@@ -406,7 +412,7 @@ def fused_recurrent_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=False, A_log=N
     With ``A_log`` ([HV]), ``dt_bias`` ([HV * K]) the gate is ``-exp(A_log) * softplus(g + dt_bias)``.
     """
     spec = Spec(low_rank=1, b_decayed=True, qk_l2norm=use_qk_l2norm_in_kernel,
-                gate_in_kernel=_gate_spec(A_log, dt_bias))
+                gate_in_kernel=_gate_spec(A_log, dt_bias, v.shape[2], q.shape[-1]))
     return fused_recurrent(q, k, v, spec=spec, gk=g, beta=beta, A_log=A_log, dt_bias=dt_bias, **kw)
 
 

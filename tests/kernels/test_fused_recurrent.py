@@ -155,3 +155,12 @@ def test_gradient_of_final_state_only():
     for n, a, b in zip(tri, gt, gr):
         # q does not reach the final state: its gradient is zero
         assert rel_err(a, torch.zeros_like(a) if b is None else b) < TOL[torch.float32], n
+
+
+def test_gate_parameters_are_checked():
+    x = _inputs("gated_delta_rule", 1, 3, 2, 16, 16, gen=generator())
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    with pytest.raises(ValueError, match="dt_bias"):
+        fr.fused_recurrent_gated_delta_rule(*args, A_log=torch.zeros(2), scale=0.25)
+    with pytest.raises(ValueError, match="dt_bias"):
+        fr.fused_recurrent_gated_delta_rule(*args, A_log=torch.zeros(2), dt_bias=torch.zeros(3), scale=0.25)
