@@ -172,14 +172,17 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def _distributed():
-    """(rank, world) under torchrun (initialising the process group once), else (0, 1)."""
+def _distributed(device: torch.device):
+    """(rank, world) under torchrun (initialising the process group once: NCCL for CUDA devices,
+    gloo for the CPU), else (0, 1)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
     import torch.distributed as dist
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -192,9 +195,10 @@ def _global_mean(x: torch.Tensor, world: int) -> float:
 
 
 def _device(cfg: TrainConfig) -> torch.device:
+    """``auto``: CUDA when there is one; a bare ``cuda`` is the rank's own GPU (``LOCAL_RANK``)."""
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     if cfg.device == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         return torch.device("cpu")
     return torch.device(cfg.device)
 
@@ -212,12 +216,12 @@ def _save(path: str, payload: dict) -> None:
 
 def train(cfg: TrainConfig) -> dict:
     """Run ``cfg``; returns the results dict (also written to ``out_dir/results.json`` on rank 0)."""
-    rank, world = _distributed()
+    device = _device(cfg)
+    rank, world = _distributed(device)
     if cfg.batch_size % world:
         raise ValueError(f"`batch_size` ({cfg.batch_size}) must be a multiple of the world size ({world})")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    device = _device(cfg)
     tasks = [from_spec(s) for s in cfg.train_specs]
     vocab_size = tasks[0].vocab_size
     torch.manual_seed(cfg.seed)
