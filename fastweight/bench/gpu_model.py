@@ -95,7 +95,7 @@ def train_throughput(cfg, B, T, device, steps=4, warmup=2, compile=False):
     n_params = model.num_parameters()
     del model, opt
     return dict(ms_per_step=1e3 * dt, tokens_per_s=B * T / dt, params_M=n_params / 1e6, peak_GiB=peak,
-                loss=float(loss), warmup_s=warmup_s)
+                loss=float(loss.detach()), warmup_s=warmup_s)
 
 
 @torch.no_grad()
