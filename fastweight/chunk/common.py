@@ -162,24 +162,29 @@ def pass_states(U: torch.Tensor, W: torch.Tensor | None, k_end: torch.Tensor, de
     U: [N, H, NT, C, V]; W, k_end: [N, H, NT, C, K]; decay_end: [N, H, NT, K or 1]; S0: [N, H, K, V].
     Returns (S_n at every chunk start [N, H, NT, K, V], v_tilde [N, H, NT, C, V], final state).
     """
-    # unbind once: slicing chunk n out of a stacked tensor in the loop would cost a full-size
-    # zero-filled gradient per slice in backward (quadratic in T)
-    decay_end = decay_end[..., None].unbind(2)
+    N, H, NT, C, V = U.shape
+    K = k_end.shape[-1]
+    # flatten (N, H) into one batch for baddbmm, and unbind once: slicing chunk n out of a
+    # stacked tensor in the loop would cost a full-size zero-filled gradient per slice in
+    # backward (quadratic in T)
+    decay_end = decay_end.flatten(0, 1)[..., None].unbind(1)  # [N*H, K or 1, 1] each
+    S = S0.reshape(N * H, K, V)
     if W is None:
-        writes = (k_end.transpose(-1, -2) @ U).unbind(2)  # [N, H, K, V] each
+        writes = (k_end.transpose(-1, -2) @ U).flatten(0, 1).unbind(1)  # [N*H, K, V] each
     else:
-        U, W, k_end_T = U.unbind(2), W.unbind(2), k_end.transpose(-1, -2).unbind(2)
-    states, v_tilde, S = [], [], S0
-    for n in range(len(decay_end)):
+        U, W = U.flatten(0, 1).unbind(1), W.flatten(0, 1).unbind(1)
+        k_end_T = k_end.transpose(-1, -2).flatten(0, 1).unbind(1)
+    states, v_tilde = [], []
+    for n in range(NT):
         states.append(S)
         if W is None:
             S = decay_end[n] * S + writes[n]
         else:
-            v_n = U[n] - W[n] @ S
+            v_n = torch.baddbmm(U[n], W[n], S, alpha=-1)  # U_n - W_n S
             v_tilde.append(v_n)
-            S = decay_end[n] * S + k_end_T[n] @ v_n
-    v_tilde = U if W is None else torch.stack(v_tilde, dim=2)
-    return torch.stack(states, dim=2), v_tilde, S
+            S = torch.baddbmm(decay_end[n] * S, k_end_T[n], v_n)
+    v_tilde = U if W is None else torch.stack(v_tilde, dim=1).view(N, H, NT, C, V)
+    return torch.stack(states, dim=1).view(N, H, NT, K, V), v_tilde, S.view(N, H, K, V)
 
 
 def initial(initial_state: torch.Tensor | None, N: int, H: int, K: int, V: int, dtype, device) -> torch.Tensor:
