@@ -41,6 +41,12 @@ from fastweight.checks import check_chunk_size
 from fastweight.chunk.common import SUB_CHUNK, chunk_layout, compute_dtype, finish, initial, to_chunks
 from fastweight.chunk.solve_tril import solve_unit_lower
 
+# largest decay span (-log of the decay) across one 16-token sub-chunk that is factored through
+# its start. Overflow would allow ~80; precision does not: the backward pass cancels factors
+# exp(+-span), and fp32 errors grew from 1.2e-7 (pairwise) to 2.8e-7 at span 20, 6.9e-7 at 40.
+# RWKV-7's decay (>= -0.607 per step, span <= 9.7) is always factored.
+MAX_FACTORED_SPAN = 20.0
+
 
 def precise_decayed_scores(x: torch.Tensor, ys: tuple, Gx: torch.Tensor, Gy: torch.Tensor,
                            strict: bool = False) -> list:
@@ -50,33 +56,53 @@ def precise_decayed_scores(x: torch.Tensor, ys: tuple, Gx: torch.Tensor, Gy: tor
     ``chunk.common.decayed_scores`` with the log-gate differences taken in float64: x, y
     [..., C, K] in the compute dtype; Gx, Gy [..., C, K] or [..., C, 1] (scalar gates), float64.
     Gy is the inclusive cumulative log decay from the chunk start, Gx is Gy at t or t - 1 (0
-    before the chunk), so every exponent kept is <= 0 (masked ones are -inf: exactly 0).
-    Returns a list of [..., C, C] in x's dtype.
+    before the chunk). Returns a list of [..., C, C] in x's dtype.
+
+    Every sub-chunk i has the start reference r_i = Gy at the end of sub-chunk i - 1 (0 for
+    i = 0) and the end reference e_i = Gy at its last token. A pair (t in i, s in j < i) factors
+    into three exponentials with exponents <= 0:
+
+        exp(Gx_t - Gy_s) = exp(Gx_t - r_i) * exp(r_i - e_j) * exp(e_j - Gy_s)
+                           [row, C x K]      [block, NS x NS]  [column, C x K]
+
+    so the float64 work is on [C, K]-sized tensors and the rest is one matmul. Within one
+    sub-chunk (j = i) the block factor is exp(r_i - e_i) = exp(span_i) >= 1, safe while every
+    span is <= ``MAX_FACTORED_SPAN``; past that (strong gates) the diagonal blocks take
+    pairwise differences instead, [..., NS, BS, BS, K], every exponent <= 0. Masked
+    exponents are -inf (exactly 0, forward and backward). Each factor is exponentiated in
+    float64 and then rounded: rounding an exponent of 20 to fp32 first would cost 1e-6.
     """
     C = x.shape[-2]
     BS = min(SUB_CHUNK, C)
     NS = C // BS
     if Gx.shape[-1] == 1 and Gy.shape[-1] == 1:
         m_all = torch.ones(C, C, dtype=torch.bool, device=x.device).tril(-1 if strict else 0)
-        e = (Gx - Gy.transpose(-1, -2)).masked_fill_(~m_all, -inf).to(x.dtype).exp()
+        e = (Gx - Gy.transpose(-1, -2)).masked_fill_(~m_all, -inf).exp().to(x.dtype)
         return [(x @ y.transpose(-1, -2)) * e for y in ys]
-    # different sub-chunks i > j: through the reference r_i = Gy at the end of sub-chunk i - 1 (0 for i = 0)
-    G_ref = F.pad(Gy[..., BS - 1::BS, :][..., :-1, :], (0, 0, 1, 0))[..., None, :]  # [..., NS, 1, K]
-    x_off = x.unflatten(-2, (NS, BS)) * (Gx.unflatten(-2, (NS, BS)) - G_ref).to(x.dtype).exp()
-    m_off = torch.arange(C, device=x.device)[None, :] < torch.arange(NS, device=x.device)[:, None] * BS
-    e_off = (G_ref - Gy[..., None, :, :]).masked_fill_(~m_off[..., None], -inf).to(x.dtype).exp()  # [..., NS, C, K]
-    # one sub-chunk: pairwise differences, [..., NS, BS, BS, K]
+    Gx_s, Gy_s = Gx.unflatten(-2, (NS, BS)), Gy.unflatten(-2, (NS, BS))  # [..., NS, BS, K]
+    G_end = Gy_s[..., -1, :]  # [..., NS, K]
+    G_start = F.pad(G_end[..., :-1, :], (0, 0, 1, 0))
+    factored = bool(((G_start - G_end) <= MAX_FACTORED_SPAN).all())
+    i_sub = torch.arange(NS, device=x.device)
+    m_blk = (i_sub[:, None] >= i_sub[None, :]) if factored else (i_sub[:, None] > i_sub[None, :])
+    x_row = x.unflatten(-2, (NS, BS)) * (Gx_s - G_start[..., None, :]).exp().to(x.dtype)
+    blk = (G_start[..., :, None, :] - G_end[..., None, :, :]).masked_fill_(~m_blk[..., None], -inf)
+    blk = blk.exp().to(x.dtype)[..., :, :, None, :]  # [..., NS (i), NS (j), 1, K]
+    to_end = (G_end[..., None, :] - Gy_s).exp().to(x.dtype)  # [..., NS, BS, K]
+    y_cols = [(blk * (y.unflatten(-2, (NS, BS)) * to_end)[..., None, :, :, :]).flatten(-3, -2) for y in ys]
+    M = [(x_row @ y_c.transpose(-1, -2)).flatten(-3, -2) for y_c in y_cols]  # [..., C, C]
+    if factored:
+        causal = torch.ones(C, C, dtype=torch.bool, device=x.device).tril(-1 if strict else 0)
+        return [m * causal for m in M]
     i_t = torch.arange(BS, device=x.device)
     m_diag = (i_t[:, None] > i_t[None, :]) if strict else (i_t[:, None] >= i_t[None, :])
-    Gx_s, Gy_s = Gx.unflatten(-2, (NS, BS)), Gy.unflatten(-2, (NS, BS))
     e_diag = (Gx_s[..., :, None, :] - Gy_s[..., None, :, :]).masked_fill_(~m_diag[..., None], -inf)
     x_diag = x.unflatten(-2, (NS, BS))[..., :, None, :] * e_diag.to(x.dtype).exp()
     eye = torch.eye(NS, dtype=x.dtype, device=x.device)
     out = []
-    for y in ys:
-        M = (x_off @ (y[..., None, :, :] * e_off).transpose(-1, -2)).flatten(-3, -2)  # zero from t's sub-chunk on
+    for m, y in zip(M, ys):
         M_diag = (x_diag * y.unflatten(-2, (NS, BS))[..., None, :, :]).sum(-1)  # [..., NS, BS, BS]
-        out.append(M + (M_diag[..., :, :, None, :] * eye[:, None, :, None]).flatten(-4, -3).flatten(-2, -1))
+        out.append(m + (M_diag[..., :, :, None, :] * eye[:, None, :, None]).flatten(-4, -3).flatten(-2, -1))
     return out
 
 
