@@ -59,7 +59,18 @@ class FastweightCausalLMOutput(ModelOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     cache: Cache | None = None
+
+
+@dataclass
+class LegacyCausalLMOutput(ModelOutput):
+    """The same for transformers versions that call the cache ``past_key_values``."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
     past_key_values: Cache | None = None
+
+
+OUTPUT = FastweightCausalLMOutput if CACHE_KEY == "cache" else LegacyCausalLMOutput
 
 
 class FastweightCache(Cache):
@@ -133,7 +144,7 @@ class FastweightForCausalLM(PreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
                                                      labels[:, 1:].flatten(), ignore_index=-100)
-        return FastweightCausalLMOutput(loss=loss, logits=logits, **{CACHE_KEY: cache})
+        return OUTPUT(loss=loss, logits=logits, **{CACHE_KEY: cache})
 
     def prepare_inputs_for_generation(self, input_ids, cache=None, past_key_values=None, use_cache=True,
                                       attention_mask=None, **kwargs):

@@ -46,6 +46,13 @@ def test_generate_uses_the_cache_and_matches_the_plain_model(mixer):
     assert torch.equal(out, model.model.generate(x, max_new_tokens=5))
 
 
+def test_beam_search_with_the_cache_matches_beam_search_without():
+    model = hf_model()
+    x = ids(T=5)
+    assert torch.equal(model.generate(x, max_new_tokens=4, num_beams=3),
+                       model.generate(x, max_new_tokens=4, num_beams=3, use_cache=False))
+
+
 def test_mismatched_config_is_refused(tmp_path):
     hf_model().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="n_layers: checkpoint 2, config 3"):
