@@ -106,6 +106,14 @@ def test_scalar_decay_no_low_rank_and_bonus():
         o, _ = dplr_chunk(**case, scale=0.25, chunk_size=32)
         o_ref, _ = dplr_recurrent(**case, scale=0.25)
         assert rel_err(o, o_ref) <= TOL[torch.float64]
+    # the bonus is differentiable too
+    grads = []
+    for fn in (dplr_chunk, dplr_recurrent):
+        u_ = u.clone().requires_grad_()
+        o, _ = fn(**dict(x, u=u_), scale=0.25)
+        (o * x["v"]).sum().backward()
+        grads.append(u_.grad)
+    assert rel_err(*grads) <= TOL[torch.float64]
 
 
 def test_fla_names_swap_a_and_b():
