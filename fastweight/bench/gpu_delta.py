@@ -123,11 +123,13 @@ def stages(op, B, T, H, K, device):
     if per_channel:
         res["intra_fwd"] = bench_ms(lambda: intra_fwd(q, k, gc, ch))
         Aqk, Akk = intra_fwd(q, k, gc, ch)
-        res["solve"] = bench_ms(lambda: solve(Akk, beta, ch, dtype=k.dtype))
+        for nw in (1, 2, 4):
+            res[f"solve_nw{nw}"] = bench_ms(lambda: solve(Akk, beta, ch, dtype=k.dtype, num_warps=nw))
         Ai = solve(Akk, beta, ch, dtype=k.dtype)
     else:
         Aqk = Akk = None
-        res["kkt_solve"] = bench_ms(lambda: kkt_solve(k, beta, gc, ch))
+        for nw in (1, 2, 4):
+            res[f"kkt_solve_nw{nw}"] = bench_ms(lambda: kkt_solve(k, beta, gc, ch, num_warps=nw))
         Ai = kkt_solve(k, beta, gc, ch)
     res["wy_fwd"] = bench_ms(lambda: recompute_w_u(k, v, beta, g_cum, Ai, ch, gk_cum=gk_cum))
     w, u = recompute_w_u(k, v, beta, g_cum, Ai, ch, gk_cum=gk_cum)

@@ -28,6 +28,16 @@ import triton.language as tl
 from fastweight.kernels.common import Chunks, alloc, mm
 
 BC = 16
+# A diagonal block whose decay over its 16 rows stays under exp(SAFE_SPAN) in every channel is
+# factored through its first row like the off-diagonal ones (operands up to e^40: in bf16/fp32
+# range; fp16 inputs factor in fp32); beyond it the exact pairwise form runs.
+SAFE_SPAN = 40.0
+
+
+@triton.jit
+def _span(b_g, b_gref, m_rows):
+    """The largest decay (G_ref - G) over a block's valid rows and channels."""
+    return tl.max(tl.max(tl.where(m_rows[:, None], b_gref[None, :] - b_g, 0.), 1), 0)
 
 
 @triton.jit
@@ -44,7 +54,7 @@ def _ref_row(g, T, r0, i_k, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def intra_fwd_kernel(q, k, g, Aqk, Akk, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
-                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, FDT: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
@@ -71,16 +81,25 @@ def intra_fwd_kernel(q, k, g, Aqk, Akk, cu_seqlens, chunk_indices, H: tl.constex
                     b_qk += mm(b_qr, tl.trans(b_kc))
                     b_kk += mm(b_kr, tl.trans(b_kc))
             if c == r:
-                m_d = (o_i[:, None] >= o_i[None, :]) & (r0 + o_i[:, None] < T)
+                m_v = r0 + o_i < T
+                m_d = (o_i[:, None] >= o_i[None, :]) & m_v[:, None]
                 for i_k in range(tl.cdiv(K, BK)):
                     b_g = _rows(g, T, r0, i_k, H * K, K, BK)
-                    b_d = tl.where(m_d[:, :, None], b_g[:, None, :] - b_g[None, :, :], 0.)
-                    b_e = tl.where(m_d[:, :, None], tl.exp(b_d), 0.)
-                    b_kr = _rows(k, T, r0, i_k, HK * K, K, BK).to(tl.float32)
-                    b_qr = _rows(q, T, r0, i_k, HK * K, K, BK).to(tl.float32)
-                    b_ke = b_kr[None, :, :] * b_e
-                    b_qk += tl.sum(b_qr[:, None, :] * b_ke, 2)
-                    b_kk += tl.sum(b_kr[:, None, :] * b_ke, 2)
+                    b_kr = _rows(k, T, r0, i_k, HK * K, K, BK)
+                    b_qr = _rows(q, T, r0, i_k, HK * K, K, BK)
+                    b_gref = _ref_row(g, T, r0, i_k, H, K, BK)
+                    if _span(b_g, b_gref, m_v) < SAFE_SPAN:
+                        # the block's decay fits the factored form: one matrix product
+                        b_er = tl.where(m_v[:, None], tl.exp(b_g - b_gref[None, :]), 0.)
+                        b_kc = (b_kr * tl.where(m_v[:, None], tl.exp(b_gref[None, :] - b_g), 0.)).to(FDT)
+                        b_qk += mm((b_qr * b_er).to(FDT), tl.trans(b_kc))
+                        b_kk += mm((b_kr * b_er).to(FDT), tl.trans(b_kc))
+                    else:
+                        b_d = tl.where(m_d[:, :, None], b_g[:, None, :] - b_g[None, :, :], 0.)
+                        b_ke = b_kr.to(tl.float32)[None, :, :] * tl.where(m_d[:, :, None], tl.exp(b_d), 0.)
+                        b_qk += tl.sum(b_qr.to(tl.float32)[:, None, :] * b_ke, 2)
+                        b_kk += tl.sum(b_kr.to(tl.float32)[:, None, :] * b_ke, 2)
+                b_qk = tl.where(m_d, b_qk, 0.)
                 b_kk = tl.where(o_i[:, None] > o_i[None, :], b_kk, 0.)
             p_qk = tl.make_block_ptr(Aqk + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (r0, 16 * c), (16, 16), (1, 0))
             p_kk = tl.make_block_ptr(Akk + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (r0, 16 * c), (16, 16), (1, 0))
@@ -90,7 +109,7 @@ def intra_fwd_kernel(q, k, g, Aqk, Akk, cu_seqlens, chunk_indices, H: tl.constex
 
 @triton.jit
 def intra_bwd_kernel(q, k, g, dAqk, dAkk, dq, dk, dg, cu_seqlens, chunk_indices, H: tl.constexpr,
-                     HK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+                     HK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, FDT: tl.constexpr):
     """dq, dk, dg (float32, per value head [T, H, K]) arrive with the other stages' parts and are updated."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
@@ -141,15 +160,23 @@ def intra_bwd_kernel(q, k, g, dAqk, dAkk, dq, dk, dg, cu_seqlens, chunk_indices,
                     b_dkk = _rows(dAkk, T, t0 + 16 * r, b, H * BT, BT, 16).to(b_qb.dtype)
                     b_dkc += (mm(tl.trans(b_dqk), b_qr) + mm(tl.trans(b_dkk), b_kr)) * \
                         tl.exp(b_gr_ref[None, :] - b_gb)
-            # the diagonal block, pairwise
+            # the diagonal block: factored through its first row when its decay allows, else pairwise
             m_d = (o_i[:, None] >= o_i[None, :]) & m_b[:, None]
-            b_e = tl.where(m_d[:, :, None], tl.exp(tl.where(m_d[:, :, None], b_gb[:, None, :] - b_gb[None, :, :], 0.)), 0.)
-            b_dqk = _rows(dAqk, T, b0, b, H * BT, BT, 16)
+            b_dqk = tl.where(m_d, _rows(dAqk, T, b0, b, H * BT, BT, 16), 0.)
             b_dkk = tl.where(o_i[:, None] > o_i[None, :], _rows(dAkk, T, b0, b, H * BT, BT, 16), 0.)
             b_kf, b_qf = b_kb.to(tl.float32), b_qb.to(tl.float32)
-            b_dq += tl.sum(b_dqk[:, :, None] * b_e * b_kf[None, :, :], 1)
-            b_dkr += tl.sum(b_dkk[:, :, None] * b_e * b_kf[None, :, :], 1)
-            b_dkc += tl.sum((b_dqk[:, :, None] * b_qf[:, None, :] + b_dkk[:, :, None] * b_kf[:, None, :]) * b_e, 0)
+            if _span(b_gb, b_gref, m_b) < SAFE_SPAN:
+                b_ec = tl.where(m_b[:, None], tl.exp(b_gref[None, :] - b_gb), 0.)
+                b_kec = (b_kf * b_ec).to(FDT)
+                b_dq += mm(b_dqk.to(FDT), b_kec) * b_er
+                b_dkr += mm(b_dkk.to(FDT), b_kec) * b_er
+                b_dkc += (mm(tl.trans(b_dqk.to(FDT)), (b_qf * b_er).to(FDT)) +
+                          mm(tl.trans(b_dkk.to(FDT)), (b_kf * b_er).to(FDT))) * b_ec
+            else:
+                b_e = tl.where(m_d[:, :, None], tl.exp(tl.where(m_d[:, :, None], b_gb[:, None, :] - b_gb[None, :, :], 0.)), 0.)
+                b_dq += tl.sum(b_dqk[:, :, None] * b_e * b_kf[None, :, :], 1)
+                b_dkr += tl.sum(b_dkk[:, :, None] * b_e * b_kf[None, :, :], 1)
+                b_dkc += tl.sum((b_dqk[:, :, None] * b_qf[:, None, :] + b_dkk[:, :, None] * b_kf[:, None, :]) * b_e, 0)
 
             p_dq = tl.make_block_ptr(dq, (T, K), (H * K, 1), (b0, i_k * BK), (16, BK), (1, 0))
             p_dk = tl.make_block_ptr(dk, (T, K), (H * K, 1), (b0, i_k * BK), (16, BK), (1, 0))
@@ -160,6 +187,11 @@ def intra_bwd_kernel(q, k, g, dAqk, dAkk, dq, dk, dg, cu_seqlens, chunk_indices,
             tl.store(p_dg, tl.load(p_dg, boundary_check=(0, 1)) + b_dg, boundary_check=(0, 1))
 
 
+def _factored_dtype(q):
+    """The dtype of the factored products' operands: q's, but fp32 for fp16 (whose range is e^11)."""
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float32, torch.float32: tl.float32}[q.dtype]
+
+
 def intra_fwd(q, k, g_cum, chunks: Chunks):
     """q, k: [1, T, HK, K]; g_cum: [1, T, H, K] -> (Aqk in q's dtype, Akk float32), [1, T, H, BT] (unscaled, no beta)."""
     _, T, HK, K = k.shape
@@ -167,7 +199,7 @@ def intra_fwd(q, k, g_cum, chunks: Chunks):
     f32 = dict(dtype=torch.float32, device=k.device)
     Aqk, Akk = alloc((1, T, H, chunks.BT), dtype=q.dtype, device=k.device), alloc((1, T, H, chunks.BT), **f32)
     intra_fwd_kernel[(chunks.NC, H)](q, k, g_cum, Aqk, Akk, chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK,
-                                     K=K, BT=chunks.BT, BK=min(32, triton.next_power_of_2(K)))
+                                     K=K, BT=chunks.BT, BK=min(32, triton.next_power_of_2(K)), FDT=_factored_dtype(q))
     return Aqk, Akk
 
 
@@ -176,4 +208,5 @@ def intra_bwd(q, k, g_cum, dAqk, dAkk, dq, dk, dg, chunks: Chunks):
     _, T, HK, K = k.shape
     H = g_cum.shape[2]
     intra_bwd_kernel[(chunks.NC, H)](q, k, g_cum, dAqk, dAkk, dq, dk, dg, chunks.cu_seqlens, chunks.chunk_indices,
-                                     H=H, HK=HK, K=K, BT=chunks.BT, BK=min(32, triton.next_power_of_2(K)))
+                                     H=H, HK=HK, K=K, BT=chunks.BT, BK=min(32, triton.next_power_of_2(K)),
+                                     FDT=_factored_dtype(q))

@@ -26,18 +26,30 @@ import triton.language as tl
 from fastweight.kernels.common import Chunks, alloc, mm
 
 BT_DELTA = 64
+# 16 x 16 blocks: few warps keep the substitution's row reductions inside a warp
+SOLVE_WARPS = 2
 
 
 @triton.jit
-def invert_unit_lower16(b_A):
-    """(I + A)^{-1} for a strictly lower [16, 16] block A, by forward substitution."""
+def _substitute_row(b_Y, i, o_i):
+    """Row i of (I + A)^{-1} - I from the rows above it (b_Y holds -A below row i)."""
+    b_a = tl.sum(tl.where(o_i[:, None] == i, b_Y, 0.), 0)
+    b_a = b_a + tl.sum(b_a[:, None] * b_Y, 0)
+    return tl.where(o_i[:, None] == i, b_a[None, :], b_Y)
+
+
+@triton.jit
+def invert_unit_lower16x4(b_A1, b_A2, b_A3, b_A4):
+    """(I + A)^{-1} for four strictly lower [16, 16] blocks, by forward substitution, interleaved."""
     o_i = tl.arange(0, 16)
-    b_Y = -b_A
+    b_Y1, b_Y2, b_Y3, b_Y4 = -b_A1, -b_A2, -b_A3, -b_A4
     for i in range(1, 16):
-        b_a = tl.sum(tl.where(o_i[:, None] == i, b_Y, 0.), 0)
-        b_a = b_a + tl.sum(b_a[:, None] * b_Y, 0)
-        b_Y = tl.where(o_i[:, None] == i, b_a[None, :], b_Y)
-    return b_Y + tl.where(o_i[:, None] == o_i[None, :], 1., 0.)
+        b_Y1 = _substitute_row(b_Y1, i, o_i)
+        b_Y2 = _substitute_row(b_Y2, i, o_i)
+        b_Y3 = _substitute_row(b_Y3, i, o_i)
+        b_Y4 = _substitute_row(b_Y4, i, o_i)
+    b_I = tl.where(o_i[:, None] == o_i[None, :], 1., 0.)
+    return b_Y1 + b_I, b_Y2 + b_I, b_Y3 + b_I, b_Y4 + b_I
 
 
 @triton.jit
@@ -151,10 +163,7 @@ def store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, 
 
     Ai points at the sequence's first row for this head; rows are ``H * BT`` apart.
     """
-    b_I11 = invert_unit_lower16(b_A11)
-    b_I22 = invert_unit_lower16(b_A22)
-    b_I33 = invert_unit_lower16(b_A33)
-    b_I44 = invert_unit_lower16(b_A44)
+    b_I11, b_I22, b_I33, b_I44 = invert_unit_lower16x4(b_A11, b_A22, b_A33, b_A44)
     b_I21 = -mm(b_I22, mm(b_A21, b_I11))
     b_I32 = -mm(b_I33, mm(b_A32, b_I22))
     b_I43 = -mm(b_I44, mm(b_A43, b_I33))
@@ -180,7 +189,8 @@ def _store16(Ai, T, r0, c0, H: tl.constexpr, BT: tl.constexpr, b_1, b_2, b_3, b_
     tl.store(p_4, b_4.to(p_4.dtype.element_ty), boundary_check=(0, 1))
 
 
-def kkt_solve(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor | None, chunks: Chunks) -> torch.Tensor:
+def kkt_solve(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor | None, chunks: Chunks,
+              num_warps: int | None = None) -> torch.Tensor:
     """k: [1, T, HK, K]; beta: [1, T, H] (H a multiple of HK); g_cum: [1, T, H] chunk-local cumsum or None.
 
     Returns Ai [1, T, H, 64], solved in fp32 and stored in k's dtype (its consumers multiply in that dtype)."""
@@ -191,13 +201,15 @@ def kkt_solve(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor | None, c
     Ai = alloc((1, T, H, BT), device=k.device, dtype=k.dtype)
     BK = min(64, triton.next_power_of_2(K))
     kkt_solve_kernel[(chunks.NC, H)](k, beta, g_cum, Ai, chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK, K=K,
-                                     BT=BT, BK=BK, USE_G=g_cum is not None, num_warps=4)
+                                     BT=BT, BK=BK, USE_G=g_cum is not None, num_warps=num_warps or SOLVE_WARPS)
     return Ai
 
 
-def solve(Akk: torch.Tensor, beta: torch.Tensor, chunks: Chunks, dtype=torch.float32) -> torch.Tensor:
+def solve(Akk: torch.Tensor, beta: torch.Tensor, chunks: Chunks, dtype=torch.float32,
+          num_warps: int | None = None) -> torch.Tensor:
     """Akk: [1, T, H, 64] strictly lower per chunk (fp32); beta: [1, T, H] -> Ai [1, T, H, 64] in ``dtype``."""
     _, T, H, BT = Akk.shape
     Ai = alloc((1, T, H, BT), device=Akk.device, dtype=dtype)
-    solve_kernel[(chunks.NC, H)](Akk, beta, Ai, chunks.cu_seqlens, chunks.chunk_indices, H=H, BT=BT, num_warps=4)
+    solve_kernel[(chunks.NC, H)](Akk, beta, Ai, chunks.cu_seqlens, chunks.chunk_indices, H=H, BT=BT,
+                                 num_warps=num_warps or SOLVE_WARPS)
     return Ai
