@@ -10,7 +10,7 @@ fla's names at the end of this file keep fla's meaning and swap.
 Inside a chunk of C tokens starting from the state S (G = cumulative log decay from the
 chunk start, G^- the same one step earlier; derivation in docs/dplr_chunk.md):
 
-    1. intra-chunk matrices, decays folded in as exp(G_t - G_s) <= 1:
+    1. intra-chunk matrices, decays folded in as exp(G_t - G_s) <= 1 (G^- for rows read at t - 1):
        A_ba = strictLower(b a^T), A_bk = strictLower(b k^T)    rows read at t - 1
        A_qa = lower(q a^T),       A_qk = lower(q k^T)          rows read at t
     2. WY form of the low-rank reads u_t = b_t^T S_{t-1} (the UT transform):
@@ -21,13 +21,13 @@ chunk start, G^- the same one step earlier; derivation in docs/dplr_chunk.md):
 Steps 1-3 (all but the ``S`` products) run for every chunk at once; step 4 is the only
 sequential loop, over chunks. Per-token states are never formed.
 
-Numerical safety without clamping gates: every exponent taken is <= 0. Pairs (t, s) in
-different 16-token sub-chunks factor exp(G_t - G_s) = exp(G_t - G_r) exp(G_r - G_s) with r
-the end of the sub-chunk before t's (both factors <= 1); pairs inside one sub-chunk take
-the pairwise difference directly ([16, 16, K] per sub-chunk). The cumulative log gates and
-their differences are kept in float64 and rounded once, before ``exp``: over a chunk G
-reaches -1e3 with strong gates, and an fp32 prefix sum carries an absolute error of
-ulp(|G|) ~ 6e-5 into every factor (100x the fp32 recurrence's error, mostly in d gk).
+Numerical safety without clamping gates: no exponential can overflow. Pairs (t, s) in
+different 16-token sub-chunks go through the sub-chunks' start/end references, three factors
+each <= 1; pairs inside one sub-chunk do the same while its decay span is small, else take
+the pairwise difference ([16, 16, K] per sub-chunk; :func:`precise_decayed_scores`). The
+cumulative log gates and their differences are float64: over a chunk G reaches -1e3 with
+strong gates, and an fp32 prefix sum carries an absolute error of ulp(|G|) ~ 6e-5 into
+every factor (100x the fp32 recurrence's error, mostly in d gk).
 """
 
 from __future__ import annotations
