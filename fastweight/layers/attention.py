@@ -84,20 +84,22 @@ class Attention(Mixer):
 def window_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
     """Causal sliding-window attention of q, k, v [B, H, T, d] in blocks of W = ``window`` queries.
 
-    Block n attends to keys of blocks n-1 and n: query i of the block (position nW + i) sees
-    the keys at local positions j in (i, W + i] of the 2W keys, i.e. (nW + i - W, nW + i].
+    Block 0 is plain causal attention. Block n > 0 attends to the 2W keys of blocks n-1 and n:
+    query i of the block (position nW + i) sees local keys j in (i, W + i], i.e. the positions
+    (nW + i - W, nW + i]; one [W, 2W] mask serves every block.
     """
     B, H, T, d = q.shape
     W = window
     n = -(-T // W)
     pad = n * W - T
     q, k, v = (F.pad(t, (0, 0, 0, pad)).view(B, H, n, W, d) for t in (q, k, v))
-    k, v = (torch.cat([F.pad(t, (0, 0, 0, 0, 1, 0))[:, :, :n], t], dim=3) for t in (k, v))  # [B, H, n, 2W, d]
+    first = F.scaled_dot_product_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], is_causal=True)
+    k, v = (torch.cat([t[:, :, :-1], t[:, :, 1:]], dim=3) for t in (k, v))  # [B, H, n-1, 2W, d]
     i = torch.arange(W, device=q.device)[:, None]
     j = torch.arange(2 * W, device=q.device)[None, :]
     mask = (j > i) & (j <= W + i)
-    mask = mask.expand(n, W, 2 * W).clone()
-    mask[0, :, :W] = False  # block 0 has no previous block
-    o = F.scaled_dot_product_attention(q.reshape(B, H * n, W, d), k.reshape(B, H * n, 2 * W, d),
-                                       v.reshape(B, H * n, 2 * W, d), attn_mask=mask.repeat(H, 1, 1))
+    rest = F.scaled_dot_product_attention(q[:, :, 1:].reshape(B, H * (n - 1), W, d),
+                                          k.reshape(B, H * (n - 1), 2 * W, d),
+                                          v.reshape(B, H * (n - 1), 2 * W, d), attn_mask=mask)
+    o = torch.cat([first[:, :, None], rest.view(B, H, n - 1, W, d)], dim=2)
     return o.view(B, H, n * W, d)[:, :, :T]
