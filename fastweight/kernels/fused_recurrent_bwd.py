@@ -65,26 +65,33 @@ def fused_recurrent_bwd_reverse_kernel(
         o_tv = (i_tok * H + i_h) * V + o_v
         # the partial of V block i_v: [NV, TT tokens, H, K]
         o_pk = i_v.to(tl.int64) * TT * H * K + o_tk
+        # every load before any store: the compiler cannot move a load above a store that may alias it
         b_q = tl.load(q + o_tk, mask=m_k, other=0).to(tl.float32) * scale
         b_k = tl.load(k + o_tk, mask=m_k, other=0).to(tl.float32)
         b_v = tl.load(v + o_tv, mask=m_v, other=0).to(tl.float32)
         b_do = tl.load(do + o_tv, mask=m_v, other=0).to(tl.float32)
+        if LOW_RANK:
+            b_a = tl.load(a + o_tk, mask=m_k, other=0).to(tl.float32)
+            b_b = tl.load(b + o_tk, mask=m_k, other=0).to(tl.float32)
+            b_r = tl.load(r + o_tv, mask=m_v, other=0)
+        if GATE == 1:
+            b_w = tl.exp(tl.load(g + i_tok * H + i_h).to(tl.float32))
+        elif GATE == 2:
+            b_w = tl.exp(tl.load(g + o_tk, mask=m_k, other=0).to(tl.float32))
+
         if not READOUT_PREV:
             b_dh += b_q[:, None] * b_do[None, :]
         tl.store(dk + o_pk, tl.sum(b_dh * b_v[None, :], 1), mask=m_k)
         tl.store(dv + o_tv, tl.sum(b_dh * b_k[:, None], 0), mask=m_v)
         if LOW_RANK:
-            b_a = tl.load(a + o_tk, mask=m_k, other=0).to(tl.float32)
-            b_b = tl.load(b + o_tk, mask=m_k, other=0).to(tl.float32)
-            b_r = tl.load(r + o_tv, mask=m_v, other=0)
             tl.store(da + o_pk, tl.sum(b_dh * b_r[None, :], 1), mask=m_k)
             b_dr = tl.sum(b_dh * b_a[:, None], 0)
             tl.store(dr + o_tv, b_dr, mask=m_v)
         # dS_{t-1} = Diag(w_t) dS_t + b_t dr_t^T
         if GATE == 1:
-            b_dh = b_dh * tl.exp(tl.load(g + i_tok * H + i_h).to(tl.float32))
+            b_dh = b_dh * b_w
         elif GATE == 2:
-            b_dh = b_dh * tl.exp(tl.load(g + o_tk, mask=m_k, other=0).to(tl.float32))[:, None]
+            b_dh = b_dh * b_w[:, None]
         if LOW_RANK:
             b_dh += b_b[:, None] * b_dr[None, :]
         if READOUT_PREV:
@@ -130,23 +137,32 @@ def fused_recurrent_bwd_forward_kernel(
         b_k = tl.load(k + o_tk, mask=m_k, other=0).to(tl.float32)
         b_v = tl.load(v + o_tv, mask=m_v, other=0).to(tl.float32)
         b_do = tl.load(do + o_tv, mask=m_v, other=0).to(tl.float32)
-        if READOUT_PREV:
-            tl.store(dq + o_pk, scale * tl.sum(b_h * b_do[None, :], 1), mask=m_k)
         if LOW_RANK:
             b_a = tl.load(a + o_tk, mask=m_k, other=0).to(tl.float32)
             b_b = tl.load(b + o_tk, mask=m_k, other=0).to(tl.float32)
             b_dr = tl.load(dr + o_tv, mask=m_v, other=0)
-            tl.store(db + o_pk, tl.sum(b_h * b_dr[None, :], 1), mask=m_k)
+        if GATE == 1:
+            b_w = tl.exp(tl.load(g + i_tok * H + i_h).to(tl.float32))
+        elif GATE == 2:
+            b_w = tl.exp(tl.load(g + o_tk, mask=m_k, other=0).to(tl.float32))
+
+        if READOUT_PREV:
+            b_dq = scale * tl.sum(b_h * b_do[None, :], 1)
+        if LOW_RANK:
+            b_db = tl.sum(b_h * b_dr[None, :], 1)
             b_r = tl.sum(b_b[:, None] * b_h, 0)
         if GATE == 1:
-            b_h = b_h * tl.exp(tl.load(g + i_tok * H + i_h).to(tl.float32))
+            b_h = b_h * b_w
         elif GATE == 2:
-            b_h = b_h * tl.exp(tl.load(g + o_tk, mask=m_k, other=0).to(tl.float32))[:, None]
+            b_h = b_h * b_w[:, None]
         if LOW_RANK:
             b_h += b_a[:, None] * b_r[None, :]
         b_h += b_k[:, None] * b_v[None, :]
         if not READOUT_PREV:
-            tl.store(dq + o_pk, scale * tl.sum(b_h * b_do[None, :], 1), mask=m_k)
+            b_dq = scale * tl.sum(b_h * b_do[None, :], 1)
+        tl.store(dq + o_pk, b_dq, mask=m_k)
+        if LOW_RANK:
+            tl.store(db + o_pk, b_db, mask=m_k)
         t += 1
 
 
