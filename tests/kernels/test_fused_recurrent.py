@@ -14,8 +14,8 @@ from fastweight.bench.gpu_decode import op_inputs as _inputs
 from fastweight.kernels import fused_recurrent as fr
 from fastweight.testing import generator, nan_like, rel_err
 
-# measured: fp32 errors are <= 1e-6 (gate gradients through the reverse-cumsum identity ~1e-6);
-# fp16 errors are the rounding of the fp16 outputs and gradients (~5e-4)
+# measured: fp32 outputs, states and most gradients ~1e-7, gate gradients (the reverse-cumsum
+# identity, docs/fused_recurrent.md) up to ~4e-6; fp16: the rounding of outputs and gradients (~5e-4)
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3}
 
 
