@@ -63,7 +63,8 @@ def check(device, results, mixers, T=100, prefill=70):
         print(row, flush=True)
 
 
-def train_throughput(cfg, B, T, device, steps=4, warmup=2, compile=False):
+def train_throughput(cfg, B, T, device, steps=4, warmup=None, compile=False):
+    warmup = warmup or (3 if compile else 2)
     torch.manual_seed(0)
     with device:
         model = LanguageModel(cfg)
