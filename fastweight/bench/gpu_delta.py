@@ -139,7 +139,7 @@ def stages(op, B, T, H, K, device):
     res["state_fwd_store_h"] = bench_ms(lambda: state_output_fwd(q, k, w, u, g_cum, None, False, True, scale, ch,
                                                                  gk_cum=gk_cum, Aqk=Aqk))
     _, _, saved = delta_fwd(q, k, v, g, beta, scale, None, False, ch, True)
-    g_cum, gk_cum, Ai, Aqk, Akk, w, h, v_new = saved
+    g_cum, gk_cum, _, Ai, Aqk, Akk, w, h, v_new = saved
     do = torch.randn_like(v)
     for bv in (32, 64):
         res[f"state_bwd_bv{bv}"] = bench_ms(lambda: state_bwd(q, k, w, g_cum, do, None, scale, ch, False,
@@ -152,7 +152,7 @@ def stages(op, B, T, H, K, device):
     res["wy_bwd"] = bench_ms(lambda: wy_bwd(k, v, beta, g_cum, Ai, dw, dvt, dk.clone(), dg.clone(), ch,
                                             gk_cum=gk_cum, Akk=Akk, dk_dtype=final))
     if per_channel:
-        _, _, _, dAkk = wy_bwd(k, v, beta, g_cum, Ai, dw, dvt, dk, dg, ch, gk_cum=gk_cum, Akk=Akk)
+        dAkk = wy_bwd(k, v, beta, g_cum, Ai, dw, dvt, dk, dg, ch, gk_cum=gk_cum, Akk=Akk)[3]
         res["intra_bwd"] = bench_ms(lambda: intra_bwd(q, k, gk_cum, dAqk, dAkk, dq, dk, dg, ch))
     res["cumsum_bwd"] = bench_ms(lambda: chunk_local_cumsum(dg, ch, reverse=True))
     return res

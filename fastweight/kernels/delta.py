@@ -32,50 +32,58 @@ def _pack(x):
     return None if x is None else x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
 
 
-def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks, store_h):
-    """g: None, [1, T, H] (scalar gate) or [1, T, H, K] (per-channel gate, KDA)."""
-    g_cum = gk_cum = Aqk = Akk = None
+def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks, store_h, p=None):
+    """g: None, [1, T, H] (scalar gate) or [1, T, H, K] (per-channel gate, KDA); p: Comba's read key."""
+    g_cum = gk_cum = Aqk = Akk = g_read = None
     if g is not None and g.dim() == 4:
         gk_cum = chunk_local_cumsum(g, chunks)
         Aqk, Akk = intra_fwd(q, k, gk_cum, chunks)
         Ai = solve(Akk, beta, chunks, dtype=k.dtype)
     else:
         g_cum = chunk_local_cumsum(g, chunks) if g is not None else None
-        Ai = kkt_solve(k, beta, g_cum, chunks)
-    w, u = recompute_w_u(k, v, beta, g_cum, Ai, chunks, gk_cum=gk_cum)
+        if p is not None:
+            # Comba reads the undecayed state: its read key sees the exclusive cumsum
+            g_read = g_cum - g.float() if g is not None else None
+        Ai = kkt_solve(k, beta, g_cum, chunks, p=p, g_read=g_read)
+    if p is not None:
+        w, u = recompute_w_u(p, v, beta, g_read, Ai, chunks)
+    else:
+        w, u = recompute_w_u(k, v, beta, g_cum, Ai, chunks, gk_cum=gk_cum)
     o, ht, h, v_new = state_output_fwd(q, k, w, u, g_cum, initial_state, output_final_state, store_h, scale, chunks,
                                        gk_cum=gk_cum, Aqk=Aqk)
-    return o, ht, (g_cum, gk_cum, Ai, Aqk, Akk, w, h, v_new)
+    return o, ht, (g_cum, gk_cum, g_read, Ai, Aqk, Akk, w, h, v_new)
 
 
-def delta_bwd(q, k, v, beta, saved, do, dht, scale, chunks, need_dh0):
-    g_cum, gk_cum, Ai, Aqk, Akk, w, h, v_new = saved
+def delta_bwd(q, k, v, beta, saved, do, dht, scale, chunks, need_dh0, p=None):
+    g_cum, gk_cum, g_read, Ai, Aqk, Akk, w, h, v_new = saved
     dh, dv_tilde, dh0 = state_bwd(q, k, w, g_cum, do, dht, scale, chunks, need_dh0, gk_cum=gk_cum, Aqk=Aqk)
     # gradients still to be accumulated (grouped heads, the per-channel intra part) stay fp32
-    final = q.dtype if gk_cum is None and q.shape[2] == v.shape[2] else torch.float32
+    final = q.dtype if gk_cum is None and p is None and q.shape[2] == v.shape[2] else torch.float32
     dq, dk, dw, dg_cum, dAqk = output_bwd(q, k, g_cum, h, dh, v_new, do, dv_tilde, scale, chunks, gk_cum=gk_cum,
                                           dq_dtype=final)
-    dk, dv, dbeta, dAkk = wy_bwd(k, v, beta, g_cum, Ai, dw, dv_tilde, dk, dg_cum, chunks, gk_cum=gk_cum, Akk=Akk,
-                                 dk_dtype=final)
+    dk, dv, dbeta, dAkk, dp, dg_read = wy_bwd(k, v, beta, g_cum, Ai, dw, dv_tilde, dk, dg_cum, chunks,
+                                              gk_cum=gk_cum, Akk=Akk, dk_dtype=final, p=p, g_read=g_read)
     if gk_cum is not None:
         intra_bwd(q, k, gk_cum, dAqk, dAkk, dq, dk, dg_cum, chunks)
     dg = chunk_local_cumsum(dg_cum, chunks, reverse=True) if dg_cum is not None else None
-    return dq, dk, dv, dg, dbeta, dh0
+    if dg_read is not None:
+        dg = dg - dg_read
+    return dq, dk, dv, dg, dbeta, dh0, dp
 
 
 class ChunkDeltaFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, p=None):
         B, T = q.shape[:2]
         chunks = prepare_chunks(cu_seqlens, B, T, BT_DELTA, q.device)
         shapes = (q.shape, v.shape)
         qshape_k = q.shape[-1]
-        q, k, v, g, beta = (_pack(x) for x in (q, k, v, g, beta))
+        q, k, v, g, beta, p = (_pack(x) for x in (q, k, v, g, beta, p))
         if initial_state is not None:
             initial_state = initial_state.contiguous()
         o, ht, saved = delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks,
-                                 store_h=any(ctx.needs_input_grad))
-        ctx.save_for_backward(q, k, v, beta, *saved)
+                                 store_h=any(ctx.needs_input_grad), p=p)
+        ctx.save_for_backward(q, k, v, beta, p, *saved)
         ctx.has_g, ctx.chunks, ctx.scale, ctx.shapes = g is not None, chunks, scale, shapes
         ctx.has_h0 = initial_state is not None
         ctx.g_dtype = g.dtype if g is not None else None
@@ -85,26 +93,29 @@ class ChunkDeltaFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, beta, *saved = ctx.saved_tensors
+        q, k, v, beta, p, *saved = ctx.saved_tensors
         (qshape, vshape), chunks = ctx.shapes, ctx.chunks
-        dq, dk, dv, dg, dbeta, dh0 = delta_bwd(q, k, v, beta, saved, _pack(do), dht, ctx.scale, chunks,
-                                               ctx.has_h0 and ctx.needs_input_grad[6])
+        dq, dk, dv, dg, dbeta, dh0, dp = delta_bwd(q, k, v, beta, saved, _pack(do), dht, ctx.scale, chunks,
+                                                   ctx.has_h0 and ctx.needs_input_grad[6], p=p)
         gshape = vshape[:3]
         if vshape[2] != qshape[2]:
             # grouped value heads: the key-side gradients summed over each group
             HK, G = qshape[2], vshape[2] // qshape[2]
             dq, dk = (x.view(*x.shape[:2], HK, G, x.shape[-1]).sum(3) for x in (dq, dk))
+            if dp is not None:
+                dp = dp.view(*dp.shape[:2], HK, G, dp.shape[-1]).sum(3)
+        dp = dp.to(p.dtype).reshape(qshape) if dp is not None else None
         dq = dq.to(q.dtype).reshape(qshape)
         dk = dk.to(k.dtype).reshape(qshape)
         dv = dv.to(v.dtype).reshape(vshape)
         dg = dg.to(ctx.g_dtype).reshape(ctx.g_shape) if dg is not None else None
         dbeta = dbeta.to(beta.dtype).reshape(gshape)
         dh0 = dh0.to(ctx.h0_dtype) if dh0 is not None else None
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, dp
 
 
 def chunk_delta(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-                use_qk_l2norm_in_kernel=False):
+                use_qk_l2norm_in_kernel=False, p=None):
     """S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T (g None: no decay), chunked.
 
     q, k: [B, T, H, K]; v: [B, T, HV, V] (HV a multiple of H); g, beta: [B, T, HV];
@@ -112,7 +123,8 @@ def chunk_delta(q, k, v, g, beta, *, scale, initial_state=None, output_final_sta
     """
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
-    o, ht = ChunkDeltaFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+        p = l2norm(p) if p is not None else None
+    o, ht = ChunkDeltaFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, p)
     return o, (ht if output_final_state else None)
 
 
@@ -140,6 +152,15 @@ def chunk_kda(q, k, v, g, beta, *, scale, initial_state=None, output_final_state
                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
+def chunk_comba(q, k, v, p, g, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                use_qk_l2norm_in_kernel=False, **_):
+    """Comba: S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - S_{t-1}^T p_t)^T: the read key p [B, T, H, K]
+    reads the undecayed state (fastweight.mechanisms.comba)."""
+    return chunk_delta(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, p=p)
+
+
 def chunk_longhorn(q, k, v, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
     """Longhorn: the delta rule with step eps_t = beta_t / (1 + beta_t k_t^T k_t) (its gradient by autograd)."""
     kk = (k.float() * k.float()).sum(-1)
@@ -150,7 +171,7 @@ def chunk_longhorn(q, k, v, beta, *, scale, initial_state=None, output_final_sta
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
-for _impl in (chunk_gated_delta_rule, chunk_delta_rule, chunk_kda, chunk_longhorn):
+for _impl in (chunk_gated_delta_rule, chunk_delta_rule, chunk_kda, chunk_comba, chunk_longhorn):
     _impl.grouped_heads = True
-for _impl in (chunk_gated_delta_rule, chunk_delta_rule, chunk_kda):
+for _impl in (chunk_gated_delta_rule, chunk_delta_rule, chunk_kda, chunk_comba):
     _impl.fused_l2norm = True

@@ -53,29 +53,31 @@ def invert_unit_lower16x4(b_A1, b_A2, b_A3, b_A4):
 
 
 @triton.jit
-def _gamma(g, bos, T, H: tl.constexpr, i_h, r0, c0, USE_G: tl.constexpr, STRICT: tl.constexpr):
-    """Mask (strict lower or full) times exp(g_i - g_j) for rows r0.. and columns c0.. (16 each)."""
+def _gamma(g, gr, bos, T, H: tl.constexpr, i_h, r0, c0, USE_G: tl.constexpr, STRICT: tl.constexpr):
+    """Mask (strict lower or full) times exp(gr_i - g_j) for rows r0.. and columns c0.. (16 each)."""
     o_r, o_c = r0 + tl.arange(0, 16), c0 + tl.arange(0, 16)
     m = (o_r[:, None] < T) & (o_c[None, :] < T)
     if STRICT:
         m = m & (o_r[:, None] > o_c[None, :])
     if USE_G:
-        b_gr = tl.load(g + (bos + o_r) * H + i_h, mask=o_r < T, other=0.)
+        b_gr = tl.load(gr + (bos + o_r) * H + i_h, mask=o_r < T, other=0.)
         b_gc = tl.load(g + (bos + o_c) * H + i_h, mask=o_c < T, other=0.)
         return tl.where(m, tl.exp(b_gr[:, None] - b_gc[None, :]), 0.)
     return tl.where(m, 1., 0.)
 
 
 @triton.jit
-def kkt_solve_kernel(k, beta, g, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
-                     K: tl.constexpr,
-                     BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr):
+def kkt_solve_kernel(k, p, beta, g, gr, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
+                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr, USE_P: tl.constexpr):
+    """Rows read with p and the gate gr (USE_P: Comba's read key and its exclusive cumsum), columns
+    with k and g; without USE_P both are k and g."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
     T = eos - bos
     t0 = i_t * BT
     k += (bos * HK + i_h // (H // HK)) * K
+    p += (bos * HK + i_h // (H // HK)) * K
     b_A11 = tl.zeros([16, 16], dtype=tl.float32)
     b_A21, b_A22 = tl.zeros([16, 16], dtype=tl.float32), tl.zeros([16, 16], dtype=tl.float32)
     b_A31, b_A32, b_A33 = b_A11, b_A11, b_A11
@@ -87,30 +89,40 @@ def kkt_solve_kernel(k, beta, g, Ai, cu_seqlens, chunk_indices, H: tl.constexpr,
         p_k4 = tl.make_block_ptr(k, (T, K), (HK * K, 1), (t0 + 48, i_k * BK), (16, BK), (1, 0))
         b_k1, b_k2 = tl.load(p_k1, boundary_check=(0, 1)), tl.load(p_k2, boundary_check=(0, 1))
         b_k3, b_k4 = tl.load(p_k3, boundary_check=(0, 1)), tl.load(p_k4, boundary_check=(0, 1))
-        b_A11 += mm(b_k1, tl.trans(b_k1))
-        b_A21 += mm(b_k2, tl.trans(b_k1))
-        b_A22 += mm(b_k2, tl.trans(b_k2))
-        b_A31 += mm(b_k3, tl.trans(b_k1))
-        b_A32 += mm(b_k3, tl.trans(b_k2))
-        b_A33 += mm(b_k3, tl.trans(b_k3))
-        b_A41 += mm(b_k4, tl.trans(b_k1))
-        b_A42 += mm(b_k4, tl.trans(b_k2))
-        b_A43 += mm(b_k4, tl.trans(b_k3))
-        b_A44 += mm(b_k4, tl.trans(b_k4))
+        b_p1, b_p2, b_p3, b_p4 = b_k1, b_k2, b_k3, b_k4
+        if USE_P:
+            b_p1 = tl.load(tl.make_block_ptr(p, (T, K), (HK * K, 1), (t0, i_k * BK), (16, BK), (1, 0)),
+                           boundary_check=(0, 1))
+            b_p2 = tl.load(tl.make_block_ptr(p, (T, K), (HK * K, 1), (t0 + 16, i_k * BK), (16, BK), (1, 0)),
+                           boundary_check=(0, 1))
+            b_p3 = tl.load(tl.make_block_ptr(p, (T, K), (HK * K, 1), (t0 + 32, i_k * BK), (16, BK), (1, 0)),
+                           boundary_check=(0, 1))
+            b_p4 = tl.load(tl.make_block_ptr(p, (T, K), (HK * K, 1), (t0 + 48, i_k * BK), (16, BK), (1, 0)),
+                           boundary_check=(0, 1))
+        b_A11 += mm(b_p1, tl.trans(b_k1))
+        b_A21 += mm(b_p2, tl.trans(b_k1))
+        b_A22 += mm(b_p2, tl.trans(b_k2))
+        b_A31 += mm(b_p3, tl.trans(b_k1))
+        b_A32 += mm(b_p3, tl.trans(b_k2))
+        b_A33 += mm(b_p3, tl.trans(b_k3))
+        b_A41 += mm(b_p4, tl.trans(b_k1))
+        b_A42 += mm(b_p4, tl.trans(b_k2))
+        b_A43 += mm(b_p4, tl.trans(b_k3))
+        b_A44 += mm(b_p4, tl.trans(b_k4))
     b_b1 = _beta16(beta, bos, T, t0, H, i_h)
     b_b2 = _beta16(beta, bos, T, t0 + 16, H, i_h)
     b_b3 = _beta16(beta, bos, T, t0 + 32, H, i_h)
     b_b4 = _beta16(beta, bos, T, t0 + 48, H, i_h)
-    b_A11 *= b_b1 * _gamma(g, bos, T, H, i_h, t0, t0, USE_G, True)
-    b_A21 *= b_b2 * _gamma(g, bos, T, H, i_h, t0 + 16, t0, USE_G, False)
-    b_A22 *= b_b2 * _gamma(g, bos, T, H, i_h, t0 + 16, t0 + 16, USE_G, True)
-    b_A31 *= b_b3 * _gamma(g, bos, T, H, i_h, t0 + 32, t0, USE_G, False)
-    b_A32 *= b_b3 * _gamma(g, bos, T, H, i_h, t0 + 32, t0 + 16, USE_G, False)
-    b_A33 *= b_b3 * _gamma(g, bos, T, H, i_h, t0 + 32, t0 + 32, USE_G, True)
-    b_A41 *= b_b4 * _gamma(g, bos, T, H, i_h, t0 + 48, t0, USE_G, False)
-    b_A42 *= b_b4 * _gamma(g, bos, T, H, i_h, t0 + 48, t0 + 16, USE_G, False)
-    b_A43 *= b_b4 * _gamma(g, bos, T, H, i_h, t0 + 48, t0 + 32, USE_G, False)
-    b_A44 *= b_b4 * _gamma(g, bos, T, H, i_h, t0 + 48, t0 + 48, USE_G, True)
+    b_A11 *= b_b1 * _gamma(g, gr, bos, T, H, i_h, t0, t0, USE_G, True)
+    b_A21 *= b_b2 * _gamma(g, gr, bos, T, H, i_h, t0 + 16, t0, USE_G, False)
+    b_A22 *= b_b2 * _gamma(g, gr, bos, T, H, i_h, t0 + 16, t0 + 16, USE_G, True)
+    b_A31 *= b_b3 * _gamma(g, gr, bos, T, H, i_h, t0 + 32, t0, USE_G, False)
+    b_A32 *= b_b3 * _gamma(g, gr, bos, T, H, i_h, t0 + 32, t0 + 16, USE_G, False)
+    b_A33 *= b_b3 * _gamma(g, gr, bos, T, H, i_h, t0 + 32, t0 + 32, USE_G, True)
+    b_A41 *= b_b4 * _gamma(g, gr, bos, T, H, i_h, t0 + 48, t0, USE_G, False)
+    b_A42 *= b_b4 * _gamma(g, gr, bos, T, H, i_h, t0 + 48, t0 + 16, USE_G, False)
+    b_A43 *= b_b4 * _gamma(g, gr, bos, T, H, i_h, t0 + 48, t0 + 32, USE_G, False)
+    b_A44 *= b_b4 * _gamma(g, gr, bos, T, H, i_h, t0 + 48, t0 + 48, USE_G, True)
     store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44,
                  Ai + (bos * H + i_h) * BT, T, t0, H, BT)
 
@@ -190,18 +202,22 @@ def _store16(Ai, T, r0, c0, H: tl.constexpr, BT: tl.constexpr, b_1, b_2, b_3, b_
 
 
 def kkt_solve(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor | None, chunks: Chunks,
-              num_warps: int | None = None) -> torch.Tensor:
+              num_warps: int | None = None, p: torch.Tensor | None = None,
+              g_read: torch.Tensor | None = None) -> torch.Tensor:
     """k: [1, T, HK, K]; beta: [1, T, H] (H a multiple of HK); g_cum: [1, T, H] chunk-local cumsum or None.
 
-    Returns Ai [1, T, H, 64], solved in fp32 and stored in k's dtype (its consumers multiply in that dtype)."""
+    Returns Ai [1, T, H, 64], solved in fp32 and stored in k's dtype (its consumers multiply in that dtype).
+    Comba: the rows of A read with ``p`` [1, T, HK, K] and the gate ``g_read`` (the exclusive cumsum):
+    A_ij = beta_i (p_i . k_j) exp(g_read_i - g_j)."""
     _, T, HK, K = k.shape
     H = beta.shape[2]
     BT = chunks.BT
     assert BT == BT_DELTA
     Ai = alloc((1, T, H, BT), device=k.device, dtype=k.dtype)
     BK = min(64, triton.next_power_of_2(K))
-    kkt_solve_kernel[(chunks.NC, H)](k, beta, g_cum, Ai, chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK, K=K,
-                                     BT=BT, BK=BK, USE_G=g_cum is not None, num_warps=num_warps or SOLVE_WARPS)
+    use_p = p is not None
+    kkt_solve_kernel[(chunks.NC, H)](k, p if use_p else k, beta, g_cum, g_read if use_p else g_cum, Ai, chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK, K=K,
+                                     BT=BT, BK=BK, USE_G=g_cum is not None, USE_P=use_p, num_warps=num_warps or SOLVE_WARPS)
     return Ai
 
 

@@ -69,14 +69,17 @@ def recompute_w_u_kernel(k, v, beta, g, Ai, w, u, cu_seqlens, chunk_indices, H: 
 
 
 @triton.jit
-def wy_bwd_kernel(k, v, beta, g, Ai, Akk, dw, du, dk, dk_out, dv, dbeta, dg, dAkk, cu_seqlens, chunk_indices,
-                  H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr):
+def wy_bwd_kernel(k, p, v, beta, g, gr, Ai, Akk, dw, du, dk, dk_out, dp, dv, dbeta, dg, dgr, dAkk, cu_seqlens,
+                  chunk_indices, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr,
+                  USE_P: tl.constexpr):
     """dk and dg arrive holding the other stages' parts (float32); dg is updated in place, dk is
     written complete to dk_out (which may be dk itself).
 
     USE_GK (per-channel gate): the A part of dk and dg is left to intra.py; this kernel writes
     dAkk, the gradient of the raw (beta-free) Akk, for it.
+    USE_P (Comba): W and the rows of A read with p and the gate gr (the exclusive cumsum); the
+    kernel writes dp, and dgr, the gradient of gr, which it also adds into dg (gr = g - g_raw).
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
@@ -90,8 +93,11 @@ def wy_bwd_kernel(k, v, beta, g, Ai, Akk, dw, du, dk, dk_out, dv, dbeta, dg, dAk
     m_A = (o_t[:, None] > o_t[None, :]) & m_t[:, None]
     if USE_G:
         b_g = tl.load(g + (bos + o_t) * H + i_h, mask=m_t, other=0.)
-        b_gamma = tl.exp(b_g)
-        b_Gamma = tl.where(m_A, tl.exp(b_g[:, None] - b_g[None, :]), 0.)
+        b_gr = b_g
+        if USE_P:
+            b_gr = tl.load(gr + (bos + o_t) * H + i_h, mask=m_t, other=0.)
+        b_gamma = tl.exp(b_gr)
+        b_Gamma = tl.where(m_A, tl.exp(b_gr[:, None] - b_g[None, :]), 0.)
     else:
         b_gamma = tl.where(m_t, 1., 0.)
         b_Gamma = tl.where(m_A, 1., 0.)
@@ -101,17 +107,23 @@ def wy_bwd_kernel(k, v, beta, g, Ai, Akk, dw, du, dk, dk_out, dv, dbeta, dg, dAk
     b_kk = tl.zeros([BT, BT], dtype=tl.float32)
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     b_dg = tl.zeros([BT], dtype=tl.float32)
+    b_dgr = tl.zeros([BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         p_k = tl.make_block_ptr(k + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, i_k * BK),
                                 (BT, BK), (1, 0))
         p_dw = tl.make_block_ptr(dw + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
         b_k = tl.load(p_k, boundary_check=(0, 1))
+        b_p = b_k
+        if USE_P:
+            p_p = tl.make_block_ptr(p + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1),
+                                    (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+            b_p = tl.load(p_p, boundary_check=(0, 1))
         b_dw = tl.load(p_dw, boundary_check=(0, 1)).to(b_k.dtype)
-        b_kb = b_k * b_kscale[:, None]
+        b_kb = b_p * b_kscale[:, None]
         if USE_GK:
             b_kb *= _gate_tile(g, bos, T, i_t, i_k, H, i_h, K, BT, BK)
         else:
-            b_kk += mm(b_k, tl.trans(b_k))
+            b_kk += mm(b_p, tl.trans(b_k))
         b_dAi += mm(b_dw, tl.trans(b_kb.to(b_k.dtype)))
     for i_v in range(tl.cdiv(V, BV)):
         p_v = tl.make_block_ptr(v + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
@@ -138,7 +150,8 @@ def wy_bwd_kernel(k, v, beta, g, Ai, Akk, dw, du, dk, dk_out, dv, dbeta, dg, dAk
         b_dbeta += tl.sum(b_dA * b_kk, 1)
     b_M = b_dA * b_beta[:, None]
     b_t = b_M * b_kk
-    b_dg += tl.sum(b_t, 1) - tl.sum(b_t, 0)
+    b_dgr += tl.sum(b_t, 1)
+    b_dg -= tl.sum(b_t, 0)
     for i_k in range(tl.cdiv(K, BK)):
         p_k = tl.make_block_ptr(k + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, i_k * BK),
                                 (BT, BK), (1, 0))
@@ -147,6 +160,11 @@ def wy_bwd_kernel(k, v, beta, g, Ai, Akk, dw, du, dk, dk_out, dv, dbeta, dg, dAk
         p_dko = tl.make_block_ptr(dk_out + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK),
                                   (1, 0))
         b_k = tl.load(p_k, boundary_check=(0, 1))
+        b_p = b_k
+        if USE_P:
+            p_p = tl.make_block_ptr(p + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1),
+                                    (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+            b_p = tl.load(p_p, boundary_check=(0, 1))
         b_dw = tl.load(p_dw, boundary_check=(0, 1)).to(b_k.dtype)
         b_dkb = mm(tl.trans(b_Ai.to(b_k.dtype)), b_dw)
         b_dk = tl.load(p_dk, boundary_check=(0, 1))
@@ -159,15 +177,25 @@ def wy_bwd_kernel(k, v, beta, g, Ai, Akk, dw, du, dk, dk_out, dv, dbeta, dg, dAk
             b_dgk = tl.load(p_dg, boundary_check=(0, 1)) + b_dkbe * b_k * b_beta[:, None]
             tl.store(p_dg, b_dgk, boundary_check=(0, 1))
         else:
-            b_dbeta += tl.sum(b_dkb * b_k * b_gamma[:, None], 1)
-            b_dg += tl.sum(b_dkb * b_k * b_kscale[:, None], 1)
+            # the row side (W and the rows of A) belongs to p, the column side of A to k
+            b_dbeta += tl.sum(b_dkb * b_p * b_gamma[:, None], 1)
+            b_dgr += tl.sum(b_dkb * b_p * b_kscale[:, None], 1)
             b_Mk = b_M.to(b_k.dtype)
-            b_dk += b_dkb * b_kscale[:, None] + mm(b_Mk, b_k) + mm(tl.trans(b_Mk), b_k)
+            b_dp = b_dkb * b_kscale[:, None] + mm(b_Mk, b_k)
+            b_dk += mm(tl.trans(b_Mk), b_p)
+            if USE_P:
+                p_dp = tl.make_block_ptr(dp + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK),
+                                         (BT, BK), (1, 0))
+                tl.store(p_dp, b_dp.to(p_dp.dtype.element_ty), boundary_check=(0, 1))
+            else:
+                b_dk += b_dp
         tl.store(p_dko, b_dk.to(p_dko.dtype.element_ty), boundary_check=(0, 1))
     tl.store(dbeta + (bos + o_t) * H + i_h, b_dbeta, mask=m_t)
     if USE_G:
-        b_dg += tl.load(dg + (bos + o_t) * H + i_h, mask=m_t, other=0.)
+        b_dg += b_dgr + tl.load(dg + (bos + o_t) * H + i_h, mask=m_t, other=0.)
         tl.store(dg + (bos + o_t) * H + i_h, b_dg, mask=m_t)
+        if USE_P:
+            tl.store(dgr + (bos + o_t) * H + i_h, b_dgr, mask=m_t)
 
 
 def _blocks(K, V):
@@ -187,10 +215,14 @@ def recompute_w_u(k, v, beta, g_cum, Ai, chunks: Chunks, gk_cum=None):
     return w, u
 
 
-def wy_bwd(k, v, beta, g_cum, Ai, dw, du, dk, dg, chunks: Chunks, gk_cum=None, Akk=None, dk_dtype=torch.float32):
+def wy_bwd(k, v, beta, g_cum, Ai, dw, du, dk, dg, chunks: Chunks, gk_cum=None, Akk=None, dk_dtype=torch.float32,
+           p=None, g_read=None):
     """Adds the W/U/A chain to dk (fp32 partial) and dg (fp32, in place; None without a gate).
 
-    Returns (dk in ``dk_dtype`` (dk itself when fp32), dv in v's dtype, dbeta fp32, dAkk fp32 or None); with a per-channel gate ``gk_cum`` (and its
+    Returns (dk in ``dk_dtype`` (dk itself when fp32), dv in v's dtype, dbeta fp32, dAkk fp32 or None,
+    dp and dg_read (fp32) or None); with Comba's read key ``p`` and its gate ``g_read`` (exclusive
+    cumsum) W and the rows of A read with them, and dg_read is the part of dg to take off the raw
+    gate after the reverse cumsum; with a per-channel gate ``gk_cum`` (and its
     raw ``Akk``) the A part goes to dAkk for ``intra.intra_bwd`` instead of into dk, dg."""
     _, T, HK, K = k.shape
     H, V = v.shape[2], v.shape[-1]
@@ -199,7 +231,12 @@ def wy_bwd(k, v, beta, g_cum, Ai, dw, du, dk, dg, chunks: Chunks, gk_cum=None, A
     dk_out = dk if dk_dtype == torch.float32 else alloc(dk.shape, device=dk.device, dtype=dk_dtype)
     dbeta = alloc(beta.shape, device=v.device, dtype=torch.float32)
     dAkk = alloc(Ai.shape, device=v.device, dtype=torch.float32) if gk_cum is not None else None
-    wy_bwd_kernel[(chunks.NC, H)](k, v, beta, g_cum if gk_cum is None else gk_cum, Ai, Akk, dw, du, dk, dk_out, dv, dbeta, dg,
-                                  dAkk, chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK, K=K, V=V, BT=chunks.BT,
-                                  BK=BK, BV=BV, USE_G=g_cum is not None, USE_GK=gk_cum is not None)
-    return dk_out, dv, dbeta, dAkk
+    use_p = p is not None
+    dp = alloc(dk.shape, device=v.device, dtype=torch.float32) if use_p else None
+    dgr = alloc(beta.shape, device=v.device, dtype=torch.float32) if use_p else None
+    gate = g_cum if gk_cum is None else gk_cum
+    wy_bwd_kernel[(chunks.NC, H)](k, p if use_p else k, v, beta, gate, g_read if use_p else gate, Ai, Akk, dw, du,
+                                  dk, dk_out, dp, dv, dbeta, dg, dgr, dAkk, chunks.cu_seqlens, chunks.chunk_indices,
+                                  H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, USE_G=g_cum is not None,
+                                  USE_GK=gk_cum is not None, USE_P=use_p)
+    return dk_out, dv, dbeta, dAkk, dp, dgr

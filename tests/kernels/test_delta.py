@@ -17,7 +17,8 @@ from fastweight.kernels import common
 from fastweight.mechanisms import get
 from fastweight.testing import generator, rel_err
 
-MECHANISM = {"delta_rule": "deltanet", "gated_delta_rule": "gated_deltanet", "longhorn": "longhorn", "kda": "kda"}
+MECHANISM = {"delta_rule": "deltanet", "gated_delta_rule": "gated_deltanet", "longhorn": "longhorn", "kda": "kda",
+             "comba": "comba"}
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
 
 
@@ -28,9 +29,10 @@ def poison(monkeypatch):
 
 def sample(op, B, T, H, K, V, G=1, seed=None):
     x = get(MECHANISM[op]).sample(B, T, H * G, K, V, dtype=torch.float64, device="cpu", generator=generator(seed))
-    for n in ("q", "k"):
-        x[n] = x[n][:, :, ::G].contiguous()
-    return {n: t for n, t in x.items() if n not in ("p",)}
+    for n in ("q", "k", "p"):
+        if n in x:
+            x[n] = x[n][:, :, ::G].contiguous()
+    return x
 
 
 def check(op, B, T, H, K, V, dtype, *, G=1, cu_seqlens=None, initial_state=True, qk_l2norm=False, via_ops=False,
@@ -55,9 +57,10 @@ def check(op, B, T, H, K, V, dtype, *, G=1, cu_seqlens=None, initial_state=True,
     ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
     h0_ref = h0.double().requires_grad_() if initial_state else None
     expanded = dict(ref)
-    for n in ("q", "k"):
-        expanded[n] = l2norm(ref[n]) if qk_l2norm else ref[n]
-        expanded[n] = expanded[n].repeat_interleave(G, dim=2)
+    for n in ("q", "k", "p"):
+        if n in ref:
+            expanded[n] = l2norm(ref[n]) if qk_l2norm else ref[n]
+            expanded[n] = expanded[n].repeat_interleave(G, dim=2)
     o_ref, ht_ref = getattr(reference, op)(**expanded, scale=scale, initial_state=h0_ref, output_final_state=True,
                                            cu_seqlens=cu_seqlens)
     assert o.dtype == dtype and ht.dtype == torch.float32
@@ -76,7 +79,7 @@ def check(op, B, T, H, K, V, dtype, *, G=1, cu_seqlens=None, initial_state=True,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("op", ["gated_delta_rule", "delta_rule", "longhorn", "kda"])
+@pytest.mark.parametrize("op", ["gated_delta_rule", "delta_rule", "longhorn", "kda", "comba"])
 def test_two_chunks_with_tail(op, dtype):
     check(op, 2, 100, 2, 32, 16, dtype)
 
@@ -96,7 +99,7 @@ def test_no_initial_state_odd_dims():
     check("gated_delta_rule", 1, 70, 1, 80, 24, torch.float32, initial_state=False)
 
 
-@pytest.mark.parametrize("op", ["gated_delta_rule", "kda"])
+@pytest.mark.parametrize("op", ["gated_delta_rule", "kda", "comba"])
 def test_grouped_heads_and_fused_l2norm(op):
     check(op, 1, 65, 1, 32, 16, torch.float32, G=2, qk_l2norm=True)
 
@@ -115,3 +118,4 @@ def test_flags():
     assert kernels.chunk_gated_delta_rule.grouped_heads and kernels.chunk_gated_delta_rule.fused_l2norm
     assert kernels.chunk_delta_rule.fused_l2norm and kernels.chunk_longhorn.grouped_heads
     assert kernels.chunk_kda.grouped_heads and kernels.chunk_kda.fused_l2norm
+    assert kernels.chunk_comba.grouped_heads and kernels.chunk_comba.fused_l2norm
