@@ -23,3 +23,4 @@ from fastweight.kernels.delta import chunk_longhorn  # noqa: F401
 from fastweight.kernels.delta import chunk_kda  # noqa: F401
 from fastweight.kernels.dplr import chunk_dplr_delta_rule  # noqa: F401
 from fastweight.kernels.dplr import chunk_rwkv7  # noqa: F401
+from fastweight.kernels.delta import chunk_comba  # noqa: F401
