@@ -164,6 +164,7 @@ def main():
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--ops", default="")
     ap.add_argument("--quick", action="store_true", help="bf16 checks only")
+    ap.add_argument("--stages", default="gated_delta_rule,kda", help="ops to break down by stage")
     args = ap.parse_args()
     device = "cuda"
     ops = [o for o in MECHANISM if hasattr(kernels, f"chunk_{o}") and (not args.ops or o in args.ops.split(","))]
@@ -202,7 +203,7 @@ def main():
         lines.append(f"speed {op:17s} {str((B, T, H, K)):22s} fwd {fwd:7.3f} ms  fwd+bwd {fb:7.3f} ms  peak {peak:5.2f} GiB  vs fla {ratio}")
         print(lines[-1], flush=True)
     for op in ("gated_delta_rule", "kda"):
-        if op in ops:
+        if op in ops and op in args.stages.split(","):
             result[f"stages_{op}"] = stages(op, 4, 8192, 16, 128, device)
             lines.append(f"stages {op} (4, 8192, 16, 128) ms: " +
                          ", ".join(f"{n} {t:.3f}" for n, t in result[f"stages_{op}"].items()))
