@@ -9,7 +9,8 @@
    weights, eager): the 340M "gdn" preset at B=8, T=4096; "gdn,swa" and pure attention
    ("attn") of the same preset at B=2, T=16384; last, "gdn" again under torch.compile.
 3. Decoding throughput at batch 64 after a 16k-token prompt (prefill by chunk, then one
-   token per step from the cache): "gdn", "gdn,swa", "attn".
+   token per step from the cache): "gdn", "gdn,swa", "attn" (a batch that does not fit is
+   halved, and the row says so).
 
 Parts past ``--budget`` seconds are skipped (and say so). The table is printed last; all
 results go to DIR/model.json. ``--smoke`` runs every part at toy sizes (CPU is fine).
@@ -171,8 +172,12 @@ def main(argv=None):
                 args.budget, mixer=mixer, B=B, T=T, compiled=compiled)
     for mixer in ("gdn", "gdn,swa", "attn"):
         B, P = decode
-        guarded("decode", lambda: decode_throughput(preset(mixer), B, P, device), results, start, args.budget,
-                mixer=mixer, B=B, prompt=P)
+        while True:  # out of memory: halve the batch and say so
+            guarded("decode", lambda: decode_throughput(preset(mixer), B, P, device), results, start, args.budget,
+                    mixer=mixer, B=B, prompt=P)
+            if "out of memory" not in results[-1].get("error", "") or B < 16:
+                break
+            B //= 2
     if not args.smoke:
         B, T = train[0][1:3]
         guarded("train", lambda: train_throughput(preset("gdn"), B, T, device, compile=True), results, start,
