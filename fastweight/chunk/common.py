@@ -57,9 +57,10 @@ def to_chunks(x: torch.Tensor | None, layout: Layout, dtype: torch.dtype) -> tor
         x = x[..., None]
     N, NT, C = layout.N, layout.NT, layout.C
     if layout.positions is None:
-        # pad the [B, H, T, ...] view: one copy, contiguous in the chunked layout
-        x = torch.nn.functional.pad(x.transpose(1, 2), (0, 0, 0, NT * C - layout.T))
-        return x.reshape(N, x.shape[1], NT, C, x.shape[-1])
+        # pad the [B, H, T, ...] view: one copy, contiguous in the chunked layout (pad by 0
+        # returns the strided view itself; every matmul would then copy it again)
+        x = torch.nn.functional.pad(x.transpose(1, 2), (0, 0, 0, NT * C - layout.T)).contiguous()
+        return x.view(N, x.shape[1], NT, C, x.shape[-1])
     x = x.new_zeros(N * NT * C, *x.shape[2:]).index_copy(0, layout.positions, x[0])
     return x.reshape(N, NT, C, *x.shape[-2:]).permute(0, 3, 1, 2, 4).contiguous()
 
@@ -196,9 +197,8 @@ def initial(initial_state: torch.Tensor | None, N: int, H: int, K: int, V: int, 
 def scaled_sum(X1, Y1, X2, Y2, scale: float) -> torch.Tensor:
     """scale (X1 Y1 + X2 Y2) for batched matrices [..., m, n] (one fused matmul-add)."""
     out = X1 @ Y1
-    lead = out.shape[:-2]
-    return torch.baddbmm(out.flatten(0, -3), X2.flatten(0, -3), Y2.flatten(0, -3),
-                         beta=scale, alpha=scale).view(*lead, *out.shape[-2:])
+    out.flatten(0, -3).baddbmm_(X2.flatten(0, -3), Y2.flatten(0, -3), beta=scale, alpha=scale)
+    return out
 
 
 def finish(o: torch.Tensor, S: torch.Tensor, layout: Layout, out_dtype: torch.dtype, output_final_state: bool):
