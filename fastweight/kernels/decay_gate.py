@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from fastweight.kernels.common import Chunks
+from fastweight.kernels.decay_state import while_loops
 
 
 @triton.jit
@@ -37,8 +38,20 @@ def decay_gate_cumsum_kernel(g, g_gamma, gc, cu_seqlens, chunk_indices, H: tl.co
 
 
 @triton.jit
+def decay_gate_reverse_cumsum_step(b_carry, i_t, x, y, bos, T, i_h, o_d, m_d, H: tl.constexpr, D: tl.constexpr,
+                                   BT: tl.constexpr):
+    o_t = i_t * BT + tl.arange(0, BT)
+    m = (o_t < T)[:, None] & m_d[None, :]
+    o_x = ((bos + o_t) * H + i_h)[:, None] * D + o_d[None, :]
+    b_x = tl.load(x + o_x, mask=m, other=0.).to(tl.float32)
+    tl.store(y + o_x, tl.cumsum(b_x, axis=0, reverse=True) + b_carry[None, :], mask=m)
+    return b_carry + tl.sum(b_x, axis=0)
+
+
+@triton.jit
 def decay_gate_reverse_cumsum_kernel(x, carry, y, cu_seqlens, H: tl.constexpr, D: tl.constexpr,
-                                     BT: tl.constexpr, BD: tl.constexpr, USE_CARRY: tl.constexpr):
+                                     BT: tl.constexpr, BD: tl.constexpr, USE_CARRY: tl.constexpr,
+                                     WHILE_LOOP: tl.constexpr):
     i_n, i_h, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     NT = tl.cdiv(eos - bos, BT)
@@ -47,16 +60,16 @@ def decay_gate_reverse_cumsum_kernel(x, carry, y, cu_seqlens, H: tl.constexpr, D
     b_carry = tl.zeros([BD], dtype=tl.float32)
     if USE_CARRY:
         b_carry += tl.load(carry + (i_n * H + i_h) * D + o_d, mask=m_d, other=0.)
-    i_c = 0
-    while i_c < NT:
-        o_t = (NT - 1 - i_c) * BT + tl.arange(0, BT)
-        m = (o_t < eos - bos)[:, None] & m_d[None, :]
-        o_x = ((bos + o_t) * H + i_h)[:, None] * D + o_d[None, :]
-        b_x = tl.load(x + o_x, mask=m, other=0.).to(tl.float32)
-        b_y = tl.cumsum(b_x, axis=0, reverse=True) + b_carry[None, :]
-        b_carry += tl.sum(b_x, axis=0)
-        tl.store(y + o_x, b_y, mask=m)
-        i_c += 1
+    if WHILE_LOOP:
+        i_c = 0
+        while i_c < NT:
+            b_carry = decay_gate_reverse_cumsum_step(b_carry, NT - 1 - i_c, x, y, bos, eos - bos, i_h, o_d, m_d, H, D,
+                                                     BT)
+            i_c += 1
+    else:
+        for i_c in range(0, NT):
+            b_carry = decay_gate_reverse_cumsum_step(b_carry, NT - 1 - i_c, x, y, bos, eos - bos, i_h, o_d, m_d, H, D,
+                                                     BT)
 
 
 def gate_cumsum(g: torch.Tensor | None, g_gamma: torch.Tensor | None, chunks: Chunks, H: int,
@@ -81,5 +94,6 @@ def gate_reverse_cumsum(x: torch.Tensor, chunks: Chunks, carry: torch.Tensor | N
     BD = min(64, triton.next_power_of_2(D))
     grid = (chunks.N, H, triton.cdiv(D, BD))
     decay_gate_reverse_cumsum_kernel[grid](x, carry.contiguous() if carry is not None else x, y, chunks.cu_seqlens,
-                                           H=H, D=D, BT=chunks.BT, BD=BD, USE_CARRY=carry is not None)
+                                           H=H, D=D, BT=chunks.BT, BD=BD, USE_CARRY=carry is not None,
+                                           WHILE_LOOP=while_loops())
     return y

@@ -32,16 +32,16 @@ def decay_output_fwd_kernel(q, k, v, gq, gc, h, A, A2, v2, o, cu_seqlens, chunk_
                             BV: tl.constexpr, GATE: tl.constexpr, EXCLUSIVE: tl.constexpr,
                             USE_A: tl.constexpr, USE_A2: tl.constexpr, DOT_PRECISION: tl.constexpr):
     i_v, i_t, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+    i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    T = eos - bos
+    T = (eos - bos).to(tl.int32)
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
     if GATE == 1:
-        b_gq = tl.load(gq + (bos + o_t) * H + i_h, mask=m_t, other=0.)
-        b_gc = tl.load(gc + (bos + o_t) * H + i_h, mask=m_t, other=0.)
+        p_g = tl.make_block_ptr(gq + bos * H + i_h, (T,), (H,), (i_c * BT,), (BT,), (0,))
+        b_gq = tl.load(p_g, boundary_check=(0,))
+        p_g = tl.make_block_ptr(gc + bos * H + i_h, (T,), (H,), (i_c * BT,), (BT,), (0,))
+        b_gc = tl.load(p_g, boundary_check=(0,))
     if EXCLUSIVE and not USE_A:
         m_s = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
     else:
@@ -49,38 +49,39 @@ def decay_output_fwd_kernel(q, k, v, gq, gc, h, A, A2, v2, o, cu_seqlens, chunk_
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
     b_A = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        p_k = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
-        b_q = tl.load(q + p_k, mask=m_t[:, None] & m_k[None, :], other=0.)
-        b_h = tl.load(h + ((i_t * H + i_h) * K + o_k[:, None]) * V + o_v[None, :],
-                      mask=m_k[:, None] & m_v[None, :], other=0.).to(b_q.dtype)
+        p_q = tl.make_block_ptr(q + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_c * BT, i_k * BK), (BT, BK), (1, 0))
+        p_h = tl.make_block_ptr(h + (i_t * H + i_h) * K * V, (K, V), (V, 1), (i_k * BK, i_v * BV), (BK, BV), (1, 0))
+        b_q = tl.load(p_q, boundary_check=(0, 1))
+        b_h = tl.load(p_h, boundary_check=(0, 1)).to(b_q.dtype)
         if GATE == 2:
-            b_gqk = tl.load(gq + p_k, mask=m_t[:, None] & m_k[None, :], other=0.)
-            b_qg = (b_q.to(tl.float32) * tl.exp(b_gqk)).to(b_q.dtype)
+            p_g = tl.make_block_ptr(gq + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_c * BT, i_k * BK), (BT, BK), (1, 0))
+            b_qg = (b_q.to(tl.float32) * tl.exp(tl.load(p_g, boundary_check=(0, 1)))).to(b_q.dtype)
         elif GATE == 1:
             b_qg = (b_q.to(tl.float32) * tl.exp(b_gq)[:, None]).to(b_q.dtype)
         else:
             b_qg = b_q
         b_o += tl.dot(b_qg, b_h, input_precision=DOT_PRECISION)
         if not USE_A:
-            b_k = tl.load(k + p_k, mask=m_t[:, None] & m_k[None, :], other=0.)
-            b_A += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
+            p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (K, T), (1, H * K), (i_k * BK, i_c * BT), (BK, BT), (0, 1))
+            b_A += tl.dot(b_q, tl.load(p_k, boundary_check=(0, 1)), input_precision=DOT_PRECISION)
     if USE_A:
-        b_A = tl.load(A + ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :], mask=m_s, other=0.)
+        p_A = tl.make_block_ptr(A + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_c * BT, 0), (BT, BT), (1, 0))
+        b_A = tl.where(m_s, tl.load(p_A, boundary_check=(0, 1)), 0.)
     else:
         if GATE == 1:
             b_A *= tl.exp(tl.where(m_s, b_gq[:, None] - b_gc[None, :], 0.))
         b_A = tl.where(m_s, b_A * scale, 0.)
-    b_v = tl.load(v + ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
+    p_v = tl.make_block_ptr(v + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_c * BT, i_v * BV), (BT, BV), (1, 0))
+    b_v = tl.load(p_v, boundary_check=(0, 1))
     b_o = b_o * scale + tl.dot(b_A.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
     if USE_A2:
-        b_A2 = tl.load(A2 + ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :], mask=m_s, other=0.)
-        b_v2 = tl.load(v2 + ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                       other=0.)
+        p_A = tl.make_block_ptr(A2 + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_c * BT, 0), (BT, BT), (1, 0))
+        b_A2 = tl.where(m_s, tl.load(p_A, boundary_check=(0, 1)), 0.)
+        p_v = tl.make_block_ptr(v2 + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_c * BT, i_v * BV), (BT, BV), (1, 0))
+        b_v2 = tl.load(p_v, boundary_check=(0, 1))
         b_o += tl.dot(b_A2.to(b_v2.dtype), b_v2, input_precision=DOT_PRECISION)
-    tl.store(o + ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty),
-             mask=m_t[:, None] & m_v[None, :])
+    p_o = tl.make_block_ptr(o + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_c * BT, i_v * BV), (BT, BV), (1, 0))
+    tl.store(p_o, b_o.to(o.dtype.element_ty), boundary_check=(0, 1))
 
 
 @triton.jit
@@ -213,7 +214,8 @@ def output_fwd(q, k, v, gq, gc, h, A, scale: float, chunks: Chunks, exclusive: b
                                   A if A is not None else q, A2 if A2 is not None else q,
                                   v2 if v2 is not None else v, o, chunks.cu_seqlens, chunks.chunk_indices, scale,
                                   H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, GATE=gate, EXCLUSIVE=exclusive,
-                                  USE_A=A is not None, USE_A2=A2 is not None, DOT_PRECISION=dot_precision(q.dtype))
+                                  USE_A=A is not None, USE_A2=A2 is not None, DOT_PRECISION=dot_precision(q.dtype),
+                                  num_warps=8, num_stages=2)
     return o
 
 
@@ -230,7 +232,7 @@ def bwd_dv(q, k, v, gq, gc, A, dh, do, scale: float, chunks: Chunks, exclusive: 
                                         A if A is not None else q, dh, do, dv, dA, chunks.cu_seqlens,
                                         chunks.chunk_indices, scale, H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
                                         GATE=gate, EXCLUSIVE=exclusive, USE_A=A is not None,
-                                        DOT_PRECISION=dot_precision(q.dtype))
+                                        DOT_PRECISION=dot_precision(q.dtype), num_warps=8, num_stages=2)
     return dv, dA
 
 
@@ -248,5 +250,5 @@ def bwd_dqk(q, k, v, gq, gc, h, dh, do, dA, scale: float, chunks: Chunks, exclus
                                              h, dh, do, dA, dq, dk, dgk if dgk is not None else dA,
                                              chunks.cu_seqlens, chunks.chunk_indices, scale, T, H=H, K=K, V=V,
                                              BT=chunks.BT, BK=BK, BV=BV, GATE=gate, EXCLUSIVE=exclusive,
-                                             DOT_PRECISION=dot_precision(q.dtype))
+                                             DOT_PRECISION=dot_precision(q.dtype), num_warps=8, num_stages=2)
     return dq, dk, (dgk.sum(0, keepdim=True) if dgk is not None else None)

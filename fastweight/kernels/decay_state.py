@@ -16,6 +16,8 @@ Every exponent is <= 0. ``GATE``: 0 none, 1 scalar, 2 per channel.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -24,14 +26,53 @@ from fastweight.kernels.common import Chunks
 
 
 @triton.jit
+def decay_state_step(b_h, i_t, x, y, gx, gc, h, bos, boh, T, i_h, i_k, i_v, scale, H: tl.constexpr,
+                     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     GATE: tl.constexpr, REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One chunk of the loop: store the state (gradient) h[i_t], then fold chunk i_t in."""
+    p_h = tl.make_block_ptr(h + ((boh + i_t) * H + i_h) * K * V, (K, V), (V, 1), (i_k * BK, i_v * BV), (BK, BV),
+                            (1, 0))
+    tl.store(p_h, b_h.to(p_h.dtype.element_ty), boundary_check=(0, 1))
+    p_x = tl.make_block_ptr(x + (bos * H + i_h) * K, (K, T), (1, H * K), (i_k * BK, i_t * BT), (BK, BT), (0, 1))
+    p_y = tl.make_block_ptr(y + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+    b_x = tl.load(p_x, boundary_check=(0, 1)).to(tl.float32)  # [BK, BT]
+    b_y = tl.load(p_y, boundary_check=(0, 1))
+    last = bos + tl.minimum(T, i_t * BT + BT) - 1
+    if GATE == 1:
+        b_gl = tl.load(gc + last * H + i_h)
+        p_g = tl.make_block_ptr(gx + bos * H + i_h, (T,), (H,), (i_t * BT,), (BT,), (0,))
+        b_gx = tl.load(p_g, boundary_check=(0,))
+        b_h *= tl.exp(b_gl)
+        if REVERSE:
+            b_x *= tl.exp(b_gx)[None, :]
+        else:
+            b_x *= tl.exp(b_gl - b_gx)[None, :]
+    elif GATE == 2:
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=o_k < K, other=0.)
+        p_g = tl.make_block_ptr(gx + (bos * H + i_h) * K, (K, T), (1, H * K), (i_k * BK, i_t * BT), (BK, BT), (0, 1))
+        b_gx = tl.load(p_g, boundary_check=(0, 1))
+        b_h *= tl.exp(b_gl)[:, None]
+        if REVERSE:
+            b_x *= tl.exp(b_gx)
+        else:
+            b_x *= tl.exp(b_gl[:, None] - b_gx)
+    if REVERSE:
+        b_x *= scale
+    b_h += tl.dot(b_x.to(b_y.dtype), b_y, input_precision=DOT_PRECISION)
+    return b_h
+
+
+@triton.jit
 def decay_state_pass_kernel(x, y, gx, gc, h, h0, ht, cu_seqlens, chunk_offsets, scale, H: tl.constexpr,
                             K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                             BV: tl.constexpr, GATE: tl.constexpr, REVERSE: tl.constexpr,
-                            USE_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                            USE_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                            WHILE_LOOP: tl.constexpr):
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    T = eos - bos
+    T = (eos - bos).to(tl.int32)
     NT = tl.cdiv(T, BT)
     boh = tl.load(chunk_offsets + i_n).to(tl.int64)
     o_k = i_k * BK + tl.arange(0, BK)
@@ -42,44 +83,33 @@ def decay_state_pass_kernel(x, y, gx, gc, h, h0, ht, cu_seqlens, chunk_offsets, 
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + o_h, mask=m_h, other=0.).to(tl.float32)
-    # a while loop: the interpreter cannot iterate range() to a runtime bound
-    i_c = 0
-    while i_c < NT:
-        if REVERSE:
-            i_t = NT - 1 - i_c
-        else:
-            i_t = i_c
-        tl.store(h + ((boh + i_t) * H + i_h) * K * V + o_h, b_h.to(h.dtype.element_ty), mask=m_h)
-        o_t = i_t * BT + tl.arange(0, BT)
-        m_t = o_t < T
-        b_x = tl.load(x + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
-                      other=0.).to(tl.float32)
-        b_y = tl.load(y + ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                      other=0.)
-        last = bos + tl.minimum(T, i_t * BT + BT) - 1
-        if GATE == 1:
-            b_gl = tl.load(gc + last * H + i_h)
-            b_gx = tl.load(gx + (bos + o_t) * H + i_h, mask=m_t, other=0.)
-            b_h *= tl.exp(b_gl)
+    if WHILE_LOOP:
+        # the interpreter cannot iterate range() to a runtime bound
+        i_c = 0
+        while i_c < NT:
             if REVERSE:
-                b_x *= tl.exp(b_gx)[:, None]
+                i_t = NT - 1 - i_c
             else:
-                b_x *= tl.exp(b_gl - b_gx)[:, None]
-        elif GATE == 2:
-            b_gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k, other=0.)
-            b_gx = tl.load(gx + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
-                           mask=m_t[:, None] & m_k[None, :], other=0.)
-            b_h *= tl.exp(b_gl)[:, None]
+                i_t = i_c
+            b_h = decay_state_step(b_h, i_t, x, y, gx, gc, h, bos, boh, T, i_h, i_k, i_v, scale, H, K, V, BT, BK, BV,
+                                   GATE, REVERSE, DOT_PRECISION)
+            i_c += 1
+    else:
+        # compiled: a for loop, which Triton software-pipelines (the next chunk's loads overlap)
+        for i_c in range(0, NT):
             if REVERSE:
-                b_x *= tl.exp(b_gx)
+                i_t = NT - 1 - i_c
             else:
-                b_x *= tl.exp(b_gl[None, :] - b_gx)
-        if REVERSE:
-            b_x *= scale
-        b_h += tl.dot(tl.trans(b_x.to(b_y.dtype)), b_y, input_precision=DOT_PRECISION)
-        i_c += 1
+                i_t = i_c
+            b_h = decay_state_step(b_h, i_t, x, y, gx, gc, h, bos, boh, T, i_h, i_k, i_v, scale, H, K, V, BT, BK, BV,
+                                   GATE, REVERSE, DOT_PRECISION)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + o_h, b_h, mask=m_h)
+
+
+def while_loops() -> bool:
+    """Loops to a runtime bound run as ``while`` under the interpreter (or with FASTWEIGHT_WHILE_LOOPS=1)."""
+    return os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("FASTWEIGHT_WHILE_LOOPS") == "1"
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -102,11 +132,13 @@ def state_pass(x: torch.Tensor, y: torch.Tensor, gx: torch.Tensor | None, gc: to
     h = torch.empty(chunks.NC, H, K, V, dtype=state_dtype or x.dtype, device=x.device)
     final = torch.empty(chunks.N, H, K, V, dtype=torch.float32, device=x.device) if store_final else None
     BK = min(64, triton.next_power_of_2(K))
-    BV = min(64, triton.next_power_of_2(V))
+    # a sequential loop per program: more, smaller programs hide its latency (BV = 32)
+    BV = min(32, max(16, triton.next_power_of_2(V)))
     grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), chunks.N * H)
     decay_state_pass_kernel[grid](x, y, gx if gx is not None else x, gc if gc is not None else x, h,
                                   initial if initial is not None else h, final if final is not None else h,
                                   chunks.cu_seqlens, chunks.chunk_offsets, scale, H=H, K=K, V=V, BT=chunks.BT,
                                   BK=BK, BV=BV, GATE=gate, REVERSE=reverse, USE_H0=initial is not None,
-                                  STORE_HT=store_final, DOT_PRECISION=dot_precision(x.dtype))
+                                  STORE_HT=store_final, DOT_PRECISION=dot_precision(x.dtype),
+                                  WHILE_LOOP=while_loops(), num_warps=8, num_stages=2)
     return h, final

@@ -143,5 +143,5 @@ def dplr_intra_bwd(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s,
     dplr_intra_bwd_kernel[(triton.cdiv(K, BK), chunks.NC * (BT // BC), H)](
         q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s, dq, dk, da, db, dgk, dga,
         chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, BT=BT, BC=BC, BK=BK,
-        DOT_PRECISION=dot_precision(q.dtype))
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=8)
     return dq, dk, da, db, dgk, dga

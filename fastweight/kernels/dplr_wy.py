@@ -166,7 +166,8 @@ def dplr_wy_fwd(a, v, gp, Ai, Aak, chunks: Chunks):
     w = torch.empty_like(a)
     ut = torch.empty(1, T, H, V, dtype=a.dtype, device=a.device)
     dplr_wy_fwd_kernel[(chunks.NC, H)](a, v, gp, Ai, Aak, w, ut, chunks.cu_seqlens, chunks.chunk_indices, H=H, K=K,
-                                       V=V, BT=chunks.BT, BK=BK, BV=BV, DOT_PRECISION=dot_precision(a.dtype))
+                                       V=V, BT=chunks.BT, BK=BK, BV=BV, DOT_PRECISION=dot_precision(a.dtype),
+                                       num_warps=8, num_stages=1)
     return w, ut
 
 
@@ -182,5 +183,5 @@ def dplr_bwd_local(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, scale
     dplr_bwd_local_kernel[(chunks.NC, H)](q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, *dAs, *dqkab,
                                           chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, V=V,
                                           BT=chunks.BT, BK=BK, BV=BV, DOT_PRECISION=dot_precision(q.dtype),
-                                          num_warps=8)
+                                          num_warps=8, num_stages=1)
     return (dv, *dAs, *dqkab)
