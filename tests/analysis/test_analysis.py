@@ -3,6 +3,7 @@ import torch
 from fastweight.analysis.spectra import recurrence_eigenvalues
 from fastweight.analysis import (accuracy_by_length, layer_attention_maps, model_state_norms, recorded_recurrences,
                                  recurrence_attention_map, sample_spectra, sample_state_norms, state_norms)
+from fastweight.layers.common import l2norm
 from fastweight.mechanisms import get
 from fastweight.models import LanguageModel, LMConfig
 from fastweight.testing import generator, rel_err
@@ -71,7 +72,10 @@ def test_eigenvalues_of_a_model_layer():
         model(torch.randint(0, 16, (2, 20)))
     delta, rwkv7 = records
     ev = recurrence_eigenvalues(delta)  # [B, T, H, K]
-    k, beta = delta.tensors["k"].double(), delta.tensors["beta"].double()
+    k, beta = delta.tensors["k"], delta.tensors["beta"].double()
+    if delta.tensors.get("use_qk_l2norm_in_kernel"):
+        k = l2norm(k)
+    k = k.double()
     want = householder_eigenvalues(beta * k.norm(dim=-1) ** 2, k.shape[-1])
     assert rel_err(ev.real.sort(dim=-1).values, want) < 1e-6 and ev.imag.abs().max() < 1e-6
     assert beta.max() > 1  # allow_neg_eigval reaches the layer: beta in (0, 2)
