@@ -57,9 +57,13 @@ def to_chunks(x: torch.Tensor | None, layout: Layout, dtype: torch.dtype) -> tor
         x = x[..., None]
     N, NT, C = layout.N, layout.NT, layout.C
     if layout.positions is None:
-        # pad the [B, H, T, ...] view: one copy, contiguous in the chunked layout (pad by 0
-        # returns the strided view itself; every matmul would then copy it again)
-        x = torch.nn.functional.pad(x.transpose(1, 2), (0, 0, 0, NT * C - layout.T)).contiguous()
+        # one copy into the contiguous chunked layout (a strided view would be copied again
+        # by every matmul)
+        x = x.transpose(1, 2)
+        if NT * C == layout.T:
+            x = x.contiguous()
+        else:
+            x = torch.nn.functional.pad(x, (0, 0, 0, NT * C - layout.T))
         return x.view(N, x.shape[1], NT, C, x.shape[-1])
     x = x.new_zeros(N * NT * C, *x.shape[2:]).index_copy(0, layout.positions, x[0])
     return x.reshape(N, NT, C, *x.shape[-2:]).permute(0, 3, 1, 2, 4).contiguous()
@@ -129,10 +133,8 @@ def decayed_scores(xs, y: torch.Tensor, Gx: torch.Tensor, Gy: torch.Tensor, stri
     C, dtype = y.shape[-2], y.dtype
     mask = _causal_mask(C, strict, dtype, y.device)
     if Gx.shape[-1] == 1 and Gy.shape[-1] == 1:
-        # one [C, C] Gamma; all of xs in one matmul
-        Gamma = _pairwise_decay(Gx, Gy, mask)[..., 0]
-        scores = torch.cat(xs, dim=-2) @ y.transpose(-1, -2)
-        return [M * Gamma for M in scores.split(C, dim=-2)]
+        Gamma = _pairwise_decay(Gx, Gy, mask)[..., 0]  # one [C, C] Gamma for all of xs
+        return [(x @ y.transpose(-1, -2)) * Gamma for x in xs]
     S = min(SUB_CHUNK, C)
     rows = [[] for _ in xs]
     for s in range(0, C, S):
