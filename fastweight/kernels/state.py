@@ -215,10 +215,12 @@ def _while_loop(chunks: Chunks) -> bool:
     return chunks.NT is None or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _bv(K, V, block_v, per_channel):
+def _bv(K, V, block_v, per_channel, chunks):
     """The value block, by the H200 measurements of docs/bench/delta.md: 32 for a scalar or no gate
-    with K >= 128 (twice the programs on a pass that is one chain per program), else 64."""
-    return block_v or min(32 if K >= 128 and not per_channel else 64, triton.next_power_of_2(V))
+    with K >= 128 (twice the programs on a pass that is one chain per program), else 64. The
+    while loop (varlen) keeps 64: with 32 it made illegal memory accesses on the H200 (triton 3.6)."""
+    small = K >= 128 and not per_channel and not _while_loop(chunks)
+    return block_v or min(32 if small else 64, triton.next_power_of_2(V))
 
 
 def _warps(K):
@@ -232,7 +234,7 @@ def state_output_fwd(q, k, w, u, g_cum, initial_state, output_final_state: bool,
     Per-channel gate: ``gk_cum`` [1, T, H, K] with ``Aqk`` from ``intra.intra_fwd`` (g_cum None)."""
     _, T, HK, K = k.shape
     H, V = u.shape[2], u.shape[-1]
-    BK, BV = triton.next_power_of_2(K), _bv(K, V, block_v, gk_cum is not None)
+    BK, BV = triton.next_power_of_2(K), _bv(K, V, block_v, gk_cum is not None, chunks)
     dev = u.device
     o = alloc(u.shape, dtype=u.dtype, device=dev)
     ht = alloc((chunks.N, H, K, V), dtype=torch.float32, device=dev) if output_final_state else None
@@ -253,7 +255,7 @@ def state_bwd(q, k, w, g_cum, do, dht, scale: float, chunks: Chunks, need_dh0: b
     """Returns (dh [NC, H, K, V], dv_tilde [1, T, H, V] in do's dtype, d initial_state fp32 or None)."""
     _, T, HK, K = k.shape
     H, V = do.shape[2], do.shape[-1]
-    BK, BV = triton.next_power_of_2(K), _bv(K, V, block_v, gk_cum is not None)
+    BK, BV = triton.next_power_of_2(K), _bv(K, V, block_v, gk_cum is not None, chunks)
     dev = q.device
     dh = alloc((chunks.NC, H, K, V), dtype=k.dtype, device=dev)
     dv = alloc(do.shape, device=dev, dtype=do.dtype)
