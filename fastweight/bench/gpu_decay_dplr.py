@@ -1,13 +1,16 @@
 """GPU check and timing of the decay-family and DPLR chunk kernels (issue 5), in one call.
 
-    FASTWEIGHT_VALUE_CHECKS=0 python -m fastweight.bench.gpu_decay_dplr [check] [time] [long]
+    FASTWEIGHT_VALUE_CHECKS=0 python -m fastweight.bench.gpu_decay_dplr [check] [time] [variants] [long]
 
 check: every op with ``backend="triton"`` in bf16/fp16/fp32 against the same op with
 ``backend="reference"`` in float64 on the GPU (output, final state, all gradients; varlen
 and initial state), with every ``torch.empty`` buffer poisoned with NaN.
 time:  median ms (``triton.testing.do_bench``) of forward and forward+backward in bf16 at
 the anchor shapes, next to fla 0.6.0's figures from ``../shared/anchors``.
-long:  RWKV-7 over T = 65536, bf16 inputs, fp32 state: finite, and close to fp32.
+variants: per-kernel CUDA time (torch.profiler) of one forward+backward for each launch
+variant (loop form, V blocks of the state pass and output).
+long:  RWKV-7 over T = 65536, bf16 inputs, fp32 state: finite, and close to the fp32
+per-token reference. ``CHECK_OPS=a,b`` limits the check section to those ops.
 Prints a short table last; writes every row to $OUT/gpu_decay_dplr.json when OUT is set.
 """
 
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 import triton
 
 from fastweight import kernels, ops
+from fastweight.kernels import decay_output, decay_state
 from fastweight.testing import nan_like, rel_err
 
 DEV = "cuda"
@@ -102,6 +106,52 @@ def check(op, dtype, T=200, H=3, K=64, cu_seqlens=None):
           f"{'ok' if row['ok'] else 'FAIL'}  " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()), flush=True)
 
 
+def profile(op, shape, label):
+    """Per-kernel CUDA time (ms) of one forward+backward, after a warm-up call."""
+    B, T, H, K = SHAPES[shape]
+    x = inputs(op, B, T, H, K, torch.bfloat16)
+    fn = getattr(ops, f"chunk_{op}")
+    leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
+
+    def run():
+        out = fn(**leaves, backend="triton")[0]
+        out.backward(torch.ones_like(out))
+    run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t:
+            per[e.key] = per.get(e.key, 0.0) + t / 1000.0
+    total = sum(per.values())
+    top = sorted(per.items(), key=lambda kv: -kv[1])[:8]
+    row = dict(kind="variant", op=op, shape=shape, variant=label, kernel_ms=total, top=top)
+    ROWS.append(row)
+    print(f"variant {op} {shape} [{label}]: kernels {total:.3f} ms | " +
+          ", ".join(f"{n[:28]} {t:.3f}" for n, t in top), flush=True)
+    torch.cuda.empty_cache()
+
+
+def variants():
+    """Launch variants, by per-kernel time: loop form, state-pass V block, output V block."""
+    for op, shape in [("simple_gla", "gdn1.3b"), ("gla", "rwkv7paper")] + [
+            ("rwkv7", "gdn1.3b")] * available("rwkv7"):
+        for label, env, state_bv, out_bv in [("for, S32, O64", "0", 32, 64), ("while, S32, O64", "1", 32, 64),
+                                             ("for, S64, O128", "0", 64, 128)]:
+            os.environ["FASTWEIGHT_WHILE_LOOPS"] = env
+            decay_state.STATE_BV, decay_output.OUTPUT_BV = state_bv, out_bv
+            try:
+                profile(op, shape, label)
+            except Exception as e:  # a variant that fails to build is reported, not fatal
+                print(f"variant {op} {shape} [{label}] failed: {e!r}"[:400], flush=True)
+                ROWS.append(dict(kind="variant", op=op, shape=shape, variant=label, error=repr(e)[:400]))
+    os.environ["FASTWEIGHT_WHILE_LOOPS"] = "0"
+    decay_state.STATE_BV, decay_output.OUTPUT_BV = 32, 64
+
+
 def bench(op, shape, backward):
     B, T, H, K = SHAPES[shape]
     x = inputs(op, B, T, H, K, torch.bfloat16)
@@ -116,7 +166,7 @@ def bench(op, shape, backward):
             out.backward(do)
     run()
     torch.cuda.synchronize()
-    return triton.testing.do_bench(run, warmup=50, rep=300, return_mode="median")
+    return triton.testing.do_bench(run, warmup=25, rep=150, return_mode="median")
 
 
 def timing(op, shape):
@@ -132,12 +182,13 @@ def timing(op, shape):
     torch.cuda.empty_cache()
 
 
-def long_rwkv7(T=65536, H=4, K=64):
-    """RWKV-7 over T = 65536: bf16 inputs vs the same inputs in fp32 (both fp32 state)."""
+def long_rwkv7(T=65536, H=2, K=64):
+    """RWKV-7 over T = 65536: bf16 inputs, fp32 state, vs the per-token recurrence in fp32 on the
+    same (upcast) inputs."""
     x = inputs("rwkv7", 1, T, H, K, torch.bfloat16)
     o, ht = ops.chunk_rwkv7(**x, output_final_state=True, backend="triton")
     x32 = {n: t.float() for n, t in x.items()}
-    ro, rht = ops.chunk_rwkv7(**x32, output_final_state=True, backend="triton")
+    ro, rht = ops.chunk_rwkv7(**x32, output_final_state=True, backend="reference")
     finite = bool(torch.isfinite(o).all()) and bool(torch.isfinite(ht).all())
     row = dict(kind="long", op="rwkv7", T=T, finite=finite, err_o=rel_err(o, ro), err_ht=rel_err(ht, rht),
                state_max=ht.abs().max().item())
@@ -150,16 +201,21 @@ def main(argv):
     torch.manual_seed(0)
     decay = ["linear_attn", "retention", "simple_gla", "gla", "rwkv6", "hgrn2"]
     dplr = [op for op in ("dplr_delta_rule", "rwkv7") if available(op)]
+    if os.environ.get("CHECK_OPS"):
+        decay = [op for op in decay if op in os.environ["CHECK_OPS"].split(",")]
     if "check" in sections:
         for op in decay + dplr:
             for dtype in (torch.bfloat16, torch.float16, torch.float32):
-                check(op, dtype)
-        for op in ["simple_gla", "gla", "rwkv6"] + dplr:
+                if dtype != torch.float16 or op in dplr or os.environ.get("CHECK_FP16") == "1":
+                    check(op, dtype)
+        for op in [op for op in ("simple_gla", "gla") if op in decay] + dplr[-1:]:
             check(op, torch.bfloat16, T=300, cu_seqlens=torch.tensor([0, 1, 100, 100, 300], device=DEV))
     if "time" in sections:
         for op, shape in [("simple_gla", "gdn1.3b"), ("gla", "rwkv7paper")] + [
                 ("rwkv7", s) for s in ("gdn1.3b", "rwkv7paper") if "rwkv7" in dplr]:
             timing(op, shape)
+    if "variants" in sections:
+        variants()
     if "long" in sections and "rwkv7" in dplr:
         long_rwkv7()
     if os.environ.get("OUT"):
@@ -173,6 +229,8 @@ def main(argv):
         elif r["kind"] == "time":
             ratio = f" ({r['ratio_fwd']:.2f}x / {r['ratio_fwdbwd']:.2f}x fla)" if r["ratio_fwd"] else ""
             print(f"| {r['op']} {r['shape']} | {r['fwd_ms']:.3f} / {r['fwdbwd_ms']:.3f} ms{ratio} |")
+        elif r["kind"] == "variant" and "kernel_ms" in r:
+            print(f"| {r['op']} {r['shape']} [{r['variant']}] | kernels {r['kernel_ms']:.3f} ms |")
         elif r["kind"] == "long":
             print(f"| rwkv7 T={r['T']} bf16 | finite={r['finite']} err {r['err_o']:.1e} |")
     checks = [r for r in ROWS if r["kind"] == "check"]

@@ -112,6 +112,11 @@ def while_loops() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("FASTWEIGHT_WHILE_LOOPS") == "1"
 
 
+# the V block of the state pass: a sequential loop per program, so more, smaller programs hide
+# its latency; larger blocks read the gates fewer times (the benchmark times both)
+STATE_BV = 32
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs get exact fp32 products (ieee); 16-bit inputs use the tensor cores."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -132,8 +137,7 @@ def state_pass(x: torch.Tensor, y: torch.Tensor, gx: torch.Tensor | None, gc: to
     h = torch.empty(chunks.NC, H, K, V, dtype=state_dtype or x.dtype, device=x.device)
     final = torch.empty(chunks.N, H, K, V, dtype=torch.float32, device=x.device) if store_final else None
     BK = min(64, triton.next_power_of_2(K))
-    # a sequential loop per program: more, smaller programs hide its latency (BV = 32)
-    BV = min(32, max(16, triton.next_power_of_2(V)))
+    BV = min(STATE_BV, max(16, triton.next_power_of_2(V)))
     grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), chunks.N * H)
     decay_state_pass_kernel[grid](x, y, gx if gx is not None else x, gc if gc is not None else x, h,
                                   initial if initial is not None else h, final if final is not None else h,
