@@ -10,7 +10,8 @@ pick kernels in Python, and compiling the rest of the model around them is what 
 that each specialised op and its DPLR form agree inside a layer.
 
 Tensors are passed with fla's names: q (or r), k, v [B, T, H, K/V]; scalar gates g and
-beta [B, T, H]; per-channel gates g / w [B, T, H, K]. All log decays are <= 0.
+beta [B, T, H]; per-channel gates g / w [B, T, H, K]. All log decays are <= 0. The op runs
+outside autocast, with every tensor but the log decays in v's dtype.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch
 from fastweight import ops
 
 MODES = ("chunk", "fused_recurrent")
+# cast to v's dtype before the op; the log decays (g, w, gk) keep theirs (fp32 from the layers)
+SAME_DTYPE_AS_V = ("q", "r", "k", "a", "b", "p", "u", "beta")
 _FORCE_GENERIC = False
 _BACKEND = None
 
@@ -135,6 +138,16 @@ def linear_op(op: str, mode: str, *, scale: float, initial_state=None, output_fi
     if mode not in MODES:
         raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
     fn = None if _FORCE_GENERIC else specialised(op, mode)
+    device = next(t.device for t in tensors.values() if isinstance(t, torch.Tensor))
+    # the recurrence picks its own precision (fp32 states and gates): autocast stays outside
+    with torch.autocast(device.type, enabled=False):
+        return _linear_op(op, mode, fn, scale, initial_state, output_final_state, tensors)
+
+
+def _linear_op(op, mode, fn, scale, initial_state, output_final_state, tensors):
+    dtype = tensors["v"].dtype
+    tensors = {n: t.to(dtype) if n in SAME_DTYPE_AS_V and isinstance(t, torch.Tensor) else t
+               for n, t in tensors.items()}
     kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state)
     if _BACKEND is not None:
         kw["backend"] = _BACKEND

@@ -1,6 +1,7 @@
+import pytest
 import torch
 
-from fastweight.models import LMConfig, LanguageModel
+from fastweight.models import MIXERS, LMConfig, LanguageModel
 from fastweight.testing import generator, rel_err
 
 
@@ -21,6 +22,19 @@ def test_bf16_autocast_training_reduces_the_loss():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.9 * losses[0], losses
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_every_mixer_runs_under_bf16_autocast(mixer):
+    """Under autocast the ops get bf16 tensors and fp32 log decays (the recurrence runs outside autocast)."""
+    torch.manual_seed(0)
+    model = LanguageModel(LMConfig.preset("tiny", mixer=mixer, vocab_size=64))
+    x = torch.randint(0, 64, (2, 20), generator=generator())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(x)
+    logits.float().square().mean().backward()
+    assert torch.isfinite(logits).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
 def test_torch_compile_matches_eager():
