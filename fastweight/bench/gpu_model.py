@@ -52,13 +52,16 @@ def check(device, results, mixers, T=100, prefill=70):
             parts = [dev(ids[:, :prefill].to(device), cache=cache)]
             parts += [dev(ids[:, t:t + 1].to(device), cache=cache) for t in range(prefill, T)]
             step = torch.cat(parts, 1)
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+            low = dev(ids.to(device))
         dev.train()
         ids_grad = ids.to(device)
         loss = torch.nn.functional.cross_entropy(dev(ids_grad).flatten(0, 1), ids_grad.flatten())
         loss.backward()
         grads_finite = all(bool(torch.isfinite(p.grad).all()) for p in dev.parameters() if p.grad is not None)
         row = dict(part="check", mixer=mixer, device_vs_cpu=rel_err(out.cpu(), ref),
-                   decode_vs_one_pass=rel_err(step, out), grads_finite=grads_finite)
+                   decode_vs_one_pass=rel_err(step, out), bf16_autocast_vs_cpu=rel_err(low.cpu(), ref),
+                   grads_finite=grads_finite)
         row["ok"] = row["device_vs_cpu"] < 1e-4 and row["decode_vs_one_pass"] < 1e-4 and grads_finite
         results.append(row)
         print(row, flush=True)
@@ -196,7 +199,8 @@ def main(argv=None):
     for r in results:
         if r["part"] == "check":
             print(f"check   {r['mixer']:16} {'':14} {'':>9} {'':>11}  device/cpu {r['device_vs_cpu']:.1e}  "
-                  f"decode/one-pass {r['decode_vs_one_pass']:.1e}  {'ok' if r['ok'] else 'FAIL'}")
+                  f"decode/one-pass {r['decode_vs_one_pass']:.1e}  bf16/cpu {r['bf16_autocast_vs_cpu']:.1e}  "
+                  f"{'ok' if r['ok'] else 'FAIL'}")
             continue
         shape = f"{r['B']}x{r.get('T', r.get('prompt'))}"
         if "skipped" in r or "error" in r:
