@@ -140,6 +140,8 @@ def guarded(name, fn, results, start, budget, **meta):
             row = dict(part=name, **meta, **fn())
         except torch.cuda.OutOfMemoryError as e:
             row = dict(part=name, **meta, error=f"out of memory: {str(e)[:120]}")
+        except Exception as e:  # a part that fails is recorded, the others still run
+            row = dict(part=name, **meta, error=f"{type(e).__name__}: {str(e)[:300]}")
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
