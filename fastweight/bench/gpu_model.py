@@ -161,7 +161,11 @@ def main(argv=None):
     start = time.perf_counter()
     results = []
     t0 = time.perf_counter()
-    check(device, results, args.check.split(";"), *((24, 17) if args.smoke else (100, 70)))
+    try:
+        check(device, results, args.check.split(";"), *((24, 17) if args.smoke else (100, 70)))
+    except Exception as e:
+        results.append(dict(part="check", mixer=args.check, error=f"{type(e).__name__}: {str(e)[:300]}"))
+        print(results[-1], flush=True)
     print(f"check: {time.perf_counter() - t0:.1f} s", flush=True)
     if args.smoke:
         base = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=2, window_size=16)
@@ -199,6 +203,9 @@ def main(argv=None):
     print(f"\n{env}")
     print(f"{'part':7} {'mixer':16} {'shape':14} {'ms/step':>9} {'tokens/s':>11}  note")
     for r in results:
+        if r["part"] == "check" and "error" in r:
+            print(f"check   {r['mixer']:16} {'':14} {'':>9} {'':>11}  {r['error']}")
+            continue
         if r["part"] == "check":
             print(f"check   {r['mixer']:16} {'':14} {'':>9} {'':>11}  device/cpu {r['device_vs_cpu']:.1e}  "
                   f"decode/one-pass {r['decode_vs_one_pass']:.1e}  bf16/cpu {r['bf16_autocast_vs_cpu']:.1e}  "
