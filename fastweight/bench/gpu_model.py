@@ -98,7 +98,6 @@ def train_throughput(cfg, B, T, device, steps=4, warmup=None, compile=False):
     dt = (time.perf_counter() - t0) / steps
     peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else 0.0
     n_params = model.num_parameters()
-    del model, opt
     return dict(ms_per_step=1e3 * dt, tokens_per_s=B * T / dt, params_M=n_params / 1e6, peak_GiB=peak,
                 loss=float(loss.detach()), warmup_s=warmup_s)
 
@@ -128,7 +127,6 @@ def decode_throughput(cfg, B, prompt, device, steps=32, prefill_chunk=None):
     sync(device)
     dt = (time.perf_counter() - t0) / steps
     out = dict(prefill_s=prefill_s, ms_per_step=1e3 * dt, tokens_per_s=B / dt, cache_GiB=cache.nbytes() / 2 ** 30)
-    del model, cache
     return out
 
 

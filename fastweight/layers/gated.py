@@ -3,7 +3,7 @@
 | mixer  | recurrence                         | gate                                                  | op          |
 |--------|------------------------------------|-------------------------------------------------------|-------------|
 | la     | S + phi(k) v^T, phi = elu + 1      | none                                                  | linear_attn |
-| retnet | gamma_h S + k v^T                  | gamma_h = 1 - 2^(-5-h), fixed; rotary q, k            | simple_gla  |
+| retnet | gamma_h S + k v^T                  | gamma_h = 1 - 2^(-5-h), fixed; rotary q, k            | retention   |
 | gla    | Diag(alpha_t) S + k v^T            | log alpha = logsigmoid(low-rank(x)) / 16              | gla         |
 | hgrn2  | Diag(alpha_t) S + (1 - alpha_t) v^T| log alpha = logsigmoid(W_f x); the key is 1 - alpha   | hgrn2       |
 | mamba2 | exp(dt A) S + dt B x^T, y = C^T S + D x | Mamba-2's A_log, dt_bias, softplus               | simple_gla  |
@@ -42,14 +42,11 @@ class DecayMixer(Mixer):
         self.g_proj = nn.Linear(D, H * V, bias=False) if variant in ("gla", "retnet") else None
         if variant == "gla":
             self.gk_proj = LowRank(D, 16, H * K, activation=None, bias=True)
-        if variant == "retnet":
-            gamma = 1 - 2.0 ** (-5.0 - torch.arange(H, dtype=torch.float32))
-            self.register_buffer("log_gamma", gamma.log(), persistent=False)
         self.o_norm = GatedRMSNorm(V, cfg.norm_eps, "silu")
         self.o_proj = nn.Linear(H * V, D, bias=False)
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
-        H, (B, T, _) = self.n_heads, x.shape
+        H = self.n_heads
         q, k, v = (split_heads(p(x), H) for p in (self.q_proj, self.k_proj, self.v_proj))
         scale = self.head_k ** -0.5
         if self.variant == "la":
@@ -58,8 +55,7 @@ class DecayMixer(Mixer):
         elif self.variant == "retnet":
             offset = 0 if shared is None else shared.get("offset", 0)
             q, k = rotary(q, offset, self.rope_theta), rotary(k, offset, self.rope_theta)
-            g = self.log_gamma.to(x.device).expand(B, T, H)
-            o = self.recur("simple_gla", cache, scale=scale, q=q, k=k, v=v, g=g)
+            o = self.recur("retention", cache, scale=scale, q=q, k=k, v=v)
         elif self.variant == "gla":
             g = split_heads(F.logsigmoid(self.gk_proj(x).float()) / GATE_LOGIT_NORMALIZER, H)
             o = self.recur("gla", cache, scale=scale, q=q, k=k, v=v, g=g)

@@ -67,6 +67,12 @@ def _simple_gla(mode, q, k, v, g, **kw):
     return _dplr(mode, q, k, v, _zeros(q), _zeros(q), g[..., None].expand_as(q).contiguous(), **kw)
 
 
+def _retention(mode, q, k, v, **kw):
+    H = q.shape[2]
+    log_gamma = torch.log1p(-torch.exp2(-5.0 - torch.arange(H, dtype=torch.float32, device=q.device)))
+    return _simple_gla(mode, q, k, v, log_gamma.expand(*q.shape[:2], H), **kw)
+
+
 def _gla(mode, q, k, v, g, **kw):
     return _dplr(mode, q, k, v, _zeros(q), _zeros(q), g, **kw)
 
@@ -113,6 +119,7 @@ def _rwkv6(mode, r, k, v, w, u, *, scale, initial_state=None, output_final_state
 
 GENERIC = {
     "linear_attn": _linear_attn,
+    "retention": _retention,
     "simple_gla": _simple_gla,
     "gla": _gla,
     "rwkv6": _rwkv6,

@@ -70,7 +70,7 @@ def test_specialised_op_matches_its_dplr_form(mixer):
 
 
 def test_every_op_has_a_dplr_form():
-    used = {"linear_attn", "simple_gla", "gla", "rwkv6", "hgrn2", "delta_rule", "gated_delta_rule", "kda",
+    used = {"linear_attn", "retention", "simple_gla", "gla", "rwkv6", "hgrn2", "delta_rule", "gated_delta_rule", "kda",
             "comba", "longhorn", "rwkv7"}
     assert used <= set(GENERIC)
 
