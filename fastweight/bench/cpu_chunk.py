@@ -2,7 +2,8 @@
 
     python -m fastweight.bench.cpu_chunk [--T 4096] [--H 4] [--D 64] [--memory 4096,16384,65536]
 
-fp32, B = 1, K = V = D. Times (median of a few runs: wall and process CPU time, ms) side by side in one process:
+fp32, B = 1, K = V = D. Times (wall: median and min over ``--repeat`` calls taking turns, so that
+all see the same machine load; process CPU time, median), side by side in one process:
 our ``chunk_gated_delta_rule`` (``fastweight.chunk``), fla's ``naive_chunk_gated_delta_rule``
 (if ``flash-linear-attention`` / ``fla-core`` is installed: the ``bench`` extra), the per-step
 recurrence (``fastweight.reference``), forward and forward+backward. Then the peak memory of
@@ -56,20 +57,37 @@ def fla_naive():
     return lambda x: naive_chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=64)
 
 
-def timeit(fn, x: dict, repeat: int, backward: bool = False, warmup: bool = True) -> tuple[float, float]:
-    """(median wall time, median CPU time of the process) in ms, over ``repeat`` calls."""
-    wall, cpu = [], []
-    for i in range(repeat + int(warmup)):
+def time_interleaved(fns: list, x: dict, repeat: int, backward: bool = False) -> list:
+    """Each (name, fn, rounds) called ``rounds`` times (``repeat`` when None), the functions taking
+    turns so that all see the same machine load; one warm-up call each first (not for rounds = 1).
+    Returns (name, median wall ms, min wall ms, median process CPU ms) per function."""
+    times = {name: ([], []) for name, _, _ in fns}
+
+    def call(fn):
         if backward:
             for t in x.values():
                 t.grad = None
-        t0, c0 = time.perf_counter(), time.process_time()
         with torch.set_grad_enabled(backward):
             fn(x, backward) if backward else fn(x)
-        if i or not warmup:
-            wall.append((time.perf_counter() - t0) * 1e3)
-            cpu.append((time.process_time() - c0) * 1e3)
-    return statistics.median(wall), statistics.median(cpu)
+
+    for name, fn, rounds in fns:
+        if rounds is None:
+            call(fn)
+    for i in range(repeat):
+        for name, fn, rounds in fns:
+            if i >= (rounds or repeat):
+                continue
+            t0, c0 = time.perf_counter(), time.process_time()
+            call(fn)
+            times[name][0].append((time.perf_counter() - t0) * 1e3)
+            times[name][1].append((time.process_time() - c0) * 1e3)
+    return [(name, statistics.median(w), min(w), statistics.median(c)) for name, (w, c) in times.items()]
+
+
+def report(kind: str, rows: list):
+    base_med, base_min = rows[0][1], rows[0][2]
+    for name, med, low, cpu in rows:
+        print(f"{kind:9} {name:46s} {med:9.1f} {low:9.1f} {cpu:9.1f}   {med / base_med:6.2f}x {low / base_min:6.2f}x")
 
 
 def _rss_bytes() -> int:
@@ -101,7 +119,7 @@ def main(argv=None):
     p.add_argument("--T", type=int, default=4096)
     p.add_argument("--H", type=int, default=4)
     p.add_argument("--D", type=int, default=64)
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=9)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--memory", default="4096,16384,65536", help="lengths for the memory column ('' to skip)")
     p.add_argument("--peak-memory-child", type=int, help=argparse.SUPPRESS)
@@ -117,20 +135,18 @@ def main(argv=None):
     load = os.getloadavg()[0]
     print(f"fp32, B=1, H={args.H}, T={args.T}, K=V={args.D}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, load average {load:.1f} on {os.cpu_count()} CPUs")
-    print(f"{'':9} {'':48} {'wall ms':>9} {'cpu ms':>9}   wall ratio")
+    print(f"{'':9} {'':46} {'med ms':>9} {'min ms':>9} {'cpu ms':>9}   vs ours (median, min wall)")
+    name = "fastweight chunk_gated_delta_rule (chunk 64)"
     x = make_inputs(args.T, args.H, args.D)
-    rows = [("fastweight chunk_gated_delta_rule (chunk 64)", timeit(ours, x, args.repeat))]
+    fns = [(name, ours, None)]
     fla = fla_naive()
     if fla is not None:
-        rows.append(("fla naive_chunk_gated_delta_rule", timeit(lambda x: fla(x), x, args.repeat)))
-    rows.append(("per-step recurrence", timeit(recurrence, x, 1, warmup=False)))
-    for name, (ms, cpu) in rows:
-        print(f"forward   {name:48s} {ms:9.1f} {cpu:9.1f}   {ms / rows[0][1][0]:.2f}x ours")
+        fns.append(("fla naive_chunk_gated_delta_rule", lambda x: fla(x), None))
+    fns.append(("per-step recurrence", recurrence, 1))
+    report("forward", time_interleaved(fns, x, args.repeat))
     xg = make_inputs(args.T, args.H, args.D, requires_grad=True)
-    rows = [("fastweight chunk_gated_delta_rule (chunk 64)", timeit(ours, xg, args.repeat, backward=True)),
-            ("autograd through the per-step recurrence", timeit(recurrence, xg, 1, backward=True, warmup=False))]
-    for name, (ms, cpu) in rows:
-        print(f"fwd+bwd   {name:48s} {ms:9.1f} {cpu:9.1f}   {ms / rows[0][1][0]:.2f}x ours")
+    fns = [(name, ours, None), ("autograd through the per-step recurrence", recurrence, 1)]
+    report("fwd+bwd", time_interleaved(fns, xg, args.repeat, backward=True))
     for T in [int(t) for t in args.memory.split(",") if t]:
         out = subprocess.run([sys.executable, "-m", "fastweight.bench.cpu_chunk", "--peak-memory-child", str(T),
                               "--H", str(args.H), "--D", str(args.D), "--threads", str(torch.get_num_threads())],
