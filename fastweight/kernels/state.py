@@ -215,11 +215,12 @@ def _while_loop(chunks: Chunks) -> bool:
     return chunks.NT is None or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _bv(K, V, block_v, per_channel, chunks):
+def _bv(K, V, block_v, per_channel, chunks, store_h=False):
     """The value block, by the H200 measurements of docs/bench/delta.md: 32 for a scalar or no gate
-    with K >= 128 (twice the programs on a pass that is one chain per program), else 64. The
-    while loop (varlen) keeps 64: with 32 it made illegal memory accesses on the H200 (triton 3.6)."""
-    small = K >= 128 and not per_channel and not _while_loop(chunks)
+    with K >= 128 (twice the programs on a pass that is one chain per program), else 64; the
+    forward that keeps h for the backward is faster at 64. The while loop (varlen) keeps 64: with
+    32 it made illegal memory accesses on the H200 (triton 3.6)."""
+    small = K >= 128 and not per_channel and not store_h and not _while_loop(chunks)
     return block_v or min(32 if small else 64, triton.next_power_of_2(V))
 
 
@@ -234,7 +235,7 @@ def state_output_fwd(q, k, w, u, g_cum, initial_state, output_final_state: bool,
     Per-channel gate: ``gk_cum`` [1, T, H, K] with ``Aqk`` from ``intra.intra_fwd`` (g_cum None)."""
     _, T, HK, K = k.shape
     H, V = u.shape[2], u.shape[-1]
-    BK, BV = triton.next_power_of_2(K), _bv(K, V, block_v, gk_cum is not None, chunks)
+    BK, BV = triton.next_power_of_2(K), _bv(K, V, block_v, gk_cum is not None, chunks, store_h)
     dev = u.device
     o = alloc(u.shape, dtype=u.dtype, device=dev)
     ht = alloc((chunks.N, H, K, V), dtype=torch.float32, device=dev) if output_final_state else None
