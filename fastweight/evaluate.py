@@ -72,7 +72,7 @@ SCALES = {
 
 @dataclass(frozen=True)
 class Experiment:
-    """One row of one table: a model trained on ``train_task`` and scored on ``eval_tasks``."""
+    """One model of one table row: trained and scored as ``config`` says (its task, eval tasks, seed)."""
 
     group: str
     label: str
@@ -87,8 +87,16 @@ def niah_specs(scale: Scale, length: int) -> list[str]:
 
 def suite(scale_name: str = "tiny", *, mixers=None, groups=("retrieval", "state tracking"), seed: int = 0,
           steps: int | None = None, eval_examples: int | None = None, out_dir: str = "runs/eval",
-          progress: bool = False, threads: int = 0) -> list[Experiment]:
-    """The experiments of a setting, optionally restricted to some mixers or groups."""
+          progress: bool = False, threads: int = 0, seeds: int = 1) -> list[Experiment]:
+    """The experiments of a setting, optionally restricted to some mixers or groups; with ``seeds``
+    > 1 every experiment is repeated with seeds ``seed, seed + 1, ...`` (initialisation and data)."""
+    if not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"`seeds` must be an int >= 1, got {seeds!r}")
+    if seeds > 1:
+        return [replace(e, config=replace(e.config, seed=seed + i, out_dir=f"{e.config.out_dir}-seed{seed + i}"))
+                for i in range(seeds)
+                for e in suite(scale_name, mixers=mixers, groups=groups, seed=seed, steps=steps,
+                               eval_examples=eval_examples, out_dir=out_dir, progress=progress, threads=threads)]
     if scale_name not in SCALES:
         raise ValueError(f"`scale` must be one of {sorted(SCALES)}, got {scale_name!r}")
     unknown = set(groups) - {"retrieval", "state tracking"}
@@ -149,7 +157,8 @@ def run(experiments: list[Experiment], *, log=sys.stderr) -> list[dict]:
 
 
 def table(results: list[dict], group: str) -> str:
-    """A markdown table: one row per label, one column per scored task (accuracy in %)."""
+    """A markdown table: one row per label, one column per scored task (accuracy in %; over several
+    seeds, the mean and the range)."""
     rows, columns = {}, []
     for res in results:
         if res["group"] != group:
@@ -158,16 +167,23 @@ def table(results: list[dict], group: str) -> str:
             col = column(r["task"])
             if col not in columns:
                 columns.append(col)
-            rows.setdefault(res["label"], {})[col] = r["acc"]
+            rows.setdefault(res["label"], {}).setdefault(col, []).append(r["acc"])
     if not rows:
         return ""
     order = list(TASK_TITLES.values())
     columns.sort(key=lambda c: (order.index(c.rsplit(" ", 1)[0]), int(c.rsplit(" ", 1)[1])))
     lines = ["| " + " | ".join([group] + columns) + " |", "|" + "---|" * (len(columns) + 1)]
     for label, accs in rows.items():
-        cells = [f"{100 * accs[c]:.1f}" if c in accs else "-" for c in columns]
+        cells = [_cell(accs[c]) if c in accs else "-" for c in columns]
         lines.append("| " + " | ".join([label] + cells) + " |")
     return "\n".join(lines)
+
+
+def _cell(accs: list) -> str:
+    mean = 100 * sum(accs) / len(accs)
+    if len(accs) == 1:
+        return f"{mean:.1f}"
+    return f"{mean:.1f} ({100 * min(accs):.0f}-{100 * max(accs):.0f})"
 
 
 def report(results: list[dict], seconds: float, scale: str) -> str:
@@ -184,7 +200,7 @@ def _run(args: argparse.Namespace) -> int:
     experiments = suite(scale, mixers=args.mixers.split(",") if args.mixers else None,
                         groups=tuple(g.replace("-", " ") for g in args.groups.split(",")), seed=args.seed,
                         steps=args.steps, eval_examples=args.eval_examples, out_dir=args.out,
-                        progress=args.progress, threads=args.threads)
+                        progress=args.progress, threads=args.threads, seeds=args.seeds)
     t0 = time.perf_counter()
     results = run(experiments)
     text = report(results, time.perf_counter() - t0, scale)
@@ -208,6 +224,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=None, help="override the training steps of every run")
     parser.add_argument("--eval-examples", type=int, default=None, help="override held-out examples per task")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=1, help="repeat every run with this many seeds")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave as is)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False,
                         help="a progress bar per run")

@@ -43,3 +43,12 @@ def test_table_layout():
     assert table(results, "retrieval").splitlines() == [
         "| retrieval | S-NIAH-1 64 | S-NIAH-1 128 | MQAR 64 |", "|---|---|---|---|", "| gdn | 50.0 | 100.0 | 25.0 |"]
     assert table(results, "state tracking") == ""
+    results.append(dict(group="retrieval", label="gdn", eval=[dict(task="mqar", acc=0.75)]))
+    assert table(results, "retrieval").splitlines()[-1] == "| gdn | 50.0 | 100.0 | 50.0 (25-75) |"
+
+
+def test_seeds_repeat_every_experiment():
+    one, three = suite("tiny", groups=("state tracking",)), suite("tiny", groups=("state tracking",), seeds=3, seed=5)
+    assert len(three) == 3 * len(one)
+    assert sorted({e.config.seed for e in three}) == [5, 6, 7]
+    assert len({e.config.out_dir for e in three}) == len(three)
