@@ -201,6 +201,9 @@ def _run(args: argparse.Namespace) -> int:
                         groups=tuple(g.replace("-", " ") for g in args.groups.split(",")), seed=args.seed,
                         steps=args.steps, eval_examples=args.eval_examples, out_dir=args.out,
                         progress=args.progress, threads=args.threads, seeds=args.seeds)
+    if args.tasks:
+        wanted = args.tasks.split(",")
+        experiments = [e for e in experiments if e.config.task.split(":")[0] in wanted]
     t0 = time.perf_counter()
     results = run(experiments)
     text = report(results, time.perf_counter() - t0, scale)
@@ -221,6 +224,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     size.add_argument("--full", action="store_true", help="one-GPU setting")
     parser.add_argument("--mixers", default="", help="only these mixers (comma-separated)")
     parser.add_argument("--groups", default="retrieval,state-tracking", help="retrieval, state-tracking")
+    parser.add_argument("--tasks", default="", help="only runs trained on these (s_niah_1, mqar, parity, s5)")
     parser.add_argument("--steps", type=int, default=None, help="override the training steps of every run")
     parser.add_argument("--eval-examples", type=int, default=None, help="override held-out examples per task")
     parser.add_argument("--seed", type=int, default=0)
