@@ -184,9 +184,11 @@ def main():
             result["check"][tag] = rows
             worst = max(rows.items(), key=lambda kv: kv[1]["err"] / max(kv[1]["tol"], 1e-30))
             bad = [n for n, r in rows.items() if not r["ok"]]
-            lines.append(f"check {op:17s} {str(dtype)[6:]:8s} {'varlen ' if varlen else 'uniform'} {'ok  ' if not bad else 'FAIL'} o {rows.get('o', {}).get('err', float('nan')):.2e} "
-                         f"(floor {rows.get('o', {}).get('floor', 0):.1e})  worst {worst[0]} {worst[1]['err']:.2e}/{worst[1]['tol']:.1e}"
-                         f"  {'bad: ' + ','.join(bad) if bad else ''} [{time.time() - t0:.0f}s]")
+            o = rows.get("o", dict(err=float("nan"), floor=0))
+            lines.append(f"check {op:17s} {str(dtype)[6:]:8s} {'varlen ' if varlen else 'uniform'} "
+                         f"{'ok  ' if not bad else 'FAIL'} o {o['err']:.2e} (floor {o['floor']:.1e})  "
+                         f"worst {worst[0]} {worst[1]['err']:.2e}/{worst[1]['tol']:.1e}  "
+                         f"{'bad: ' + ','.join(bad) if bad else ''} [{time.time() - t0:.0f}s]")
             print(lines[-1], flush=True)
         common.POISON_OUTPUTS = False
     for op, (B, T, H, K), fla_f, fla_fb in SPEED:
@@ -197,10 +199,12 @@ def main():
         except Exception as e:  # noqa: BLE001
             print(f"speed {op} failed: {e!r}"[:400], flush=True)
             continue
-        row = dict(op=op, shape=[B, T, H, K], fwd_ms=fwd, fwdbwd_ms=fb, peak_gib=peak, fla_fwd_ms=fla_f, fla_fwdbwd_ms=fla_fb)
+        row = dict(op=op, shape=[B, T, H, K], fwd_ms=fwd, fwdbwd_ms=fb, peak_gib=peak, fla_fwd_ms=fla_f,
+                   fla_fwdbwd_ms=fla_fb)
         result["speed"].append(row)
         ratio = (f"{fwd / fla_f:.2f}x / {fb / fla_fb:.2f}x" if fla_f else "-")
-        lines.append(f"speed {op:17s} {str((B, T, H, K)):22s} fwd {fwd:7.3f} ms  fwd+bwd {fb:7.3f} ms  peak {peak:5.2f} GiB  vs fla {ratio}")
+        lines.append(f"speed {op:17s} {str((B, T, H, K)):22s} fwd {fwd:7.3f} ms  fwd+bwd {fb:7.3f} ms  "
+                     f"peak {peak:5.2f} GiB  vs fla {ratio}")
         print(lines[-1], flush=True)
     for op in ("gated_delta_rule", "kda"):
         if op in ops and op in args.stages.split(","):

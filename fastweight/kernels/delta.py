@@ -4,13 +4,16 @@ One generic path serves them all (DESIGN.md section 2):
 
     S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T (scale q_t)
 
-with alpha_t = exp(g_t) (``g`` None: DeltaNet); KDA's per-channel gate
-(``g`` [B, T, H, K]) decays first: S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T. Longhorn is this with beta replaced by
-eps = beta / (1 + beta k^T k). Stages (one file each): chunk-local cumsum of g, the solve
-``Ai = (I + A)^{-1}`` (kkt_solve; with a per-channel gate, A and the intra-chunk scores come
-from intra), W and U (wy), the state pass fused with the output (state). The backward recomputes nothing per token: the forward keeps the chunk-start states
-``h`` and v_tilde; the dh pass (state), the per-chunk output backward (output), and the WY
-backward (wy) give every gradient. Derivations: docs/kernels.md.
+with alpha_t = exp(g_t) (``g`` None: DeltaNet). KDA's per-channel gate (``g`` [B, T, H, K])
+decays first: S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T. Comba reads
+the undecayed state with its own key p: S_t = alpha_t S_{t-1} + beta_t k_t (v_t - S_{t-1}^T p_t)^T.
+Longhorn is DeltaNet with beta replaced by eps = beta / (1 + beta k^T k).
+
+Stages (one file each): chunk-local cumsum of g, the solve ``Ai = (I + A)^{-1}`` (kkt_solve;
+with a per-channel gate A and the intra-chunk scores come from intra), W and U (wy), the state
+pass fused with the output (state). The backward recomputes nothing per token: the forward
+keeps the chunk-start states ``h`` and v_tilde; the dh pass (state), the per-chunk output
+backward (output) and the WY backward (wy) give every gradient. Derivations: docs/kernels.md.
 """
 
 from __future__ import annotations

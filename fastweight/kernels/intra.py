@@ -173,7 +173,8 @@ def intra_bwd_kernel(q, k, g, dAqk, dAkk, dq, dk, dg, cu_seqlens, chunk_indices,
                 b_dkc += (mm(tl.trans(b_dqk.to(FDT)), (b_qf * b_er).to(FDT)) +
                           mm(tl.trans(b_dkk.to(FDT)), (b_kf * b_er).to(FDT))) * b_ec
             else:
-                b_e = tl.where(m_d[:, :, None], tl.exp(tl.where(m_d[:, :, None], b_gb[:, None, :] - b_gb[None, :, :], 0.)), 0.)
+                b_d = tl.where(m_d[:, :, None], b_gb[:, None, :] - b_gb[None, :, :], 0.)
+                b_e = tl.where(m_d[:, :, None], tl.exp(b_d), 0.)
                 b_dq += tl.sum(b_dqk[:, :, None] * b_e * b_kf[None, :, :], 1)
                 b_dkr += tl.sum(b_dkk[:, :, None] * b_e * b_kf[None, :, :], 1)
                 b_dkc += tl.sum((b_dqk[:, :, None] * b_qf[:, None, :] + b_dkk[:, :, None] * b_kf[:, None, :]) * b_e, 0)
@@ -193,7 +194,8 @@ def _factored_dtype(q):
 
 
 def intra_fwd(q, k, g_cum, chunks: Chunks):
-    """q, k: [1, T, HK, K]; g_cum: [1, T, H, K] -> (Aqk in q's dtype, Akk float32), [1, T, H, BT] (unscaled, no beta)."""
+    """q, k: [1, T, HK, K]; g_cum: [1, T, H, K] -> (Aqk in q's dtype, Akk float32), [1, T, H, BT]
+    (no scale, no beta)."""
     _, T, HK, K = k.shape
     H = g_cum.shape[2]
     f32 = dict(dtype=torch.float32, device=k.device)

@@ -11,7 +11,8 @@ block forward substitution on the 4 x 4 block matrix:
 
     Ai_rr = (I + A_rr)^{-1}       Ai_rc = -Ai_rr sum_{c <= m < r} A_rm Ai_mc      (r > c)
 
-Output: ``Ai`` [1, T, H, BT] (solved in float32, stored in k's dtype; row t holds its chunk's row of the inverse; the columns
+Output: ``Ai`` [1, T, H, BT] (solved in float32, stored in k's dtype; row t holds its chunk's
+row of the inverse; the columns
 are the chunk's tokens). W = Ai Diag(beta gamma) K and U = Ai Diag(beta) V are in ``wy.py``;
 the backward of this stage (dA = -Ai^T dAi Ai^T and the chain to k, beta, g) is there too,
 where dAi is formed.
@@ -217,8 +218,9 @@ def kkt_solve(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor | None, c
     Ai = alloc((1, T, H, BT), device=k.device, dtype=k.dtype)
     BK = min(64, triton.next_power_of_2(K))
     use_p = p is not None
-    kkt_solve_kernel[(chunks.NC, H)](k, p if use_p else k, beta, g_cum, g_read if use_p else g_cum, Ai, chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK, K=K,
-                                     BT=BT, BK=BK, USE_G=g_cum is not None, USE_P=use_p, num_warps=num_warps or SOLVE_WARPS)
+    kkt_solve_kernel[(chunks.NC, H)](k, p if use_p else k, beta, g_cum, g_read if use_p else g_cum, Ai,
+                                     chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK, K=K, BT=BT, BK=BK,
+                                     USE_G=g_cum is not None, USE_P=use_p, num_warps=num_warps or SOLVE_WARPS)
     return Ai
 
 

@@ -25,7 +25,8 @@ from fastweight.kernels.state import _chunk_gates_k
 
 @triton.jit
 def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, cu_seqlens, chunk_indices, scale,
-                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      BK: tl.constexpr,
                       BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
@@ -45,7 +46,8 @@ def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, cu_se
     for i_v in range(tl.cdiv(V, BV)):
         p_h = tl.make_block_ptr(h, (V, K), (1, V), (i_v * BV, 0), (BV, BK), (0, 1))
         p_dh = tl.make_block_ptr(dh, (V, K), (1, V), (i_v * BV, 0), (BV, BK), (0, 1))
-        p_vn = tl.make_block_ptr(v_new + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
+        p_vn = tl.make_block_ptr(v_new + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV),
+                                 (1, 0))
         p_do = tl.make_block_ptr(do + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
         p_dv = tl.make_block_ptr(dv + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
         b_h = tl.load(p_h, boundary_check=(0, 1))  # [BV, BK]: S^T

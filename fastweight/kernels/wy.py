@@ -173,7 +173,8 @@ def wy_bwd_kernel(k, p, v, beta, g, gr, Ai, Akk, dw, du, dk, dk_out, dp, dv, dbe
             b_dkbe = b_dkb * b_e
             b_dbeta += tl.sum(b_dkbe * b_k, 1)
             b_dk += b_dkbe * b_beta[:, None]
-            p_dg = tl.make_block_ptr(dg + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+            p_dg = tl.make_block_ptr(dg + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK),
+                                     (1, 0))
             b_dgk = tl.load(p_dg, boundary_check=(0, 1)) + b_dkbe * b_k * b_beta[:, None]
             tl.store(p_dg, b_dgk, boundary_check=(0, 1))
         else:
