@@ -7,7 +7,8 @@
    "gdn,swa" (``--check`` names more patterns).
 2. Training throughput (tokens/s of forward + backward + AdamW step, bf16 autocast, fp32
    weights, eager): the 340M "gdn" preset at B=8, T=4096; "gdn,swa" and pure attention
-   ("attn") of the same preset at B=2, T=16384; last, "gdn" again under torch.compile.
+   ("attn") of the same preset at B=2, T=16384; last, "gdn" again under torch.compile, and
+   eager "gdn" in the shape of flame's gated_deltanet_340M.json (for a later side by side).
 3. Decoding throughput at batch 64 after a 16k-token prompt (prefill by chunk, then one
    token per step from the cache): "gdn", "gdn,swa", "attn" (a batch that does not fit is
    halved, and the row says so).
@@ -27,6 +28,12 @@ import torch
 
 from fastweight.models import LMConfig, LanguageModel
 from fastweight.testing import rel_err
+
+
+# the shape of flame's configs/gated_deltanet_340M.json (fla's training repo): 21 layers, 6 heads of
+# key dim 256 and value dim 512, SwiGLU 2816, untied embeddings
+FLAME_GDN_340M = LMConfig(mixer="gdn", vocab_size=32000, d_model=1024, n_layers=21, n_heads=6, head_dim=256,
+                          expand_v=2.0, intermediate_size=2816, tie_embeddings=False)
 
 
 def sync(device):
@@ -189,6 +196,8 @@ def main(argv=None):
         B, T = train[0][1:3]
         guarded("train", lambda: train_throughput(preset("gdn"), B, T, device, compile=True), results, start,
                 args.budget, mixer="gdn", B=B, T=T, compiled=True)
+        guarded("train", lambda: train_throughput(FLAME_GDN_340M, B, T, device), results, start, args.budget,
+                mixer="gdn (flame cfg)", B=B, T=T, compiled=False)
     env = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__)
     try:
         import triton

@@ -48,13 +48,17 @@ class LMConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"LMConfig.{name} must be a positive int, got {value!r}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"LMConfig.d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
         if not isinstance(self.mixer, str) or not self.mixer.strip():
             raise ValueError(f"LMConfig.mixer must be a comma-separated pattern of {MIXERS}, got {self.mixer!r}")
         unknown = [m for m in self.pattern if m not in MIXERS]
         if unknown:
             raise ValueError(f"LMConfig.mixer: unknown mixer(s) {unknown}; known: {', '.join(MIXERS)}")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(f"LMConfig.d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads}) "
+                             "unless head_dim is given")
+        if {"attn", "swa"} & set(self.pattern) and self.d_model % self.n_heads:
+            raise ValueError(f"LMConfig.d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads}) "
+                             "for attention layers (head dim d_model / n_heads)")
         if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
             raise ValueError(f"LMConfig.n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
         if self.head_dim is None:
