@@ -113,8 +113,8 @@ def while_loops() -> bool:
 
 
 # the V block of the state pass: a sequential loop per program, so more, smaller programs hide
-# its latency; larger blocks read the gates fewer times (the benchmark times both)
-STATE_BV = 32
+# its latency; larger blocks read the gates fewer times (64 measured faster on the H200: docs/bench/decay_dplr.md)
+STATE_BV = 64
 
 
 def dot_precision(dtype: torch.dtype) -> str:
