@@ -41,7 +41,7 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def check(device, results, mixers, T=100, prefill=70):
+def check(device, run, mixers, T=100, prefill=70):
     """fp32 tiny models: device vs CPU logits and prefill/decode vs one pass."""
     for mixer in mixers:
         torch.manual_seed(0)
@@ -70,8 +70,7 @@ def check(device, results, mixers, T=100, prefill=70):
                    decode_vs_one_pass=rel_err(step, out), bf16_autocast_vs_cpu=rel_err(low.cpu(), ref),
                    grads_finite=grads_finite)
         row["ok"] = row["device_vs_cpu"] < 1e-4 and row["decode_vs_one_pass"] < 1e-4 and grads_finite
-        results.append(row)
-        print(row, flush=True)
+        run.add(row)
 
 
 def train_throughput(cfg, B, T, device, steps=4, warmup=None, compile=False):
@@ -137,76 +136,83 @@ def decode_throughput(cfg, B, prompt, device, steps=32, prefill_chunk=None):
     return out
 
 
-def guarded(name, fn, results, start, budget, **meta):
-    if time.perf_counter() - start > budget:
-        row = dict(part=name, **meta, skipped=f"past the {budget:.0f} s budget")
-    else:
+class Run:
+    """The results so far, saved to ``out/model.json`` after every part (a killed run keeps them)."""
+
+    def __init__(self, out: str, budget: float, device: torch.device):
+        self.out, self.budget, self.start, self.results = out, budget, time.perf_counter(), []
+        self.env = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                        torch=torch.__version__)
         try:
-            row = dict(part=name, **meta, **fn())
-        except torch.cuda.OutOfMemoryError as e:
-            row = dict(part=name, **meta, error=f"out of memory: {str(e)[:120]}")
-        except Exception as e:  # a part that fails is recorded, the others still run
-            row = dict(part=name, **meta, error=f"{type(e).__name__}: {str(e)[:300]}")
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-    row["elapsed_s"] = round(time.perf_counter() - start, 1)
-    results.append(row)
-    print(row, flush=True)
+            import triton
+            self.env["triton"] = triton.__version__
+        except ImportError:
+            pass
+        os.makedirs(out, exist_ok=True)
+
+    def add(self, row: dict) -> None:
+        row["elapsed_s"] = round(time.perf_counter() - self.start, 1)
+        self.results.append(row)
+        print(row, flush=True)
+        with open(os.path.join(self.out, "model.json"), "w") as f:
+            json.dump(dict(env=self.env, results=self.results), f, indent=1)
+
+    def part(self, name: str, fn, **meta) -> dict:
+        """Run ``fn`` unless past the budget; a part that fails is recorded and the others still run."""
+        if time.perf_counter() - self.start > self.budget:
+            row = dict(part=name, **meta, skipped=f"past the {self.budget:.0f} s budget")
+        else:
+            try:
+                row = dict(part=name, **meta, **fn())
+            except torch.cuda.OutOfMemoryError as e:
+                row = dict(part=name, **meta, error=f"out of memory: {str(e)[:120]}")
+            except Exception as e:
+                row = dict(part=name, **meta, error=f"{type(e).__name__}: {str(e)[:300]}")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+        self.add(row)
+        return row
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--budget", type=float, default=170.0)
+    parser.add_argument("--budget", type=float, default=110.0)
     parser.add_argument("--smoke", action="store_true", help="toy sizes, any device")
     parser.add_argument("--check", default="gdn,swa", help="patterns to check, separated by ';'")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    start = time.perf_counter()
-    results = []
-    t0 = time.perf_counter()
+    run = Run(args.out, args.budget, device)
     try:
-        check(device, results, args.check.split(";"), *((24, 17) if args.smoke else (100, 70)))
+        check(device, run, args.check.split(";"), *((24, 17) if args.smoke else (100, 70)))
     except Exception as e:
-        results.append(dict(part="check", mixer=args.check, error=f"{type(e).__name__}: {str(e)[:300]}"))
-        print(results[-1], flush=True)
-    print(f"check: {time.perf_counter() - t0:.1f} s", flush=True)
+        run.add(dict(part="check", mixer=args.check, error=f"{type(e).__name__}: {str(e)[:300]}"))
     if args.smoke:
         base = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=2, window_size=16)
-        train = [("gdn", 2, 64, False), ("gdn,swa", 1, 128, False), ("attn", 1, 128, False)]
+        train = [("gdn", 2, 64), ("gdn,swa", 1, 128), ("attn", 1, 128)]
         decode = (4, 64)
         preset = lambda mixer: LMConfig(mixer=mixer, **base)  # noqa: E731
     else:
-        train = [("gdn", 8, 4096, False), ("gdn,swa", 2, 16384, False), ("attn", 2, 16384, False)]
+        train = [("gdn", 8, 4096), ("gdn,swa", 2, 16384), ("attn", 2, 16384)]
         decode = (64, 16384)
         preset = lambda mixer: LMConfig.preset("340M", mixer=mixer)  # noqa: E731
-    for mixer, B, T, compiled in train:
-        guarded("train", lambda: train_throughput(preset(mixer), B, T, device, compile=compiled), results, start,
-                args.budget, mixer=mixer, B=B, T=T, compiled=compiled)
+    for mixer, B, T in train:
+        run.part("train", lambda: train_throughput(preset(mixer), B, T, device), mixer=mixer, B=B, T=T,
+                 compiled=False)
     for mixer in ("gdn", "gdn,swa", "attn"):
         B, P = decode
-        while True:  # out of memory: halve the batch and say so
-            guarded("decode", lambda: decode_throughput(preset(mixer), B, P, device), results, start, args.budget,
-                    mixer=mixer, B=B, prompt=P)
-            if "out of memory" not in results[-1].get("error", "") or B < 16:
-                break
+        # out of memory: halve the batch and say so
+        while "out of memory" in run.part("decode", lambda: decode_throughput(preset(mixer), B, P, device),
+                                          mixer=mixer, B=B, prompt=P).get("error", "") and B >= 16:
             B //= 2
     if not args.smoke:
-        B, T = train[0][1:3]
-        guarded("train", lambda: train_throughput(preset("gdn"), B, T, device, compile=True), results, start,
-                args.budget, mixer="gdn", B=B, T=T, compiled=True)
-        guarded("train", lambda: train_throughput(FLAME_GDN_340M, B, T, device), results, start, args.budget,
-                mixer="gdn (flame cfg)", B=B, T=T, compiled=False)
-    env = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__)
-    try:
-        import triton
-        env["triton"] = triton.__version__
-    except ImportError:
-        pass
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "model.json"), "w") as f:
-        json.dump(dict(env=env, results=results, wall_s=time.perf_counter() - start), f, indent=1)
+        B, T = train[0][1:]
+        run.part("train", lambda: train_throughput(preset("gdn"), B, T, device, compile=True), mixer="gdn", B=B,
+                 T=T, compiled=True)
+        run.part("train", lambda: train_throughput(FLAME_GDN_340M, B, T, device), mixer="gdn (flame cfg)", B=B,
+                 T=T, compiled=False)
+    env, results = run.env, run.results
     print(f"\n{env}")
     print(f"{'part':7} {'mixer':16} {'shape':14} {'ms/step':>9} {'tokens/s':>11}  note")
     for r in results:
