@@ -1,0 +1,128 @@
+"""Stage kernels of the delta family against the PyTorch chunk algorithm's pieces (fastweight.chunk).
+
+Under TRITON_INTERPRET=1 (fp32). Shapes: T = 100 (one full chunk of 64 and a tail of 36).
+"""
+
+import pytest
+import torch
+
+from fastweight.chunk.common import chunk_layout, decayed_scores, local_cumsum, to_chunks
+from fastweight.chunk.solve_tril import solve_unit_lower
+from fastweight.dispatch import l2norm as l2norm_reference
+from fastweight.kernels import common
+from fastweight.kernels.common import prepare_chunks
+from fastweight.kernels.cumsum import chunk_local_cumsum
+from fastweight.kernels.intra import intra_bwd, intra_fwd
+from fastweight.kernels.kkt_solve import kkt_solve, solve
+from fastweight.kernels.l2norm import l2norm
+from fastweight.testing import generator, rel_err
+
+T, H, K = 100, 2, 32
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    monkeypatch.setattr(common, "POISON_OUTPUTS", True)
+
+
+def chunked(x):
+    """[1, T, H, ...] -> [H, NT, 64, ...] zero padded, float64."""
+    return to_chunks(x.double(), chunk_layout(1, T, 64, None, x.device), torch.float64)[0]
+
+
+def rows(A):
+    """Kernel layout [1, T, H, 64] -> [H, NT, 64, 64] zero padded (the chunk rows)."""
+    return chunked(A)
+
+
+def inputs(seed=0):
+    gen = generator(seed)
+    k = torch.nn.functional.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
+    q = torch.randn(1, T, H, K, generator=gen)
+    p = torch.nn.functional.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
+    beta = torch.rand(1, T, H, generator=gen)
+    g = -torch.rand(1, T, H, generator=gen) * 0.5
+    gk = -torch.rand(1, T, H, K, generator=gen) * 0.5
+    return q, k, p, beta, g, gk
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_cumsum_varlen_scalar_and_vector(reverse):
+    cu = torch.tensor([0, 37, 100])
+    ch = prepare_chunks(cu, 1, T, 64, "cpu")
+    for g in (torch.randn(1, T, H), torch.randn(1, T, H, 5)):
+        want = torch.cat([torch.cat([c.flip(1).cumsum(1).flip(1) if reverse else c.cumsum(1)
+                                     for c in g[:, a:b].split(64, 1)], 1) for a, b in ((0, 37), (37, 100))], 1)
+        assert rel_err(chunk_local_cumsum(g, ch, reverse=reverse), want) < 1e-6
+
+
+@pytest.mark.parametrize("read_key", [False, True])
+def test_kkt_solve(read_key):
+    """Ai = (I + strictLower(Diag(beta) (R K^T * Gamma)))^{-1}; R = k, or Comba's p with the exclusive gate."""
+    q, k, p, beta, g, _ = inputs()
+    ch = prepare_chunks(None, 1, T, 64, "cpu")
+    g_cum = chunk_local_cumsum(g, ch)
+    G = local_cumsum(chunked(g))
+    if read_key:
+        Ai = kkt_solve(k, beta, g_cum, ch, p=p, g_read=g_cum - g)
+        A = decayed_scores(chunked(p), chunked(k), G - chunked(g), G, strict=True)
+    else:
+        Ai = kkt_solve(k, beta, g_cum, ch)
+        A = decayed_scores(chunked(k), chunked(k), G, G, strict=True)
+    want = solve_unit_lower(chunked(beta) * A)
+    got = rows(Ai)
+    valid = torch.arange(64)[None, :] < torch.tensor([64, 36])[:, None]  # [NT, 64]: rows that exist
+    mask = (valid[:, :, None] & valid[:, None, :])[None]
+    assert rel_err(got * mask, want * mask) < 1e-6
+
+
+def test_intra_and_solve_per_channel_gate():
+    q, k, _, beta, _, gk = inputs(1)
+    ch = prepare_chunks(None, 1, T, 64, "cpu")
+    G_kernel = chunk_local_cumsum(gk, ch)
+    Aqk, Akk = intra_fwd(q, k, G_kernel, ch)
+    G = local_cumsum(chunked(gk))
+    want_qk = decayed_scores(chunked(q), chunked(k), G, G)
+    want_kk = decayed_scores(chunked(k), chunked(k), G, G, strict=True)
+    valid = torch.arange(64)[None, :] < torch.tensor([64, 36])[:, None]
+    mask = (valid[:, :, None] & valid[:, None, :])[None]
+    assert rel_err(rows(Aqk) * mask, want_qk * mask) < 1e-6
+    assert rel_err(rows(Akk) * mask, want_kk * mask) < 1e-6
+    Ai = solve(Akk, beta, ch)
+    assert rel_err(rows(Ai) * mask, solve_unit_lower(chunked(beta) * want_kk) * mask) < 1e-6
+
+
+def test_intra_backward():
+    """intra_bwd is the VJP of (Aqk, Akk) with respect to q, k and the cumsum G."""
+    q, k, _, _, _, gk = inputs(2)
+    ch = prepare_chunks(None, 1, T, 64, "cpu")
+    G_kernel = chunk_local_cumsum(gk, ch)
+    qd, kd, Gd = (chunked(x).requires_grad_() for x in (q, k, G_kernel))
+    want_qk = decayed_scores(qd, kd, Gd, Gd)
+    want_kk = decayed_scores(kd, kd, Gd, Gd, strict=True)
+    gen = generator(3)
+    dqk, dkk = torch.randn(1, T, H, 64, generator=gen), torch.randn(1, T, H, 64, generator=gen)
+    valid = torch.arange(64)[None, :] < torch.tensor([64, 36])[:, None]
+    mask = (valid[:, :, None] & valid[:, None, :])[None].double()
+    causal = torch.ones(64, 64).tril().double()
+    d_qk, d_kk = rows(dqk) * mask * causal, rows(dkk) * mask * causal.tril(-1)
+    ((want_qk * d_qk).sum() + (want_kk * d_kk).sum()).backward()
+    # back to the kernel layout: chunk rows t -> token t
+    flat = lambda x: x.permute(1, 2, 0, 3).reshape(1, -1, H, 64)[:, :T].float().contiguous()  # noqa: E731
+    dq, dk, dg = (torch.zeros(1, T, H, K) for _ in range(3))
+    intra_bwd(q, k, G_kernel, flat(d_qk), flat(d_kk), dq, dk, dg, ch)
+    back = lambda x: x.permute(1, 2, 0, 3).reshape(1, -1, H, K)[:, :T]  # noqa: E731
+    assert rel_err(dq, back(qd.grad)) < 1e-5
+    assert rel_err(dk, back(kd.grad)) < 1e-5
+    assert rel_err(dg, back(Gd.grad)) < 1e-5
+
+
+def test_l2norm():
+    x = torch.randn(3, 7, 2, 40, generator=generator(), dtype=torch.float64)
+    mine = x.float().requires_grad_()
+    ref = x.clone().requires_grad_()
+    y, y_ref = l2norm(mine), l2norm_reference(ref)
+    dy = torch.randn_like(y_ref)
+    (y * dy.float()).sum().backward()
+    (y_ref * dy).sum().backward()
+    assert rel_err(y, y_ref) < 1e-6 and rel_err(mine.grad, ref.grad) < 1e-5
