@@ -7,7 +7,8 @@ Rotary positions on q and k; grouped key/value heads (``cfg.n_kv_heads``). The d
 cache holds the keys and values seen so far: all of them for full attention (a buffer
 with room for the next max(256, n/8) tokens, so a decode step appends in place), the last W - 1 for a sliding
 window (constant size). A sliding window over a long sequence runs blockwise: queries in
-blocks of W, each attending to its own block and the previous one, O(T W) work.
+blocks of W, each attending to its own block and the previous one, O(T W) work. Packed
+sequences (``cu_seqlens``) use a dense block-diagonal causal mask.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fastweight.layers.base import Mixer, split_heads
+from fastweight.layers.base import Mixer, packed, positions, split_heads
 from fastweight.layers.common import rotary
 
 
@@ -36,9 +37,9 @@ class Attention(Mixer):
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
         T = x.shape[1]
-        offset = 0 if shared is None else shared.get("offset", 0)
-        q = rotary(split_heads(self.q_proj(x), self.n_heads), offset, self.rope_theta)
-        k = rotary(split_heads(self.k_proj(x), self.n_kv_heads), offset, self.rope_theta)
+        pos, cu_seqlens = positions(shared), packed(shared, "cu_seqlens")
+        q = rotary(split_heads(self.q_proj(x), self.n_heads), pos, self.rope_theta)
+        k = rotary(split_heads(self.k_proj(x), self.n_kv_heads), pos, self.rope_theta)
         v = split_heads(self.v_proj(x), self.n_kv_heads)
         if cache is not None:
             k, v = self.append(cache, k, v)
@@ -47,9 +48,9 @@ class Attention(Mixer):
             k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, d]
         S = k.shape[2]
-        if self.window is None and S == T:
+        if cu_seqlens is None and self.window is None and S == T:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        elif S == T and T > self.window:
+        elif cu_seqlens is None and S == T and T > self.window:
             o = window_blocks(q, k, v, self.window)
         else:
             q_pos = torch.arange(S - T, S, device=x.device)[:, None]
@@ -57,6 +58,9 @@ class Attention(Mixer):
             mask = k_pos <= q_pos
             if self.window is not None:
                 mask = mask & (k_pos > q_pos - self.window)
+            if cu_seqlens is not None:  # packed sequences: block-diagonal
+                seq = torch.searchsorted(cu_seqlens[1:], torch.arange(T, device=x.device), right=True)
+                mask = mask & (seq[:, None] == seq[None, :])
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(o.transpose(1, 2).flatten(-2))
 

@@ -7,8 +7,9 @@ A mixer maps ``x [B, T, D] -> y [B, T, D]``. ``forward(x, cache=None, shared=Non
   (fp32), the short-conv inputs ``"conv_*"``, the last token ``"shift"``, the SWA window.
   Its size does not grow with the sequence for any linear mixer.
 - ``shared`` is a per-call dict the model passes through all layers: ``"offset"`` (tokens
-  already in the cache, for rotary positions) and values one layer hands to later ones
-  (RWKV-7's value residual ``"v_first"``).
+  already in the cache, for rotary positions), for packed sequences (B = 1, no cache)
+  ``"cu_seqlens"`` [N+1] and ``"positions"`` [T] (each token's index in its own sequence),
+  and values one layer hands to later ones (RWKV-7's value residual ``"v_first"``).
 
 The recurrence runs in ``chunk`` mode (training, prefill) or ``fused_recurrent`` mode
 (decoding: not training and T <= ``cfg.recurrent_threshold``), chosen per call.
@@ -30,31 +31,45 @@ class Mixer(nn.Module):
     def mode(self, T: int) -> str:
         return "fused_recurrent" if (not self.training and T <= self.recurrent_threshold) else "chunk"
 
-    def recur(self, op: str, cache: dict | None, *, scale: float, **tensors) -> torch.Tensor:
+    def recur(self, op: str, cache: dict | None, shared: dict | None, *, scale: float, **tensors) -> torch.Tensor:
         """Run the layer's recurrence from ``cache["state"]`` and store the final state back."""
         T = next(t for t in tensors.values() if isinstance(t, torch.Tensor)).shape[1]
         initial = None if cache is None else cache.get("state")
         o, final = linear_op(op, self.mode(T), scale=scale, initial_state=initial,
-                             output_final_state=cache is not None, **tensors)
+                             output_final_state=cache is not None, cu_seqlens=packed(shared, "cu_seqlens"),
+                             **tensors)
         if cache is not None:
             cache["state"] = final
         return o
 
     @staticmethod
-    def conv(conv: nn.Module, x: torch.Tensor, cache: dict | None, name: str) -> torch.Tensor:
+    def conv(conv: nn.Module, x: torch.Tensor, cache: dict | None, name: str, shared: dict | None) -> torch.Tensor:
         """Apply a ShortConv, keeping its last inputs in ``cache[name]``."""
-        y, tail = conv(x, None if cache is None else cache.get(name))
+        y, tail = conv(x, None if cache is None else cache.get(name), packed(shared, "positions"))
         if cache is not None:
             cache[name] = tail
         return y
 
     @staticmethod
-    def shift(shift: nn.Module, x: torch.Tensor, cache: dict | None, name: str = "shift") -> torch.Tensor:
+    def shift(shift: nn.Module, x: torch.Tensor, cache: dict | None, shared: dict | None,
+              name: str = "shift") -> torch.Tensor:
         """RWKV's token shift x_{t-1}, keeping the last token in ``cache[name]``."""
-        prev, last = shift(x, None if cache is None else cache.get(name))
+        prev, last = shift(x, None if cache is None else cache.get(name), packed(shared, "positions"))
         if cache is not None:
             cache[name] = last
         return prev
+
+
+def packed(shared: dict | None, name: str):
+    """``shared[name]`` for packed sequences (``"cu_seqlens"``, ``"positions"``), else None."""
+    return None if shared is None else shared.get(name)
+
+
+def positions(shared: dict | None):
+    """Rotary positions: the in-sequence positions [T] of packed sequences, else the cache offset."""
+    if shared is None:
+        return 0
+    return shared["positions"] if shared.get("positions") is not None else shared.get("offset", 0)
 
 
 def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:

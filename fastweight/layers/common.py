@@ -52,7 +52,8 @@ class ShortConv(nn.Module):
         y_t[c] = act( sum_{j<W} weight[c, j] * x_{t-W+1+j}[c] )
 
     x: [B, T, C]. ``cache`` holds the last W-1 inputs ``[B, W-1, C]`` (zeros at the start);
-    ``forward`` returns ``(y, new_cache)`` so decoding one token costs O(W C).
+    ``forward`` returns ``(y, new_cache)`` so decoding one token costs O(W C). With ``positions``
+    (packed sequences, B = 1) no tap reaches into the previous sequence (and no cache is kept).
     """
 
     def __init__(self, channels: int, kernel_size: int = 4, activation: str | None = "silu", bias: bool = False):
@@ -63,10 +64,12 @@ class ShortConv(nn.Module):
         self.act = ACTIVATIONS[activation]
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
-    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None, positions: torch.Tensor | None = None):
         B, T, C = x.shape
         W = self.kernel_size
         weight, bias = self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
+        if positions is not None:
+            return self.act(self._packed(x, weight, bias, positions)), None
         if cache is None:
             # zero history: pad inside the conv, keep the first T outputs (no copy of x)
             y = F.conv1d(x.transpose(1, 2), weight, bias, padding=W - 1, groups=C)[..., :T]
@@ -76,13 +79,27 @@ class ShortConv(nn.Module):
         y = F.conv1d(xx.transpose(1, 2), weight, bias, groups=C)
         return self.act(y.transpose(1, 2)), xx[:, xx.shape[1] - (W - 1):]
 
+    def _packed(self, x, weight, bias, positions):
+        """Packed sequences (``positions`` [T]: index of each token in its own sequence): a tap
+        that would reach back past the start of the token's sequence reads zero."""
+        W, T = self.kernel_size, x.shape[1]
+        y = x * weight[:, 0, W - 1]
+        for lag in range(1, min(W, T)):
+            shifted = F.pad(x[:, :T - lag], (0, 0, lag, 0)) * (positions >= lag)[None, :, None].to(x.dtype)
+            y = y + shifted * weight[:, 0, W - 1 - lag]
+        return y if bias is None else y + bias
+
 
 class TokenShift(nn.Module):
-    """RWKV's token shift: x_{t-1} for every t (the cache is the last token ``[B, 1, D]``)."""
+    """RWKV's token shift: x_{t-1} for every t (the cache is the last token ``[B, 1, D]``; zero
+    before the first token of a sequence)."""
 
-    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None, positions: torch.Tensor | None = None):
         prev = x.new_zeros(x.shape[0], 1, x.shape[2]) if cache is None else cache.to(x.dtype)
-        return torch.cat([prev, x[:, :-1]], dim=1), x[:, -1:]
+        shifted = torch.cat([prev, x[:, :-1]], dim=1)
+        if positions is not None:  # packed sequences: the first token of each has no predecessor
+            shifted = shifted * (positions > 0)[None, :, None].to(x.dtype)
+        return shifted, x[:, -1:]
 
 
 class LowRank(nn.Module):
@@ -107,15 +124,19 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(d_model, d_hidden, bias=False)
         self.down_proj = nn.Linear(d_hidden, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def rotary(x: torch.Tensor, offset: int, theta: float = 10000.0) -> torch.Tensor:
-    """Rotary position embedding (rotate-half form) of x [B, T, H, D] at positions offset..offset+T-1."""
+def rotary(x: torch.Tensor, offset: int | torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding (rotate-half form) of x [B, T, H, D] at positions offset..offset+T-1
+    (or at the positions given as a tensor [T])."""
     T, D = x.shape[1], x.shape[-1]
     inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D))
-    pos = torch.arange(offset, offset + T, device=x.device, dtype=torch.float32)
+    if isinstance(offset, torch.Tensor):
+        pos = offset.to(device=x.device, dtype=torch.float32)
+    else:
+        pos = torch.arange(offset, offset + T, device=x.device, dtype=torch.float32)
     angle = pos[:, None] * inv_freq[None, :]  # [T, D/2]
     cos = torch.cat([angle.cos(), angle.cos()], -1)[None, :, None, :]
     sin = torch.cat([angle.sin(), angle.sin()], -1)[None, :, None, :]

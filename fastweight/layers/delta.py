@@ -93,9 +93,9 @@ class DeltaRuleMixer(Mixer):
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
         H = self.n_heads
-        q = split_heads(self.conv(self.q_conv, self.q_proj(x), cache, "conv_q"), H)
-        k = split_heads(self.conv(self.k_conv, self.k_proj(x), cache, "conv_k"), H)
-        v = split_heads(self.conv(self.v_conv, self.v_proj(x), cache, "conv_v"), H)
+        q = split_heads(self.conv(self.q_conv, self.q_proj(x), cache, "conv_q", shared), H)
+        k = split_heads(self.conv(self.k_conv, self.k_proj(x), cache, "conv_k", shared), H)
+        v = split_heads(self.conv(self.v_conv, self.v_proj(x), cache, "conv_v", shared), H)
         extra = {n: t.to(v.dtype) if n == "beta" else t for n, t in self.gates(x).items()}
         if self.implicit:
             q = l2norm(q)
@@ -107,6 +107,6 @@ class DeltaRuleMixer(Mixer):
             extra["p"] = k * torch.sigmoid(self.d_logit).to(k.dtype)[:, None]
         if self.allow_neg_eigval:
             extra["allow_neg_eigval"] = True
-        o = self.recur(self.op, cache, scale=self.head_k ** -0.5, q=q, k=k, v=v, **extra)
+        o = self.recur(self.op, cache, shared, scale=self.head_k ** -0.5, q=q, k=k, v=v, **extra)
         gate = None if self.g_proj is None else split_heads(self.g_proj(x), H)
         return self.o_proj(self.o_norm(o, gate).flatten(-2))

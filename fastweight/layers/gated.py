@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fastweight.layers.base import Mixer, split_heads
+from fastweight.layers.base import Mixer, positions, split_heads
 from fastweight.layers.common import GatedRMSNorm, LowRank, RMSNorm, ShortConv, mamba_decay_init, rotary
 
 GATE_LOGIT_NORMALIZER = 16
@@ -51,17 +51,17 @@ class DecayMixer(Mixer):
         scale = self.head_k ** -0.5
         if self.variant == "la":
             q, k = F.elu(q) + 1, F.elu(k) + 1
-            o = self.recur("linear_attn", cache, scale=scale, q=q, k=k, v=v)
+            o = self.recur("linear_attn", cache, shared, scale=scale, q=q, k=k, v=v)
         elif self.variant == "retnet":
-            offset = 0 if shared is None else shared.get("offset", 0)
-            q, k = rotary(q, offset, self.rope_theta), rotary(k, offset, self.rope_theta)
-            o = self.recur("retention", cache, scale=scale, q=q, k=k, v=v)
+            pos = positions(shared)
+            q, k = rotary(q, pos, self.rope_theta), rotary(k, pos, self.rope_theta)
+            o = self.recur("retention", cache, shared, scale=scale, q=q, k=k, v=v)
         elif self.variant == "gla":
             g = split_heads(F.logsigmoid(self.gk_proj(x).float()) / GATE_LOGIT_NORMALIZER, H)
-            o = self.recur("gla", cache, scale=scale, q=q, k=k, v=v, g=g)
+            o = self.recur("gla", cache, shared, scale=scale, q=q, k=k, v=v, g=g)
         else:  # hgrn2: W_k is the forget gate projection; its complement 1 - alpha is the key
             g = split_heads(F.logsigmoid(k.flatten(-2).float()), H)
-            o = self.recur("hgrn2", cache, scale=1.0, q=F.silu(q), v=v, g=g)
+            o = self.recur("hgrn2", cache, shared, scale=1.0, q=F.silu(q), v=v, g=g)
         gate = None if self.g_proj is None else split_heads(self.g_proj(x), H)
         return self.o_proj(self.o_norm(o, gate).flatten(-2))
 
@@ -92,12 +92,13 @@ class Mamba2Mixer(Mixer):
         B, T, _ = x.shape
         H, N, E = self.n_heads, self.d_state, self.d_inner
         z, xbc, dt = self.in_proj(x).split([E, E + 2 * N, H], dim=-1)
-        xs, b, c = self.conv(self.conv1d, xbc, cache, "conv").split([E, N, N], dim=-1)
+        xs, b, c = self.conv(self.conv1d, xbc, cache, "conv", shared).split([E, N, N], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias)  # [B, T, H]
         g = -self.A_log.float().exp() * dt
         xs = split_heads(xs, H)
         q, k = (t[:, :, None].expand(B, T, H, N) for t in (c, b))
-        o = self.recur("simple_gla", cache, scale=1.0, q=q, k=k, v=xs * dt[..., None].to(xs.dtype), g=g)
+        v = xs * dt[..., None].to(xs.dtype)
+        o = self.recur("simple_gla", cache, shared, scale=1.0, q=q, k=k, v=v, g=g)
         y = o + self.D.to(xs.dtype)[:, None] * xs
         y = y.flatten(-2) * F.silu(z)
         return self.out_proj(self.norm(y))

@@ -110,11 +110,11 @@ def _rwkv7(mode, r, w, k, v, a, b, **kw):
     return _dplr(mode, r, k, v, a, b, w, **kw)
 
 
-def _rwkv6(mode, r, k, v, w, u, *, scale, initial_state=None, output_final_state=False, **_):
+def _rwkv6(mode, r, k, v, w, u, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
     # the DPLR op has no bonus readout: RWKV-6's DPLR form is the definition with ``u``
     from fastweight.reference import dplr_recurrent
     return dplr_recurrent(r, k, v, gk=w, u=u, scale=scale, initial_state=initial_state,
-                          output_final_state=output_final_state)
+                          output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
 GENERIC = {
@@ -140,7 +140,7 @@ def specialised(op: str, mode: str):
 
 @torch.compiler.disable
 def linear_op(op: str, mode: str, *, scale: float, initial_state=None, output_final_state: bool = False,
-              **tensors):
+              cu_seqlens=None, **tensors):
     """Run ``op`` (fla's name, e.g. "gated_delta_rule") in ``mode``; returns (o, final state or None)."""
     if mode not in MODES:
         raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}")
@@ -148,14 +148,15 @@ def linear_op(op: str, mode: str, *, scale: float, initial_state=None, output_fi
     device = next(t.device for t in tensors.values() if isinstance(t, torch.Tensor))
     # the recurrence picks its own precision (fp32 states and gates): autocast stays outside
     with torch.autocast(device.type, enabled=False):
-        return _linear_op(op, mode, fn, scale, initial_state, output_final_state, tensors)
+        return _linear_op(op, mode, fn, scale, initial_state, output_final_state, cu_seqlens, tensors)
 
 
-def _linear_op(op, mode, fn, scale, initial_state, output_final_state, tensors):
+def _linear_op(op, mode, fn, scale, initial_state, output_final_state, cu_seqlens, tensors):
     dtype = tensors["v"].dtype
     tensors = {n: t.to(dtype) if n in SAME_DTYPE_AS_V and isinstance(t, torch.Tensor) else t
                for n, t in tensors.items()}
-    kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state)
+    kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+              cu_seqlens=cu_seqlens)
     if _BACKEND is not None:
         kw["backend"] = _BACKEND
     if fn is not None:

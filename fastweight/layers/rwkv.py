@@ -64,12 +64,12 @@ class RWKV6TimeMix(Mixer):
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
         H = self.n_heads
-        xx = self.shift(self.shift_x, x, cache) - x
+        xx = self.shift(self.shift_x, x, cache, shared) - x
         m = self.mix_lora(x + xx * self.mu_x).unflatten(-1, (5, -1))
         xw, xk, xv, xr, xg = (x[..., None, :] + xx[..., None, :] * (self.mu + m)).unbind(-2)
         r, k, v = split_heads(self.r_proj(xr), H), split_heads(self.k_proj(xk), H), split_heads(self.v_proj(xv), H)
         w = split_heads(-torch.exp(self.w0 + self.w_lora(xw).float()), H)
-        o = self.recur("rwkv6", cache, scale=1.0, r=r, k=k, v=v, w=w, u=self.u.to(r.dtype))
+        o = self.recur("rwkv6", cache, shared, scale=1.0, r=r, k=k, v=v, w=w, u=self.u.to(r.dtype))
         return self.o_proj(self.o_norm(o, split_heads(self.g_proj(xg), H)).flatten(-2))
 
 
@@ -101,7 +101,7 @@ class RWKV7TimeMix(Mixer):
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
         H = self.n_heads
-        xx = self.shift(self.shift_x, x, cache) - x
+        xx = self.shift(self.shift_x, x, cache, shared) - x
         xr, xw, xk, xv, xa, xg = (x[..., None, :] + xx[..., None, :] * self.mu).unbind(-2)
         r, k, v = split_heads(self.r_proj(xr), H), split_heads(self.k_proj(xk), H), split_heads(self.v_proj(xv), H)
         w = split_heads(-EXP_MINUS_HALF * torch.sigmoid(self.w0 + self.w_lora(xw).float()), H)
@@ -112,7 +112,8 @@ class RWKV7TimeMix(Mixer):
         else:
             v = v + (shared["v_first"] - v) * split_heads(torch.sigmoid(self.v0 + self.v_lora(xv)), H)
         kappa_hat, k_tilde = prepare(dict(k=k, a=a, _xi=self.xi.to(k.dtype), _alpha=self.alpha.to(k.dtype)))
-        o = self.recur("rwkv7", cache, scale=1.0, r=r, w=w, k=k_tilde, v=v, a=-kappa_hat, b=kappa_hat * a)
+        o = self.recur("rwkv7", cache, shared, scale=1.0, r=r, w=w, k=k_tilde, v=v, a=-kappa_hat,
+                       b=kappa_hat * a)
         o = self.o_norm(o) + (r * k_tilde * self.rho.to(r.dtype)).sum(-1, keepdim=True) * v
         return self.o_proj((o * split_heads(self.g_lora(xg), H)).flatten(-2))
 
@@ -130,8 +131,8 @@ class ChannelMix(nn.Module):
         self.mu_r = nn.Parameter(torch.rand(D)) if receptance else None
         self.receptance = nn.Linear(D, D, bias=False) if receptance else None
 
-    def forward(self, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
-        xx = Mixer.shift(self.shift_x, x, cache, "ffn_shift") - x
+    def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
+        xx = Mixer.shift(self.shift_x, x, cache, shared, "ffn_shift") - x
         y = self.value(torch.relu(self.key(x + xx * self.mu_k)).square())
         if self.receptance is not None:
             y = torch.sigmoid(self.receptance(x + xx * self.mu_r)) * y

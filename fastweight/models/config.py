@@ -63,10 +63,11 @@ class LMConfig:
             raise ValueError(f"LMConfig.n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
-        if (self.head_dim < 1 or self.head_dim % 2):
+        if self.head_dim < 1 or self.head_dim % 2:
             raise ValueError(f"LMConfig.head_dim must be a positive even int, got {self.head_dim}")
-        if self.expand_v <= 0 or (self.head_v_dim != self.head_dim * self.expand_v):
-            raise ValueError(f"LMConfig.expand_v * head_dim must be a positive int, got {self.expand_v} * {self.head_dim}")
+        if self.expand_v <= 0 or self.head_v_dim != self.head_dim * self.expand_v:
+            raise ValueError(f"LMConfig.expand_v * head_dim must be a positive int, "
+                             f"got {self.expand_v} * {self.head_dim}")
 
     @property
     def pattern(self) -> tuple:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from fastweight import checks
 from fastweight.layers import RMSNorm, SwiGLU, build_mixer
 from fastweight.models.config import LMConfig
 
@@ -57,7 +58,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
         x = x + self.mixer(self.mixer_norm(x), cache, shared)
         if self.mlp is not None:
-            x = x + self.mlp(self.mlp_norm(x), cache)
+            x = x + self.mlp(self.mlp_norm(x), cache, shared)
         return x
 
 
@@ -86,9 +87,12 @@ class LanguageModel(nn.Module):
     def new_cache(self) -> Cache:
         return Cache(len(self.blocks))
 
-    def forward(self, input_ids: torch.Tensor, cache: Cache | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: Cache | None = None, logits_to_keep: int = 0,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[B, T, vocab]`` (only the last ``logits_to_keep`` positions when > 0). With
-        ``cache`` the tokens continue the cached sequence and the cache is updated in place."""
+        ``cache`` the tokens continue the cached sequence and the cache is updated in place.
+        ``cu_seqlens`` (int64 ``[N+1]``, B = 1, no cache) packs N sequences along T: each is
+        computed as if alone (recurrences, convolutions, token shift, attention, positions)."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"`input_ids` must be an int64 tensor [B, T], got "
                             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
@@ -97,6 +101,13 @@ class LanguageModel(nn.Module):
         if cache is not None and len(cache.layers) != len(self.blocks):
             raise ValueError(f"`cache` has {len(cache.layers)} layers, the model {len(self.blocks)}")
         shared = {"offset": 0 if cache is None else cache.seen}
+        if cu_seqlens is not None:
+            if cache is not None:
+                raise ValueError("`cu_seqlens` (packed sequences) cannot be combined with a `cache`")
+            checks.check_cu_seqlens(cu_seqlens, input_ids.shape[0], input_ids.shape[1])
+            T = input_ids.shape[1]
+            seq = torch.searchsorted(cu_seqlens[1:], torch.arange(T, device=cu_seqlens.device), right=True)
+            shared.update(cu_seqlens=cu_seqlens, positions=torch.arange(T, device=cu_seqlens.device) - cu_seqlens[seq])
         x = self.embed(input_ids)
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache.layers[i], shared)

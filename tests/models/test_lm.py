@@ -90,3 +90,24 @@ def test_config_errors():
     assert LMConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(TypeError, match="input_ids"):
         tiny("gdn")(torch.zeros(1, 3))
+
+
+@pytest.mark.parametrize("mixer", list(MIXERS) + ["rwkv7,swa,mamba2"])
+def test_packed_sequences_match_separate_ones(mixer):
+    model = tiny(mixer, n_layers=3 if "," in mixer else 2, window_size=4)
+    lengths = [5, 1, 9]
+    seqs = [ids(B=1, T=n) for n in lengths]
+    cu_seqlens = torch.tensor([0, 5, 6, 15])
+    packed = model(torch.cat(seqs, 1), cu_seqlens=cu_seqlens)
+    separate = torch.cat([model(s) for s in seqs], 1)
+    assert rel_err(packed, separate) < 1e-5
+
+
+def test_packed_sequences_errors():
+    model = tiny("gdn")
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        model(ids(B=2, T=6), cu_seqlens=torch.tensor([0, 3, 6]))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        model(ids(B=1, T=6), cu_seqlens=torch.tensor([0, 3, 5]))
+    with pytest.raises(ValueError, match="cache"):
+        model(ids(B=1, T=6), cache=model.new_cache(), cu_seqlens=torch.tensor([0, 3, 6]))
