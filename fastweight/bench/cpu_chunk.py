@@ -7,8 +7,9 @@ all see the same machine load; process CPU time, median), side by side in one pr
 our ``chunk_gated_delta_rule`` (``fastweight.chunk``), fla's ``naive_chunk_gated_delta_rule``
 (if ``flash-linear-attention`` / ``fla-core`` is installed: the ``bench`` extra), the per-step
 recurrence (``fastweight.reference``), forward and forward+backward. Then the peak memory of
-one forward+backward at each ``--memory`` length, each in a fresh subprocess (peak RSS during
-the call minus the RSS after the inputs were made).
+one forward+backward at each ``--memory`` length, each in a fresh subprocess: the peak RSS during
+the call minus the RSS after the inputs were made (sampled, so a lower bound), and the exact
+size of the tensors autograd keeps for backward.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def _rss_bytes() -> int:
 def peak_memory_mb(T: int, H: int, D: int) -> float:
     """Peak RSS growth (MB) during one chunkwise forward+backward, sampled every 0.5 ms by a
     thread (Linux; call it in a fresh subprocess so that the allocator holds no free memory)."""
+    ours(make_inputs(64, H, D, requires_grad=True), backward=True)  # lazy library initialisation
     x = make_inputs(T, H, D, requires_grad=True)
     base, peak, done = _rss_bytes(), [0], threading.Event()
 
@@ -114,6 +116,21 @@ def peak_memory_mb(T: int, H: int, D: int) -> float:
     return (max(peak[0], _rss_bytes()) - base) / 2**20
 
 
+def saved_for_backward_mb(T: int, H: int, D: int) -> float:
+    """MB of distinct tensor storage that autograd keeps between forward and backward."""
+    x = make_inputs(T, H, D, requires_grad=True)
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        o = ours(x)
+    o.sum().backward()
+    return sum(storages.values()) / 2**20
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--T", type=int, default=4096)
@@ -127,7 +144,8 @@ def main(argv=None):
     sys.stdout.reconfigure(line_buffering=True)
     if args.peak_memory_child:
         torch.set_num_threads(args.threads or torch.get_num_threads())
-        print(json.dumps(peak_memory_mb(args.peak_memory_child, args.H, args.D)))
+        T = args.peak_memory_child
+        print(json.dumps([peak_memory_mb(T, args.H, args.D), saved_for_backward_mb(T, args.H, args.D)]))
         return
 
     if args.threads:
@@ -151,8 +169,9 @@ def main(argv=None):
         out = subprocess.run([sys.executable, "-m", "fastweight.bench.cpu_chunk", "--peak-memory-child", str(T),
                               "--H", str(args.H), "--D", str(args.D), "--threads", str(torch.get_num_threads())],
                              capture_output=True, text=True, check=True)
-        mb = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"peak memory fwd+bwd T={T:6d}: {mb:8.1f} MB  ({mb / T * 1024:.1f} MB per 1k tokens)")
+        peak, saved = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"memory fwd+bwd T={T:6d}: peak RSS growth {peak:8.1f} MB ({peak / T * 1024:5.1f} MB per 1k tokens), "
+              f"saved for backward {saved:8.1f} MB ({saved / T * 1024:5.1f} MB per 1k tokens)")
 
 
 if __name__ == "__main__":
