@@ -8,7 +8,8 @@ gc is the chunk-local cumulative log decay, gq = gc (inclusive readout) or gc on
 overflows for strong decays. The chunk (BT = 64) is cut into sub-chunks of BC = 16: a pair
 of different sub-chunks i > j factors through the reference r = gc at the last token of
 sub-chunk i - 1, exp(gq_t - r) exp(r - gc_s), both <= 1; a pair inside one sub-chunk takes
-the pairwise differences directly ([BC, BC, BK] at a time). No gate is clamped.
+the pairwise difference directly, one token of the sub-chunk at a time ([BC, BK] per step).
+No gate is clamped.
 
 Backward, given dA[t, s] = do_t . v_s (s <= t) and the inter-chunk terms from the states:
 
@@ -66,10 +67,7 @@ def decay_intra_fwd_kernel(q, k, gq, gc, u, A, cu_seqlens, chunk_indices, scale,
                 b_A += tl.dot(b_qg, tl.trans(b_kg), input_precision=DOT_PRECISION)
             p_A = A + ((bos + o_i) * H + i_h)[:, None] * BT + (i_j * BC + o_c)[None, :]
             tl.store(p_A, b_A * scale, mask=m_i[:, None])
-    if EXCLUSIVE:
-        m_s = (o_i[:, None] > o_i[None, :]) & m_i[:, None] & m_i[None, :]
-    else:
-        m_s = (o_i[:, None] >= o_i[None, :]) & m_i[:, None] & m_i[None, :]
+    # the diagonal sub-chunk, one column s at a time: pairwise differences gq_t - gc_s
     b_A = tl.zeros([BC, BC], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
@@ -77,12 +75,21 @@ def decay_intra_fwd_kernel(q, k, gq, gc, u, A, cu_seqlens, chunk_indices, scale,
         m_ik = m_i[:, None] & m_k[None, :]
         p_i = ((bos + o_i) * H + i_h)[:, None] * K + o_k[None, :]
         b_q = tl.load(q + p_i, mask=m_ik, other=0.).to(tl.float32)
-        b_k = tl.load(k + p_i, mask=m_ik, other=0.).to(tl.float32)
         b_gq = tl.load(gq + p_i, mask=m_ik, other=0.)
-        b_gk = tl.load(gc + p_i, mask=m_ik, other=0.)
-        b_e = tl.exp(tl.where(m_s[:, :, None], b_gq[:, None, :] - b_gk[None, :, :], float("-inf")))
-        b_A += tl.sum(b_q[:, None, :] * b_k[None, :, :] * b_e, axis=2)
+        for j in tl.static_range(0, BC):
+            m_kj = m_k & (i_c * BT + i_i * BC + j < T)
+            p_j = ((bos + i_c * BT + i_i * BC + j) * H + i_h) * K + o_k
+            b_kj = tl.load(k + p_j, mask=m_kj, other=0.).to(tl.float32)
+            b_gj = tl.load(gc + p_j, mask=m_kj, other=0.)
+            if EXCLUSIVE:
+                m_t = (o_c > j) & m_i
+            else:
+                m_t = (o_c >= j) & m_i
+            b_e = tl.exp(tl.where(m_t[:, None], b_gq - b_gj[None, :], float("-inf")))
+            b_a = tl.sum(b_q * b_kj[None, :] * b_e, axis=1)
+            b_A += tl.where(o_c[None, :] == j, b_a[:, None], 0.)
         if USE_U:
+            b_k = tl.load(k + p_i, mask=m_ik, other=0.).to(tl.float32)
             b_u = tl.load(u + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
             b_d = tl.sum(b_q * b_u[None, :] * b_k, axis=1)
             b_A += tl.where(o_c[:, None] == o_c[None, :], b_d[:, None], 0.)
@@ -163,16 +170,25 @@ def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgk, dgq, 
             b_qg = b_qj * tl.exp(tl.where(m_jk, b_gqj - b_gr[None, :], 0.))
             b_dk += (tl.dot(tl.trans(b_dA), b_qg, input_precision=DOT_PRECISION)
                      * scale * tl.exp(tl.where(m_ik, b_gr[None, :] - b_gk, 0.)))
-    # the diagonal sub-chunk: pairwise differences
-    if EXCLUSIVE:
-        m_s = (o_i[:, None] > o_i[None, :]) & m_i[:, None] & m_i[None, :]
-    else:
-        m_s = (o_i[:, None] >= o_i[None, :]) & m_i[:, None] & m_i[None, :]
-    b_dA = tl.load(dA + ((bos + o_i) * H + i_h)[:, None] * BT + (i_i * BC + o_c)[None, :],
-                   mask=m_s, other=0.) * scale
-    b_e = tl.exp(tl.where(m_s[:, :, None], b_gq[:, None, :] - b_gk[None, :, :], float("-inf")))
-    b_dq += tl.sum(b_dA[:, :, None] * b_k[None, :, :] * b_e, axis=1)
-    b_dk += tl.sum(b_dA[:, :, None] * b_q[:, None, :] * b_e, axis=0)
+    # the diagonal sub-chunk, one token j at a time: column j of dA for dq, row j for dk
+    for j in tl.static_range(0, BC):
+        r_j = i_c * BT + i_i * BC + j
+        m_kj = m_k & (r_j < T)
+        p_j = ((bos + r_j) * H + i_h) * K + o_k
+        if EXCLUSIVE:
+            m_t = (o_c > j) & m_i
+            m_s = (o_c < j) & m_i & (r_j < T)
+        else:
+            m_t = (o_c >= j) & m_i
+            m_s = (o_c <= j) & m_i & (r_j < T)
+        b_dAc = tl.load(dA + ((bos + o_i) * H + i_h) * BT + i_i * BC + j, mask=m_t, other=0.) * scale
+        b_kj = tl.load(k + p_j, mask=m_kj, other=0.).to(tl.float32)
+        b_gj = tl.load(gc + p_j, mask=m_kj, other=0.)
+        b_dq += b_dAc[:, None] * b_kj[None, :] * tl.exp(tl.where(m_t[:, None], b_gq - b_gj[None, :], float("-inf")))
+        b_dAr = tl.load(dA + ((bos + r_j) * H + i_h) * BT + i_i * BC + o_c, mask=m_s, other=0.) * scale
+        b_qj = tl.load(q + p_j, mask=m_kj, other=0.).to(tl.float32)
+        b_gqj = tl.load(gq + p_j, mask=m_kj, other=0.)
+        b_dk += b_dAr[:, None] * b_qj[None, :] * tl.exp(tl.where(m_s[:, None], b_gqj[None, :] - b_gk, float("-inf")))
     p_g = ((bos + o_i) * H + i_h)[:, None] * K + o_k[None, :]
     tl.store(dgk + p_g, b_q * b_dq - b_k * b_dk, mask=m_ik)
     if EXCLUSIVE:

@@ -9,7 +9,8 @@ same one token earlier, the forward formed
 so, given their gradients (``dplr_wy.py``), the row side gets dq_t = sum_s dA_qk[t, s] dA_qk/dq_t
 + (same with dA_qb), da_t likewise from dA_ak, dA_ab, and the column side dk_s, db_s from the
 transposes. As in ``decay_intra.py`` the exponentials are split only through a reference row
-between different sub-chunks (both factors <= 1), and taken pairwise inside one.
+between different sub-chunks (both factors <= 1), and taken pairwise inside one (one token
+of the sub-chunk at a time).
 
 The gate gradient (see ``decay.py``): q and a read exp(G_t) and exp(G_{t-1}), k and b
 exp(-G_s), so per token dgk = q dq - k dk - b db + a da and dga = a da, and
@@ -57,7 +58,6 @@ def dplr_intra_bwd_kernel(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s
     m_k = o_k < K
     m_ik = m_i[:, None] & m_k[None, :]
     b_q = _load_rows(q, bos, o_i, m_i, i_h, o_k, m_k, H, K)
-    b_qs = b_q * scale
     b_k = _load_rows(k, bos, o_i, m_i, i_h, o_k, m_k, H, K)
     b_a = _load_rows(a, bos, o_i, m_i, i_h, o_k, m_k, H, K)
     b_b = _load_rows(b, bos, o_i, m_i, i_h, o_k, m_k, H, K)
@@ -104,19 +104,34 @@ def dplr_intra_bwd_kernel(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s
                             input_precision=DOT_PRECISION)
             b_dk += b_dkj * b_e
             b_db += b_dbj * b_e
-    # the diagonal sub-chunk: pairwise differences
-    m_incl = (o_i[:, None] >= o_i[None, :]) & m_i[:, None] & m_i[None, :]
-    m_strict = (o_i[:, None] > o_i[None, :]) & m_i[:, None] & m_i[None, :]
-    b_ei = tl.exp(tl.where(m_incl[:, :, None], b_g[:, None, :] - b_g[None, :, :], float("-inf")))
-    b_es = tl.exp(tl.where(m_strict[:, :, None], b_gp[:, None, :] - b_g[None, :, :], float("-inf")))
-    b_dqk = tl.where(m_incl, _load_dA(dAqk, bos, o_i, m_i, i_i * BC, i_h, H, BT, BC), 0.)[:, :, None] * b_ei
-    b_dqb = tl.where(m_incl, _load_dA(dAqb, bos, o_i, m_i, i_i * BC, i_h, H, BT, BC), 0.)[:, :, None] * b_ei
-    b_dak = tl.where(m_strict, _load_dA(dAak, bos, o_i, m_i, i_i * BC, i_h, H, BT, BC), 0.)[:, :, None] * b_es
-    b_dab = tl.where(m_strict, _load_dA(dAab, bos, o_i, m_i, i_i * BC, i_h, H, BT, BC), 0.)[:, :, None] * b_es
-    b_dq += tl.sum(b_dqk * b_k[None, :, :] + b_dqb * b_b[None, :, :], axis=1)
-    b_da += tl.sum(b_dak * b_k[None, :, :] + b_dab * b_b[None, :, :], axis=1)
-    b_dk += tl.sum(b_dqk * b_qs[:, None, :] + b_dak * b_a[:, None, :], axis=0)
-    b_db += tl.sum(b_dqb * b_qs[:, None, :] + b_dab * b_a[:, None, :], axis=0)
+    # the diagonal sub-chunk, one token j at a time: column j of each dA for dq, da (rows t >= j,
+    # t > j for the a-rows), row j for dk, db (columns s <= j, s < j)
+    for j in tl.static_range(0, BC):
+        r_j = i_c * BT + i_i * BC + j
+        m_kj = m_k & (r_j < T)
+        p_j = ((bos + r_j) * H + i_h) * K + o_k
+        m_ti, m_ts = (o_c >= j) & m_i, (o_c > j) & m_i
+        m_si, m_ss = (o_c <= j) & m_i & (r_j < T), (o_c < j) & m_i & (r_j < T)
+        p_c = ((bos + o_i) * H + i_h) * BT + i_i * BC + j
+        p_r = ((bos + r_j) * H + i_h) * BT + i_i * BC + o_c
+        b_kj = tl.load(k + p_j, mask=m_kj, other=0.).to(tl.float32)
+        b_bj = tl.load(b + p_j, mask=m_kj, other=0.).to(tl.float32)
+        b_qj = tl.load(q + p_j, mask=m_kj, other=0.).to(tl.float32) * scale
+        b_aj = tl.load(a + p_j, mask=m_kj, other=0.).to(tl.float32)
+        b_gj = tl.load(gc + p_j, mask=m_kj, other=0.)
+        b_gpj = tl.load(gp + p_j, mask=m_kj, other=0.)
+        b_e = tl.exp(tl.where(m_ti[:, None], b_g - b_gj[None, :], float("-inf")))
+        b_dq += (tl.load(dAqk + p_c, mask=m_ti, other=0.)[:, None] * b_kj[None, :]
+                 + tl.load(dAqb + p_c, mask=m_ti, other=0.)[:, None] * b_bj[None, :]) * b_e
+        b_e = tl.exp(tl.where(m_ts[:, None], b_gp - b_gj[None, :], float("-inf")))
+        b_da += (tl.load(dAak + p_c, mask=m_ts, other=0.)[:, None] * b_kj[None, :]
+                 + tl.load(dAab + p_c, mask=m_ts, other=0.)[:, None] * b_bj[None, :]) * b_e
+        b_e = tl.exp(tl.where(m_si[:, None], b_gj[None, :] - b_g, float("-inf")))
+        b_dk += tl.load(dAqk + p_r, mask=m_si, other=0.)[:, None] * b_qj[None, :] * b_e
+        b_db += tl.load(dAqb + p_r, mask=m_si, other=0.)[:, None] * b_qj[None, :] * b_e
+        b_e = tl.exp(tl.where(m_ss[:, None], b_gpj[None, :] - b_g, float("-inf")))
+        b_dk += tl.load(dAak + p_r, mask=m_ss, other=0.)[:, None] * b_aj[None, :] * b_e
+        b_db += tl.load(dAab + p_r, mask=m_ss, other=0.)[:, None] * b_aj[None, :] * b_e
     # plus the parts through the states, then the gate terms
     p_i = ((bos + o_i) * H + i_h)[:, None] * K + o_k[None, :]
     b_dq = b_dq * scale + tl.load(dq_s + p_i, mask=m_ik, other=0.)
