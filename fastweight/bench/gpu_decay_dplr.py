@@ -137,6 +137,7 @@ def profile(op, shape, label):
 
 def variants():
     """Launch variants, by per-kernel time: loop form, state-pass V block, output V block."""
+    defaults = decay_state.STATE_BV, decay_output.OUTPUT_BV
     for op, shape in [("simple_gla", "gdn1.3b"), ("gla", "rwkv7paper")]:
         for label, env, state_bv, out_bv in [("for, S32, O64", "0", 32, 64), ("for, S64, O128", "0", 64, 128)]:
             os.environ["FASTWEIGHT_WHILE_LOOPS"] = env
@@ -147,7 +148,7 @@ def variants():
                 print(f"variant {op} {shape} [{label}] failed: {e!r}"[:400], flush=True)
                 ROWS.append(dict(kind="variant", op=op, shape=shape, variant=label, error=repr(e)[:400]))
     os.environ["FASTWEIGHT_WHILE_LOOPS"] = "0"
-    decay_state.STATE_BV, decay_output.OUTPUT_BV = 32, 64
+    decay_state.STATE_BV, decay_output.OUTPUT_BV = defaults
 
 
 def bench(op, shape, backward):

@@ -6,6 +6,7 @@ Forward, for a chunk with state S = h[c] before it (gq, gc as in ``decay_intra.p
 
 With a per-channel gate A comes precomputed from ``decay_intra.py`` (``USE_A``); with a
 scalar gate or none it is formed here, the decay matrix exp(gq_t - gc_s) <= 1 being safe.
+The generic DPLR output adds a second term lower(A2) v2 (``USE_A2``: A_qb times the reads U).
 
 Backward (dh[c] = dL/dS after chunk c, G = gc at the chunk's last token):
 
@@ -54,7 +55,8 @@ def decay_output_fwd_kernel(q, k, v, gq, gc, h, A, A2, v2, o, cu_seqlens, chunk_
         b_q = tl.load(p_q, boundary_check=(0, 1))
         b_h = tl.load(p_h, boundary_check=(0, 1)).to(b_q.dtype)
         if GATE == 2:
-            p_g = tl.make_block_ptr(gq + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_c * BT, i_k * BK), (BT, BK), (1, 0))
+            p_g = tl.make_block_ptr(gq + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_c * BT, i_k * BK), (BT, BK),
+                                    (1, 0))
             b_qg = (b_q.to(tl.float32) * tl.exp(tl.load(p_g, boundary_check=(0, 1)))).to(b_q.dtype)
         elif GATE == 1:
             b_qg = (b_q.to(tl.float32) * tl.exp(b_gq)[:, None]).to(b_q.dtype)

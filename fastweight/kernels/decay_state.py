@@ -113,7 +113,8 @@ def while_loops() -> bool:
 
 
 # the V block of the state pass: a sequential loop per program, so more, smaller programs hide
-# its latency; larger blocks read the gates fewer times (64 measured faster on the H200: docs/bench/decay_dplr.md)
+# its latency; larger blocks read the gates fewer times. 64 measured faster on the H200
+# (docs/bench/decay_dplr.md).
 STATE_BV = 64
 
 

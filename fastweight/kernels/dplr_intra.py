@@ -74,10 +74,14 @@ def dplr_intra_bwd_kernel(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s
                 b_e = tl.exp(b_gr[None, :] - _load_rows(gc, bos, o_j, o_j < T, i_h, o_k, m_k, H, K))
                 b_kj = _load_rows(k, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e
                 b_bj = _load_rows(b, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e
-                b_dq += tl.dot(_load_dA(dAqk, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_kj, input_precision=DOT_PRECISION)
-                b_dq += tl.dot(_load_dA(dAqb, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_bj, input_precision=DOT_PRECISION)
-                b_da += tl.dot(_load_dA(dAak, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_kj, input_precision=DOT_PRECISION)
-                b_da += tl.dot(_load_dA(dAab, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_bj, input_precision=DOT_PRECISION)
+                b_dq += tl.dot(_load_dA(dAqk, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_kj,
+                                 input_precision=DOT_PRECISION)
+                b_dq += tl.dot(_load_dA(dAqb, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_bj,
+                                 input_precision=DOT_PRECISION)
+                b_da += tl.dot(_load_dA(dAak, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_kj,
+                                 input_precision=DOT_PRECISION)
+                b_da += tl.dot(_load_dA(dAab, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_bj,
+                                 input_precision=DOT_PRECISION)
         b_dq *= tl.exp(tl.where(m_ik, b_g - b_gr[None, :], 0.))
         b_da *= tl.exp(tl.where(m_ik, b_gp - b_gr[None, :], 0.))
     # column side (dk, db) from later sub-chunks, through the reference row before each of them

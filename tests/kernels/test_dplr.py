@@ -88,6 +88,12 @@ def test_rwkv7_fp16():
     _check("rwkv7", _inputs("rwkv7", 63, K=32, gen=gen), dtype=torch.float16, gen=gen)
 
 
+def test_dplr_wide_head_dims():
+    """K = 80 (padded to 128 in the state pass), V = 72 (several V blocks, a partial last one)."""
+    gen = generator()
+    _check("dplr_delta_rule", _inputs("dplr_delta_rule", 40, K=80, V=72, gen=gen), gen=gen)
+
+
 def test_rwkv7_strong_decay():
     """Per-channel log decays down to -0.607 * 8 per step (and a chunk's worth down to about -300):
     exp(-G) over a chunk would overflow fp32; the sub-chunked pairwise decays keep every exponent
