@@ -83,3 +83,8 @@ def test_random_shapes(op, B, T, H, K, V, chunk_size, seed):
     h0 = torch.randn(B, H, K, V, dtype=torch.float64, generator=generator(seed))
     want = run(reference_impl(op), x, h0, scale=0.7, grads=False)
     assert_close(run(chunk_impl(op), x, h0, scale=0.7, chunk_size=chunk_size, grads=False), want, TOL[torch.float64])
+
+
+def test_varlen_with_an_empty_sequence():
+    """A sequence of length 0 keeps its initial state as its final state."""
+    check_varlen("gated_delta_rule", 16, lengths=(20, 0, 30))
