@@ -31,8 +31,6 @@ Gradients flow to every input (autograd through the chunk loop; the solve has it
 
 from __future__ import annotations
 
-import torch
-
 from fastweight.checks import check_chunk_size
 from fastweight.chunk.common import (chunk_layout, compute_dtype, decayed_scores, finish, initial,
                                      exp_to, local_cumsum, pass_states, scaled_sum, to_chunks)

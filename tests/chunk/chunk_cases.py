@@ -4,9 +4,12 @@ from each mechanism's ``sample``), the chunk implementation and the per-token re
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 import fastweight.chunk
+import fastweight.ops
 import fastweight.reference.ops
 from fastweight.mechanisms import get
 from fastweight.mechanisms.base import sample_log_decay
@@ -150,3 +153,13 @@ def check_low_precision(op, dtype, T=100, H=2, K=16, V=16):
     want, _ = reference_impl(op)(**{n: t.double() for n, t in x.items()}, scale=0.4)
     floor = rel_err(want.to(dtype), want)
     assert rel_err(o, want) <= 2 * floor + 1e-4, (rel_err(o, want), floor)
+
+
+def check_public_op(op, T=40, H=2, K=8, V=8):
+    """``fastweight.ops.chunk_<op>(backend="torch")`` is this implementation (same tensor names)."""
+    x = {n: t.float() for n, t in sample(op, 1, T, H, K, V).items()}
+    public = getattr(fastweight.ops, f"chunk_{op}")
+    kw = {"allow_neg_eigval": True} if "allow_neg_eigval" in inspect.signature(public).parameters else {}
+    o, S = public(**x, output_final_state=True, backend="torch", **kw)
+    want_o, want_S = chunk_impl(op)(**x, scale=K ** -0.5, output_final_state=True)
+    assert torch.equal(o, want_o) and torch.equal(S, want_S)

@@ -4,14 +4,13 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from fastweight import ops
 from fastweight.chunk.decay import chunk_gla, chunk_simple_gla, decay_chunk
 from fastweight.mechanisms.retnet import retnet_log_gamma
 from fastweight.reference import dplr_recurrent
 from fastweight.testing import generator, rel_err
 
 from chunk_cases import (DECAY_OPS, GATED_OPS, TOL, assert_close, check_fp32, check_gate_extremes,
-                         check_low_precision, check_matches_reference_fp64, check_varlen, chunk_impl,
+                         check_low_precision, check_public_op, check_matches_reference_fp64, check_varlen, chunk_impl,
                          reference_impl, run, sample)
 
 
@@ -72,10 +71,9 @@ def test_bonus_reads_the_state_before_the_write():
     assert rel_err(o, la - own) <= TOL[torch.float64]
 
 
-def test_public_op_uses_this_path():
-    x = {n: t.float() for n, t in sample("gla", 1, 40, 2, 8, 8).items()}
-    o, _ = ops.chunk_gla(**x, backend="torch")
-    assert torch.equal(o, chunk_gla(**x, scale=8 ** -0.5)[0])
+@pytest.mark.parametrize("op", DECAY_OPS)
+def test_public_op_uses_this_path(op):
+    check_public_op(op)
 
 
 @settings(max_examples=12, deadline=None)

@@ -4,13 +4,12 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from fastweight import ops
-from fastweight.chunk.delta import chunk_gated_delta_rule, delta_chunk
+from fastweight.chunk.delta import delta_chunk
 from fastweight.reference import dplr_recurrent
 from fastweight.testing import generator, rel_err
 
 from chunk_cases import (DELTA_OPS, GATED_OPS, TOL, assert_close, check_fp32, check_gate_extremes,
-                         check_low_precision, check_matches_reference_fp64, check_varlen, chunk_impl,
+                         check_low_precision, check_public_op, check_matches_reference_fp64, check_varlen, chunk_impl,
                          reference_impl, run, sample)
 
 
@@ -62,10 +61,9 @@ def test_negative_eigenvalues():
                  run(reference_impl("gated_delta_rule"), x, None, scale=0.4, grads=False), TOL[torch.float64])
 
 
-def test_public_op_uses_this_path():
-    x = {n: t.float() for n, t in sample("gated_delta_rule", 1, 40, 2, 8, 8).items()}
-    o, _ = ops.chunk_gated_delta_rule(**x, backend="torch")
-    assert torch.equal(o, chunk_gated_delta_rule(**x, scale=8 ** -0.5)[0])
+@pytest.mark.parametrize("op", DELTA_OPS)
+def test_public_op_uses_this_path(op):
+    check_public_op(op)
 
 
 def test_rejects_bad_chunk_size():

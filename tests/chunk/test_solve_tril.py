@@ -27,7 +27,8 @@ def test_matches_solve_triangular(C, dtype, tol):
     X = solve_unit_lower(L)
     assert X.dtype == dtype
     assert rel_err(X, lapack(L.double())) <= tol
-    assert torch.equal(X.triu(1), torch.zeros_like(X)) and torch.equal(X.diagonal(dim1=-2, dim2=-1), torch.ones(X.shape[:-1], dtype=dtype))
+    assert torch.equal(X.triu(1), torch.zeros_like(X))
+    assert torch.equal(X.diagonal(dim1=-2, dim2=-1), torch.ones(X.shape[:-1], dtype=dtype))
 
 
 def test_reads_only_the_strictly_lower_part():
