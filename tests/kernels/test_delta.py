@@ -49,7 +49,9 @@ def check(op, B, T, H, K, V, dtype, *, G=1, cu_seqlens=None, initial_state=True,
     h0_mine = h0.clone().requires_grad_() if initial_state else None
     kw = dict(scale=scale, initial_state=h0_mine, output_final_state=True, cu_seqlens=cu_seqlens)
     if via_ops:
-        o, ht = getattr(ops, f"chunk_{op}")(**mine, **kw, backend="triton")
+        # the mechanisms sample beta up to 2 where the op allows it (negative eigenvalues)
+        neg = dict(allow_neg_eigval=True) if op != "longhorn" else {}
+        o, ht = getattr(ops, f"chunk_{op}")(**mine, **kw, **neg, backend="triton")
     else:
         extra = dict(use_qk_l2norm_in_kernel=True) if qk_l2norm else {}
         o, ht = getattr(kernels, f"chunk_{op}")(**mine, **kw, **extra)
@@ -110,8 +112,10 @@ def test_kda_strong_decay():
     check("kda", 1, 100, 1, 32, 16, torch.float32, gate_scale=10.0)
 
 
-def test_through_ops():
-    check("gated_delta_rule", 1, 40, 2, 16, 16, torch.float32, via_ops=True)
+@pytest.mark.parametrize("op", ["gated_delta_rule", "delta_rule", "kda", "comba", "longhorn"])
+def test_through_ops(op):
+    """fastweight.ops validates, dispatches to these kernels (backend="triton"), and maps arguments."""
+    check(op, 1, 40, 2, 16, 16, torch.float32, via_ops=True)
 
 
 def test_flags():
