@@ -3,22 +3,22 @@
 From a zero state every layer's recurrence is linear in its values,
 ``o_i = sum_{j <= i} A_ij v_j`` with ``A_ij = scale q_i^T P_i ... P_{j+1} k_j``. To get
 ``A`` of a layer inside a model, :func:`recorded_recurrences` records the tensors the
-layer hands to its op during a forward pass; :func:`layer_attention_maps` runs the same op
-again with the values replaced by the identity (``v_j = e_j``, V = T), which returns
-``A`` itself: the parallel form of :mod:`fastweight.chunk.parallel`, evaluated by the
-layer's own op, so it holds for every mixer (gates, bonus terms and all). Attention and
-SWA layers have no recurrence and are skipped.
+layer hands to its op during a forward pass, :func:`recurrence_dplr` maps them onto the
+DPLR recurrence as the layer package does, and the fully parallel form
+(:mod:`fastweight.chunk.parallel`) gives ``A``. Attention and SWA layers have no
+recurrence and are skipped.
 """
 
 from __future__ import annotations
 
+import importlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
+from fastweight.chunk.parallel import dplr_attention_map
 from fastweight.layers import base as layer_base
-from fastweight.layers.linear_op import linear_op
 
 
 @dataclass
@@ -38,8 +38,8 @@ def recorded_recurrences():
     records = []
     original = layer_base.Mixer.recur
 
-    def recur(self, op, cache, *, scale, **tensors):
-        o = original(self, op, cache, scale=scale, **tensors)
+    def recur(self, op, *args, scale, **tensors):
+        o = original(self, op, *args, scale=scale, **tensors)
         records.append(Recurrence(self, op, scale, {n: t for n, t in tensors.items()}, o.detach()))
         return o
 
@@ -50,17 +50,39 @@ def recorded_recurrences():
         layer_base.Mixer.recur = original
 
 
+def recurrence_dplr(record: Recurrence) -> dict:
+    """The DPLR form of one recorded call, in the core's names (``a`` write direction, ``b`` read):
+    ``dict(q, k, a, b, gk, u)`` with ``S_t = (Diag(exp gk_t) + a_t b_t^T) S_{t-1} + k_t v_t^T``.
+
+    The layer's op is mapped onto the DPLR op by the layer package's own generic forms
+    (``fastweight.layers.linear_op.GENERIC``, fla's names: read ``a``, write ``b``), so every mixer
+    is covered the way it runs; RWKV-6 (diagonal, with the bonus ``u``) is read off directly.
+    """
+    lo = importlib.import_module("fastweight.layers.linear_op")
+    tensors = dict(record.tensors)
+    if record.op == "rwkv6":
+        return dict(q=tensors["r"], k=tensors["k"], a=None, b=None, gk=tensors["w"], u=tensors["u"])
+    captured = {}
+
+    def capture(mode, q, k, v, a, b, gk, **kw):
+        captured.update(q=q, k=k, a=b, b=a, gk=gk, u=None)
+        return v, None
+
+    original = lo._dplr
+    lo._dplr = capture
+    try:
+        with lo.force_generic():
+            lo.linear_op(record.op, "chunk", scale=record.scale, **tensors)
+    finally:
+        lo._dplr = original
+    return captured
+
+
 def recurrence_attention_map(record: Recurrence) -> torch.Tensor:
-    """A [B, H, T, T] of one recorded call: its op run on identity values from a zero state."""
-    v = record.tensors["v"]
-    B, T, H = v.shape[:3]
-    eye = torch.eye(T, dtype=torch.float32, device=v.device)[None, :, None, :].expand(B, T, H, T).contiguous()
-    tensors = {n: (t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
-               for n, t in record.tensors.items()}
-    tensors["v"] = eye
-    A, _ = linear_op(record.op, "chunk", scale=record.scale, initial_state=None, output_final_state=False,
-                     **tensors)
-    return A.transpose(1, 2)
+    """A [B, H, T, T] of one recorded call, from the fully parallel form
+    (:func:`fastweight.chunk.parallel.dplr_attention_map` on :func:`recurrence_dplr`)."""
+    d = {n: (t.float() if isinstance(t, torch.Tensor) else t) for n, t in recurrence_dplr(record).items()}
+    return dplr_attention_map(d["q"], d["k"], d["a"], d["b"], d["gk"], u=d["u"], scale=record.scale)
 
 
 @torch.no_grad()

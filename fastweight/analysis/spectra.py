@@ -10,8 +10,6 @@ direction.
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 from fastweight.mechanisms import get
@@ -37,36 +35,16 @@ def sample_spectra(mechanism, *, T: int = 32, H: int = 2, K: int = 16, seed: int
 
 
 def recurrence_transitions(record) -> torch.Tensor:
-    """The transitions ``Diag(exp gk_t) + b_t a_t^T`` (fla's names: ``a`` read, ``b`` write) of one
-    recorded layer call (:func:`fastweight.analysis.attention.recorded_recurrences`): [B, T, H, K, K].
-
-    The layer's op is mapped onto the DPLR op by the layer package's own generic forms
-    (``fastweight.layers.linear_op.GENERIC``), so every mixer is covered the way it runs.
-    """
-    lo = importlib.import_module("fastweight.layers.linear_op")
-    tensors = dict(record.tensors)
-    if record.op == "rwkv6":  # diagonal: its generic form is the bonus-readout reference, not the DPLR op
-        d = dict(q=tensors["r"], a=None, b=None, gk=tensors["w"])
-    else:
-        captured = {}
-
-        def capture(mode, q, k, v, a, b, gk, **kw):
-            captured.update(q=q, a=a, b=b, gk=gk)
-            return v, None
-
-        original = lo._dplr
-        lo._dplr = capture
-        try:
-            with lo.force_generic():
-                lo.linear_op(record.op, "chunk", scale=record.scale, **tensors)
-        finally:
-            lo._dplr = original
-        d = captured
+    """The transitions ``Diag(exp gk_t) + a_t b_t^T`` of one recorded layer call
+    (:func:`fastweight.analysis.attention.recorded_recurrences`, mapped by
+    :func:`fastweight.analysis.attention.recurrence_dplr`): [B, T, H, K, K]."""
+    from fastweight.analysis.attention import recurrence_dplr
+    d = recurrence_dplr(record)
     q, gk = d["q"].float(), d["gk"]
     w = torch.ones_like(q) if gk is None else gk.float().exp().expand_as(q)
     P = torch.diag_embed(w)
     if d["a"] is not None and d["b"] is not None:
-        P = P + d["b"].float()[..., :, None] * d["a"].float()[..., None, :]
+        P = P + d["a"].float()[..., :, None] * d["b"].float()[..., None, :]
     return P
 
 

@@ -39,12 +39,12 @@ def test_state_norms_over_time():
 
 def test_attention_maps_of_model_layers_reproduce_their_outputs():
     torch.manual_seed(0)
-    model = LanguageModel(LMConfig.preset("tiny", mixer="gdn,swa,rwkv7,mamba2", n_layers=4, vocab_size=32,
-                                          d_model=32))
+    model = LanguageModel(LMConfig.preset("tiny", mixer="gdn,swa,rwkv7,mamba2,rwkv6,kda,hgrn2,longhorn",
+                                          n_layers=8, vocab_size=32, d_model=32))
     ids = torch.randint(0, 32, (2, 63))
     with recorded_recurrences() as records:
         model(ids)
-    assert [r.op for r in records] == ["gated_delta_rule", "rwkv7", "simple_gla"]
+    assert [r.op for r in records] == ["gated_delta_rule", "rwkv7", "simple_gla", "rwkv6", "kda", "hgrn2", "longhorn"]
     for r in records:
         A = recurrence_attention_map(r)
         assert A.shape == (2, r.tensors["v"].shape[2], 63, 63)
@@ -52,9 +52,9 @@ def test_attention_maps_of_model_layers_reproduce_their_outputs():
         o = torch.einsum("bhij,bjhv->bihv", A, r.tensors["v"].float())
         assert rel_err(o, r.output) < 1e-5, r.op
     maps = layer_attention_maps(model, ids)
-    assert [layer for layer, _ in maps] == [0, 2, 3]
+    assert [layer for layer, _ in maps] == [0, 2, 3, 4, 5, 6, 7]
     norms = model_state_norms(model, ids, every=16)
-    assert norms.shape == (4, 4) and torch.isnan(norms[:, 1]).all() and (norms[:, [0, 2, 3]] > 0).all()
+    assert norms.shape == (4, 8) and torch.isnan(norms[:, 1]).all() and (norms[:, [0, 2, 3]] > 0).all()
 
 
 def test_accuracy_by_length():
