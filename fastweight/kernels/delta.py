@@ -87,7 +87,7 @@ class ChunkDeltaFunction(torch.autograd.Function):
         o, ht, saved = delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks,
                                  store_h=any(ctx.needs_input_grad), p=p)
         ctx.save_for_backward(q, k, v, beta, p, *saved)
-        ctx.has_g, ctx.chunks, ctx.scale, ctx.shapes = g is not None, chunks, scale, shapes
+        ctx.chunks, ctx.scale, ctx.shapes = chunks, scale, shapes
         ctx.has_h0 = initial_state is not None
         ctx.g_dtype = g.dtype if g is not None else None
         ctx.g_shape = shapes[1][:3] + ((qshape_k,) if g is not None and g.dim() == 4 else ())

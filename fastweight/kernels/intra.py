@@ -27,7 +27,6 @@ import triton.language as tl
 
 from fastweight.kernels.common import Chunks, alloc, mm
 
-BC = 16
 # A diagonal block whose decay over its 16 rows stays under exp(SAFE_SPAN) in every channel is
 # factored through its first row like the off-diagonal ones (operands up to e^40: in bf16/fp32
 # range; fp16 inputs factor in fp32); beyond it the exact pairwise form runs.
