@@ -30,6 +30,9 @@ from fastweight.kernels.state import state_bwd, state_output_fwd
 from fastweight.kernels.wy import recompute_w_u, wy_bwd
 
 
+MAX_K = 256
+
+
 def _pack(x):
     """[B, T, H, ...] -> [1, B*T, H, ...] contiguous."""
     return None if x is None else x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
@@ -124,6 +127,9 @@ def chunk_delta(q, k, v, g, beta, *, scale, initial_state=None, output_final_sta
     q, k: [B, T, H, K]; v: [B, T, HV, V] (HV a multiple of H); g, beta: [B, T, HV];
     initial_state [N, HV, K, V]. Returns (o [B, T, HV, V], final state [N, HV, K, V] fp32 or None).
     """
+    if k.shape[-1] > MAX_K:
+        raise ValueError(f"`k` must have a head dim K <= {MAX_K} for the chunked delta kernels (the state pass "
+                         f"holds all of K in one program), got K = {k.shape[-1]}")
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
         p = l2norm(p) if p is not None else None

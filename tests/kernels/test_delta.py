@@ -118,6 +118,12 @@ def test_through_ops(op):
     check(op, 1, 40, 2, 16, 16, torch.float32, via_ops=True)
 
 
+def test_key_dim_limit():
+    x = {n: t.float() for n, t in sample("gated_delta_rule", 1, 8, 1, 264, 16).items()}
+    with pytest.raises(ValueError, match="`k`"):
+        kernels.chunk_gated_delta_rule(**x, scale=1.0)
+
+
 def test_flags():
     assert kernels.chunk_gated_delta_rule.grouped_heads and kernels.chunk_gated_delta_rule.fused_l2norm
     assert kernels.chunk_delta_rule.fused_l2norm and kernels.chunk_longhorn.grouped_heads
