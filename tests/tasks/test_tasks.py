@@ -53,6 +53,14 @@ def test_needle_answer_is_in_the_context(cls):
             assert f"for {key} is {tok.decode(answer)} ." in text
 
 
+@pytest.mark.parametrize("cls, shortest", [(SNiah1, 37), (SNiah2, 34), (SNiah3, 92)])
+def test_shortest_context_has_no_haystack(cls, shortest):
+    batch = cls(context_len=shortest).batch(2, seed=0)
+    assert batch.input_ids.shape == (2, shortest)
+    with pytest.raises(ValueError, match=f"at least {shortest}"):
+        cls(context_len=shortest - 1)
+
+
 def test_uuid_layout_and_needle_depth_varies():
     tok = tokenizer()
     batch = SNiah3(context_len=200).batch(16, seed=0)
