@@ -59,8 +59,9 @@ def test_generate_greedy_equals_repeated_argmax(mixer):
     assert model.training
 
 
-def test_decode_memory_is_constant_for_linear_mixers():
-    model = tiny("gdn,swa").eval()
+@pytest.mark.parametrize("mixer", [m for m in MIXERS if m != "attn"])
+def test_decode_memory_is_constant(mixer):
+    model = tiny(mixer).eval()
     cache = model.new_cache()
     with torch.no_grad():
         model(ids(T=20), cache=cache)
