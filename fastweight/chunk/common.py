@@ -9,8 +9,9 @@
   Exponentials are taken after the difference, in the compute dtype (:func:`exp_to`).
 - :func:`decayed_scores`: the intra-chunk matrix ``M_ri = sum_k x_r[k] y_i[k] exp(Gx_r[k] - Gy_i[k])``
   on and below the diagonal, without ever forming ``exp(-G)`` (which overflows for strong
-  decays): pairwise differences inside 16-token sub-chunks, and a reference point at the
-  sub-chunk boundary between sub-chunks (secondary chunking).
+  decays): for scalar gates the [C, C] matrix of pairwise differences; for per-channel gates
+  secondary chunking, halving the chunk down to single tokens with a reference point at each
+  boundary.
 - :func:`pass_states`: the only sequential step, the state carried from chunk to chunk.
 
 Gates are ``[..., C, 1]`` (scalar per token, broadcast over K) or ``[..., C, K]`` (per channel).
@@ -24,6 +25,7 @@ import torch
 
 from fastweight.reference.recurrence import compute_dtype
 
+# sub-chunk size of the secondary chunking in the DPLR path (dplr.py)
 SUB_CHUNK = 16
 
 
@@ -135,24 +137,34 @@ def decayed_scores(xs, y: torch.Tensor, Gx: torch.Tensor, Gy: torch.Tensor, stri
     if Gx.shape[-1] == 1 and Gy.shape[-1] == 1:
         Gamma = _pairwise_decay(Gx, Gy, mask)[..., 0]  # one [C, C] Gamma for all of xs
         return [(x @ y.transpose(-1, -2)) * Gamma for x in xs]
-    S = min(SUB_CHUNK, C)
-    rows = [[] for _ in xs]
-    for s in range(0, C, S):
-        Gx_s = Gx[..., s:s + S, :]
-        # inside the sub-chunk: pairwise differences, every exponent <= 0
-        y_pair = y[..., None, s:s + S, :] * _pairwise_decay(Gx_s, Gy[..., s:s + S, :], mask[:S, :S])
-        if s > 0:
-            # earlier sub-chunks: both factors decay towards the reference point G_{s-1}
-            ref = Gy[..., s - 1:s, :]
-            y_ref = y[..., :s, :] * exp_to(ref - Gy[..., :s, :], dtype)
-            x_decay = exp_to(Gx_s - ref, dtype)
-        for x, row in zip(xs, rows):
-            x_s = x[..., s:s + S, :]
-            blocks = [(y_pair @ x_s[..., None]).squeeze(-1), x.new_zeros(*x_s.shape[:-1], C - s - S)]
-            if s > 0:
-                blocks.insert(0, (x_s * x_decay) @ y_ref.transpose(-1, -2))
-            row.append(torch.cat(blocks, dim=-1))
-    return [torch.cat(row, dim=-2) for row in rows]
+    # per-channel gates: secondary chunking, halving down to single tokens. At each level the
+    # rows of every second half and the columns of the first half decay towards the boundary
+    # between them (G at the first half's last position): both exponents are <= 0.
+    Ms = [x.new_zeros(*x.shape[:-1], C) for x in xs]
+    h = C // 2
+    while h >= 1:
+        def halves(t, i):
+            return t.unflatten(-2, (C // (2 * h), 2, h))[..., i, :, :]  # [..., C / 2h, h, K]
+
+        ref = halves(Gy, 0)[..., h - 1:, :]
+        y_ref = halves(y, 0) * exp_to(ref - halves(Gy, 0), dtype)
+        x_decay = exp_to(halves(Gx, 1) - ref, dtype)
+        for x, M in zip(xs, Ms):
+            _below_diagonal_blocks(M, h).copy_((halves(x, 1) * x_decay) @ y_ref.transpose(-1, -2))
+        h //= 2
+    if not strict:
+        for x, M in zip(xs, Ms):
+            M.diagonal(dim1=-2, dim2=-1).copy_((x * y * exp_to(Gx - Gy, dtype)).sum(-1))
+    return Ms
+
+
+def _below_diagonal_blocks(M: torch.Tensor, h: int) -> torch.Tensor:
+    """View of the h x h blocks of M [..., C, C] with rows in the second and columns in the first
+    half of each 2h-block on the diagonal: [..., C / 2h, h, h]."""
+    C = M.shape[-1]
+    nb = C // (2 * h)
+    blocks = M.view(*M.shape[:-2], nb, 2, h, nb, 2, h)[..., :, 1, :, :, 0, :]  # [..., nb, h, nb, h]
+    return blocks.diagonal(dim1=-4, dim2=-2).movedim(-1, -3)
 
 
 def pass_states(U: torch.Tensor, W: torch.Tensor | None, k_end: torch.Tensor, decay_end: torch.Tensor,
