@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from fastweight.reference.recurrence import compute_dtype
 
@@ -112,6 +113,7 @@ class _PairwiseDecay(torch.autograd.Function):
         return Gamma
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dGamma):
         (Gamma,) = ctx.saved_tensors
         P = (dGamma * Gamma).double()

@@ -17,6 +17,7 @@ inverse, restricted to the entries of L that are read).
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 BLOCK = 16
 
@@ -67,6 +68,7 @@ class _SolveUnitLower(torch.autograd.Function):
         return X
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dX):
         (X,) = ctx.saved_tensors
         XT = X.transpose(-1, -2)
