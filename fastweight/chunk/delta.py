@@ -19,14 +19,15 @@ sections 2-3, derivation in docs/chunk.md):
 so with the UT transform ``T = (I + strictLower(...))^{-1} diag(beta)``:
 
     W = T (R * exp G~)      U = T V      v_tilde = U - W S            (the pseudo values)
-    O = (Q * exp G) S + ((Q K^T * Gamma) * M) v_tilde
+    O = scale ((Q * exp G) S + ((Q K^T * Gamma) * M) v_tilde)          Gamma_ri = exp(G_r - G_i)
     S <- exp(G_C) S + (K * exp(G_C - G))^T v_tilde
 
 All public functions: ``impl(<tensors>, *, scale, initial_state=None, output_final_state=False,
 cu_seqlens=None, chunk_size=64)`` -> ``(o [B, T, H, V], final state [N, H, K, V] or None)``.
 q, k (and p, per-channel g): [B, T, H, K]; v: [B, T, H, V]; beta, scalar g: [B, T, H].
 ``initial_state``: [N, H, K, V]; ``cu_seqlens`` ([N+1], B = 1) packs N sequences along T.
-Gradients flow to every input (autograd through the chunk loop; the solve has its own backward).
+Gradients flow to every input (autograd through the chunk loop; the solve and the pairwise
+decay matrix have their own backward).
 """
 
 from __future__ import annotations
