@@ -2,6 +2,7 @@
 
     fastweight plot spectra     [--mechanisms deltanet,rwkv7,...] [--length 32]   eigenvalues of P_t
     fastweight plot state-norm  [--mechanisms rwkv7,rwkv6,gla] [--length 4096]    ||S_t|| over time
+    fastweight plot state-norm  --checkpoint a/checkpoint.pt,b/checkpoint.pt       ... of trained models
     fastweight plot attention   --checkpoint runs/eval/mqar-gdn/checkpoint.pt     A of a trained model
     fastweight plot trained-spectra --checkpoint runs/eval/parity-deltanet-neg/checkpoint.pt
     fastweight plot niah-length --suite runs/eval/suite.json                      accuracy vs length
@@ -83,6 +84,29 @@ def plot_state_norms(mechanisms, out: str, *, length: int = 4096, decay_factor: 
     ax.set_title(f"state norm over time (random inputs, log decays x {decay_factor}, write bias {write_bias})",
                  fontsize=9)
     ax.legend(fontsize=8)
+    return _save(fig, out)
+
+
+def plot_model_state_norms(checkpoints, out: str, *, length: int = 2048, every: int = 32, seed: int = 0) -> str:
+    """||S||_F of every recurrent layer of trained models (mean over heads) while they read
+    ``length`` uniformly random tokens of their vocabulary (far past their training length), read
+    from the decode cache every ``every`` tokens."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for i, checkpoint in enumerate(checkpoints):
+        model, task = load_trained(checkpoint)
+        ids = torch.randint(0, task.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
+        norms = analysis.model_state_norms(model, ids, every=every)  # [points, layers]
+        x = [min(every * (j + 1), length) for j in range(norms.shape[0])]
+        for layer in range(norms.shape[1]):
+            if not torch.isnan(norms[:, layer]).all():
+                ax.plot(x, norms[:, layer].numpy(), ls=("-", "--", ":", "-.")[i % 4], lw=1.2,
+                        label=f"{model.blocks[layer].mixer_name} layer {layer}")
+    ax.set_xlabel("tokens read")
+    ax.set_ylabel("||S||_F")
+    ax.set_yscale("log")
+    ax.set_title(f"state norm of trained models over {length} random tokens", fontsize=9)
+    ax.legend(fontsize=7)
     return _save(fig, out)
 
 
@@ -182,6 +206,9 @@ def _run(args: argparse.Namespace) -> int:
         from fastweight.mechanisms import REGISTRY
         path = plot_spectra(names(args.mechanisms) or list(REGISTRY), args.out or "spectra.png",
                             length=args.length or 32, seed=args.seed)
+    elif args.figure == "state-norm" and args.checkpoint:
+        path = plot_model_state_norms(names(args.checkpoint), args.out or "model_state_norm.png",
+                                      length=args.length or 2048, seed=args.seed)
     elif args.figure == "state-norm":
         path = plot_state_norms(names(args.mechanisms) or ["rwkv7", "rwkv6", "gla", "gated_deltanet"],
                                 args.out or "state_norm.png", length=args.length or 4096,
@@ -209,7 +236,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--length", type=int, default=0, help="sequence length (spectra 32, state-norm 4096)")
     parser.add_argument("--decay-factor", type=float, default=0.001, help="state-norm: log decays scaled by this")
     parser.add_argument("--write-bias", type=float, default=0.5, help="state-norm: constant added to k and v")
-    parser.add_argument("--checkpoint", default="", help="attention, trained-spectra: a fastweight train checkpoint")
+    parser.add_argument("--checkpoint", default="", help="attention, trained-spectra: a fastweight train "
+                        "checkpoint; state-norm: comma-separated checkpoints (trained models instead of random inputs)")
     parser.add_argument("--suite", default="runs/eval/suite.json", help="niah-length: a fastweight eval result")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=_run)

@@ -22,6 +22,9 @@ def test_plots_are_written(tmp_path, capsys):
     assert cli_main(["plot", "trained-spectra", "--checkpoint", str(tmp_path / "run" / "checkpoint.pt"),
                      "--out", str(tmp_path / "ts.png")]) == 0
     _png(tmp_path / "ts.png")
+    assert cli_main(["plot", "state-norm", "--checkpoint", str(tmp_path / "run" / "checkpoint.pt"), "--length", "40",
+                     "--out", str(tmp_path / "msn.png")]) == 0
+    _png(tmp_path / "msn.png")
     suite = dict(results=[dict(label=m, group="retrieval", eval=[
         dict(task=f"s_niah_{i}:context_len={n}", acc=a) for i in (1, 2) for n, a in ((64, 1.0), (128, 0.5))])
         for m in ("gdn", "mamba2")])
