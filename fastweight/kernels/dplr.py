@@ -8,7 +8,7 @@ Per chunk of 64 tokens, G the chunk-local cumulative log decay, G^- one token ea
 state before the chunk (the readable spec is ``fastweight/chunk/dplr.py``):
 
     1. A_qk, A_qb (s <= t, decays exp(G_t - G_s)), A_ak, A_ab (s < t, exp(G^-_t - G_s))
-       with sub-chunked safe decays                                   ``decay_intra.py``
+       with sub-chunked safe decays, in one pass                      ``dplr_intra.py``
     2. T = (I - A_ab)^{-1} (blockwise exact solve)                    ``kkt_solve.py``
        W = T (a * exp(G^-)),  U~ = T A_ak V                          ``dplr_wy.py``
     3. per chunk in order: U = W S + U~,
@@ -30,9 +30,8 @@ import torch
 
 from fastweight.kernels.common import Chunks, prepare_chunks
 from fastweight.kernels.decay_gate import gate_cumsum, gate_reverse_cumsum
-from fastweight.kernels.decay_intra import intra_fwd
 from fastweight.kernels.decay_output import output_fwd
-from fastweight.kernels.dplr_intra import dplr_intra_bwd
+from fastweight.kernels.dplr_intra import dplr_intra_bwd, dplr_intra_fwd
 from fastweight.kernels.dplr_state import dplr_state_bwd, dplr_state_fwd
 from fastweight.kernels.dplr_wy import dplr_bwd_local, dplr_wy_fwd
 from fastweight.kernels.kkt_solve import solve
@@ -45,10 +44,7 @@ def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks):
     T, H = q.shape[1], q.shape[2]
     gc = gate_cumsum(gk, None, chunks, H, T)
     gp = gc - gk.float()
-    Aqk = intra_fwd(q, k, gc, gc, None, scale, chunks, exclusive=False)
-    Aqb = intra_fwd(q, b, gc, gc, None, scale, chunks, exclusive=False)
-    Aak = intra_fwd(a, k, gp, gc, None, 1.0, chunks, exclusive=True)
-    Aab = intra_fwd(a, b, gp, gc, None, 1.0, chunks, exclusive=True)
+    Aqk, Aqb, Aak, Aab = dplr_intra_fwd(q, k, a, b, gc, gp, scale, chunks)
     Ai = solve(Aab, torch.full((1, T, H), -1.0, device=q.device), chunks)
     w, ut = dplr_wy_fwd(a, v, gp, Ai, Aak, chunks)
     return gc, gp, Aqk, Aqb, Aak, Ai, w, ut

@@ -1,12 +1,12 @@
-"""Backward of the generic DPLR chunk's four intra-chunk matrices, per sub-chunk of 16 tokens.
+"""The generic DPLR chunk's four intra-chunk matrices, forward and backward, per sub-chunk of 16 tokens.
 
 fla's names (``a`` read, ``b`` write). With G the chunk-local cumulative log decay and G^- the
-same one token earlier, the forward formed
+same one token earlier, the forward forms, in one pass over q, a (rows) and k, b (columns),
 
     A_qk = lower(scale q k^T * exp(G_t - G_s))      A_qb = lower(scale q b^T * exp(G_t - G_s))
     A_ak = strictLower(a k^T * exp(G^-_t - G_s))    A_ab = strictLower(a b^T * exp(G^-_t - G_s))
 
-so, given their gradients (``dplr_wy.py``), the row side gets dq_t = sum_s dA_qk[t, s] dA_qk/dq_t
+Given their gradients (``dplr_wy.py``), the row side gets dq_t = sum_s dA_qk[t, s] dA_qk/dq_t
 + (same with dA_qb), da_t likewise from dA_ak, dA_ab, and the column side dk_s, db_s from the
 transposes. As in ``decay_intra.py`` the exponentials are split only through a reference row
 between different sub-chunks (both factors <= 1), and taken pairwise inside one (one token
@@ -37,6 +37,83 @@ def _load_rows(x, bos, o, m, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr):
 def _load_dA(dA, bos, o_r, m_r, c0, i_h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     return tl.load(dA + ((bos + o_r) * H + i_h)[:, None] * BT + (c0 + tl.arange(0, BC))[None, :], mask=m_r[:, None],
                    other=0.)
+
+
+@triton.jit
+def dplr_intra_fwd_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, cu_seqlens, chunk_indices, scale,
+                          H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):
+    i_tc, i_h = tl.program_id(0), tl.program_id(1)
+    NC: tl.constexpr = BT // BC
+    i_t, i_i = (i_tc // NC).to(tl.int64), i_tc % NC
+    i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    if i_c * BT + i_i * BC >= T:
+        return
+    o_c = tl.arange(0, BC)
+    o_i = i_c * BT + i_i * BC + o_c
+    m_i = o_i < T
+    p_A = ((bos + o_i) * H + i_h)[:, None] * BT
+    # earlier sub-chunks j < i, through the reference row before sub-chunk i
+    o_r = bos + i_c * BT + i_i * BC - 1
+    for i_j in tl.static_range(0, NC - 1):
+        if i_j < i_i:
+            o_j = i_c * BT + i_j * BC + o_c
+            b_qk = tl.zeros([BC, BC], dtype=tl.float32)
+            b_qb = tl.zeros([BC, BC], dtype=tl.float32)
+            b_ak = tl.zeros([BC, BC], dtype=tl.float32)
+            b_ab = tl.zeros([BC, BC], dtype=tl.float32)
+            for i_k in range(0, tl.cdiv(K, BK)):
+                o_k = i_k * BK + tl.arange(0, BK)
+                m_k = o_k < K
+                m_ik = m_i[:, None] & m_k[None, :]
+                b_gr = tl.load(gc + (o_r * H + i_h) * K + o_k, mask=m_k, other=0.)
+                b_qg = _load_rows(q, bos, o_i, m_i, i_h, o_k, m_k, H, K) * tl.exp(
+                    tl.where(m_ik, _load_rows(gc, bos, o_i, m_i, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
+                b_ag = _load_rows(a, bos, o_i, m_i, i_h, o_k, m_k, H, K) * tl.exp(
+                    tl.where(m_ik, _load_rows(gp, bos, o_i, m_i, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
+                b_e = tl.exp(b_gr[None, :] - _load_rows(gc, bos, o_j, o_j < T, i_h, o_k, m_k, H, K))
+                b_kg = tl.trans(_load_rows(k, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e)
+                b_bg = tl.trans(_load_rows(b, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e)
+                b_qk += tl.dot(b_qg, b_kg, input_precision=DOT_PRECISION)
+                b_qb += tl.dot(b_qg, b_bg, input_precision=DOT_PRECISION)
+                b_ak += tl.dot(b_ag, b_kg, input_precision=DOT_PRECISION)
+                b_ab += tl.dot(b_ag, b_bg, input_precision=DOT_PRECISION)
+            p_j = p_A + (i_j * BC + o_c)[None, :]
+            tl.store(Aqk + p_j, b_qk * scale, mask=m_i[:, None])
+            tl.store(Aqb + p_j, b_qb * scale, mask=m_i[:, None])
+            tl.store(Aak + p_j, b_ak, mask=m_i[:, None])
+            tl.store(Aab + p_j, b_ab, mask=m_i[:, None])
+    # the diagonal sub-chunk, one column j at a time: pairwise differences
+    b_qk = tl.zeros([BC, BC], dtype=tl.float32)
+    b_qb = tl.zeros([BC, BC], dtype=tl.float32)
+    b_ak = tl.zeros([BC, BC], dtype=tl.float32)
+    b_ab = tl.zeros([BC, BC], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_q = _load_rows(q, bos, o_i, m_i, i_h, o_k, m_k, H, K)
+        b_a = _load_rows(a, bos, o_i, m_i, i_h, o_k, m_k, H, K)
+        b_g = _load_rows(gc, bos, o_i, m_i, i_h, o_k, m_k, H, K)
+        b_gp = _load_rows(gp, bos, o_i, m_i, i_h, o_k, m_k, H, K)
+        for j in tl.static_range(0, BC):
+            m_kj = m_k & (i_c * BT + i_i * BC + j < T)
+            p_j = ((bos + i_c * BT + i_i * BC + j) * H + i_h) * K + o_k
+            b_kj = tl.load(k + p_j, mask=m_kj, other=0.).to(tl.float32)
+            b_bj = tl.load(b + p_j, mask=m_kj, other=0.).to(tl.float32)
+            b_gj = tl.load(gc + p_j, mask=m_kj, other=0.)
+            b_e = tl.exp(tl.where(((o_c >= j) & m_i)[:, None], b_g - b_gj[None, :], float("-inf")))
+            b_qk += tl.where(o_c[None, :] == j, tl.sum(b_q * b_kj[None, :] * b_e, axis=1)[:, None], 0.)
+            b_qb += tl.where(o_c[None, :] == j, tl.sum(b_q * b_bj[None, :] * b_e, axis=1)[:, None], 0.)
+            b_e = tl.exp(tl.where(((o_c > j) & m_i)[:, None], b_gp - b_gj[None, :], float("-inf")))
+            b_ak += tl.where(o_c[None, :] == j, tl.sum(b_a * b_kj[None, :] * b_e, axis=1)[:, None], 0.)
+            b_ab += tl.where(o_c[None, :] == j, tl.sum(b_a * b_bj[None, :] * b_e, axis=1)[:, None], 0.)
+    p_j = p_A + (i_i * BC + o_c)[None, :]
+    tl.store(Aqk + p_j, b_qk * scale, mask=m_i[:, None])
+    tl.store(Aqb + p_j, b_qb * scale, mask=m_i[:, None])
+    tl.store(Aak + p_j, b_ak, mask=m_i[:, None])
+    tl.store(Aab + p_j, b_ab, mask=m_i[:, None])
 
 
 @triton.jit
@@ -148,6 +225,19 @@ def dplr_intra_bwd_kernel(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s
     tl.store(dk + p_i, b_dk.to(dk.dtype.element_ty), mask=m_ik)
     tl.store(da + p_i, b_da.to(da.dtype.element_ty), mask=m_ik)
     tl.store(db + p_i, b_db.to(db.dtype.element_ty), mask=m_ik)
+
+
+def dplr_intra_fwd(q, k, a, b, gc, gp, scale: float, chunks: Chunks):
+    """A_qk, A_qb (scale folded in), A_ak, A_ab: [1, T, H, BT] fp32, row t holding its chunk's row;
+    only the (strict) lower triangle is written."""
+    _, T, H, K = q.shape
+    BT, BC = chunks.BT, 16
+    BK = min(32, max(16, triton.next_power_of_2(K)))
+    As = [torch.empty(1, T, H, BT, dtype=torch.float32, device=q.device) for _ in range(4)]
+    dplr_intra_fwd_kernel[(chunks.NC * (BT // BC), H)](
+        q, k, a, b, gc, gp, *As, chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, BT=BT, BC=BC, BK=BK,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=8)
+    return As
 
 
 def dplr_intra_bwd(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s, scale: float,
