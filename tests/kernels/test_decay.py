@@ -48,7 +48,7 @@ def _inputs(op, T, H=2, K=16, V=32, gen=None, decay=1.0):
     raise ValueError(op)
 
 
-def _check(op, inputs, dtype=torch.float32, initial_state=True, cu_seqlens=None, grads=True, gen=None):
+def _check(op, inputs, dtype=torch.float32, initial_state=True, cu_seqlens=None, grads=True, gen=None, final=True):
     """Run ``chunk_<op>`` on the kernels and on the float64 definition; compare o, final state, grads."""
     fn = getattr(ops, f"chunk_{op}")
     H, V = inputs["v"].shape[2], inputs["v"].shape[3]
@@ -61,17 +61,26 @@ def _check(op, inputs, dtype=torch.float32, initial_state=True, cu_seqlens=None,
     low = {n: x.to(dtype if n not in ("g", "w", "g_gamma", "initial_state") else x.dtype, copy=True)
            .requires_grad_(grads and n in trained) for n, x in leaves.items()}
     ref = {n: x.to(torch.float64, copy=True).requires_grad_(grads and n in trained) for n, x in leaves.items()}
-    o, ht = fn(**low, output_final_state=True, cu_seqlens=cu_seqlens, backend="triton")
-    ro, rht = fn(**ref, output_final_state=True, cu_seqlens=cu_seqlens, backend="reference")
+    o, ht = fn(**low, output_final_state=final, cu_seqlens=cu_seqlens, backend="triton")
+    ro, rht = fn(**ref, output_final_state=final, cu_seqlens=cu_seqlens, backend="reference")
     tol = TOL[dtype]
-    assert o.dtype == dtype and ht.dtype == torch.float32
+    assert o.dtype == dtype
     assert rel_err(o, ro) < tol, f"o: {rel_err(o, ro):.3g}"
-    assert rel_err(ht, rht) < tol, f"final state: {rel_err(ht, rht):.3g}"
+    if final:
+        assert ht.dtype == torch.float32
+        assert rel_err(ht, rht) < tol, f"final state: {rel_err(ht, rht):.3g}"
+    else:
+        assert ht is None
     if not grads:
         return
-    do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
-    torch.autograd.backward([o, ht], [do.to(dtype), dht])
-    torch.autograd.backward([ro, rht], [do.double(), dht.double()])
+    do = torch.randn(o.shape, generator=gen)
+    if final:
+        dht = torch.randn(ht.shape, generator=gen)
+        torch.autograd.backward([o, ht], [do.to(dtype), dht])
+        torch.autograd.backward([ro, rht], [do.double(), dht.double()])
+    else:
+        o.backward(do.to(dtype))
+        ro.backward(do.double())
     for n in trained:
         err = rel_err(low[n].grad, ref[n].grad)
         assert err < tol, f"d{n}: {err:.3g}"
@@ -107,6 +116,13 @@ def test_wide_head_dims():
     """K = 80, V = 72: several K and V blocks, partial last blocks."""
     gen = generator()
     _check("gla", _inputs("gla", 40, H=1, K=80, V=72, gen=gen), gen=gen)
+
+
+@pytest.mark.parametrize("op", ["simple_gla", "gla"])
+def test_without_final_state(op):
+    """No initial state in, no final state out (the backward then has no dS_T term)."""
+    gen = generator()
+    _check(op, _inputs(op, 63, gen=gen), initial_state=False, final=False, gen=gen)
 
 
 @pytest.mark.parametrize("op", ["gla", "rwkv6"])
