@@ -6,7 +6,8 @@ Two groups of experiments, each a model trained from scratch by
 - retrieval: mixers {DeltaNet, Mamba-2, Gated DeltaNet, KDA, RWKV-7}, one model per
   mixer trained on S-NIAH-1/2/3 in turns at one context length and scored at
   several (exact match of the whole needle value), one model per mixer on MQAR
-  (query accuracy). The seed's three conclusions (decay hurts retention, gating
+  (query accuracy), scored at its training length and longer ones (the same pairs,
+  queried from further away). The seed's three conclusions (decay hurts retention, gating
   helps filtering, the delta rule helps memorisation) are read off this table.
 - state tracking: {DeltaNet, DeltaNet with ``allow_neg_eigval``, RWKV-7, Mamba-2}, one
   layer, on parity and S5 (per-position accuracy of the running product), scored
@@ -44,6 +45,7 @@ class Scale:
     number_digits: int
     uuid_hex: int
     mqar: str
+    mqar_eval_lens: tuple
     state_len: int
     d_model: int
     n_layers: int
@@ -60,11 +62,13 @@ class Scale:
 
 SCALES = {
     "tiny": Scale(niah_train_len=64, niah_eval_lens=(64, 128, 256), number_digits=3, uuid_hex=8,
-                  mqar="mqar:seq_len=32,n_pairs=4,vocab_size=64", state_len=16, d_model=32, n_layers=2,
+                  mqar="mqar:seq_len=32,n_pairs=4,vocab_size=64", mqar_eval_lens=(32, 64, 128),
+                  state_len=16, d_model=32, n_layers=2,
                   n_heads=2, niah_steps=80, mqar_steps=300, parity_steps=200, s5_steps=100, batch_size=16,
                   lr=1e-2, state_lr=3e-3, eval_examples=32),
     "full": Scale(niah_train_len=512, niah_eval_lens=(512, 1024, 2048), number_digits=7, uuid_hex=32,
-                  mqar="mqar:seq_len=256,n_pairs=16,vocab_size=1024", state_len=64, d_model=128, n_layers=2,
+                  mqar="mqar:seq_len=256,n_pairs=16,vocab_size=1024", mqar_eval_lens=(256, 512, 1024),
+                  state_len=64, d_model=128, n_layers=2,
                   n_heads=2, niah_steps=600, mqar_steps=600, parity_steps=1000, s5_steps=1000, batch_size=32,
                   lr=3e-3, state_lr=3e-3, eval_examples=256),
 }
@@ -114,6 +118,8 @@ def suite(scale_name: str = "tiny", *, mixers=None, groups=("retrieval", "state 
     experiments = []
     if "retrieval" in groups:
         niah_eval = ";".join(spec for n in s.niah_eval_lens for spec in niah_specs(s, n))
+        mqar = from_spec(s.mqar)
+        mqar_eval = ";".join(replace(mqar, seq_len=n).spec() for n in s.mqar_eval_lens)
         for mixer in RETRIEVAL_MIXERS:
             if mixers and mixer not in mixers:
                 continue
@@ -121,7 +127,8 @@ def suite(scale_name: str = "tiny", *, mixers=None, groups=("retrieval", "state 
                 s.niah_steps, mixer=mixer, task=";".join(niah_specs(s, s.niah_train_len)), eval_tasks=niah_eval,
                 out_dir=os.path.join(out_dir, f"niah-{mixer}"))))
             experiments.append(Experiment("retrieval", mixer, sized(
-                s.mqar_steps, mixer=mixer, task=s.mqar, eval_tasks="", out_dir=os.path.join(out_dir, f"mqar-{mixer}"))))
+                s.mqar_steps, mixer=mixer, task=s.mqar, eval_tasks=mqar_eval,
+                out_dir=os.path.join(out_dir, f"mqar-{mixer}"))))
     if "state tracking" in groups:
         for mixer, neg in STATE_TRACKING_MIXERS:
             if mixers and mixer not in mixers:
