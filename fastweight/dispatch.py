@@ -66,6 +66,17 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x.float() * x.float()).sum(-1, keepdim=True) + eps).to(x.dtype)
 
 
+def mamba_gate(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """g = -exp(A_log) softplus(x + dt_bias): x [B, T, H] (A_log, dt_bias [H]) or [B, T, H, K]
+    (A_log [H], dt_bias [H * K]); in x's dtype, computed in float32."""
+    H = A_log.shape[0]
+    if x.dim() == 4:
+        bias, a = dt_bias.float().view(H, -1), A_log.float().exp().view(H, 1)
+    else:
+        bias, a = dt_bias.float(), A_log.float().exp()
+    return (-a * torch.nn.functional.softplus(x.float() + bias)).to(x.dtype)
+
+
 def call(op: str, mode: str, backend: str | None, tensors: dict, *, key_tensors=("q", "k"),
          use_qk_l2norm: bool = False, l2norm_tensors=("q", "k"), **kwargs):
     """Resolve and call, expanding grouped heads and applying the q/k L2 norm where the impl does not.
@@ -75,6 +86,13 @@ def call(op: str, mode: str, backend: str | None, tensors: dict, *, key_tensors=
     device = next(t.device for t in tensors.values() if isinstance(t, torch.Tensor))
     impl = resolve(op, mode, backend, device)
     tensors = dict(tensors)
+    if tensors.get("A_log") is not None:
+        # Mamba-2's gate, requested to be formed by the op: in the kernel, or here for the others
+        A_log, dt_bias = tensors.pop("A_log"), tensors.pop("dt_bias")
+        if getattr(impl, "fused_gate", False):
+            kwargs.update(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+        else:
+            tensors["g"] = mamba_gate(tensors["g"], A_log, dt_bias)
     if use_qk_l2norm:
         if getattr(impl, "fused_l2norm", False):
             kwargs["use_qk_l2norm_in_kernel"] = True

@@ -255,24 +255,47 @@ def fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=Non
                        use_qk_l2norm_in_kernel, allow_neg_eigval, backend)
 
 
+def _gate_in_kernel(tensors, use_gate_in_kernel, A_log, dt_bias, per_channel):
+    """Mamba-2's gate g = -exp(A_log) softplus(g + dt_bias) formed by the op (``g`` is then the
+    pre-activation): adds A_log [HV] and dt_bias ([HV], or [HV * K] per channel) to ``tensors``;
+    returns the names of the log gates left to check (none when the op forms the gate)."""
+    if not use_gate_in_kernel:
+        return ("g",)
+    q, v = tensors["q"], tensors["v"]
+    if isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor):
+        HV = v.shape[2]
+        checks.check_tensor("A_log", A_log, ndim=1, shape=(HV,))
+        size = HV * q.shape[-1] if per_channel else HV
+        checks.check_tensor("dt_bias", dt_bias, ndim=1, shape=(size,))
+    tensors.update(A_log=A_log, dt_bias=dt_bias)
+    return ()
+
+
 def _gated_delta(mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                 use_qk_l2norm_in_kernel, allow_neg_eigval, backend):
-    return _op("gated_delta_rule", mode, backend, dict(q=q, k=k, v=v, g=g, beta=beta), scale=scale,
-               head=("g", "beta"), log=("g",), beta_max=_beta_max(allow_neg_eigval),
+                 use_qk_l2norm_in_kernel, allow_neg_eigval, backend, use_gate_in_kernel=False, A_log=None,
+                 dt_bias=None):
+    tensors = dict(q=q, k=k, v=v, g=g, beta=beta)
+    log = _gate_in_kernel(tensors, use_gate_in_kernel, A_log, dt_bias, per_channel=False)
+    return _op("gated_delta_rule", mode, backend, tensors, scale=scale,
+               head=("g", "beta"), log=log, beta_max=_beta_max(allow_neg_eigval),
                use_qk_l2norm=use_qk_l2norm_in_kernel, initial_state=initial_state,
                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, allow_neg_eigval=False, backend=None):
+                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, allow_neg_eigval=False,
+                           use_gate_in_kernel=False, A_log=None, dt_bias=None, backend=None):
     """Gated delta rule, chunkwise: S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,
     o_t = S_t^T (scale q_t).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V]; g (log decay, <= 0), beta: [B, T, HV].
     initial_state: [N, HV, K, V]. Returns (o [B, T, HV, V], final state [N, HV, K, V] fp32 or None).
+    use_gate_in_kernel: ``g`` is the pre-activation of Mamba-2's gate, the log decay is
+    ``-exp(A_log) softplus(g + dt_bias)`` (A_log, dt_bias: [HV]), formed inside the kernel.
     """
     return _gated_delta("chunk", q, k, v, g, beta, scale, initial_state, output_final_state,
-                        cu_seqlens, use_qk_l2norm_in_kernel, allow_neg_eigval, backend)
+                        cu_seqlens, use_qk_l2norm_in_kernel, allow_neg_eigval, backend, use_gate_in_kernel,
+                        A_log, dt_bias)
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
@@ -284,22 +307,27 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
 
 
 def _kda(mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-         use_qk_l2norm_in_kernel, allow_neg_eigval, backend):
-    return _op("kda", mode, backend, dict(q=q, k=k, v=v, g=g, beta=beta), scale=scale, head=("beta",),
-               head_k=("g",), log=("g",), beta_max=_beta_max(allow_neg_eigval),
+         use_qk_l2norm_in_kernel, allow_neg_eigval, backend, use_gate_in_kernel=False, A_log=None, dt_bias=None):
+    tensors = dict(q=q, k=k, v=v, g=g, beta=beta)
+    log = _gate_in_kernel(tensors, use_gate_in_kernel, A_log, dt_bias, per_channel=True)
+    return _op("kda", mode, backend, tensors, scale=scale, head=("beta",),
+               head_k=("g",), log=log, beta_max=_beta_max(allow_neg_eigval),
                use_qk_l2norm=use_qk_l2norm_in_kernel, initial_state=initial_state,
                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-              use_qk_l2norm_in_kernel=False, allow_neg_eigval=False, backend=None):
+              use_qk_l2norm_in_kernel=False, allow_neg_eigval=False, use_gate_in_kernel=False, A_log=None,
+              dt_bias=None, backend=None):
     """KDA: S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T (scale q_t).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V]; g (log decay per key channel, <= 0): [B, T, HV, K];
     beta: [B, T, HV]. Returns (o [B, T, HV, V], final state [N, HV, K, V] or None).
+    use_gate_in_kernel (as fla): ``g`` is the pre-activation, the log decay is
+    ``-exp(A_log) softplus(g + dt_bias)`` with A_log [HV] and dt_bias [HV * K], formed in the kernel.
     """
     return _kda("chunk", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                use_qk_l2norm_in_kernel, allow_neg_eigval, backend)
+                use_qk_l2norm_in_kernel, allow_neg_eigval, backend, use_gate_in_kernel, A_log, dt_bias)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

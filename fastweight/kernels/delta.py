@@ -38,15 +38,17 @@ def _pack(x):
     return None if x is None else x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
 
 
-def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks, store_h, p=None):
-    """g: None, [1, T, H] (scalar gate) or [1, T, H, K] (per-channel gate, KDA); p: Comba's read key."""
+def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks, store_h, p=None, gate=(None, None)):
+    """g: None, [1, T, H] (scalar gate) or [1, T, H, K] (per-channel gate, KDA); p: Comba's read key;
+    gate: (A_log, dt_bias) when g is the pre-activation of Mamba-2's gate, computed in the cumsum."""
     g_cum = gk_cum = Aqk = Akk = g_read = None
+    A_log, dt_bias = gate
     if g is not None and g.dim() == 4:
-        gk_cum = chunk_local_cumsum(g, chunks)
+        gk_cum = chunk_local_cumsum(g, chunks, A_log=A_log, dt_bias=dt_bias)
         Aqk, Akk = intra_fwd(q, k, gk_cum, chunks)
         Ai = solve(Akk, beta, chunks, dtype=k.dtype)
     else:
-        g_cum = chunk_local_cumsum(g, chunks) if g is not None else None
+        g_cum = chunk_local_cumsum(g, chunks, A_log=A_log, dt_bias=dt_bias) if g is not None else None
         if p is not None:
             # Comba reads the undecayed state: its read key sees the exclusive cumsum
             g_read = g_cum - g.float() if g is not None else None
@@ -77,9 +79,22 @@ def delta_bwd(q, k, v, beta, saved, do, dht, scale, chunks, need_dh0, p=None):
     return dq, dk, dv, dg, dbeta, dh0, dp
 
 
+def _gate_backward(dg, x, A_log, dt_bias):
+    """The VJP of g = -exp(A_log) softplus(x + dt_bias) (x: [B, T, H] or [B, T, H, K]); dg in fp32."""
+    H = A_log.shape[0]
+    bias = dt_bias.float().view(H, -1) if x.dim() == 4 else dt_bias.float()
+    a = A_log.float().exp().view(H, 1) if x.dim() == 4 else A_log.float().exp()
+    z = x.float() + bias
+    dz = dg.float() * -a * torch.sigmoid(z)
+    dA = (dg.float() * -a * torch.nn.functional.softplus(z)).sum(dim=(0, 1))
+    dA = dA.sum(-1) if x.dim() == 4 else dA
+    return dz.to(x.dtype), dA.to(A_log.dtype), dz.sum(dim=(0, 1)).reshape(dt_bias.shape).to(dt_bias.dtype)
+
+
 class ChunkDeltaFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, p=None):
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, p=None, A_log=None,
+                dt_bias=None):
         B, T = q.shape[:2]
         chunks = prepare_chunks(cu_seqlens, B, T, BT_DELTA, q.device)
         shapes = (q.shape, v.shape)
@@ -88,8 +103,8 @@ class ChunkDeltaFunction(torch.autograd.Function):
         if initial_state is not None:
             initial_state = initial_state.contiguous()
         o, ht, saved = delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks,
-                                 store_h=any(ctx.needs_input_grad), p=p)
-        ctx.save_for_backward(q, k, v, beta, p, *saved)
+                                 store_h=any(ctx.needs_input_grad), p=p, gate=(A_log, dt_bias))
+        ctx.save_for_backward(q, k, v, beta, p, g if A_log is not None else None, A_log, dt_bias, *saved)
         ctx.chunks, ctx.scale, ctx.shapes = chunks, scale, shapes
         ctx.has_h0 = initial_state is not None
         ctx.g_dtype = g.dtype if g is not None else None
@@ -99,7 +114,7 @@ class ChunkDeltaFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, beta, p, *saved = ctx.saved_tensors
+        q, k, v, beta, p, g_raw, A_log, dt_bias, *saved = ctx.saved_tensors
         (qshape, vshape), chunks = ctx.shapes, ctx.chunks
         dq, dk, dv, dg, dbeta, dh0, dp = delta_bwd(q, k, v, beta, saved, _pack(do), dht, ctx.scale, chunks,
                                                    ctx.has_h0 and ctx.needs_input_grad[6], p=p)
@@ -117,11 +132,14 @@ class ChunkDeltaFunction(torch.autograd.Function):
         dg = dg.to(ctx.g_dtype).reshape(ctx.g_shape) if dg is not None else None
         dbeta = dbeta.to(beta.dtype).reshape(gshape)
         dh0 = dh0.to(ctx.h0_dtype) if dh0 is not None else None
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None, dp
+        dA_log = d_dt_bias = None
+        if A_log is not None:
+            dg, dA_log, d_dt_bias = _gate_backward(dg, g_raw.view(ctx.g_shape), A_log, dt_bias)
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, dp, dA_log, d_dt_bias
 
 
 def chunk_delta(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-                use_qk_l2norm_in_kernel=False, p=None):
+                use_qk_l2norm_in_kernel=False, p=None, A_log=None, dt_bias=None):
     """S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T (g None: no decay), chunked.
 
     q, k: [B, T, H, K]; v: [B, T, HV, V] (HV a multiple of H); g, beta: [B, T, HV];
@@ -133,16 +151,30 @@ def chunk_delta(q, k, v, g, beta, *, scale, initial_state=None, output_final_sta
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
         p = l2norm(p) if p is not None else None
-    o, ht = ChunkDeltaFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, p)
+    o, ht = ChunkDeltaFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, p,
+                                     A_log, dt_bias)
     return o, (ht if output_final_state else None)
 
 
+def _gate_params(use_gate_in_kernel, A_log, dt_bias):
+    if not use_gate_in_kernel:
+        return dict(A_log=None, dt_bias=None)
+    if A_log is None or dt_bias is None:
+        raise ValueError("`use_gate_in_kernel=True` needs `A_log` and `dt_bias`")
+    return dict(A_log=A_log.contiguous(), dt_bias=dt_bias.contiguous())
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False,
-                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, **_):
-    """Gated DeltaNet: S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T (scale q_t)."""
+                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
+                           use_gate_in_kernel=False, **_):
+    """Gated DeltaNet: S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T (scale q_t).
+
+    use_gate_in_kernel: ``g`` is the pre-activation and the kernel forms the log gate
+    ``-exp(A_log) softplus(g + dt_bias)`` (A_log, dt_bias: [HV]), with gradients for all three."""
     return chunk_delta(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                       **_gate_params(use_gate_in_kernel, A_log, dt_bias))
 
 
 def chunk_delta_rule(q, k, v, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -154,11 +186,15 @@ def chunk_delta_rule(q, k, v, beta, *, scale, initial_state=None, output_final_s
 
 
 def chunk_kda(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-              use_qk_l2norm_in_kernel=False, **_):
-    """KDA: S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T, g: [B, T, HV, K]."""
+              use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, use_gate_in_kernel=False, **_):
+    """KDA: S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T, g: [B, T, HV, K].
+
+    use_gate_in_kernel: ``g`` is the pre-activation and the kernel forms the log gate
+    ``-exp(A_log) softplus(g + dt_bias)`` (A_log: [HV], dt_bias: [HV * K]), as fla's chunk_kda."""
     return chunk_delta(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                       **_gate_params(use_gate_in_kernel, A_log, dt_bias))
 
 
 def chunk_comba(q, k, v, p, g, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -184,3 +220,4 @@ for _impl in (chunk_gated_delta_rule, chunk_delta_rule, chunk_kda, chunk_comba, 
     _impl.grouped_heads = True
 for _impl in (chunk_gated_delta_rule, chunk_delta_rule, chunk_kda, chunk_comba):
     _impl.fused_l2norm = True
+chunk_gated_delta_rule.fused_gate = chunk_kda.fused_gate = True
