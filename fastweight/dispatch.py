@@ -68,13 +68,12 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def mamba_gate(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
     """g = -exp(A_log) softplus(x + dt_bias): x [B, T, H] (A_log, dt_bias [H]) or [B, T, H, K]
-    (A_log [H], dt_bias [H * K]); in x's dtype, computed in float32."""
-    H = A_log.shape[0]
+    (A_log [H], dt_bias [H * K]); in x's dtype, computed in float32 (float64 for float64 x)."""
+    H, dt = A_log.shape[0], (torch.float64 if x.dtype == torch.float64 else torch.float32)
+    bias, a = dt_bias.to(dt), A_log.to(dt).exp()
     if x.dim() == 4:
-        bias, a = dt_bias.float().view(H, -1), A_log.float().exp().view(H, 1)
-    else:
-        bias, a = dt_bias.float(), A_log.float().exp()
-    return (-a * torch.nn.functional.softplus(x.float() + bias)).to(x.dtype)
+        bias, a = bias.view(H, -1), a.view(H, 1)
+    return (-a * torch.nn.functional.softplus(x.to(dt) + bias)).to(x.dtype)
 
 
 def call(op: str, mode: str, backend: str | None, tensors: dict, *, key_tensors=("q", "k"),
