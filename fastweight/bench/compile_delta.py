@@ -84,6 +84,11 @@ def main():
             o, ht = getattr(kernels, f"chunk_{op}")(**x, scale=0.1, initial_state=h0, output_final_state=True,
                                                      cu_seqlens=cu)
             (o.float().sum() + ht.sum()).backward()
+        if op in ("gated_delta_rule", "kda"):
+            x = inputs(op, 2, 128, 2, 128, 128, dtype, "cpu")
+            size = 2 * 128 if op == "kda" else 2
+            getattr(kernels, f"chunk_{op}")(**x, scale=0.1, use_gate_in_kernel=True, A_log=torch.zeros(2),
+                                            dt_bias=torch.zeros(size))
     print(f"{len(_seen)} kernels compiled for sm_90, {len(failures)} failed")
     raise SystemExit(1 if failures else 0)
 
