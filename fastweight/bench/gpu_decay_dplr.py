@@ -10,7 +10,8 @@ the anchor shapes, next to fla 0.6.0's figures from ``../shared/anchors``.
 variants: per-kernel CUDA time (torch.profiler) of one forward+backward for each launch
 variant (loop form, V blocks of the state pass and output).
 long:  RWKV-7 over T = 65536, bf16 inputs, fp32 state: finite, and close to the fp32
-per-token reference. ``CHECK_OPS=a,b`` limits the check section to those ops.
+per-token reference. ``CHECK_OPS=a,b`` limits the check section to those ops,
+``TIME_CASES=op:shape,...`` the time section to those cases.
 Prints a short table last; writes every row to $OUT/gpu_decay_dplr.json when OUT is set.
 """
 
@@ -202,6 +203,7 @@ def main(argv):
     dplr = [op for op in ("dplr_delta_rule", "rwkv7") if available(op)]
     if os.environ.get("CHECK_OPS"):
         decay = [op for op in decay if op in os.environ["CHECK_OPS"].split(",")]
+        dplr = [op for op in dplr if op in os.environ["CHECK_OPS"].split(",")]
     if "check" in sections:
         full = os.environ.get("CHECK_ALL_DTYPES") == "1"
         for op in decay + dplr:
@@ -211,9 +213,12 @@ def main(argv):
         for op in [op for op in ("simple_gla", "gla") if op in decay] + dplr[-1:]:
             check(op, torch.bfloat16, T=300, cu_seqlens=torch.tensor([0, 1, 100, 100, 300], device=DEV))
     if "time" in sections:
-        for op, shape in [("simple_gla", "gdn1.3b"), ("gla", "rwkv7paper")] + [
-                ("rwkv7", s) for s in ("gdn1.3b", "rwkv7paper") if "rwkv7" in dplr]:
-            timing(op, shape)
+        cases = [("simple_gla", "gdn1.3b"), ("gla", "rwkv7paper"), ("rwkv7", "gdn1.3b"), ("rwkv7", "rwkv7paper")]
+        if os.environ.get("TIME_CASES"):
+            cases = [tuple(c.split(":")) for c in os.environ["TIME_CASES"].split(",")]
+        for op, shape in cases:
+            if available(op):
+                timing(op, shape)
     if "variants" in sections:
         variants()
     if "long" in sections and "rwkv7" in dplr:
