@@ -129,12 +129,12 @@ class ChunkDeltaFunction(torch.autograd.Function):
         dq = dq.to(q.dtype).reshape(qshape)
         dk = dk.to(k.dtype).reshape(qshape)
         dv = dv.to(v.dtype).reshape(vshape)
+        dA_log = d_dt_bias = None
+        if A_log is not None:
+            dg, dA_log, d_dt_bias = _gate_backward(dg.view(ctx.g_shape), g_raw.view(ctx.g_shape), A_log, dt_bias)
         dg = dg.to(ctx.g_dtype).reshape(ctx.g_shape) if dg is not None else None
         dbeta = dbeta.to(beta.dtype).reshape(gshape)
         dh0 = dh0.to(ctx.h0_dtype) if dh0 is not None else None
-        dA_log = d_dt_bias = None
-        if A_log is not None:
-            dg, dA_log, d_dt_bias = _gate_backward(dg, g_raw.view(ctx.g_shape), A_log, dt_bias)
         return dq, dk, dv, dg, dbeta, None, dh0, None, None, dp, dA_log, d_dt_bias
 
 

@@ -234,7 +234,7 @@ def wy_bwd(k, v, beta, g_cum, Ai, dw, du, dk, dg, chunks: Chunks, gk_cum=None, A
     dAkk = alloc(Ai.shape, device=v.device, dtype=torch.float32) if gk_cum is not None else None
     use_p = p is not None
     dp = alloc(dk.shape, device=v.device, dtype=torch.float32) if use_p else None
-    dgr = alloc(beta.shape, device=v.device, dtype=torch.float32) if use_p else None
+    dgr = alloc(beta.shape, device=v.device, dtype=torch.float32) if use_p and g_cum is not None else None
     gate = g_cum if gk_cum is None else gk_cum
     wy_bwd_kernel[(chunks.NC, H)](k, p if use_p else k, v, beta, gate, g_read if use_p else gate, Ai, Akk, dw, du,
                                   dk, dk_out, dp, dv, dbeta, dg, dgr, dAkk, chunks.cu_seqlens, chunks.chunk_indices,
