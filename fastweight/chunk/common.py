@@ -129,14 +129,15 @@ def decayed_scores(xs, y: torch.Tensor, Gx: torch.Tensor, Gy: torch.Tensor, stri
 
     xs: one [..., C, K] tensor or a list of them (they share the decays: one Gamma for all);
     y: [..., C, K]; Gx, Gy: [..., C, K] or [..., C, 1] (scalar gates). Needs Gy non-increasing
-    along C and ``Gx_r <= Gy_{r'}`` for every r' < r, true for ``Gx = Gy = G`` and for the
-    exclusive ``Gx = G - g`` with ``Gy = G``. Returns [..., C, C] (a list for a list).
+    along C and ``Gx_r <= Gy_{r'}`` for every r' < r (r' <= r unless ``strict``), true for
+    ``Gx = Gy = G`` and for the exclusive ``Gx = G - g`` with ``Gy = G`` and ``strict``.
+    C: a power of two for per-channel gates. Returns [..., C, C] (a list for a list).
     """
     if isinstance(xs, torch.Tensor):
         return decayed_scores([xs], y, Gx, Gy, strict)[0]
     C, dtype = y.shape[-2], y.dtype
-    mask = _causal_mask(C, strict, dtype, y.device)
     if Gx.shape[-1] == 1 and Gy.shape[-1] == 1:
+        mask = _causal_mask(C, strict, dtype, y.device)
         Gamma = _pairwise_decay(Gx, Gy, mask)[..., 0]  # one [C, C] Gamma for all of xs
         return [(x @ y.transpose(-1, -2)) * Gamma for x in xs]
     # per-channel gates: secondary chunking, halving down to single tokens. At each level the
