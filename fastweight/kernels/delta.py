@@ -93,8 +93,8 @@ def _gate_backward(dg, x, A_log, dt_bias):
 
 class ChunkDeltaFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, p=None, A_log=None,
-                dt_bias=None):
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, p, A_log, dt_bias,
+                store_h):
         B, T = q.shape[:2]
         chunks = prepare_chunks(cu_seqlens, B, T, BT_DELTA, q.device)
         shapes = (q.shape, v.shape)
@@ -103,7 +103,7 @@ class ChunkDeltaFunction(torch.autograd.Function):
         if initial_state is not None:
             initial_state = initial_state.contiguous()
         o, ht, saved = delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks,
-                                 store_h=any(ctx.needs_input_grad), p=p, gate=(A_log, dt_bias))
+                                 store_h=store_h, p=p, gate=(A_log, dt_bias))
         ctx.save_for_backward(q, k, v, beta, p, g if A_log is not None else None, A_log, dt_bias, *saved)
         ctx.chunks, ctx.scale, ctx.shapes = chunks, scale, shapes
         ctx.has_h0 = initial_state is not None
@@ -135,7 +135,7 @@ class ChunkDeltaFunction(torch.autograd.Function):
         dg = dg.to(ctx.g_dtype).reshape(ctx.g_shape) if dg is not None else None
         dbeta = dbeta.to(beta.dtype).reshape(gshape)
         dh0 = dh0.to(ctx.h0_dtype) if dh0 is not None else None
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None, dp, dA_log, d_dt_bias
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, dp, dA_log, d_dt_bias, None
 
 
 def chunk_delta(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -151,8 +151,11 @@ def chunk_delta(q, k, v, g, beta, *, scale, initial_state=None, output_final_sta
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
         p = l2norm(p) if p is not None else None
+    # the chunk-start states are kept only when a backward can follow
+    tensors = (q, k, v, g, beta, initial_state, p, A_log, dt_bias)
+    store_h = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     o, ht = ChunkDeltaFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, p,
-                                     A_log, dt_bias)
+                                     A_log, dt_bias, store_h)
     return o, (ht if output_final_state else None)
 
 
