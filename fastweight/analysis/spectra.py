@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from fastweight.analysis.attention import recurrence_dplr
 from fastweight.mechanisms import get
 from fastweight.theory import transition_eigenvalues
 
@@ -38,9 +39,10 @@ def recurrence_transitions(record) -> torch.Tensor:
     """The transitions ``Diag(exp gk_t) + a_t b_t^T`` of one recorded layer call
     (:func:`fastweight.analysis.attention.recorded_recurrences`, mapped by
     :func:`fastweight.analysis.attention.recurrence_dplr`): [B, T, H, K, K]."""
-    from fastweight.analysis.attention import recurrence_dplr
     d = recurrence_dplr(record)
     q, gk = d["q"].float(), d["gk"]
+    if gk is not None and gk.dim() == q.dim() - 1:  # a scalar decay per head
+        gk = gk[..., None]
     w = torch.ones_like(q) if gk is None else gk.float().exp().expand_as(q)
     P = torch.diag_embed(w)
     if d["a"] is not None and d["b"] is not None:
