@@ -105,4 +105,9 @@ def call(op: str, mode: str, backend: str | None, tensors: dict, *, key_tensors=
         for n in key_tensors:
             if tensors.get(n) is not None:
                 tensors[n] = tensors[n].repeat_interleave(group, dim=2)
+    # ops compute in the dtype of their inputs: autocast would recast the chunk path's inner
+    # products one by one and mix dtypes inside it (the kernels ignore it anyway)
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        with torch.autocast(device_type=device.type, enabled=False):
+            return impl(**tensors, **kwargs)
     return impl(**tensors, **kwargs)

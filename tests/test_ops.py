@@ -166,3 +166,15 @@ def test_default_backend_matches_the_reference(name):
         o_ref, S_ref = op_of(name, mode)(**m.to_op(x), initial_state=h0, output_final_state=True,
                                          backend="reference")
         assert rel_err(o, o_ref) <= 1e-10 and rel_err(S, S_ref) <= 1e-10
+
+
+@pytest.mark.parametrize("name", MECHANISMS)
+def test_autocast_leaves_the_op_in_its_input_dtype(name):
+    """Under CPU bf16 autocast an op computes in its inputs' dtype, exactly as outside it."""
+    x, _ = sample(name, 1, 70, K=16, V=16)
+    kwargs = {n: (t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+              for n, t in get(name).to_op(x).items()}
+    o, S = op_of(name, "chunk")(**kwargs, output_final_state=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o_ac, S_ac = op_of(name, "chunk")(**kwargs, output_final_state=True)
+    assert o_ac.dtype == torch.float32 and torch.equal(o_ac, o) and torch.equal(S_ac, S)
