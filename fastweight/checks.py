@@ -182,6 +182,17 @@ def check_same_dtype(**tensors) -> None:
         raise TypeError(f"`{odd[0]}` must have the dtype of `{first}` ({dtypes[first]}); got {desc}")
 
 
+def check_float64_only_with_float64(dtype, **tensors) -> None:
+    """float64 anywhere only when the inputs (q, k, v) are float64 too: the low-precision
+    paths (the kernels) run gates and states in float32 and have no float64 mix."""
+    if dtype == torch.float64:
+        return
+    for n, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+            raise TypeError(f"`{n}` is float64 while the inputs are {dtype}: pass it in float32 "
+                            f"(or all inputs in float64)")
+
+
 def check_range(name: str, x, low: float, high: float, hint: str = "") -> None:
     """Every value of ``x`` lies in [low, high] (value check)."""
     if x is None or not _checking_values():

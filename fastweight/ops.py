@@ -49,6 +49,7 @@ def _op(op, mode, backend, tensors, *, scale, initial_state, output_final_state,
     checks.check_same_device(**tensors, initial_state=initial_state, cu_seqlens=cu_seqlens)
     vectors = [x for x in (qn, kn, vn, *key) if x not in log]
     checks.check_same_dtype(**{x: tensors[x] for x in vectors})
+    checks.check_float64_only_with_float64(tensors[qn].dtype, **tensors, initial_state=initial_state)
     checks.check_finite(**{x: t for x, t in tensors.items() if x not in log}, initial_state=initial_state)
     for name in log:
         checks.check_log_gate(name, tensors[name])

@@ -53,8 +53,8 @@ def test_mixed_dtypes(name):
     x = inputs("gated_deltanet")
     with raises(TypeError, name):
         gdn(**{name: x[name].to(torch.float64)})
-    y = inputs("rwkv7")
-    ops.chunk_rwkv7(**{**y, "w": y["w"].double()}, backend="reference")  # gates may differ
+    y = {n: t.bfloat16() for n, t in inputs("rwkv7").items()}
+    ops.chunk_rwkv7(**{**y, "w": y["w"].float()}, backend="reference")  # gates may differ
     with raises(TypeError, "b"):
         ops.chunk_rwkv7(**{**y, "b": y["b"].half()}, backend="reference")
 
@@ -172,3 +172,14 @@ def test_per_op_extra_arguments():
 def test_unknown_backend():
     with raises(ValueError, "backend"):
         ops.chunk_gated_delta_rule(**inputs("gated_deltanet"), backend="cuda-magic")
+
+
+@pytest.mark.parametrize("name", ["g", "beta", "initial_state"])
+def test_float64_beside_low_precision_inputs(name):
+    x = {n: t.bfloat16() for n, t in inputs("gated_deltanet").items()}
+    x["initial_state"] = torch.zeros(B, H, K, V)
+    x[name] = x[name].double()
+    with raises(TypeError, name):
+        ops.chunk_gated_delta_rule(**x)
+    x = {n: t.double() for n, t in x.items()}  # all float64: the reference dtype, accepted
+    assert ops.chunk_gated_delta_rule(**x)[0].dtype == torch.float64
