@@ -128,6 +128,15 @@ def check_cu_seqlens(cu_seqlens, batch: int, T: int):
     return cu_seqlens.numel() - 1
 
 
+def check_token_ids(name: str, ids, vocab_size: int) -> None:
+    """Every token id lies in [0, vocab_size) (value check)."""
+    if not _checking_values() or ids.numel() == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"`{name}` must lie in [0, {vocab_size}) (the vocabulary), got ids in [{lo}, {hi}]")
+
+
 def check_initial_state(initial_state, n: int, h: int, k: int, v: int) -> None:
     """``initial_state`` is None or a floating tensor [N, H, K, V]."""
     if initial_state is None:

@@ -48,6 +48,16 @@ class LMConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"LMConfig.{name} must be a positive int, got {value!r}")
+        for name in ("head_dim", "n_kv_heads", "intermediate_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"LMConfig.{name} must be None or a positive int, got {value!r}")
+        if not isinstance(self.recurrent_threshold, int) or self.recurrent_threshold < 0:
+            raise ValueError(f"LMConfig.recurrent_threshold must be an int >= 0, got {self.recurrent_threshold!r}")
+        for name in ("expand_v", "norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"LMConfig.{name} must be a positive number, got {value!r}")
         if not isinstance(self.mixer, str) or not self.mixer.strip():
             raise ValueError(f"LMConfig.mixer must be a comma-separated pattern of {MIXERS}, got {self.mixer!r}")
         unknown = [m for m in self.pattern if m not in MIXERS]

@@ -98,6 +98,7 @@ class LanguageModel(nn.Module):
                             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
         if input_ids.ndim != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"`input_ids` must have shape [B, T] with T >= 1, got {tuple(input_ids.shape)}")
+        checks.check_token_ids("input_ids", input_ids, self.cfg.vocab_size)
         if cache is not None and len(cache.layers) != len(self.blocks):
             raise ValueError(f"`cache` has {len(cache.layers)} layers, the model {len(self.blocks)}")
         shared = {"offset": 0 if cache is None else cache.seen}
@@ -129,6 +130,10 @@ class LanguageModel(nn.Module):
         """
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"`max_new_tokens` must be an int >= 0, got {max_new_tokens!r}")
+        if not isinstance(temperature, (int, float)) or not temperature >= 0:
+            raise ValueError(f"`temperature` must be a number >= 0, got {temperature!r}")
+        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"`top_k` must be None or an int >= 1, got {top_k!r}")
         was_training = self.training
         self.eval()
         try:

@@ -91,6 +91,20 @@ def test_config_errors():
     assert LMConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(TypeError, match="input_ids"):
         tiny("gdn")(torch.zeros(1, 3))
+    for field, value in (("n_kv_heads", 0), ("n_kv_heads", -1), ("intermediate_size", 0), ("head_dim", "8"),
+                         ("expand_v", "2"), ("norm_eps", -1.0), ("recurrent_threshold", -1)):
+        with pytest.raises(ValueError, match=field):
+            LMConfig.preset("tiny", **{field: value})
+
+
+def test_input_errors():
+    model = tiny("gdn")
+    for bad in (64, -1):
+        with pytest.raises(ValueError, match="input_ids"):
+            model(torch.full((1, 3), bad))
+    for kw, name in ((dict(temperature=-1.0), "temperature"), (dict(temperature=1.0, top_k=0), "top_k")):
+        with pytest.raises(ValueError, match=name):
+            model.generate(ids(B=1, T=3), max_new_tokens=2, **kw)
 
 
 @pytest.mark.parametrize("mixer", list(MIXERS) + ["rwkv7,swa,mamba2"])
