@@ -12,6 +12,7 @@ They are skipped inside ``torch.compile`` graphs.
 
 from __future__ import annotations
 
+import math
 import os
 from contextlib import contextmanager
 
@@ -152,8 +153,10 @@ def check_scale(scale, k: int) -> float:
         if scale.numel() != 1:
             raise ValueError(f"`scale` must be a number, got a tensor of shape {tuple(scale.shape)}")
         scale = float(scale)
-    if not isinstance(scale, (int, float)):
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"`scale` must be a float, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"`scale` must be finite, got {scale}")
     return float(scale)
 
 
@@ -174,6 +177,9 @@ def check_qkv(q, k, v, *, head_first_hint: bool = True, names: tuple = ("q", "k"
     check_tensor(kn, k, ndim=4, shape=(B, T, H, K), hint=f" (the shape of `{qn}`, [B, T, H, K])")
     check_tensor(vn, v, ndim=4, shape=(B, T, None, None), hint=f" ([B, T, HV, V] with B, T of `{qn}`)")
     HV, V = v.shape[2], v.shape[3]
+    if 0 in (B, T, H, K, HV, V):
+        raise ValueError(f"`{qn}`, `{kn}`, `{vn}` must have no empty dimension, got shapes {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)} ([B, T, H, K], [B, T, HV, V])")
     if HV % H != 0:
         raise ValueError(f"`{vn}` has {HV} heads, which must be a multiple of the {H} heads of `{qn}`/`{kn}` "
                          "(shape [B, T, HV, V])")

@@ -66,6 +66,18 @@ def test_not_a_tensor():
         gdn(scale="big")
     with raises(ValueError, "scale"):
         gdn(scale=torch.ones(2))
+    with raises(TypeError, "scale"):
+        gdn(scale=True)
+    with raises(ValueError, "scale"):
+        gdn(scale=float("nan"))
+
+
+@pytest.mark.parametrize("dim, names", [(0, "qkv"), (1, "qkv"), (2, "qkv"), (3, "qk"), (3, "v")], ids=str)
+def test_empty_dimension(dim, names):
+    """B, T, H, K or V of size 0."""
+    x = inputs("gated_deltanet")
+    with raises(ValueError, "q"):
+        gdn(**{n: x[n].narrow(dim, 0, 0) for n in names})
 
 
 @pytest.mark.parametrize("name", ["k", "v", "g", "beta", "initial_state"])
