@@ -261,6 +261,10 @@ def _gate_in_kernel(tensors, use_gate_in_kernel, A_log, dt_bias, per_channel):
     pre-activation): adds A_log [HV] and dt_bias ([HV], or [HV * K] per channel) to ``tensors``;
     returns the names of the log gates left to check (none when the op forms the gate)."""
     if not use_gate_in_kernel:
+        for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if x is not None:
+                raise ValueError(f"`{name}` is only used with use_gate_in_kernel=True (g is then the gate's "
+                                 "pre-activation); pass the log decay as g, or set the flag")
         return ("g",)
     q, v = tensors["q"], tensors["v"]
     if isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor):

@@ -105,6 +105,27 @@ def test_qk_l2norm_in_kernel(op):
     assert rel_err(o, o_ref) <= 1e-15
 
 
+@pytest.mark.parametrize("op", ["gated_delta_rule", "kda"])
+def test_gate_in_kernel(op):
+    """use_gate_in_kernel: ``g`` is the pre-activation of -exp(A_log) softplus(g + dt_bias); A_log
+    without the flag is an error, not silently dropped."""
+    name = {m.op: n for n, m in REGISTRY.items()}[op]
+    x, g = sample(name, 1, 9)
+    kwargs = get(name).to_op(x)
+    kwargs["g"] = torch.randn(kwargs["g"].shape, dtype=torch.float64, generator=g)
+    HV, K = kwargs["v"].shape[2], kwargs["k"].shape[3]
+    A_log = torch.randn(HV, dtype=torch.float64, generator=g)
+    dt_bias = torch.randn(HV * K if op == "kda" else HV, dtype=torch.float64, generator=g)
+    o, _ = op_of(name, "chunk")(**kwargs, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, backend="reference")
+    gate = -A_log.exp().view(HV, *(1,) * (kwargs["g"].ndim - 3)) * torch.nn.functional.softplus(
+        kwargs["g"] + dt_bias.view(HV, -1).squeeze(-1))
+    o_ref, _ = op_of(name, "chunk")(**{**kwargs, "g": gate}, backend="reference")
+    assert rel_err(o, o_ref) <= 1e-15
+    for extra in (dict(A_log=A_log), dict(dt_bias=dt_bias)):
+        with pytest.raises(ValueError, match="use_gate_in_kernel"):
+            op_of(name, "chunk")(**kwargs, **extra, backend="reference")
+
+
 def test_allow_neg_eigval_widens_beta():
     x, _ = sample("deltanet", 1, 9)
     x["beta"] = 1.5 * torch.ones_like(x["beta"])
