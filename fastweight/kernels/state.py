@@ -114,7 +114,7 @@ def state_output_fwd_kernel(q, k, w, u, g, Aqk, h0, o, ht, h, v_new, cu_seqlens,
     boh = tl.load(chunk_offsets + i_n)
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_INITIAL_STATE:
-        p_h0 = tl.make_block_ptr(h0 + i_nh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+        p_h0 = tl.make_block_ptr(h0 + i_nh.to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
         b_h = tl.load(p_h0, boundary_check=(0, 1)).to(tl.float32)
     if IS_VARLEN:
         # a while loop: the interpreter cannot range() over a value loaded through program_id
@@ -130,7 +130,7 @@ def state_output_fwd_kernel(q, k, w, u, g, Aqk, h0, o, ht, h, v_new, cu_seqlens,
             b_h = _fwd_step(i_t, b_h, q, k, w, u, g, Aqk, o, h, v_new, bos, T, boh, i_h, i_v, scale, H, HK, K, V,
                             BT, BK, BV, USE_G, USE_GK, STORE_H)
     if STORE_FINAL_STATE:
-        p_ht = tl.make_block_ptr(ht + i_nh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+        p_ht = tl.make_block_ptr(ht + i_nh.to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
         tl.store(p_ht, b_h.to(p_ht.dtype.element_ty), boundary_check=(0, 1))
 
 
@@ -193,7 +193,7 @@ def state_bwd_kernel(q, k, w, g, Aqk, do, dht, dh, dh0, dv, cu_seqlens, chunk_of
     boh = tl.load(chunk_offsets + i_n)
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_FINAL_STATE_GRADIENT:
-        p_dht = tl.make_block_ptr(dht + i_nh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+        p_dht = tl.make_block_ptr(dht + i_nh.to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
         b_dh = tl.load(p_dht, boundary_check=(0, 1)).to(tl.float32)
     if IS_VARLEN:
         i_t = tl.cdiv(T, BT).to(tl.int32) - 1
@@ -206,7 +206,7 @@ def state_bwd_kernel(q, k, w, g, Aqk, do, dht, dh, dh0, dv, cu_seqlens, chunk_of
             b_dh = _bwd_step(NT_ALL - 1 - i_r, b_dh, q, k, w, g, Aqk, do, dh, dv, bos, T, boh, i_h, i_v, scale, H,
                              HK, K, V, BT, BK, BV, USE_G, USE_GK)
     if STORE_INITIAL_STATE_GRADIENT:
-        p_dh0 = tl.make_block_ptr(dh0 + i_nh * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
+        p_dh0 = tl.make_block_ptr(dh0 + i_nh.to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
         tl.store(p_dh0, b_dh.to(p_dh0.dtype.element_ty), boundary_check=(0, 1))
 
 
