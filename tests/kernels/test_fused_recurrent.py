@@ -106,7 +106,8 @@ def test_grouped_heads_and_fused_l2norm(op):
     B, T, H, HV, K, V = 1, 20, 1, 2, 16, 16
     x = _inputs(op, B, T, H, K, V, HV=HV, gen=gen)
     x["k"] = torch.randn(B, T, H, K, generator=gen)
-    assert getattr(ops, f"fused_recurrent_{op}") and fr.fused_recurrent_gated_delta_rule.grouped_heads
+    kernel = getattr(fr, f"fused_recurrent_{op}")
+    assert kernel.grouped_heads and kernel.fused_l2norm
     _check(op, x, initial_state=torch.randn(B, HV, K, V, generator=gen), use_qk_l2norm_in_kernel=True)
 
 
