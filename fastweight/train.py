@@ -80,6 +80,11 @@ class TrainConfig:
                      "overfit_batches"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr}")
+        for name in ("weight_decay", "grad_clip"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"TrainConfig.device must be auto, cpu or cuda[:i], got {self.device!r}")
         sizes = {from_spec(s).vocab_size for s in self.train_specs}
@@ -109,14 +114,19 @@ def lm_config(cfg: TrainConfig, vocab_size: int):
         if not eq or key not in types:
             raise ValueError(f"`model_args`: bad item {item!r}; LMConfig fields are {sorted(types)}")
         default = types[key]
-        if isinstance(default, bool):
-            overrides[key] = value.lower() in ("1", "true", "yes")
-        elif isinstance(default, (int, float)):
-            overrides[key] = type(default)(value)
-        elif default is None:
-            overrides[key] = int(value)
-        else:
-            overrides[key] = value
+        try:
+            if isinstance(default, bool):
+                overrides[key] = {"1": True, "true": True, "yes": True, "0": False, "false": False,
+                                  "no": False}[value.lower()]
+            elif isinstance(default, (int, float)):
+                overrides[key] = type(default)(value)
+            elif default is None:
+                overrides[key] = int(value)
+            else:
+                overrides[key] = value
+        except (KeyError, ValueError):
+            raise ValueError(f"`model_args`: bad value in {item!r} (LMConfig.{key} takes "
+                             f"{'true/false' if isinstance(default, bool) else type(default or 0).__name__})") from None
     return LMConfig.preset(cfg.preset, mixer=cfg.mixer, vocab_size=vocab_size,
                            allow_neg_eigval=cfg.allow_neg_eigval, **overrides)
 

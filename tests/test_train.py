@@ -6,7 +6,7 @@ import torch
 import torch.multiprocessing as mp
 
 from fastweight.testing import rel_err
-from fastweight.train import TrainConfig, add_config_arguments, config_from_args, train
+from fastweight.train import TrainConfig, add_config_arguments, config_from_args, lm_config, train
 
 
 def tiny(tmp_path, **kw):
@@ -80,7 +80,14 @@ def test_tasks_take_turns(tmp_path):
 
 @pytest.mark.parametrize("kw, name", [(dict(steps=0), "steps"), (dict(task="mqar:n_pairs=x"), "n_pairs"),
                                       (dict(device="tpu"), "device"), (dict(eval_tasks="mqar;bogus"), "bogus"),
-                                      (dict(eval_tasks="s5"), "vocabulary")])
+                                      (dict(eval_tasks="s5"), "vocabulary"), (dict(lr=-1.0), "lr"),
+                                      (dict(grad_clip=-1.0), "grad_clip")])
 def test_bad_config_names_the_field(kw, name):
     with pytest.raises(ValueError, match=name):
         TrainConfig(**kw)
+
+
+@pytest.mark.parametrize("model_args", ["head_dim=abc", "expand_v=x", "tie_embeddings=maybe"])
+def test_bad_model_args_name_the_field(model_args):
+    with pytest.raises(ValueError, match=model_args.split("=")[0]):
+        lm_config(TrainConfig(model_args=model_args), 64)
