@@ -9,6 +9,8 @@ from fastweight.mechanisms import get
 from fastweight.reference import dplr_recurrent
 from fastweight.testing import generator, rel_err
 
+from chunk_cases import assert_close, run
+
 NAMES = ("q", "k", "v", "a", "b", "gk")
 # measured worst over 8 seeds (o, S, every gradient): fp64 2e-14, fp32 3.4e-7 (1.6e-5 in d gk
 # with strong gates when the cumulative log gates are fp32 rather than fp64: this catches it)
@@ -23,26 +25,6 @@ def sample(B, T, H, K, V, dtype, seed=None, gk_range=None):
         lo, hi = gk_range
         x["gk"] = lo + (hi - lo) * torch.rand(B, T, H, K, dtype=torch.float64, generator=g)
     return {n: t.to(dtype) for n, t in x.items()}
-
-
-def run(fn, x, h0, seed=0, **kw):
-    """Outputs, final state and the gradients of every input under random cotangents (fp64 draws)."""
-    x = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
-    h0 = None if h0 is None else h0.detach().clone().requires_grad_()
-    o, S = fn(**x, initial_state=h0, output_final_state=True, **kw)
-    g = generator(seed)
-    do = torch.randn(o.shape, dtype=torch.float64, generator=g).to(o.dtype)
-    dS = torch.randn(S.shape, dtype=torch.float64, generator=g).to(S.dtype)
-    ((o * do).sum() + (S * dS).sum()).backward()
-    grads = {f"d{n}": t.grad for n, t in x.items()}
-    if h0 is not None:
-        grads["dh0"] = h0.grad
-    return dict(o=o, S=S, **grads)
-
-
-def assert_close(got, want, tol):
-    errs = {n: rel_err(got[n], want[n]) for n in want}
-    assert all(e <= tol for e in errs.values()), errs
 
 
 def reference(x, h0, scale, cu_seqlens=None):
@@ -138,12 +120,14 @@ def test_rwkv7_against_the_papers_recurrence(T):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_inputs(dtype):
-    """Low-precision inputs are computed in fp32: the error is that of rounding the inputs and o."""
+    """Low-precision inputs are computed in fp32: o is within 2x of the fp64 reference's own rounding
+    error to ``dtype`` (plus the fp32 slack of ``check_low_precision``); the fp32 state to 1e-5."""
     x = sample(1, 100, 2, 16, 16, dtype)
     o, S = dplr_chunk(**x, scale=0.25, output_final_state=True)
     o_ref, S_ref = dplr_recurrent(**{n: t.double() for n, t in x.items()}, scale=0.25, output_final_state=True)
     assert o.dtype == dtype and S.dtype == torch.float32
-    assert rel_err(o, o_ref) <= 1e-2 and rel_err(S, S_ref) <= 1e-5
+    floor = rel_err(o_ref.to(dtype), o_ref)
+    assert rel_err(o, o_ref) <= 2 * floor + 1e-4 and rel_err(S, S_ref) <= 1e-5
 
 
 def test_public_ops_use_this_path():
