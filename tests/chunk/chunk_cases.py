@@ -155,6 +155,14 @@ def check_low_precision(op, dtype, T=100, H=2, K=16, V=16):
     assert rel_err(o, want) <= 2 * floor + 1e-4, (rel_err(o, want), floor)
 
 
+def check_random_shapes(op, B, T, H, K, V, chunk_size, seed):
+    """Forward and final state at shapes drawn by hypothesis, with an initial state, to 1e-10 in fp64."""
+    x = sample(op, B, T, H, K, V, seed=seed)
+    h0 = torch.randn(B, H, K, V, dtype=torch.float64, generator=generator(seed))
+    want = run(reference_impl(op), x, h0, scale=0.7, grads=False)
+    assert_close(run(chunk_impl(op), x, h0, scale=0.7, chunk_size=chunk_size, grads=False), want, TOL[torch.float64])
+
+
 def check_public_op(op, T=40, H=2, K=8, V=8):
     """``fastweight.ops.chunk_<op>(backend="torch")`` is this implementation (same tensor names)."""
     x = {n: t.float() for n, t in sample(op, 1, T, H, K, V).items()}

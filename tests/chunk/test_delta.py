@@ -6,11 +6,11 @@ from hypothesis import given, settings, strategies as st
 
 from fastweight.chunk.delta import delta_chunk
 from fastweight.reference import dplr_recurrent
-from fastweight.testing import generator, rel_err
+from fastweight.testing import rel_err
 
 from chunk_cases import (DELTA_OPS, GATED_OPS, TOL, assert_close, check_fp32, check_gate_extremes,
-                         check_low_precision, check_public_op, check_matches_reference_fp64, check_varlen, chunk_impl,
-                         reference_impl, run, sample)
+                         check_low_precision, check_matches_reference_fp64, check_public_op, check_random_shapes,
+                         check_varlen, chunk_impl, reference_impl, run, sample)
 
 
 @pytest.mark.parametrize("chunk_size", [16, 32, 64])
@@ -77,10 +77,7 @@ def test_rejects_bad_chunk_size():
        K=st.sampled_from([4, 8, 16]), V=st.sampled_from([4, 8]), chunk_size=st.sampled_from([16, 32, 64]),
        seed=st.integers(0, 2**31 - 1))
 def test_random_shapes(op, B, T, H, K, V, chunk_size, seed):
-    x = sample(op, B, T, H, K, V, seed=seed)
-    h0 = torch.randn(B, H, K, V, dtype=torch.float64, generator=generator(seed))
-    want = run(reference_impl(op), x, h0, scale=0.7, grads=False)
-    assert_close(run(chunk_impl(op), x, h0, scale=0.7, chunk_size=chunk_size, grads=False), want, TOL[torch.float64])
+    check_random_shapes(op, B, T, H, K, V, chunk_size, seed)
 
 
 def test_varlen_with_an_empty_sequence():
