@@ -106,6 +106,12 @@ def suite(scale_name: str = "tiny", *, mixers=None, groups=("retrieval", "state 
     unknown = set(groups) - {"retrieval", "state tracking"}
     if unknown:
         raise ValueError(f"`groups` must be among 'retrieval', 'state tracking', got {sorted(unknown)}")
+    known = set(RETRIEVAL_MIXERS) | {m for m, _ in STATE_TRACKING_MIXERS}
+    if mixers and set(mixers) - known:
+        raise ValueError(f"`mixers` must be among {sorted(known)}, got {sorted(set(mixers) - known)}")
+    for name, value in (("steps", steps), ("eval_examples", eval_examples)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"`{name}` must be None or an int >= 1, got {value!r}")
     s = SCALES[scale_name]
     base = TrainConfig(d_model=s.d_model, n_layers=s.n_layers, n_heads=s.n_heads, batch_size=s.batch_size,
                        lr=s.lr, eval_examples=eval_examples or s.eval_examples, seed=seed, progress=progress,
@@ -211,6 +217,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.tasks:
         wanted = args.tasks.split(",")
         experiments = [e for e in experiments if e.config.task.split(":")[0] in wanted]
+    if not experiments:
+        raise ValueError(f"no run of the suite matches --mixers {args.mixers!r} --groups {args.groups!r} "
+                         f"--tasks {args.tasks!r}")
     t0 = time.perf_counter()
     results = run(experiments)
     text = report(results, time.perf_counter() - t0, scale)

@@ -52,3 +52,15 @@ def test_seeds_repeat_every_experiment():
     assert len(three) == 3 * len(one)
     assert sorted({e.config.seed for e in three}) == [5, 6, 7]
     assert len({e.config.out_dir for e in three}) == len(three)
+
+
+@pytest.mark.parametrize("kw, name", [(dict(mixers=["gdnn"]), "mixers"), (dict(steps=0), "steps"),
+                                      (dict(eval_examples=0), "eval_examples")])
+def test_bad_suite_arguments_name_them(kw, name):
+    with pytest.raises(ValueError, match=name):
+        suite("tiny", **kw)
+
+
+def test_eval_with_no_matching_run_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="tasks"):
+        cli_main(["eval", "--tiny", "--tasks", "bogus", "--out", str(tmp_path)])
