@@ -227,13 +227,21 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _length(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: the figure's default), got {value}")
+    return value
+
+
 def register(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("plot", help="analysis figures (PNG)", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("figure", choices=("spectra", "trained-spectra", "state-norm", "attention", "niah-length"))
     parser.add_argument("--out", default="", help="PNG path (default: <figure>.png)")
     parser.add_argument("--mechanisms", default="", help="comma-separated registry names")
-    parser.add_argument("--length", type=int, default=0, help="sequence length (spectra 32, state-norm 4096)")
+    parser.add_argument("--length", type=_length, default=0,
+                        help="sequence length (0: spectra 32, state-norm 4096, or 2048 with --checkpoint)")
     parser.add_argument("--decay-factor", type=float, default=0.001, help="state-norm: log decays scaled by this")
     parser.add_argument("--write-bias", type=float, default=0.5, help="state-norm: constant added to k and v")
     parser.add_argument("--checkpoint", default="", help="attention, trained-spectra: a fastweight train "

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from fastweight.cli import main as cli_main
 from fastweight.train import TrainConfig, train
 
@@ -33,3 +35,9 @@ def test_plots_are_written(tmp_path, capsys):
                      "--out", str(tmp_path / "niah.png")]) == 0
     _png(tmp_path / "niah.png")
     assert str(tmp_path / "niah.png") in capsys.readouterr().out
+
+
+def test_negative_length_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["plot", "spectra", "--length", "-3"])
+    assert "--length" in capsys.readouterr().err
