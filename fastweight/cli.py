@@ -36,6 +36,15 @@ def build_parser(modules=SUBCOMMANDS) -> argparse.ArgumentParser:
     return parser
 
 
+def run_subcommand(register, command: str, argv=None) -> int:
+    """``python -m fastweight.<module> ARGS`` as ``fastweight <command> ARGS``, without loading
+    the other subcommands (``register``: the module's own)."""
+    parser = argparse.ArgumentParser(prog="fastweight")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args([command] + list(sys.argv[1:] if argv is None else argv))
+    return int(args.func(args) or 0)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

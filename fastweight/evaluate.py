@@ -254,10 +254,8 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="fastweight")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["eval"] + list(sys.argv[1:] if argv is None else argv))
-    return args.func(args)
+    from fastweight.cli import run_subcommand
+    return run_subcommand(register, "eval", argv)
 
 
 if __name__ == "__main__":

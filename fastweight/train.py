@@ -349,11 +349,8 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="fastweight train")
-    sub = parser.add_subparsers(dest="command", required=True)
-    register(sub)
-    args = parser.parse_args(["train"] + list(sys.argv[1:] if argv is None else argv))
-    return args.func(args)
+    from fastweight.cli import run_subcommand
+    return run_subcommand(register, "train", argv)
 
 
 if __name__ == "__main__":

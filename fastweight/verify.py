@@ -136,6 +136,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def main(argv=None) -> int:
+    from fastweight.cli import run_subcommand
+    return run_subcommand(register, "verify", argv)
+
+
 if __name__ == "__main__":
-    from fastweight.cli import main
-    sys.exit(main(["verify"] + sys.argv[1:]))
+    sys.exit(main())

@@ -66,3 +66,9 @@ def test_no_command_prints_help(capsys):
 def test_verify_run_api():
     result = verify.run(seed=3, length=2, names=["gla", "longhorn"])
     assert [r["mechanism"] for r in result["rows"]] == ["gla", "longhorn"] and result["ok"]
+
+
+def test_module_entry_point_runs_its_subcommand(capsys):
+    """``python -m fastweight.verify ARGS`` is ``fastweight verify ARGS``."""
+    assert verify.main(["--length", "2", "--mechanism", "gla"]) == 0
+    assert "gla" in capsys.readouterr().out
