@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastweight import ops
-from fastweight.dispatch import l2norm
+from fastweight.dispatch import l2norm, mamba_gate
 from fastweight.mechanisms import REGISTRY, get
 from fastweight.testing import generator, rel_err
 
@@ -117,9 +117,7 @@ def test_gate_in_kernel(op):
     A_log = torch.randn(HV, dtype=torch.float64, generator=g)
     dt_bias = torch.randn(HV * K if op == "kda" else HV, dtype=torch.float64, generator=g)
     o, _ = op_of(name, "chunk")(**kwargs, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, backend="reference")
-    gate = -A_log.exp().view(HV, *(1,) * (kwargs["g"].ndim - 3)) * torch.nn.functional.softplus(
-        kwargs["g"] + dt_bias.view(HV, -1).squeeze(-1))
-    o_ref, _ = op_of(name, "chunk")(**{**kwargs, "g": gate}, backend="reference")
+    o_ref, _ = op_of(name, "chunk")(**{**kwargs, "g": mamba_gate(kwargs["g"], A_log, dt_bias)}, backend="reference")
     assert rel_err(o, o_ref) <= 1e-15
     for extra in (dict(A_log=A_log), dict(dt_bias=dt_bias)):
         with pytest.raises(ValueError, match="use_gate_in_kernel"):
