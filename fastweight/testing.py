@@ -6,7 +6,8 @@ import torch
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """||x - ref|| / ||ref|| in float64 (0 when both are zero). NaN anywhere gives inf."""
+    """||x - ref|| / ||ref|| in float64 (the absolute ||x - ref|| when ref is zero). NaN or Inf in
+    ``x`` gives inf."""
     x, ref = x.double(), ref.double()
     if not bool(torch.isfinite(x).all()):
         return float("inf")
@@ -15,11 +16,17 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return num if denom == 0 else num / denom
 
 
+# The fresh seeds drawn by ``generator(None)`` during the current test (tests/conftest.py clears
+# the list before each test and prints it with a failure).
+fresh_seeds: list[int] = []
+
+
 def generator(seed: int | None = None, device="cpu") -> torch.Generator:
-    """A generator seeded from ``seed`` (fresh random seed when None, printed by pytest on failure)."""
+    """A generator seeded from ``seed``; when None, from a fresh random seed, recorded in
+    :data:`fresh_seeds` (printed by pytest with a failure: pass it as ``seed`` to reproduce)."""
     g = torch.Generator(device=device)
     if seed is None:
-        g.seed()
+        fresh_seeds.append(g.seed())
     else:
         g.manual_seed(seed)
     return g
