@@ -12,22 +12,14 @@ import pytest
 import torch
 
 from fastweight import ops
-from fastweight.testing import generator, nan_like, rel_err
+from fastweight.testing import generator, rel_err
 
 # measured: fp32 errors ~1e-6 (gate gradients through the reverse cumulative sum ~3e-6);
 # fp16: the rounding of fp16 inputs, outputs and the fp16 per-chunk states (~1e-3)
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3}
 
 
-@pytest.fixture(autouse=True)
-def poisoned(monkeypatch):
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def poison(x):
-        return nan_like(x) if x.is_floating_point() else x
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
+pytestmark = pytest.mark.usefixtures("poisoned_empty")
 
 
 def _inputs(op, T, H=2, K=16, V=32, gen=None, decay=1.0):
