@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from fastweight import kernels, ops
+from fastweight import ops
 from fastweight.kernels import decay_output, decay_state
 from fastweight.testing import nan_like, rel_err
 
@@ -71,10 +71,6 @@ def inputs(op, B, T, H, K, dtype, gen_scale=1.0):
         return dict(q=q, k=k, v=v, a=(-kk).to(dtype), b=(kk * torch.rand(B, T, H, 1, device=DEV)).to(dtype),
                     gk=g_v)
     raise ValueError(op)
-
-
-def available(op):
-    return hasattr(kernels, f"chunk_{op}")
 
 
 def check(op, dtype, T=200, H=3, K=64, cu_seqlens=None):
@@ -200,7 +196,7 @@ def main(argv):
     sections = argv or ["check", "time", "long"]
     torch.manual_seed(0)
     decay = ["linear_attn", "retention", "simple_gla", "gla", "rwkv6", "hgrn2"]
-    dplr = [op for op in ("dplr_delta_rule", "rwkv7") if available(op)]
+    dplr = ["dplr_delta_rule", "rwkv7"]
     if os.environ.get("CHECK_OPS"):
         decay = [op for op in decay if op in os.environ["CHECK_OPS"].split(",")]
         dplr = [op for op in dplr if op in os.environ["CHECK_OPS"].split(",")]
@@ -217,8 +213,7 @@ def main(argv):
         if os.environ.get("TIME_CASES"):
             cases = [tuple(c.split(":")) for c in os.environ["TIME_CASES"].split(",")]
         for op, shape in cases:
-            if available(op):
-                timing(op, shape)
+            timing(op, shape)
     if "variants" in sections:
         variants()
     if "long" in sections and "rwkv7" in dplr:
