@@ -24,6 +24,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput, generic
 
+from fastweight import checks
 from fastweight.models.config import LMConfig
 from fastweight.models.lm import Cache, LanguageModel
 
@@ -142,6 +143,10 @@ class FastweightForCausalLM(PreTrainedModel, GenerationMixin):
         logits = self.model(input_ids, cache=cache, logits_to_keep=logits_to_keep if labels is None else 0)
         loss = None
         if labels is not None:
+            if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
+                raise ValueError(f"`labels` must have the shape of `input_ids` {tuple(input_ids.shape)}, got "
+                                 f"{tuple(getattr(labels, 'shape', ())) or type(labels).__name__}")
+            checks.check_token_ids("labels", labels[labels != -100], self.model.cfg.vocab_size)
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
                                                      labels[:, 1:].flatten(), ignore_index=-100)
         return OUTPUT(loss=loss, logits=logits, **{CACHE_KEY: cache})

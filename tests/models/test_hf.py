@@ -71,5 +71,9 @@ def test_loss_labels_and_conversion():
     assert torch.allclose(out.loss, ref, rtol=1e-5)
     with pytest.raises(ValueError, match="attention_mask"):
         model(x, attention_mask=torch.zeros_like(x))
+    for labels in (x[:, :5], torch.full_like(x, 64)):
+        with pytest.raises(ValueError, match="labels"):
+            model(x, labels=labels)
+    model(x, labels=x.masked_fill(x > 30, -100))  # -100: not scored
     with pytest.raises(ValueError, match="mixer"):
         FastweightConfig(mixer="transformer")
