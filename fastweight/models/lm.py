@@ -99,6 +99,8 @@ class LanguageModel(nn.Module):
         if input_ids.ndim != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"`input_ids` must have shape [B, T] with T >= 1, got {tuple(input_ids.shape)}")
         checks.check_token_ids("input_ids", input_ids, self.cfg.vocab_size)
+        if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"`logits_to_keep` must be an int >= 0 (0: every position), got {logits_to_keep!r}")
         if cache is not None and len(cache.layers) != len(self.blocks):
             raise ValueError(f"`cache` has {len(cache.layers)} layers, the model {len(self.blocks)}")
         shared = {"offset": 0 if cache is None else cache.seen}

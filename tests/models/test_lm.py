@@ -102,6 +102,8 @@ def test_input_errors():
     for bad in (64, -1):
         with pytest.raises(ValueError, match="input_ids"):
             model(torch.full((1, 3), bad))
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(ids(B=1, T=3), logits_to_keep=-1)
     for kw, name in ((dict(temperature=-1.0), "temperature"), (dict(temperature=1.0, top_k=0), "top_k")):
         with pytest.raises(ValueError, match=name):
             model.generate(ids(B=1, T=3), max_new_tokens=2, **kw)
