@@ -2,10 +2,11 @@
 
 Every op returns ``(o, final_state_or_None)``. Layout: q, k (and gates per key channel)
 ``[B, T, H, K]``; v ``[B, T, HV, V]`` (HV a multiple of H: grouped value heads); scalar
-gates and beta ``[B, T, HV]``; states ``[N, HV, K, V]`` in float32. Gates are log decays
+gates and beta ``[B, T, HV]``; states ``[N, HV, K, V]`` in float32 (float64 for float64
+inputs); o in the dtype of v. Gates are log decays
 (``g = log alpha <= 0``). ``scale`` defaults to ``K ** -0.5`` (``1.0`` for RWKV-7, as fla).
 ``initial_state`` ``[N, HV, K, V]`` starts each sequence; ``output_final_state`` returns the
-state after the last token. ``cu_seqlens`` (int64, ``[N+1]``, B must be 1) packs N sequences
+state after the last token. ``cu_seqlens`` (int64 or int32, ``[N+1]``, B must be 1) packs N sequences
 along T as in flash-attn. ``backend`` picks the implementation (``"triton"``, ``"torch"``,
 ``"reference"``; None = best for the device). Every argument is validated here
 (``fastweight.checks``) before any kernel runs. ``allow_neg_eigval`` (delta family): beta may
@@ -294,7 +295,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     o_t = S_t^T (scale q_t).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V]; g (log decay, <= 0), beta: [B, T, HV].
-    initial_state: [N, HV, K, V]. Returns (o [B, T, HV, V], final state [N, HV, K, V] fp32 or None).
+    initial_state: [N, HV, K, V]. Returns (o [B, T, HV, V], final state [N, HV, K, V] fp32 (fp64 for fp64
+    inputs) or None).
     use_gate_in_kernel: ``g`` is the pre-activation of Mamba-2's gate, the log decay is
     ``-exp(A_log) softplus(g + dt_bias)`` (A_log, dt_bias: [HV]), formed inside the kernel.
     """
