@@ -11,6 +11,7 @@ import torch
 import fastweight.chunk
 import fastweight.ops
 import fastweight.reference.ops
+import fastweight.testing
 from fastweight.mechanisms import get
 from fastweight.mechanisms.base import sample_log_decay
 from fastweight.testing import generator, rel_err
@@ -104,11 +105,15 @@ _REFERENCE_CACHE: dict = {}
 def check_matches_reference_fp64(op, T, chunk_size, H=2, K=8, V=8):
     """Outputs, final state and every gradient (initial_state included) to 1e-10 in fp64. The
     inputs are fresh per session; the reference is computed once per (op, T) for all chunk sizes."""
-    if (op, T) not in _REFERENCE_CACHE:
+    if (op, T) in _REFERENCE_CACHE:
+        x, h0, want, seeds = _REFERENCE_CACHE[(op, T)]
+        fastweight.testing.fresh_seeds.extend(seeds)  # reported with a failure, as if drawn here
+    else:
+        first = len(fastweight.testing.fresh_seeds)
         x = sample(op, 2, T, H, K, V)
         h0 = torch.randn(2, H, K, V, dtype=torch.float64, generator=generator())
-        _REFERENCE_CACHE[(op, T)] = x, h0, run(reference_impl(op), x, h0, scale=0.4)
-    x, h0, want = _REFERENCE_CACHE[(op, T)]
+        want = run(reference_impl(op), x, h0, scale=0.4)
+        _REFERENCE_CACHE[(op, T)] = x, h0, want, fastweight.testing.fresh_seeds[first:]
     assert_close(run(chunk_impl(op), x, h0, scale=0.4, chunk_size=chunk_size), want, TOL[torch.float64])
 
 
