@@ -161,7 +161,8 @@ def check_scale(scale, k: int) -> float:
 
 
 def check_chunk_size(chunk_size: int) -> int:
-    if chunk_size not in (16, 32, 64):
+    """``chunk_size`` is the int 16, 32 or 64."""
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size not in (16, 32, 64):
         raise ValueError(f"`chunk_size` must be 16, 32 or 64, got {chunk_size}")
     return chunk_size
 

@@ -68,8 +68,9 @@ def test_public_op_uses_this_path(op):
 
 def test_rejects_bad_chunk_size():
     x = sample("delta_rule", 1, 10, 1, 4, 4)
-    with pytest.raises(ValueError, match="chunk_size"):
-        chunk_impl("delta_rule")(**x, scale=1.0, chunk_size=48)
+    for bad in (48, 16.0):
+        with pytest.raises(ValueError, match="chunk_size"):
+            chunk_impl("delta_rule")(**x, scale=1.0, chunk_size=bad)
 
 
 @settings(max_examples=12, deadline=None)
