@@ -12,7 +12,7 @@ import torch
 import fastweight.kernels as kernels
 import fastweight.reference.ops as reference
 from fastweight import ops
-from fastweight.dispatch import l2norm
+from fastweight.dispatch import l2norm, mamba_gate
 from fastweight.kernels import common
 from fastweight.mechanisms import get
 from fastweight.testing import generator, rel_err
@@ -121,7 +121,12 @@ def test_through_ops(op):
 @pytest.mark.parametrize("op", ["gated_delta_rule", "kda"])
 def test_gate_in_kernel(op):
     """use_gate_in_kernel: the kernel forms g = -exp(A_log) softplus(g + dt_bias) (and its gradients);
-    the reference backend gets the same gate formed by the dispatcher in float64."""
+    the reference gets the same gate formed in float64 by ``dispatch.mamba_gate``.
+
+    dA_log and ddt_bias are sums over tokens of dL/dg_t * dg_t/dtheta: their error is the per-token
+    error times sum |dL/dg_t dg_t/dtheta|, which can exceed |dtheta| a lot (cancellation in the sum);
+    their tolerance is scaled by that ratio, computed from the reference (as in the fused-recurrent test).
+    """
     B, T, H, K, V = 1, 70, 2, 16, 16
     x = sample(op, B, T, H, K, V)
     gen = generator()
@@ -129,19 +134,22 @@ def test_gate_in_kernel(op):
     # A = exp(A_log) in [0.14, 0.37]: per-token log decays of about -0.1 to -1, the mechanisms' range
     A_log = -1 - torch.rand(H, generator=gen, dtype=torch.float64)
     dt_bias = torch.randn(H * K if op == "kda" else H, generator=gen, dtype=torch.float64)
-    results = []
-    for backend, dtype in (("triton", torch.float32), ("reference", torch.float64)):
-        leaves = [t.to(dtype).requires_grad_() for t in (pre, A_log, dt_bias)]
-        rest = {n: t.to(dtype) for n, t in x.items() if n != "g"}
-        o, _ = getattr(ops, f"chunk_{op}")(**rest, g=leaves[0], scale=K ** -0.5, use_gate_in_kernel=True,
-                                           A_log=leaves[1], dt_bias=leaves[2], allow_neg_eigval=True,
-                                           backend=backend)
-        (o * torch.ones_like(o)).sum().backward()
-        results.append((o, [t.grad for t in leaves]))
-    (o, grads), (o_ref, grads_ref) = results
+    rest = {n: t for n, t in x.items() if n != "g"}
+    leaves = [t.float().requires_grad_() for t in (pre, A_log, dt_bias)]
+    o, _ = getattr(ops, f"chunk_{op}")(**{n: t.float() for n, t in rest.items()}, g=leaves[0], scale=K ** -0.5,
+                                       use_gate_in_kernel=True, A_log=leaves[1], dt_bias=leaves[2],
+                                       allow_neg_eigval=True, backend="triton")
+    ref_leaves = [t.clone().requires_grad_() for t in (pre, A_log, dt_bias)]
+    g = mamba_gate(*ref_leaves)
+    o_ref, _ = getattr(ops, f"chunk_{op}")(**rest, g=g, scale=K ** -0.5, allow_neg_eigval=True,
+                                           backend="reference")
     assert rel_err(o, o_ref) < 1e-5
-    for got, want in zip(grads, grads_ref):
-        assert rel_err(got, want) < 1e-5
+    got = torch.autograd.grad(o.sum(), leaves)
+    want = torch.autograd.grad(o_ref.sum(), [*ref_leaves, g], retain_graph=True)
+    magnitude = torch.autograd.grad((g * want[3].abs()).sum(), ref_leaves)
+    for n, a, b, m in zip(("g", "A_log", "dt_bias"), got, want, magnitude):
+        tol = 1e-5 * (1 if n == "g" else max(1.0, m.norm().item() / b.norm().item()))
+        assert rel_err(a, b) < tol, f"d{n}: {rel_err(a, b):.3g} (tolerance {tol:.3g})"
 
 
 def test_key_dim_limit():
