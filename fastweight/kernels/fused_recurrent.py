@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastweight.dispatch import l2norm
+
 
 @triton.jit(do_not_specialize=["T"])
 def fused_recurrent_fwd_kernel(
@@ -220,10 +222,6 @@ def fused_recurrent_fwd(spec: Spec, q, k, v, *, g=None, g_gamma=None, gk=None, b
 TENSORS = ("q", "k", "v", "g", "g_gamma", "gk", "beta", "p", "a", "b", "u", "A_log", "dt_bias", "initial_state")
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
-
-
 def generic_inputs(spec: Spec, x: dict, scale: float):
     """What the forward kernel computes in registers, in PyTorch (fp32, differentiable).
 
@@ -236,7 +234,7 @@ def generic_inputs(spec: Spec, x: dict, scale: float):
     heads = lambda t: t.repeat_interleave(HV // H, dim=2) if HV != H else t  # noqa: E731
     q, k, v = x["q"].float(), x["k"].float(), x["v"].float()
     if spec.qk_l2norm:
-        q, k = _l2norm(q), _l2norm(k)
+        q, k = l2norm(q), l2norm(k)
     q, k = heads(q), heads(k)
     softplus = torch.nn.functional.softplus
     decay = None
@@ -256,7 +254,7 @@ def generic_inputs(spec: Spec, x: dict, scale: float):
     if spec.low_rank == 1:
         b = k
         if spec.use_p:
-            b = heads(_l2norm(x["p"].float()) if spec.qk_l2norm else x["p"].float())
+            b = heads(l2norm(x["p"].float()) if spec.qk_l2norm else x["p"].float())
         beta = x["beta"].float()[..., None]
         if spec.longhorn:
             beta = beta / (1 + beta * (k * k).sum(-1, keepdim=True))

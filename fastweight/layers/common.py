@@ -145,11 +145,6 @@ def rotary(x: torch.Tensor, offset: int | torch.Tensor, theta: float = 10000.0) 
     return (x.float() * cos + rotated * sin).to(x.dtype)
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / ||x||_2 over the last dim (as the kernels' fused L2 norm)."""
-    return x * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + eps).to(x.dtype)
-
-
 def inverse_softplus(y: torch.Tensor) -> torch.Tensor:
     return y + torch.log(-torch.expm1(-y))
 

@@ -26,8 +26,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fastweight.dispatch import l2norm
 from fastweight.layers.base import Mixer, split_heads
-from fastweight.layers.common import GatedRMSNorm, LowRank, ShortConv, l2norm, mamba_decay_init
+from fastweight.layers.common import GatedRMSNorm, LowRank, ShortConv, mamba_decay_init
 
 # ops whose kernels normalise q and k themselves (Comba's would normalise its read key p too)
 FUSED_L2NORM = ("delta_rule", "gated_delta_rule", "kda")

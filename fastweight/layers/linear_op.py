@@ -165,7 +165,7 @@ def _linear_op(op, mode, fn, scale, initial_state, output_final_state, cu_seqlen
         raise NotImplementedError(f"no implementation of {mode}_{op}")
     tensors.pop("allow_neg_eigval", None)
     if tensors.pop("use_qk_l2norm_in_kernel", False):
-        from fastweight.layers.common import l2norm
+        from fastweight.dispatch import l2norm
         tensors["q"], tensors["k"] = l2norm(tensors["q"]), l2norm(tensors["k"])
     tensors = {n: (t.contiguous() if isinstance(t, torch.Tensor) else t) for n, t in tensors.items()}
     return GENERIC[op](mode, **tensors, **kw)

@@ -3,7 +3,7 @@ import torch
 from fastweight.analysis.spectra import recurrence_eigenvalues
 from fastweight.analysis import (accuracy_by_length, layer_attention_maps, model_state_norms, recorded_recurrences,
                                  recurrence_attention_map, sample_spectra, sample_state_norms, state_norms)
-from fastweight.layers.common import l2norm
+from fastweight.dispatch import l2norm
 from fastweight.mechanisms import get
 from fastweight.models import LanguageModel, LMConfig
 from fastweight.testing import generator, rel_err
