@@ -202,6 +202,12 @@ def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, dh, do, dA, dq, dk, dgk, cu_seqlens
         tl.store(dgk + i_k * T_all * H + (bos + o_t) * H + i_h, b_g, mask=m_t)
 
 
+def _warps(BV: int) -> int:
+    """8 warps, but 4 for 16-wide V blocks: triton 3.6 on the H200 compiles the bf16 backward dv
+    kernel at V = 16 with 8 warps into an illegal memory access (measured, docs/bench/decay_dplr.md)."""
+    return 4 if BV < 32 else 8
+
+
 # the V block of the output kernel: 128 reads q and k once for V = 128, 64 gives more programs
 OUTPUT_BV = 64
 
@@ -221,7 +227,7 @@ def output_fwd(q, k, v, gq, gc, h, A, scale: float, chunks: Chunks, exclusive: b
                                   v2 if v2 is not None else v, o, chunks.cu_seqlens, chunks.chunk_indices, scale,
                                   H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, GATE=gate, EXCLUSIVE=exclusive,
                                   USE_A=A is not None, USE_A2=A2 is not None, DOT_PRECISION=dot_precision(q.dtype),
-                                  num_warps=8, num_stages=2)
+                                  num_warps=_warps(BV), num_stages=2)
     return o
 
 
@@ -238,7 +244,7 @@ def bwd_dv(q, k, v, gq, gc, A, dh, do, scale: float, chunks: Chunks, exclusive: 
                                         A if A is not None else q, dh, do, dv, dA, chunks.cu_seqlens,
                                         chunks.chunk_indices, scale, H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
                                         GATE=gate, EXCLUSIVE=exclusive, USE_A=A is not None,
-                                        DOT_PRECISION=dot_precision(q.dtype), num_warps=8, num_stages=2)
+                                        DOT_PRECISION=dot_precision(q.dtype), num_warps=_warps(BV), num_stages=2)
     return dv, dA
 
 
@@ -256,5 +262,6 @@ def bwd_dqk(q, k, v, gq, gc, h, dh, do, dA, scale: float, chunks: Chunks, exclus
                                              h, dh, do, dA, dq, dk, dgk if dgk is not None else dA,
                                              chunks.cu_seqlens, chunks.chunk_indices, scale, T, H=H, K=K, V=V,
                                              BT=chunks.BT, BK=BK, BV=BV, GATE=gate, EXCLUSIVE=exclusive,
-                                             DOT_PRECISION=dot_precision(q.dtype), num_warps=8, num_stages=2)
+                                             DOT_PRECISION=dot_precision(q.dtype), num_warps=_warps(BV),
+                                             num_stages=2)
     return dq, dk, (dgk.sum(0, keepdim=True) if dgk is not None else None)
