@@ -9,6 +9,7 @@ token at a time with the same result as one pass over the whole sequence.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn as nn
@@ -62,11 +63,18 @@ class ShortConv(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
         self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
         self.act = ACTIVATIONS[activation]
+        # the Triton kernel (fastweight.kernels.conv) on CUDA for SiLU / no activation
+        self.fused = activation in ("silu", "identity", None)
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None, positions: torch.Tensor | None = None):
         B, T, C = x.shape
         W = self.kernel_size
+        if cache is None and positions is None and self.fused and _fused_conv_usable(x):
+            # one pass over [B, T, C] in and out (conv1d needs channels first: two transposed copies)
+            from fastweight.kernels.conv import short_conv
+            y = short_conv(x, self.weight.view(C, W), self.bias, silu=self.act is F.silu)
+            return y, F.pad(x[:, max(T - (W - 1), 0):], (0, 0, max(W - 1 - T, 0), 0))
         weight, bias = self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
         if positions is not None:
             return self.act(self._packed(x, weight, bias, positions)), None
@@ -88,6 +96,19 @@ class ShortConv(nn.Module):
             shifted = F.pad(x[:, :T - lag], (0, 0, lag, 0)) * (positions >= lag)[None, :, None].to(x.dtype)
             y = y + shifted * weight[:, 0, W - 1 - lag]
         return y if bias is None else y + bias
+
+
+def _fused_conv_usable(x: torch.Tensor) -> bool:
+    """Whether the Triton short conv runs: on CUDA, or on the CPU under TRITON_INTERPRET=1 inside
+    ``use_backend("triton")`` (fp32/fp16); never in float64 (the PyTorch path is the exact one)
+    nor inside ``torch.compile`` (which fuses the PyTorch path itself)."""
+    if x.dtype == torch.float64 or torch.compiler.is_compiling():
+        return False
+    if x.is_cuda:
+        return True
+    from fastweight.layers.linear_op import current_backend
+    return (os.environ.get("TRITON_INTERPRET") == "1" and current_backend() == "triton"
+            and x.dtype != torch.bfloat16)
 
 
 class TokenShift(nn.Module):

@@ -40,6 +40,11 @@ def use_backend(backend: str | None):
         _BACKEND = old
 
 
+def current_backend() -> str | None:
+    """The backend set by :func:`use_backend` (None: the best for the device)."""
+    return _BACKEND
+
+
 @contextmanager
 def force_generic(enabled: bool = True):
     """Within the block, every layer uses the generic DPLR op instead of its specialised one."""
