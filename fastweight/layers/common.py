@@ -20,7 +20,11 @@ ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "re
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, over the last dim (computed in fp32)."""
+    """y = x / sqrt(mean(x^2) + eps) * weight, over the last dim (computed in fp32).
+
+    The output is in x's dtype, or under autocast in the autocast dtype: what the projections
+    after it would cast it to, once each (a fp32 residual stream feeds up to six of them).
+    """
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -28,7 +32,25 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        if _triton_usable(x):
+            from fastweight.layers.norm_kernel import gated_rms_norm
+            return gated_rms_norm(x, None, self.weight, self.eps, out_dtype=out_dtype(x))
+        return rms_norm(x, self.weight, self.eps).to(out_dtype(x))
+
+
+def out_dtype(x: torch.Tensor) -> torch.dtype:
+    """x's dtype, or the autocast dtype for a fp32 x under autocast."""
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm with fp32 arithmetic, in one kernel on CUDA (which accumulates in fp32 for
+    16-bit inputs: no fp32 copy of x needed); in x's dtype for a weight of x's dtype, else fp32."""
+    if x.is_cuda and x.dtype == weight.dtype:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps)
 
 
 class GatedRMSNorm(RMSNorm):
@@ -41,8 +63,13 @@ class GatedRMSNorm(RMSNorm):
     def __init__(self, dim: int, eps: float = 1e-6, activation: str = "silu"):
         super().__init__(dim, eps)
         self.act = ACTIVATIONS[activation]
+        self.act_name = activation or "identity"
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        if _triton_usable(x) and self.act_name in ("silu", "sigmoid", "identity"):
+            # one pass (fastweight.layers.norm_kernel), where the form below makes five
+            from fastweight.layers.norm_kernel import gated_rms_norm
+            return gated_rms_norm(x, gate, self.weight, self.eps, self.act_name, out_dtype=out_dtype(x))
         y = super().forward(x)
         return y if gate is None else y * self.act(gate.float()).to(y.dtype)
 
@@ -102,13 +129,22 @@ def _fused_conv_usable(x: torch.Tensor) -> bool:
     """Whether the Triton short conv runs: on CUDA, or on the CPU under TRITON_INTERPRET=1 inside
     ``use_backend("triton")`` (fp32/fp16); never in float64 (the PyTorch path is the exact one)
     nor inside ``torch.compile`` (which fuses the PyTorch path itself)."""
-    if x.dtype == torch.float64 or torch.compiler.is_compiling():
+    if x.dtype == torch.float64 or torch.compiler.is_compiling() or x.numel() == 0:
         return False
     if x.is_cuda:
         return True
     from fastweight.layers.linear_op import current_backend
     return (os.environ.get("TRITON_INTERPRET") == "1" and current_backend() == "triton"
             and x.dtype != torch.bfloat16)
+
+
+def _triton_usable(x: torch.Tensor) -> bool:
+    """The Triton norm for large inputs (training, prefill; >= 2^20 elements): a decode step's
+    few rows cost less through one PyTorch kernel than through a Triton launch from Python."""
+    return x.numel() >= _TRITON_MIN_NUMEL and _fused_conv_usable(x)
+
+
+_TRITON_MIN_NUMEL = 1 << 20
 
 
 class TokenShift(nn.Module):
