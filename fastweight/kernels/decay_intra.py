@@ -7,8 +7,14 @@ gc is the chunk-local cumulative log decay, gq = gc (inclusive readout) or gc on
 (RWKV-6). exp(gq_t - gc_s) is never split as exp(gq_t) exp(-gc_s) over a whole chunk, which
 overflows for strong decays. The chunk (BT = 64) is cut into sub-chunks of BC = 16: a pair
 of different sub-chunks i > j factors through the reference r = gc at the last token of
-sub-chunk i - 1, exp(gq_t - r) exp(r - gc_s), both <= 1; a pair inside one sub-chunk takes
-the pairwise difference directly, one token of the sub-chunk at a time ([BC, BK] per step).
+sub-chunk i - 1, exp(gq_t - r) exp(r - gc_s), both <= 1. A pair inside one sub-chunk factors
+the same way through a reference m in the middle of the sub-chunk's gates (per channel, the
+midpoint of their range), exp(gq_t - m) exp(m - gc_s), one tl.dot, when that sub-chunk's span
+(largest gate minus smallest, over its rows and the K block's channels) is below
+``SAFE_SPAN``: every factor is then within exp(+-SAFE_SPAN / 2). Otherwise the pairwise
+difference is taken directly, one token of the sub-chunk at a time ([BC, BK] per step), with
+every exponent <= 0. The branch is taken per (sub-chunk, K block) at run time; both paths are
+exact (the factored products carry one rounding per factor, relative, as the pairwise ones).
 No gate is clamped.
 
 Backward, given dA[t, s] = do_t . v_s (s <= t) and the inter-chunk terms from the states:
@@ -29,11 +35,37 @@ import triton.language as tl
 from fastweight.kernels.common import Chunks
 from fastweight.kernels.decay_state import dot_precision
 
+# A diagonal sub-chunk whose gates span less than this (max - min over its rows, per K block)
+# takes the factored form (factors within e^+-20: far inside fp32/tf32's range); wider spans
+# take the exact token-at-a-time path. Tests set 0 (always exact) or inf (always factored).
+SAFE_SPAN = 40.0
+
+
+@triton.jit
+def span_ref(b_gr, b_gc, m):
+    """(span, ref) of a sub-chunk's gates: rows' gates b_gr, columns' b_gc ([BC, BK], valid where m).
+    ref [BK] is the per-channel midpoint of their range, span the widest range over channels."""
+    b_hi = tl.maximum(tl.max(tl.where(m, b_gr, float("-inf")), 0), tl.max(tl.where(m, b_gc, float("-inf")), 0))
+    b_lo = tl.minimum(tl.min(tl.where(m, b_gr, float("inf")), 0), tl.min(tl.where(m, b_gc, float("inf")), 0))
+    b_valid = b_hi >= b_lo
+    b_hi, b_lo = tl.where(b_valid, b_hi, 0.), tl.where(b_valid, b_lo, 0.)
+    return tl.max(b_hi - b_lo, 0), (b_hi + b_lo) * 0.5
+
+
+@triton.jit
+def factor(x, b_g, b_ref, m, ROW: tl.constexpr):
+    """x * exp(g - ref) (ROW) or x * exp(ref - g), 0 where not m."""
+    if ROW:
+        return x * tl.exp(tl.where(m, b_g - b_ref[None, :], float("-inf")))
+    else:
+        return x * tl.exp(tl.where(m, b_ref[None, :] - b_g, float("-inf")))
+
 
 @triton.jit
 def decay_intra_fwd_kernel(q, k, gq, gc, u, A, cu_seqlens, chunk_indices, scale, H: tl.constexpr,
                            K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                           EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                           EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                           SPAN: tl.constexpr):
     i_tc, i_h = tl.program_id(0), tl.program_id(1)
     NC: tl.constexpr = BT // BC
     i_t, i_i = (i_tc // NC).to(tl.int64), i_tc % NC
@@ -67,8 +99,10 @@ def decay_intra_fwd_kernel(q, k, gq, gc, u, A, cu_seqlens, chunk_indices, scale,
                 b_A += tl.dot(b_qg, tl.trans(b_kg), input_precision=DOT_PRECISION)
             p_A = A + ((bos + o_i) * H + i_h)[:, None] * BT + (i_j * BC + o_c)[None, :]
             tl.store(p_A, b_A * scale, mask=m_i[:, None])
-    # the diagonal sub-chunk, one column s at a time: pairwise differences gq_t - gc_s
+    # the diagonal sub-chunk: factored through the midpoint of its gates when their span allows,
+    # else one column s at a time with the pairwise differences gq_t - gc_s
     b_A = tl.zeros([BC, BC], dtype=tl.float32)
+    b_d = tl.zeros([BC], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
@@ -76,23 +110,34 @@ def decay_intra_fwd_kernel(q, k, gq, gc, u, A, cu_seqlens, chunk_indices, scale,
         p_i = ((bos + o_i) * H + i_h)[:, None] * K + o_k[None, :]
         b_q = tl.load(q + p_i, mask=m_ik, other=0.).to(tl.float32)
         b_gq = tl.load(gq + p_i, mask=m_ik, other=0.)
-        for j in tl.static_range(0, BC):
-            m_kj = m_k & (i_c * BT + i_i * BC + j < T)
-            p_j = ((bos + i_c * BT + i_i * BC + j) * H + i_h) * K + o_k
-            b_kj = tl.load(k + p_j, mask=m_kj, other=0.).to(tl.float32)
-            b_gj = tl.load(gc + p_j, mask=m_kj, other=0.)
-            if EXCLUSIVE:
-                m_t = (o_c > j) & m_i
-            else:
-                m_t = (o_c >= j) & m_i
-            b_e = tl.exp(tl.where(m_t[:, None], b_gq - b_gj[None, :], float("-inf")))
-            b_a = tl.sum(b_q * b_kj[None, :] * b_e, axis=1)
-            b_A += tl.where(o_c[None, :] == j, b_a[:, None], 0.)
+        b_k = tl.load(k + p_i, mask=m_ik, other=0.).to(tl.float32)
+        b_g = tl.load(gc + p_i, mask=m_ik, other=0.)
+        b_span, b_ref = span_ref(b_gq, b_g, m_ik)
+        if b_span < SPAN:
+            b_A += tl.dot(factor(b_q, b_gq, b_ref, m_ik, True), tl.trans(factor(b_k, b_g, b_ref, m_ik, False)),
+                          input_precision=DOT_PRECISION)
+        else:
+            for j in range(0, BC):  # a loop, not unrolled: the fallback keeps registers low
+                m_kj = m_k & (i_c * BT + i_i * BC + j < T)
+                p_j = ((bos + i_c * BT + i_i * BC + j) * H + i_h) * K + o_k
+                b_kj = tl.load(k + p_j, mask=m_kj, other=0.).to(tl.float32)
+                b_gj = tl.load(gc + p_j, mask=m_kj, other=0.)
+                if EXCLUSIVE:
+                    m_t = (o_c > j) & m_i
+                else:
+                    m_t = (o_c >= j) & m_i
+                b_e = tl.exp(tl.where(m_t[:, None], b_gq - b_gj[None, :], float("-inf")))
+                b_a = tl.sum(b_q * b_kj[None, :] * b_e, axis=1)
+                b_A += tl.where(o_c[None, :] == j, b_a[:, None], 0.)
         if USE_U:
-            b_k = tl.load(k + p_i, mask=m_ik, other=0.).to(tl.float32)
             b_u = tl.load(u + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
-            b_d = tl.sum(b_q * b_u[None, :] * b_k, axis=1)
-            b_A += tl.where(o_c[:, None] == o_c[None, :], b_d[:, None], 0.)
+            b_d += tl.sum(b_q * b_u[None, :] * b_k, axis=1)
+    if EXCLUSIVE:
+        b_A = tl.where(o_c[:, None] > o_c[None, :], b_A, 0.)
+    else:
+        b_A = tl.where(o_c[:, None] >= o_c[None, :], b_A, 0.)
+    if USE_U:
+        b_A += tl.where(o_c[:, None] == o_c[None, :], b_d[:, None], 0.)
     p_A = A + ((bos + o_i) * H + i_h)[:, None] * BT + (i_i * BC + o_c)[None, :]
     tl.store(p_A, b_A * scale, mask=m_i[:, None])
 
@@ -101,7 +146,7 @@ def decay_intra_fwd_kernel(q, k, gq, gc, u, A, cu_seqlens, chunk_indices, scale,
 def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgk, dgq, du, cu_seqlens, chunk_indices,
                            scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                            BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EXCLUSIVE: tl.constexpr,
-                           USE_U: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                           USE_U: tl.constexpr, DOT_PRECISION: tl.constexpr, SPAN: tl.constexpr):
     i_k, i_tc, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NC: tl.constexpr = BT // BC
     i_t, i_i = (i_tc // NC).to(tl.int64), i_tc % NC
@@ -170,25 +215,41 @@ def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgk, dgq, 
             b_qg = b_qj * tl.exp(tl.where(m_jk, b_gqj - b_gr[None, :], 0.))
             b_dk += (tl.dot(tl.trans(b_dA), b_qg, input_precision=DOT_PRECISION)
                      * scale * tl.exp(tl.where(m_ik, b_gr[None, :] - b_gk, 0.)))
-    # the diagonal sub-chunk, one token j at a time: column j of dA for dq, row j for dk
-    for j in tl.static_range(0, BC):
-        r_j = i_c * BT + i_i * BC + j
-        m_kj = m_k & (r_j < T)
-        p_j = ((bos + r_j) * H + i_h) * K + o_k
+    # the diagonal sub-chunk: factored through the midpoint of its gates when their span allows,
+    # else one token j at a time (column j of dA for dq, row j for dk)
+    b_span, b_ref = span_ref(b_gq, b_gk, m_ik)
+    if b_span < SPAN:
         if EXCLUSIVE:
-            m_t = (o_c > j) & m_i
-            m_s = (o_c < j) & m_i & (r_j < T)
+            m_d = (o_c[:, None] > o_c[None, :]) & m_i[:, None]
         else:
-            m_t = (o_c >= j) & m_i
-            m_s = (o_c <= j) & m_i & (r_j < T)
-        b_dAc = tl.load(dA + ((bos + o_i) * H + i_h) * BT + i_i * BC + j, mask=m_t, other=0.) * scale
-        b_kj = tl.load(k + p_j, mask=m_kj, other=0.).to(tl.float32)
-        b_gj = tl.load(gc + p_j, mask=m_kj, other=0.)
-        b_dq += b_dAc[:, None] * b_kj[None, :] * tl.exp(tl.where(m_t[:, None], b_gq - b_gj[None, :], float("-inf")))
-        b_dAr = tl.load(dA + ((bos + r_j) * H + i_h) * BT + i_i * BC + o_c, mask=m_s, other=0.) * scale
-        b_qj = tl.load(q + p_j, mask=m_kj, other=0.).to(tl.float32)
-        b_gqj = tl.load(gq + p_j, mask=m_kj, other=0.)
-        b_dk += b_dAr[:, None] * b_qj[None, :] * tl.exp(tl.where(m_s[:, None], b_gqj[None, :] - b_gk, float("-inf")))
+            m_d = (o_c[:, None] >= o_c[None, :]) & m_i[:, None]
+        b_dA = tl.load(dA + ((bos + o_i) * H + i_h)[:, None] * BT + (i_i * BC + o_c)[None, :], mask=m_d,
+                       other=0.) * scale
+        b_fq = factor(1., b_gq, b_ref, m_ik, True)
+        b_fk = factor(1., b_gk, b_ref, m_ik, False)
+        b_dq += tl.dot(b_dA, b_k * b_fk, input_precision=DOT_PRECISION) * b_fq
+        b_dk += tl.dot(tl.trans(b_dA), b_q * b_fq, input_precision=DOT_PRECISION) * b_fk
+    else:
+        for j in range(0, BC):  # a loop, not unrolled: the fallback keeps registers low
+            r_j = i_c * BT + i_i * BC + j
+            m_kj = m_k & (r_j < T)
+            p_j = ((bos + r_j) * H + i_h) * K + o_k
+            if EXCLUSIVE:
+                m_t = (o_c > j) & m_i
+                m_s = (o_c < j) & m_i & (r_j < T)
+            else:
+                m_t = (o_c >= j) & m_i
+                m_s = (o_c <= j) & m_i & (r_j < T)
+            b_dAc = tl.load(dA + ((bos + o_i) * H + i_h) * BT + i_i * BC + j, mask=m_t, other=0.) * scale
+            b_kj = tl.load(k + p_j, mask=m_kj, other=0.).to(tl.float32)
+            b_gj = tl.load(gc + p_j, mask=m_kj, other=0.)
+            b_dq += b_dAc[:, None] * b_kj[None, :] * tl.exp(tl.where(m_t[:, None], b_gq - b_gj[None, :],
+                                                                     float("-inf")))
+            b_dAr = tl.load(dA + ((bos + r_j) * H + i_h) * BT + i_i * BC + o_c, mask=m_s, other=0.) * scale
+            b_qj = tl.load(q + p_j, mask=m_kj, other=0.).to(tl.float32)
+            b_gqj = tl.load(gq + p_j, mask=m_kj, other=0.)
+            b_dk += b_dAr[:, None] * b_qj[None, :] * tl.exp(tl.where(m_s[:, None], b_gqj[None, :] - b_gk,
+                                                                     float("-inf")))
     p_g = ((bos + o_i) * H + i_h)[:, None] * K + o_k[None, :]
     tl.store(dgk + p_g, b_q * b_dq - b_k * b_dk, mask=m_ik)
     if EXCLUSIVE:
@@ -203,6 +264,28 @@ def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgk, dgq, 
     tl.store(dk + p_i, b_dk.to(dk.dtype.element_ty), mask=m_ik)
 
 
+def diagonal_spans(g: torch.Tensor, exclusive: bool, BK: int, BT: int = 64, BC: int = 16) -> torch.Tensor:
+    """The span each diagonal sub-chunk's branch compares with ``SAFE_SPAN``, for one sequence of
+    log gates g [T, H, K] (inclusive readout, or ``exclusive``: rows read one token earlier, as
+    RWKV-6 and the DPLR a-rows). Returns [NT, BT // BC, H, cdiv(K, BK)] float64 (tests, benchmarks)."""
+    T, H, K = g.shape
+    NT, NK = triton.cdiv(T, BT), triton.cdiv(K, BK)
+    x = torch.zeros(NT * BT, H, NK * BK, dtype=torch.float64, device=g.device)
+    x[:T, :, :K] = g
+    valid = torch.zeros(x.shape, dtype=torch.bool, device=g.device)
+    valid[:T, :, :K] = True
+    gc = x.view(NT, BT, H, -1).cumsum(1).view(x.shape)
+    gr = gc - x if exclusive else gc
+
+    def sub(y):
+        return y.view(NT, BT // BC, BC, H, NK, BK)
+
+    inf = float("inf")
+    hi = torch.maximum(sub(gr.masked_fill(~valid, -inf)).amax(2), sub(gc.masked_fill(~valid, -inf)).amax(2))
+    lo = torch.minimum(sub(gr.masked_fill(~valid, inf)).amin(2), sub(gc.masked_fill(~valid, inf)).amin(2))
+    return torch.where(hi >= lo, hi - lo, 0.).amax(-1)
+
+
 def intra_fwd(q, k, gq, gc, u, scale: float, chunks: Chunks, exclusive: bool) -> torch.Tensor:
     """A [1, T, H, BT] fp32 (row t holds A[t, chunk(t)]); only s <= t is written."""
     _, T, H, K = q.shape
@@ -212,7 +295,7 @@ def intra_fwd(q, k, gq, gc, u, scale: float, chunks: Chunks, exclusive: bool) ->
     grid = (chunks.NC * (BT // BC), H)
     decay_intra_fwd_kernel[grid](q, k, gq, gc, u if u is not None else q, A, chunks.cu_seqlens,
                                  chunks.chunk_indices, scale, H=H, K=K, BT=BT, BC=BC, BK=BK, EXCLUSIVE=exclusive,
-                                 USE_U=u is not None, DOT_PRECISION=dot_precision(q.dtype))
+                                 USE_U=u is not None, DOT_PRECISION=dot_precision(q.dtype), SPAN=SAFE_SPAN)
     return A
 
 
@@ -232,5 +315,5 @@ def intra_bwd(q, k, v, gq, gc, u, h, dh, do, dA, scale: float, chunks: Chunks, e
                                  dgq if dgq is not None else dgk, du if du is not None else dgk,
                                  chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, V=V, BT=BT, BC=BC,
                                  BK=BK, BV=BV, EXCLUSIVE=exclusive, USE_U=u is not None,
-                                 DOT_PRECISION=dot_precision(q.dtype))
+                                 DOT_PRECISION=dot_precision(q.dtype), SPAN=SAFE_SPAN)
     return dq, dk, dgk, dgq, du

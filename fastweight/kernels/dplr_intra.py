@@ -8,9 +8,11 @@ same one token earlier, the forward forms, in one pass over q, a (rows) and k, b
 
 Given their gradients (``dplr_wy.py``), the row side gets dq_t = sum_s dA_qk[t, s] dA_qk/dq_t
 + (same with dA_qb), da_t likewise from dA_ak, dA_ab, and the column side dk_s, db_s from the
-transposes. As in ``decay_intra.py`` the exponentials are split only through a reference row
-between different sub-chunks (both factors <= 1), and taken pairwise inside one (one token
-of the sub-chunk at a time).
+transposes. As in ``decay_intra.py`` the exponentials are split through a reference row
+between different sub-chunks (both factors <= 1); inside one sub-chunk they are split through
+the midpoint of its gates (one tl.dot per matrix) when the gates' span is below
+``decay_intra.SAFE_SPAN`` (always for RWKV-7: 16 x 0.607 = 9.7), else taken pairwise, one
+token of the sub-chunk at a time. The branch is per (sub-chunk, K block), at run time.
 
 The gate gradient (see ``decay.py``): q and a read exp(G_t) and exp(G_{t-1}), k and b
 exp(-G_s), so per token dgk = q dq - k dk - b db + a da and dga = a da, and
@@ -24,6 +26,8 @@ import triton
 import triton.language as tl
 
 from fastweight.kernels.common import Chunks
+from fastweight.kernels import decay_intra
+from fastweight.kernels.decay_intra import factor, span_ref
 from fastweight.kernels.decay_state import dot_precision
 
 
@@ -42,7 +46,7 @@ def _load_dA(dA, bos, o_r, m_r, c0, i_h, H: tl.constexpr, BT: tl.constexpr, BC: 
 @triton.jit
 def dplr_intra_fwd_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, cu_seqlens, chunk_indices, scale,
                           H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr):
+                          DOT_PRECISION: tl.constexpr, SPAN: tl.constexpr):
     i_tc, i_h = tl.program_id(0), tl.program_id(1)
     NC: tl.constexpr = BT // BC
     i_t, i_i = (i_tc // NC).to(tl.int64), i_tc % NC
@@ -85,7 +89,8 @@ def dplr_intra_fwd_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, cu_seqlens, ch
             tl.store(Aqb + p_j, b_qb * scale, mask=m_i[:, None])
             tl.store(Aak + p_j, b_ak, mask=m_i[:, None])
             tl.store(Aab + p_j, b_ab, mask=m_i[:, None])
-    # the diagonal sub-chunk, one column j at a time: pairwise differences
+    # the diagonal sub-chunk: factored through the midpoint of its gates when their span allows,
+    # else one column j at a time with the pairwise differences
     b_qk = tl.zeros([BC, BC], dtype=tl.float32)
     b_qb = tl.zeros([BC, BC], dtype=tl.float32)
     b_ak = tl.zeros([BC, BC], dtype=tl.float32)
@@ -93,22 +98,39 @@ def dplr_intra_fwd_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, cu_seqlens, ch
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
+        m_ik = m_i[:, None] & m_k[None, :]
         b_q = _load_rows(q, bos, o_i, m_i, i_h, o_k, m_k, H, K)
         b_a = _load_rows(a, bos, o_i, m_i, i_h, o_k, m_k, H, K)
         b_g = _load_rows(gc, bos, o_i, m_i, i_h, o_k, m_k, H, K)
         b_gp = _load_rows(gp, bos, o_i, m_i, i_h, o_k, m_k, H, K)
-        for j in tl.static_range(0, BC):
-            m_kj = m_k & (i_c * BT + i_i * BC + j < T)
-            p_j = ((bos + i_c * BT + i_i * BC + j) * H + i_h) * K + o_k
-            b_kj = tl.load(k + p_j, mask=m_kj, other=0.).to(tl.float32)
-            b_bj = tl.load(b + p_j, mask=m_kj, other=0.).to(tl.float32)
-            b_gj = tl.load(gc + p_j, mask=m_kj, other=0.)
-            b_e = tl.exp(tl.where(((o_c >= j) & m_i)[:, None], b_g - b_gj[None, :], float("-inf")))
-            b_qk += tl.where(o_c[None, :] == j, tl.sum(b_q * b_kj[None, :] * b_e, axis=1)[:, None], 0.)
-            b_qb += tl.where(o_c[None, :] == j, tl.sum(b_q * b_bj[None, :] * b_e, axis=1)[:, None], 0.)
-            b_e = tl.exp(tl.where(((o_c > j) & m_i)[:, None], b_gp - b_gj[None, :], float("-inf")))
-            b_ak += tl.where(o_c[None, :] == j, tl.sum(b_a * b_kj[None, :] * b_e, axis=1)[:, None], 0.)
-            b_ab += tl.where(o_c[None, :] == j, tl.sum(b_a * b_bj[None, :] * b_e, axis=1)[:, None], 0.)
+        b_span, b_ref = span_ref(b_gp, b_g, m_ik)
+        if b_span < SPAN:
+            b_fc = factor(1., b_g, b_ref, m_ik, False)
+            b_kg = tl.trans(_load_rows(k, bos, o_i, m_i, i_h, o_k, m_k, H, K) * b_fc)
+            b_bg = tl.trans(_load_rows(b, bos, o_i, m_i, i_h, o_k, m_k, H, K) * b_fc)
+            b_qg = factor(b_q, b_g, b_ref, m_ik, True)
+            b_ag = factor(b_a, b_gp, b_ref, m_ik, True)
+            b_qk += tl.dot(b_qg, b_kg, input_precision=DOT_PRECISION)
+            b_qb += tl.dot(b_qg, b_bg, input_precision=DOT_PRECISION)
+            b_ak += tl.dot(b_ag, b_kg, input_precision=DOT_PRECISION)
+            b_ab += tl.dot(b_ag, b_bg, input_precision=DOT_PRECISION)
+        else:
+            for j in range(0, BC):  # a loop, not unrolled: the fallback keeps registers low
+                m_kj = m_k & (i_c * BT + i_i * BC + j < T)
+                p_j = ((bos + i_c * BT + i_i * BC + j) * H + i_h) * K + o_k
+                b_kj = tl.load(k + p_j, mask=m_kj, other=0.).to(tl.float32)
+                b_bj = tl.load(b + p_j, mask=m_kj, other=0.).to(tl.float32)
+                b_gj = tl.load(gc + p_j, mask=m_kj, other=0.)
+                b_e = tl.exp(tl.where(((o_c >= j) & m_i)[:, None], b_g - b_gj[None, :], float("-inf")))
+                b_qk += tl.where(o_c[None, :] == j, tl.sum(b_q * b_kj[None, :] * b_e, axis=1)[:, None], 0.)
+                b_qb += tl.where(o_c[None, :] == j, tl.sum(b_q * b_bj[None, :] * b_e, axis=1)[:, None], 0.)
+                b_e = tl.exp(tl.where(((o_c > j) & m_i)[:, None], b_gp - b_gj[None, :], float("-inf")))
+                b_ak += tl.where(o_c[None, :] == j, tl.sum(b_a * b_kj[None, :] * b_e, axis=1)[:, None], 0.)
+                b_ab += tl.where(o_c[None, :] == j, tl.sum(b_a * b_bj[None, :] * b_e, axis=1)[:, None], 0.)
+    m_incl = o_c[:, None] >= o_c[None, :]
+    m_strict = o_c[:, None] > o_c[None, :]
+    b_qk, b_qb = tl.where(m_incl, b_qk, 0.), tl.where(m_incl, b_qb, 0.)
+    b_ak, b_ab = tl.where(m_strict, b_ak, 0.), tl.where(m_strict, b_ab, 0.)
     p_j = p_A + (i_i * BC + o_c)[None, :]
     tl.store(Aqk + p_j, b_qk * scale, mask=m_i[:, None])
     tl.store(Aqb + p_j, b_qb * scale, mask=m_i[:, None])
@@ -119,7 +141,8 @@ def dplr_intra_fwd_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, cu_seqlens, ch
 @triton.jit
 def dplr_intra_bwd_kernel(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s, dq, dk, da, db,
                           dgk, dga, cu_seqlens, chunk_indices, scale, H: tl.constexpr, K: tl.constexpr,
-                          BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                          BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                          SPAN: tl.constexpr):
     i_k, i_tc, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NC: tl.constexpr = BT // BC
     i_t, i_i = (i_tc // NC).to(tl.int64), i_tc % NC
@@ -185,34 +208,58 @@ def dplr_intra_bwd_kernel(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s
                             input_precision=DOT_PRECISION)
             b_dk += b_dkj * b_e
             b_db += b_dbj * b_e
-    # the diagonal sub-chunk, one token j at a time: column j of each dA for dq, da (rows t >= j,
-    # t > j for the a-rows), row j for dk, db (columns s <= j, s < j)
-    for j in tl.static_range(0, BC):
-        r_j = i_c * BT + i_i * BC + j
-        m_kj = m_k & (r_j < T)
-        p_j = ((bos + r_j) * H + i_h) * K + o_k
-        m_ti, m_ts = (o_c >= j) & m_i, (o_c > j) & m_i
-        m_si, m_ss = (o_c <= j) & m_i & (r_j < T), (o_c < j) & m_i & (r_j < T)
-        p_c = ((bos + o_i) * H + i_h) * BT + i_i * BC + j
-        p_r = ((bos + r_j) * H + i_h) * BT + i_i * BC + o_c
-        b_kj = tl.load(k + p_j, mask=m_kj, other=0.).to(tl.float32)
-        b_bj = tl.load(b + p_j, mask=m_kj, other=0.).to(tl.float32)
-        b_qj = tl.load(q + p_j, mask=m_kj, other=0.).to(tl.float32) * scale
-        b_aj = tl.load(a + p_j, mask=m_kj, other=0.).to(tl.float32)
-        b_gj = tl.load(gc + p_j, mask=m_kj, other=0.)
-        b_gpj = tl.load(gp + p_j, mask=m_kj, other=0.)
-        b_e = tl.exp(tl.where(m_ti[:, None], b_g - b_gj[None, :], float("-inf")))
-        b_dq += (tl.load(dAqk + p_c, mask=m_ti, other=0.)[:, None] * b_kj[None, :]
-                 + tl.load(dAqb + p_c, mask=m_ti, other=0.)[:, None] * b_bj[None, :]) * b_e
-        b_e = tl.exp(tl.where(m_ts[:, None], b_gp - b_gj[None, :], float("-inf")))
-        b_da += (tl.load(dAak + p_c, mask=m_ts, other=0.)[:, None] * b_kj[None, :]
-                 + tl.load(dAab + p_c, mask=m_ts, other=0.)[:, None] * b_bj[None, :]) * b_e
-        b_e = tl.exp(tl.where(m_si[:, None], b_gj[None, :] - b_g, float("-inf")))
-        b_dk += tl.load(dAqk + p_r, mask=m_si, other=0.)[:, None] * b_qj[None, :] * b_e
-        b_db += tl.load(dAqb + p_r, mask=m_si, other=0.)[:, None] * b_qj[None, :] * b_e
-        b_e = tl.exp(tl.where(m_ss[:, None], b_gpj[None, :] - b_g, float("-inf")))
-        b_dk += tl.load(dAak + p_r, mask=m_ss, other=0.)[:, None] * b_aj[None, :] * b_e
-        b_db += tl.load(dAab + p_r, mask=m_ss, other=0.)[:, None] * b_aj[None, :] * b_e
+    # the diagonal sub-chunk: factored through the midpoint of its gates when their span allows,
+    # else one token j at a time: column j of each dA for dq, da (rows t >= j, t > j for the
+    # a-rows), row j for dk, db (columns s <= j, s < j)
+    b_span, b_ref = span_ref(b_gp, b_g, m_ik)
+    if b_span < SPAN:
+        p_d = ((bos + o_i) * H + i_h)[:, None] * BT + (i_i * BC + o_c)[None, :]
+        m_di = (o_c[:, None] >= o_c[None, :]) & m_i[:, None]
+        m_ds = (o_c[:, None] > o_c[None, :]) & m_i[:, None]
+        b_dqk = tl.load(dAqk + p_d, mask=m_di, other=0.)
+        b_dqb = tl.load(dAqb + p_d, mask=m_di, other=0.)
+        b_dak = tl.load(dAak + p_d, mask=m_ds, other=0.)
+        b_dab = tl.load(dAab + p_d, mask=m_ds, other=0.)
+        b_fc = factor(1., b_g, b_ref, m_ik, False)
+        b_fq = factor(1., b_g, b_ref, m_ik, True)
+        b_fa = factor(1., b_gp, b_ref, m_ik, True)
+        b_kg, b_bg = b_k * b_fc, b_b * b_fc
+        b_qg, b_ag = b_q * b_fq * scale, b_a * b_fa
+        b_dq += (tl.dot(b_dqk, b_kg, input_precision=DOT_PRECISION)
+                 + tl.dot(b_dqb, b_bg, input_precision=DOT_PRECISION)) * b_fq
+        b_da += (tl.dot(b_dak, b_kg, input_precision=DOT_PRECISION)
+                 + tl.dot(b_dab, b_bg, input_precision=DOT_PRECISION)) * b_fa
+        b_dk += (tl.dot(tl.trans(b_dqk), b_qg, input_precision=DOT_PRECISION)
+                 + tl.dot(tl.trans(b_dak), b_ag, input_precision=DOT_PRECISION)) * b_fc
+        b_db += (tl.dot(tl.trans(b_dqb), b_qg, input_precision=DOT_PRECISION)
+                 + tl.dot(tl.trans(b_dab), b_ag, input_precision=DOT_PRECISION)) * b_fc
+    else:
+        for j in range(0, BC):  # a loop, not unrolled: the fallback keeps registers low
+            r_j = i_c * BT + i_i * BC + j
+            m_kj = m_k & (r_j < T)
+            p_j = ((bos + r_j) * H + i_h) * K + o_k
+            m_ti, m_ts = (o_c >= j) & m_i, (o_c > j) & m_i
+            m_si, m_ss = (o_c <= j) & m_i & (r_j < T), (o_c < j) & m_i & (r_j < T)
+            p_c = ((bos + o_i) * H + i_h) * BT + i_i * BC + j
+            p_r = ((bos + r_j) * H + i_h) * BT + i_i * BC + o_c
+            b_kj = tl.load(k + p_j, mask=m_kj, other=0.).to(tl.float32)
+            b_bj = tl.load(b + p_j, mask=m_kj, other=0.).to(tl.float32)
+            b_qj = tl.load(q + p_j, mask=m_kj, other=0.).to(tl.float32) * scale
+            b_aj = tl.load(a + p_j, mask=m_kj, other=0.).to(tl.float32)
+            b_gj = tl.load(gc + p_j, mask=m_kj, other=0.)
+            b_gpj = tl.load(gp + p_j, mask=m_kj, other=0.)
+            b_e = tl.exp(tl.where(m_ti[:, None], b_g - b_gj[None, :], float("-inf")))
+            b_dq += (tl.load(dAqk + p_c, mask=m_ti, other=0.)[:, None] * b_kj[None, :]
+                     + tl.load(dAqb + p_c, mask=m_ti, other=0.)[:, None] * b_bj[None, :]) * b_e
+            b_e = tl.exp(tl.where(m_ts[:, None], b_gp - b_gj[None, :], float("-inf")))
+            b_da += (tl.load(dAak + p_c, mask=m_ts, other=0.)[:, None] * b_kj[None, :]
+                     + tl.load(dAab + p_c, mask=m_ts, other=0.)[:, None] * b_bj[None, :]) * b_e
+            b_e = tl.exp(tl.where(m_si[:, None], b_gj[None, :] - b_g, float("-inf")))
+            b_dk += tl.load(dAqk + p_r, mask=m_si, other=0.)[:, None] * b_qj[None, :] * b_e
+            b_db += tl.load(dAqb + p_r, mask=m_si, other=0.)[:, None] * b_qj[None, :] * b_e
+            b_e = tl.exp(tl.where(m_ss[:, None], b_gpj[None, :] - b_g, float("-inf")))
+            b_dk += tl.load(dAak + p_r, mask=m_ss, other=0.)[:, None] * b_aj[None, :] * b_e
+            b_db += tl.load(dAab + p_r, mask=m_ss, other=0.)[:, None] * b_aj[None, :] * b_e
     # plus the parts through the states, then the gate terms
     p_i = ((bos + o_i) * H + i_h)[:, None] * K + o_k[None, :]
     b_dq = b_dq * scale + tl.load(dq_s + p_i, mask=m_ik, other=0.)
@@ -236,7 +283,7 @@ def dplr_intra_fwd(q, k, a, b, gc, gp, scale: float, chunks: Chunks):
     As = [torch.empty(1, T, H, BT, dtype=torch.float32, device=q.device) for _ in range(4)]
     dplr_intra_fwd_kernel[(chunks.NC * (BT // BC), H)](
         q, k, a, b, gc, gp, *As, chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, BT=BT, BC=BC, BK=BK,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=8)
+        DOT_PRECISION=dot_precision(q.dtype), SPAN=decay_intra.SAFE_SPAN, num_warps=8)
     return As
 
 
@@ -252,5 +299,5 @@ def dplr_intra_bwd(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s,
     dplr_intra_bwd_kernel[(triton.cdiv(K, BK), chunks.NC * (BT // BC), H)](
         q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s, dq, dk, da, db, dgk, dga,
         chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, BT=BT, BC=BC, BK=BK,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=8)
+        DOT_PRECISION=dot_precision(q.dtype), SPAN=decay_intra.SAFE_SPAN, num_warps=8)
     return dq, dk, da, db, dgk, dga

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fastweight import ops
+from fastweight.kernels import decay_intra
 from fastweight.testing import generator, rel_err
 
 # measured: fp32 errors ~1e-6 (gate gradients through the reverse cumulative sum ~3e-6);
@@ -23,7 +24,10 @@ pytestmark = pytest.mark.usefixtures("poisoned_empty")
 
 
 def _inputs(op, T, H=2, K=16, V=32, gen=None, decay=1.0):
-    """Random inputs of ``fastweight.ops.chunk_<op>`` by argument name (B = 1)."""
+    """Random inputs of ``fastweight.ops.chunk_<op>`` by argument name (B = 1); ``decay`` scales
+    the log gates (a float, or a [T] tensor of per-token factors)."""
+    if torch.is_tensor(decay):
+        decay = decay.reshape(1, T, 1, 1) if op in ("gla", "rwkv6", "hgrn2") else decay.reshape(1, T, 1)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     log_decay = lambda *s: torch.nn.functional.logsigmoid(r(*s) + 2) * decay  # noqa: E731
     q, k, v = r(1, T, H, K), r(1, T, H, K) * K ** -0.5, r(1, T, H, V)
@@ -117,9 +121,32 @@ def test_without_final_state(op):
     _check(op, _inputs(op, 63, gen=gen), initial_state=False, final=False, gen=gen)
 
 
+def _spans(op, x):
+    """The gate span of every diagonal sub-chunk (B = 1), as the intra kernels compute it."""
+    g = x["w"] if op == "rwkv6" else x["g"]
+    return decay_intra.diagonal_spans(g[0], exclusive=op == "rwkv6", BK=16)
+
+
 @pytest.mark.parametrize("op", ["gla", "rwkv6"])
 def test_strong_decay_without_overflow(op):
     """Per-step log decays down to about -40: exp(-g) over a chunk would overflow fp32 (e^2560);
-    the sub-chunked pairwise decays stay finite and exact."""
+    the sub-chunked decays stay finite and exact. The gates' strength alternates every 16 tokens
+    (x20, x0.5), so diagonal sub-chunks take both paths (factored below SAFE_SPAN, token at a
+    time above) and the off-diagonal blocks pair strong with weak."""
     gen = generator()
-    _check(op, _inputs(op, 100, gen=gen, decay=20.0), gen=gen)
+    strength = torch.where((torch.arange(100) // 16) % 2 == 0, 20.0, 0.5)
+    x = _inputs(op, 100, gen=gen, decay=strength)
+    spans = _spans(op, x)
+    assert (spans < decay_intra.SAFE_SPAN).any() and (spans >= decay_intra.SAFE_SPAN).any(), spans.flatten()
+    _check(op, x, gen=gen)
+
+
+@pytest.mark.parametrize("path", ["exact", "factored"])
+@pytest.mark.parametrize("op", ["gla", "rwkv6", "hgrn2"])
+def test_diagonal_paths(op, path, monkeypatch):
+    """Each diagonal sub-chunk path on its own (SAFE_SPAN 0: always token at a time; 1e30: always
+    factored), with gates of RWKV-6-like strength (spans up to ~10) and odd T."""
+    monkeypatch.setattr(decay_intra, "SAFE_SPAN", 0.0 if path == "exact" else 1e30)
+    gen = generator()
+    x = _inputs(op, 77, gen=gen, decay=4.0)
+    _check(op, x, gen=gen)

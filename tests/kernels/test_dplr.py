@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fastweight import ops
+from fastweight.kernels import decay_intra
 from fastweight.testing import generator, rel_err
 
 # measured: fp32 errors 1e-7..4e-6 (strong decays included); fp16 <= 7e-4
@@ -20,13 +21,21 @@ TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 pytestmark = pytest.mark.usefixtures("poisoned_empty")
 
 
-def _inputs(op, T, H=1, K=16, V=32, gen=None, w_scale=1.0):
+W_BOUND = -0.6065306597126334  # RWKV-7's strongest log decay per step, -exp(-0.5)
+
+
+def _inputs(op, T, H=1, K=16, V=32, gen=None, w_scale=1.0, at_bound=False):
     """fla-style RWKV-7 inputs: a = -kappa^ (read), b = kappa^ * iclr (write), log decay w in
-    [-0.607 w_scale, 0]."""
+    [-0.607 w_scale, 0] (w_scale a float or a [T] tensor of per-token factors), or every w at
+    RWKV-7's bound (``at_bound``)."""
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     kappa = F.normalize(r(1, T, H, K), dim=-1)
     iclr = torch.rand(1, T, H, 1, generator=gen)
-    w = -0.6065306597126334 * torch.sigmoid(r(1, T, H, K)) * w_scale
+    if torch.is_tensor(w_scale):
+        w_scale = w_scale.reshape(1, T, 1, 1)
+    w = W_BOUND * torch.sigmoid(r(1, T, H, K)) * w_scale
+    if at_bound:
+        w = torch.full_like(w, W_BOUND)
     q, k, v = r(1, T, H, K), r(1, T, H, K) * K ** -0.5, r(1, T, H, V)
     if op == "rwkv7":
         return dict(r=q, w=w, k=k, v=v, a=-kappa, b=kappa * iclr)
@@ -86,9 +95,30 @@ def test_dplr_wide_head_dims():
     _check("dplr_delta_rule", _inputs("dplr_delta_rule", 40, K=80, V=72, gen=gen), gen=gen)
 
 
+def _spans(x):
+    """The gate span of every diagonal sub-chunk (B = 1), as the DPLR intra kernels compute it."""
+    w = x["w"] if "w" in x else x["gk"]
+    return decay_intra.diagonal_spans(w[0], exclusive=True, BK=max(16, min(32, w.shape[-1])))
+
+
 def test_rwkv7_strong_decay():
     """Per-channel log decays down to -0.607 * 8 per step (and a chunk's worth down to about -300):
-    exp(-G) over a chunk would overflow fp32; the sub-chunked pairwise decays keep every exponent
-    <= 0. No gate is clamped."""
+    exp(-G) over a chunk would overflow fp32; no gate is clamped. The strength alternates every
+    16 tokens (x8, x1), so diagonal sub-chunks take both paths (factored below SAFE_SPAN, token
+    at a time above)."""
     gen = generator()
-    _check("rwkv7", _inputs("rwkv7", 63, gen=gen, w_scale=8.0), gen=gen)
+    x = _inputs("rwkv7", 100, gen=gen, w_scale=torch.where((torch.arange(100) // 16) % 2 == 0, 8.0, 1.0))
+    spans = _spans(x)
+    assert (spans < decay_intra.SAFE_SPAN).any() and (spans >= decay_intra.SAFE_SPAN).any(), spans.flatten()
+    _check("rwkv7", x, gen=gen)
+
+
+@pytest.mark.parametrize("path", ["exact", "factored"])
+def test_diagonal_paths(path, monkeypatch):
+    """Each diagonal sub-chunk path on its own (SAFE_SPAN 0: always token at a time; 1e30: always
+    factored), every w at RWKV-7's bound (span 16 x 0.607 = 9.7 per sub-chunk), odd T, two heads."""
+    monkeypatch.setattr(decay_intra, "SAFE_SPAN", 0.0 if path == "exact" else 1e30)
+    gen = generator()
+    x = _inputs("dplr_delta_rule", 77, H=2, gen=gen, at_bound=True)
+    assert (_spans(x) < 10).all()
+    _check("dplr_delta_rule", x, gen=gen)
