@@ -121,3 +121,22 @@ def test_short_conv_short_inputs_keep_a_full_cache(T):
     y, tail = conv(inp)
     y2, tail2 = conv(inp, torch.zeros(2, 3, 8))
     assert tail.shape == (2, 3, 8) and torch.equal(tail, tail2) and rel_err(y, y2) < 1e-6
+
+
+@pytest.mark.parametrize("chunks", [(3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 4, 1, 1, 1, 5, 1), (1,) * 23, (9, 1, 1, 12)])
+def test_window_ring_cache_matches_one_pass(chunks):
+    """Prefill, single steps that wrap the ring of W slots, then several tokens at once, then steps."""
+    layer = Attention(cfg("swa", window_size=5), window=5)
+    inp = x(B=2, T=sum(chunks))
+    ref = layer(inp)
+    cache, outs, t = {}, [], 0
+    for n in chunks:
+        outs.append(layer(inp[:, t:t + n], cache, {"offset": t}))
+        t += n
+        assert cache["k"].shape[1] == 5 and cache["length"] == min(t, 5)
+    assert rel_err(torch.cat(outs, 1), ref) < 1e-6
+
+
+def test_flash_attention_is_cuda_only():
+    from fastweight.layers.attention import flash_usable
+    assert not flash_usable(torch.randn(1, 4, 2, 8))
