@@ -15,12 +15,18 @@ state before the chunk (the readable spec is ``fastweight/chunk/dplr.py``):
        S <- Diag(exp G_e) S + (b exp(G_e - G))^T U + (k exp(G_e - G))^T V   ``dplr_state.py``
     4. o = scale (q * exp G) S + A_qb U + A_qk V                     ``decay_output.py``
 
-Backward: steps 1-3 are recomputed; the state gradient runs the loop in reverse (with the
+Backward: the forward's intra-chunk matrices, T, W, U~, the chunk states and the reads U are
+kept (``RECOMPUTE = False``, the default) or recomputed (steps 1-3 again, ``RECOMPUTE = True``:
+fla's choice, less memory); the gates' cumsum is always recomputed. Kept, they cost per token
+and head 4 x 64 fp32 (A_qk, A_qb, A_ak, T) + K + 2 V + K V / 64 in the input dtype (W, U~, U,
+h): 1.5 KB at K = V = 64, 2.3 KB at K = V = 128 in bf16, against 0.9 / 1.8 KB for the inputs
+the op keeps anyway. The state gradient runs the loop in reverse (with the
 reads' gradient dU), then ``dplr_wy.py`` forms dV and the four matrices' gradients per chunk
 and ``dplr_intra.py`` takes them to q, k, a, b and the per-token gate terms, whose reverse
 cumulative sum is dgk (the identity of ``decay.py``, with a reading exp(G_{t-1})).
 
-Every exponential has an argument <= 0; no gate is clamped. Shapes: q, k, a, b, gk
+Every exponential has an argument <= 0, except in the diagonal sub-chunks whose gates span
+less than ``decay_intra.SAFE_SPAN`` (there, within +-SAFE_SPAN / 2); no gate is clamped. Shapes: q, k, a, b, gk
 [B, T, H, K], v [B, T, H, V], ``initial_state`` [N, H, K, V], ``cu_seqlens`` [N+1] (B = 1).
 """
 
@@ -37,6 +43,8 @@ from fastweight.kernels.dplr_wy import dplr_bwd_local, dplr_wy_fwd
 from fastweight.kernels.kkt_solve import solve
 
 BT = 64
+# keep the forward's intermediates for the backward (False) or recompute them there (True)
+RECOMPUTE = False
 
 
 def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks):
@@ -57,17 +65,23 @@ class ChunkDplrFunction(torch.autograd.Function):
         gc, gp, Aqk, Aqb, Aak, Ai, w, ut = _prepare(q, k, v, a, b, gk, scale, chunks)
         h, u, ht = dplr_state_fwd(k, v, b, gc, w, ut, chunks, initial_state, output_final_state)
         o = output_fwd(q, k, v, gc, gc, h, Aqk, scale, chunks, False, A2=Aqb, v2=u)
-        ctx.save_for_backward(q, k, v, a, b, gk, initial_state, ht)
-        ctx.scale, ctx.chunks = scale, chunks
+        kept = (Aqk, Aqb, Aak, Ai, w, ut, h, u) if not RECOMPUTE else ()
+        ctx.save_for_backward(q, k, v, a, b, gk, initial_state, ht, *kept)
+        ctx.scale, ctx.chunks, ctx.recompute = scale, chunks, RECOMPUTE
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, a, b, gk, initial_state, ht = ctx.saved_tensors
+        q, k, v, a, b, gk, initial_state, ht, *kept = ctx.saved_tensors
         scale, chunks = ctx.scale, ctx.chunks
         do = do.contiguous()
-        gc, gp, Aqk, Aqb, Aak, Ai, w, ut = _prepare(q, k, v, a, b, gk, scale, chunks)
-        h, u, _ = dplr_state_fwd(k, v, b, gc, w, ut, chunks, initial_state, False)
+        if ctx.recompute:
+            gc, gp, Aqk, Aqb, Aak, Ai, w, ut = _prepare(q, k, v, a, b, gk, scale, chunks)
+            h, u, _ = dplr_state_fwd(k, v, b, gc, w, ut, chunks, initial_state, False)
+        else:
+            Aqk, Aqb, Aak, Ai, w, ut, h, u = kept
+            gc = gate_cumsum(gk, None, chunks, q.shape[2], q.shape[1])
+            gp = gc - gk.float()
         dh, du, dh0 = dplr_state_bwd(q, b, gc, w, Aqb, do, dht, scale, chunks, initial_state is not None)
         dv, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s = dplr_bwd_local(
             q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, scale, chunks)

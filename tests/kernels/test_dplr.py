@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fastweight import ops
-from fastweight.kernels import decay_intra
+from fastweight.kernels import decay_intra, dplr
 from fastweight.testing import generator, rel_err
 
 # measured: fp32 errors 1e-7..4e-6 (strong decays included); fp16 <= 7e-4
@@ -67,7 +67,10 @@ def _check(op, inputs, dtype=torch.float32, initial_state=True, cu_seqlens=None,
         assert err < tol, f"d{n}: {err:.3g}"
 
 
-def test_dplr_fwd_bwd_two_chunks():
+@pytest.mark.parametrize("recompute", [False, True])
+def test_dplr_fwd_bwd_two_chunks(recompute, monkeypatch):
+    """Both backward modes: the forward's intermediates kept (default) or recomputed."""
+    monkeypatch.setattr(dplr, "RECOMPUTE", recompute)
     gen = generator()
     _check("dplr_delta_rule", _inputs("dplr_delta_rule", 100, H=2, gen=gen), gen=gen)
 
