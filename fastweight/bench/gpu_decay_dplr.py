@@ -7,8 +7,10 @@ check: every op with ``backend="triton"`` in bf16/fp16/fp32 against the same op 
 and initial state), with every ``torch.empty`` buffer poisoned with NaN.
 time:  median ms (``triton.testing.do_bench``) of forward and forward+backward in bf16 at
 the anchor shapes, next to fla 0.6.0's figures from ``../shared/anchors``.
-variants: per-kernel CUDA time (torch.profiler) of one forward+backward for each launch
-variant (loop form, V blocks of the state pass and output).
+variants: per-kernel CUDA time (torch.profiler) of one forward+backward for each variant:
+GLA with the diagonal sub-chunks factored (default) or all token at a time (SAFE_SPAN = 0),
+RWKV-7 with the forward's intermediates kept (default) or recomputed (``dplr.RECOMPUTE``).
+Checks also run strong gates (gates x20 on alternate 16-token sub-chunks: both diagonal paths).
 long:  RWKV-7 over T = 65536, bf16 inputs, fp32 state: finite, and close to the fp32
 per-token reference. ``CHECK_OPS=a,b`` limits the check section to those ops,
 ``TIME_CASES=op:shape,...`` the time section to those cases.
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 import triton
 
 from fastweight import ops
-from fastweight.kernels import decay_output, decay_state
+from fastweight.kernels import decay_intra, dplr
 from fastweight.testing import nan_like, rel_err
 
 DEV = "cuda"
@@ -43,14 +45,18 @@ SHAPES = {"gdn1.3b": (4, 8192, 16, 128), "rwkv7paper": (8, 16384, 64, 64)}
 ROWS = []
 
 
-def inputs(op, B, T, H, K, dtype, gen_scale=1.0, V=None):
+def inputs(op, B, T, H, K, dtype, gen_scale=1.0, V=None, strong=False):
     """Inputs of ``ops.chunk_<op>`` by argument name (gates fp32, log-space, as the anchors);
-    value head dim V (default K)."""
+    value head dim V (default K). ``strong``: the gates x20 (GLA family; RWKV-7's w x16, past its
+    bound) on every other 16-token sub-chunk, so the diagonal sub-chunks take both paths."""
     r = lambda *s: torch.randn(*s, device=DEV)  # noqa: E731
+    if strong:
+        alt = (torch.arange(T, device=DEV) // 16) % 2 == 0
+        gen_scale = torch.where(alt, 16.0 if op == "rwkv7" else 20.0, 1.0).view(1, T, 1, 1)
     q = F.normalize(r(B, T, H, K), dim=-1).to(dtype)
     k = F.normalize(r(B, T, H, K), dim=-1).to(dtype)
     v = r(B, T, H, V or K).to(dtype)
-    g_s = F.logsigmoid(r(B, T, H)) / 16 * gen_scale
+    g_s = F.logsigmoid(r(B, T, H)) / 16 * (gen_scale[..., 0] if torch.is_tensor(gen_scale) else gen_scale)
     g_v = F.logsigmoid(r(B, T, H, K)) / 16 * gen_scale
     if op in ("linear_attn", "retention"):
         return dict(q=q, k=k, v=v)
@@ -74,12 +80,13 @@ def inputs(op, B, T, H, K, dtype, gen_scale=1.0, V=None):
     raise ValueError(op)
 
 
-def check(op, dtype, T=200, H=3, K=64, cu_seqlens=None, V=None, B=2):
+def check(op, dtype, T=200, H=3, K=64, cu_seqlens=None, V=None, B=2, strong=False):
     """Errors of output, final state and every gradient against float64 (inf on NaN)."""
+    t0 = time.time()
     B = 1 if cu_seqlens is not None else B
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     V = V or K
-    x = inputs(op, B, T, H, K, dtype, V=V)
+    x = inputs(op, B, T, H, K, dtype, V=V, strong=strong)
     x["initial_state"] = torch.randn(N, H, K, V, device=DEV)
     fn = getattr(ops, f"chunk_{op}")
     low = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
@@ -99,10 +106,11 @@ def check(op, dtype, T=200, H=3, K=64, cu_seqlens=None, V=None, B=2):
     errs.update({f"d{n}": rel_err(low[n].grad, ref[n].grad) for n in low})
     worst = max(errs.values())
     row = dict(kind="check", op=op, dtype=str(dtype).split(".")[-1], T=T, K=K, V=V, varlen=cu_seqlens is not None,
-               worst=worst, ok=worst < TOL[dtype], errs=errs)
+               strong=strong, worst=worst, ok=worst < TOL[dtype], errs=errs, wall_s=time.time() - t0)
     ROWS.append(row)
-    print(f"check {op:16s} {row['dtype']:8s} K={K:<3d} V={V:<3d} varlen={row['varlen']!s:5s} worst {worst:.2e} "
-          f"{'ok' if row['ok'] else 'FAIL'}  " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()), flush=True)
+    print(f"check {op:16s} {row['dtype']:8s} K={K:<3d} V={V:<3d} varlen={row['varlen']!s:5s} strong={strong!s:5s} "
+          f"worst {worst:.2e} {'ok' if row['ok'] else 'FAIL'} [{row['wall_s']:.0f}s]  "
+          + " ".join(f"{n}={e:.1e}" for n, e in errs.items()), flush=True)
 
 
 def profile(op, shape, label):
@@ -135,19 +143,21 @@ def profile(op, shape, label):
 
 
 def variants():
-    """Launch variants, by per-kernel time: loop form, state-pass V block, output V block."""
-    defaults = decay_state.STATE_BV, decay_output.OUTPUT_BV
-    for op, shape in [("simple_gla", "gdn1.3b"), ("gla", "rwkv7paper")]:
-        for label, env, state_bv, out_bv in [("for, S32, O64", "0", 32, 64), ("for, S64, O128", "0", 64, 128)]:
-            os.environ["FASTWEIGHT_WHILE_LOOPS"] = env
-            decay_state.STATE_BV, decay_output.OUTPUT_BV = state_bv, out_bv
-            try:
-                profile(op, shape, label)
-            except Exception as e:  # a variant that fails to build is reported, not fatal
-                print(f"variant {op} {shape} [{label}] failed: {e!r}"[:400], flush=True)
-                ROWS.append(dict(kind="variant", op=op, shape=shape, variant=label, error=repr(e)[:400]))
-    os.environ["FASTWEIGHT_WHILE_LOOPS"] = "0"
-    decay_state.STATE_BV, decay_output.OUTPUT_BV = defaults
+    """Per-kernel time of: GLA's diagonal sub-chunks factored (default) vs token at a time
+    (SAFE_SPAN = 0, the path of strong gates); RWKV-7 keeping its intermediates (default) vs
+    recomputing them in the backward."""
+    span, recompute = decay_intra.SAFE_SPAN, dplr.RECOMPUTE
+    cases = [("gla", "rwkv7paper", "factored", span, recompute), ("gla", "rwkv7paper", "token at a time", 0.0, recompute),
+             ("rwkv7", "gdn1.3b", "kept", span, False), ("rwkv7", "gdn1.3b", "recomputed", span, True)]
+    for op, shape, label, safe_span, recomp in cases:
+        decay_intra.SAFE_SPAN, dplr.RECOMPUTE = safe_span, recomp
+        try:
+            profile(op, shape, label)
+        except Exception as e:  # a variant that fails to build is reported, not fatal
+            print(f"variant {op} {shape} [{label}] failed: {e!r}"[:400], flush=True)
+            ROWS.append(dict(kind="variant", op=op, shape=shape, variant=label, error=repr(e)[:400]))
+        finally:
+            decay_intra.SAFE_SPAN, dplr.RECOMPUTE = span, recompute
 
 
 def bench(op, shape, backward):
@@ -198,20 +208,24 @@ def main(argv):
     sections = argv or ["check", "time", "long"]
     torch.manual_seed(0)
     decay = ["linear_attn", "retention", "simple_gla", "gla", "rwkv6", "hgrn2"]
-    dplr = ["dplr_delta_rule", "rwkv7"]
+    dplr_ops = ["dplr_delta_rule", "rwkv7"]
     if os.environ.get("CHECK_OPS"):
         decay = [op for op in decay if op in os.environ["CHECK_OPS"].split(",")]
-        dplr = [op for op in dplr if op in os.environ["CHECK_OPS"].split(",")]
+        dplr_ops = [op for op in dplr_ops if op in os.environ["CHECK_OPS"].split(",")]
     if "check" in sections:
         full = os.environ.get("CHECK_ALL_DTYPES") == "1"
-        for op in decay + dplr:
+        for op in decay + dplr_ops:
             for dtype in (torch.bfloat16, torch.float16, torch.float32):
                 if full or dtype == torch.bfloat16 or op in ("simple_gla", "gla", "rwkv7"):
                     check(op, dtype)
-        for op in [op for op in ("simple_gla", "gla") if op in decay] + dplr[-1:]:
+        for op in [op for op in ("simple_gla", "gla") if op in decay] + dplr_ops[-1:]:
             check(op, torch.bfloat16, T=300, cu_seqlens=torch.tensor([0, 1, 100, 100, 300], device=DEV))
+        # strong gates: both diagonal sub-chunk paths (factored, token at a time) in one call
+        for op in [op for op in ("gla", "rwkv6") if op in decay] + dplr_ops[-1:]:
+            for dtype in (torch.bfloat16, torch.float32):
+                check(op, dtype, strong=True)
         # small heads (Mamba-2's 16-wide value heads faulted the bf16 backward at 8 warps)
-        for op in decay + dplr:
+        for op in decay + dplr_ops:
             for K, V in ((64, 16), (16, 16), (32, 128)):
                 check(op, torch.bfloat16, T=130, H=4, K=K, V=V, B=3)
     if "time" in sections:
@@ -222,7 +236,7 @@ def main(argv):
             timing(op, shape)
     if "variants" in sections:
         variants()
-    if "long" in sections and "rwkv7" in dplr:
+    if "long" in sections and "rwkv7" in dplr_ops:
         long_rwkv7()
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "gpu_decay_dplr.json"), "w") as f:
@@ -231,7 +245,8 @@ def main(argv):
     print("\n| what | result |\n|---|---|")
     for r in ROWS:
         if r["kind"] == "check" and not r["ok"]:
-            print(f"| FAIL {r['op']} {r['dtype']} K={r['K']} V={r['V']} varlen={r['varlen']} | worst {r['worst']:.2e} |")
+            print(f"| FAIL {r['op']} {r['dtype']} K={r['K']} V={r['V']} varlen={r['varlen']} strong={r['strong']} | "
+                  f"worst {r['worst']:.2e} |")
         elif r["kind"] == "time":
             ratio = f" ({r['ratio_fwd']:.2f}x / {r['ratio_fwdbwd']:.2f}x fla)" if r["ratio_fwd"] else ""
             print(f"| {r['op']} {r['shape']} | {r['fwd_ms']:.3f} / {r['fwdbwd_ms']:.3f} ms{ratio} |")
