@@ -42,7 +42,20 @@ def sync(device):
 
 
 def check(device, run, mixers, T=100, prefill=70):
-    """fp32 tiny models: device vs CPU logits and prefill/decode vs one pass."""
+    """fp32 tiny models: device vs CPU logits and gradients (the layers' Triton parts, the norm's
+    size threshold lowered so that it runs too, against the PyTorch paths on the CPU), and
+    prefill/decode vs one pass; the bf16 autocast logits (FlashAttention for SWA) vs the CPU."""
+    from fastweight.layers import attention, common
+    threshold, common._TRITON_MIN_NUMEL = common._TRITON_MIN_NUMEL, 0
+    try:
+        _check(device, run, mixers, T, prefill)
+    finally:
+        common._TRITON_MIN_NUMEL = threshold
+    if run.results and run.results[-1].get("part") == "check":
+        run.results[-1]["flash_attention"] = str(attention._FLASH_OK)
+
+
+def _check(device, run, mixers, T, prefill):
     for mixer in mixers:
         torch.manual_seed(0)
         cfg = LMConfig.preset("tiny", mixer=mixer, vocab_size=128, n_layers=3, d_model=128, n_heads=2,
@@ -65,15 +78,19 @@ def check(device, run, mixers, T=100, prefill=70):
         ids_grad = ids.to(device)
         loss = torch.nn.functional.cross_entropy(dev(ids_grad).flatten(0, 1), ids_grad.flatten())
         loss.backward()
+        torch.nn.functional.cross_entropy(cpu(ids).flatten(0, 1), ids.flatten()).backward()
         grads_finite = all(bool(torch.isfinite(p.grad).all()) for p in dev.parameters() if p.grad is not None)
+        grads = dict(cpu.named_parameters())
+        grad_err = max(rel_err(p.grad.cpu(), grads[n].grad) for n, p in dev.named_parameters() if p.grad is not None)
         row = dict(part="check", mixer=mixer, device_vs_cpu=rel_err(out.cpu(), ref),
                    decode_vs_one_pass=rel_err(step, out), bf16_autocast_vs_cpu=rel_err(low.cpu(), ref),
-                   grads_finite=grads_finite)
-        row["ok"] = row["device_vs_cpu"] < 1e-4 and row["decode_vs_one_pass"] < 1e-4 and grads_finite
+                   grads_vs_cpu=grad_err, grads_finite=grads_finite)
+        row["ok"] = (row["device_vs_cpu"] < 1e-4 and row["decode_vs_one_pass"] < 1e-4 and grad_err < 1e-3
+                     and grads_finite)
         run.add(row)
 
 
-def train_throughput(cfg, B, T, device, steps=4, warmup=None, compile=False):
+def train_throughput(cfg, B, T, device, steps=4, warmup=None, compile=False, profile_dir=None):
     warmup = warmup or (3 if compile else 2)
     torch.manual_seed(0)
     with device:
@@ -104,12 +121,15 @@ def train_throughput(cfg, B, T, device, steps=4, warmup=None, compile=False):
     dt = (time.perf_counter() - t0) / steps
     peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else 0.0
     n_params = model.num_parameters()
-    return dict(ms_per_step=1e3 * dt, tokens_per_s=B * T / dt, params_M=n_params / 1e6, peak_GiB=peak,
-                loss=float(loss.detach()), warmup_s=warmup_s)
+    out = dict(ms_per_step=1e3 * dt, tokens_per_s=B * T / dt, params_M=n_params / 1e6, peak_GiB=peak,
+               loss=float(loss.detach()), warmup_s=warmup_s)
+    if profile_dir is not None and not compile:
+        out.update(profile_steps(step, 1, device, os.path.join(profile_dir, f"train_{cfg.mixer.replace(',', '_')}.txt")))
+    return out
 
 
 @torch.no_grad()
-def decode_throughput(cfg, B, prompt, device, steps=32, prefill_chunk=None):
+def decode_throughput(cfg, B, prompt, device, steps=32, prefill_chunk=None, profile_dir=None):
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with device:
@@ -133,7 +153,36 @@ def decode_throughput(cfg, B, prompt, device, steps=32, prefill_chunk=None):
     sync(device)
     dt = (time.perf_counter() - t0) / steps
     out = dict(prefill_s=prefill_s, ms_per_step=1e3 * dt, tokens_per_s=B / dt, cache_GiB=cache.nbytes() / 2 ** 30)
+    if profile_dir is not None:
+        def step():
+            nonlocal token
+            token = model(token, cache=cache)[:, -1].argmax(-1, keepdim=True)
+        out.update(profile_steps(step, 4, device, os.path.join(profile_dir, f"decode_{cfg.mixer.replace(',', '_')}.txt")))
     return out
+
+
+def profile_steps(step, n, device, path):
+    """torch.profiler over ``n`` calls of ``step``: GPU busy time and kernel launches per call, and the
+    tables (by device time, by CPU time) written to ``path``. On the CPU: nothing."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        sync(device)
+    events = prof.key_averages()
+    dev_time = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
+    gpu_us = sum(dev_time(e) for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    launches = sum(e.count for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                                         "cudaLaunchKernelExC", "cudaMemcpyAsync"))
+    with open(path, "w") as f:
+        f.write(f"{n} calls\n")
+        f.write(events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
+        f.write("\n")
+        f.write(events.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70))
+    return dict(gpu_busy_ms_per_step=gpu_us / 1e3 / n, launches_per_step=launches / n)
 
 
 class Run:
@@ -198,12 +247,13 @@ def main(argv=None):
         decode = (64, 16384)
         preset = lambda mixer: LMConfig.preset("340M", mixer=mixer)  # noqa: E731
     for mixer, B, T in train:
-        run.part("train", lambda: train_throughput(preset(mixer), B, T, device), mixer=mixer, B=B, T=T,
-                 compiled=False)
+        run.part("train", lambda: train_throughput(preset(mixer), B, T, device, profile_dir=args.out), mixer=mixer,
+                 B=B, T=T, compiled=False)
     for mixer in ("gdn", "gdn,swa", "attn"):
         B, P = decode
         # out of memory: halve the batch and say so
-        while "out of memory" in run.part("decode", lambda: decode_throughput(preset(mixer), B, P, device),
+        while "out of memory" in run.part("decode", lambda: decode_throughput(preset(mixer), B, P, device,
+                                                                             profile_dir=args.out),
                                           mixer=mixer, B=B, prompt=P).get("error", "") and B >= 16:
             B //= 2
     if not args.smoke:
@@ -222,6 +272,7 @@ def main(argv=None):
         if r["part"] == "check":
             print(f"check   {r['mixer']:16} {'':14} {'':>9} {'':>11}  device/cpu {r['device_vs_cpu']:.1e}  "
                   f"decode/one-pass {r['decode_vs_one_pass']:.1e}  bf16/cpu {r['bf16_autocast_vs_cpu']:.1e}  "
+                  f"grads/cpu {r['grads_vs_cpu']:.1e}  "
                   f"{'ok' if r['ok'] else 'FAIL'}")
             continue
         shape = f"{r['B']}x{r.get('T', r.get('prompt'))}"
@@ -231,6 +282,8 @@ def main(argv=None):
         note = (f"{r['params_M']:.0f}M params, peak {r['peak_GiB']:.1f} GiB, warmup {r['warmup_s']:.0f} s"
                 + (", compiled" if r["compiled"] else "") if r["part"] == "train"
                 else f"prefill {r['prefill_s']:.1f} s, cache {r['cache_GiB']:.2f} GiB")
+        if "gpu_busy_ms_per_step" in r:
+            note += f", GPU busy {r['gpu_busy_ms_per_step']:.1f} ms, {r['launches_per_step']:.0f} launches"
         print(f"{r['part']:7} {r['mixer']:16} {shape:14} {r['ms_per_step']:9.1f} {r['tokens_per_s']:11.0f}  {note}")
 
 
