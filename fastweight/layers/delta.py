@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from fastweight.dispatch import l2norm
 from fastweight.layers.base import Mixer, split_heads
 from fastweight.layers.common import GatedRMSNorm, LowRank, ShortConv, mamba_decay_init
+from fastweight.layers.linear_op import generic_forced
 
 # ops whose kernels normalise q and k themselves (Comba's would normalise its read key p too)
 FUSED_L2NORM = ("delta_rule", "gated_delta_rule", "kda")
@@ -79,13 +80,20 @@ class DeltaRuleMixer(Mixer):
         self.o_norm = GatedRMSNorm(V, cfg.norm_eps, spec["gate"] or "identity")
         self.o_proj = nn.Linear(H * V, D, bias=False)
 
-    def gates(self, x: torch.Tensor) -> dict:
-        """beta [B, T, H] and the log decay g ([B, T, H] per head, [B, T, H, K] per channel)."""
-        beta = torch.sigmoid(self.b_proj(x).float())
+    def gates(self, x: torch.Tensor, in_kernel: bool = False) -> dict:
+        """beta [B, T, H] and the log decay g ([B, T, H] per head, [B, T, H, K] per channel).
+
+        ``in_kernel``: g is the gate's pre-activation ``W_a x`` and the op forms the decay from it
+        with ``A_log``, ``dt_bias`` (``use_gate_in_kernel``: no elementwise passes here, in either
+        direction)."""
+        beta = torch.sigmoid(self.b_proj(x))  # rounded to v's dtype for the op in any case
         if self.allow_neg_eigval:
             beta = 2 * beta
         out = dict(beta=beta)
-        if self.decay == "head":
+        if self.decay is not None and in_kernel:
+            pre = self.a_proj(x) if self.decay == "head" else split_heads(self.f_proj(x), self.n_heads)
+            out.update(g=pre, A_log=self.A_log, dt_bias=self.dt_bias, use_gate_in_kernel=True)
+        elif self.decay == "head":
             out["g"] = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
         elif self.decay == "channel":
             f = split_heads(self.f_proj(x).float() + self.dt_bias, self.n_heads)
@@ -97,7 +105,9 @@ class DeltaRuleMixer(Mixer):
         q = split_heads(self.conv(self.q_conv, self.q_proj(x), cache, "conv_q", shared), H)
         k = split_heads(self.conv(self.k_conv, self.k_proj(x), cache, "conv_k", shared), H)
         v = split_heads(self.conv(self.v_conv, self.v_proj(x), cache, "conv_v", shared), H)
-        extra = {n: t.to(v.dtype) if n == "beta" else t for n, t in self.gates(x).items()}
+        # the chunk ops of GDN and KDA form the gate in the kernel (the decode ops take the decay)
+        in_kernel = self.variant in ("gdn", "kda") and self.mode(x.shape[1]) == "chunk" and not generic_forced()
+        extra = {n: t.to(v.dtype) if n == "beta" else t for n, t in self.gates(x, in_kernel).items()}
         if self.implicit:
             q = l2norm(q)
         elif self.op in FUSED_L2NORM:

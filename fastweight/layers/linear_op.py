@@ -40,6 +40,11 @@ def use_backend(backend: str | None):
         _BACKEND = old
 
 
+def generic_forced() -> bool:
+    """Whether :func:`force_generic` is on."""
+    return _FORCE_GENERIC
+
+
 def current_backend() -> str | None:
     """The backend set by :func:`use_backend` (None: the best for the device)."""
     return _BACKEND
@@ -169,6 +174,9 @@ def _linear_op(op, mode, fn, scale, initial_state, output_final_state, cu_seqlen
     if op not in GENERIC:
         raise NotImplementedError(f"no implementation of {mode}_{op}")
     tensors.pop("allow_neg_eigval", None)
+    if tensors.pop("use_gate_in_kernel", False):  # Mamba-2's gate from its pre-activation g
+        from fastweight.dispatch import mamba_gate
+        tensors["g"] = mamba_gate(tensors["g"].float(), tensors.pop("A_log"), tensors.pop("dt_bias"))
     if tensors.pop("use_qk_l2norm_in_kernel", False):
         from fastweight.dispatch import l2norm
         tensors["q"], tensors["k"] = l2norm(tensors["q"]), l2norm(tensors["k"])

@@ -94,3 +94,30 @@ def test_norms_use_the_kernel_with_the_same_result(monkeypatch):
         assert rel_err(y, ref) < 2e-6
         for g, r in zip(grads, ref_grads):
             assert rel_err(g, r) < 2e-6
+
+
+@pytest.mark.parametrize("mixer", ["gdn", "kda", "gdn,swa"])
+def test_model_on_the_triton_path_matches_the_pytorch_path(mixer, monkeypatch):
+    """Logits and gradients of a tiny model through the Triton parts (short conv, norms, the
+    chunk kernel forming the gate from its pre-activation) against the PyTorch paths, fp32."""
+    from fastweight.layers import common
+    from fastweight.models import LanguageModel, LMConfig
+    monkeypatch.setattr(common, "_TRITON_MIN_NUMEL", 0)
+    torch.manual_seed(0)
+    model = LanguageModel(LMConfig.preset("tiny", mixer=mixer, vocab_size=64, window_size=8))
+    ids = torch.randint(0, 64, (2, 24), generator=generator())
+
+    def run():
+        model.zero_grad()
+        logits = model(ids)
+        F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref, ref_grads = run()
+    with use_backend("triton"):
+        out, grads = run()
+    # measured worst over 2 seeds: logits 1.1e-6 (kda), gradients 2.2e-6 (the chunk kernels' fp32 sums)
+    assert rel_err(out, ref) < 4e-6
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        assert rel_err(grads[name], ref_grads[name]) < 1e-5, name
