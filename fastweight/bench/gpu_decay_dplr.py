@@ -147,7 +147,8 @@ def variants():
     (SAFE_SPAN = 0, the path of strong gates); RWKV-7 keeping its intermediates (default) vs
     recomputing them in the backward."""
     span, recompute = decay_intra.SAFE_SPAN, dplr.RECOMPUTE
-    cases = [("gla", "rwkv7paper", "factored", span, recompute), ("gla", "rwkv7paper", "token at a time", 0.0, recompute),
+    cases = [("gla", "rwkv7paper", "factored", span, recompute),
+             ("gla", "rwkv7paper", "token at a time", 0.0, recompute),
              ("rwkv7", "gdn1.3b", "kept", span, False), ("rwkv7", "gdn1.3b", "recomputed", span, True)]
     for op, shape, label, safe_span, recomp in cases:
         decay_intra.SAFE_SPAN, dplr.RECOMPUTE = safe_span, recomp

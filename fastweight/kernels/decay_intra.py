@@ -41,6 +41,13 @@ from fastweight.kernels.decay_state import dot_precision
 SAFE_SPAN = 40.0
 
 
+def diag_precision(dtype: torch.dtype) -> str:
+    """The factored diagonal sub-chunks' dots: exact fp32 for fp32 inputs, 3 x TF32 (fp32-accurate)
+    for 16-bit ones. These hold the largest (least decayed) entries, and their operands are fp32
+    products of the inputs with decay factors, which one TF32 rounding would cut to 10 bits."""
+    return "ieee" if dtype == torch.float32 else "tf32x3"
+
+
 @triton.jit
 def span_ref(b_gr, b_gc, m):
     """(span, ref) of a sub-chunk's gates: rows' gates b_gr, columns' b_gc ([BC, BK], valid where m).
@@ -65,7 +72,7 @@ def factor(x, b_g, b_ref, m, ROW: tl.constexpr):
 def decay_intra_fwd_kernel(q, k, gq, gc, u, A, cu_seqlens, chunk_indices, scale, H: tl.constexpr,
                            K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                            EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                           SPAN: tl.constexpr):
+                           DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr):
     i_tc, i_h = tl.program_id(0), tl.program_id(1)
     NC: tl.constexpr = BT // BC
     i_t, i_i = (i_tc // NC).to(tl.int64), i_tc % NC
@@ -115,7 +122,7 @@ def decay_intra_fwd_kernel(q, k, gq, gc, u, A, cu_seqlens, chunk_indices, scale,
         b_span, b_ref = span_ref(b_gq, b_g, m_ik)
         if b_span < SPAN:
             b_A += tl.dot(factor(b_q, b_gq, b_ref, m_ik, True), tl.trans(factor(b_k, b_g, b_ref, m_ik, False)),
-                          input_precision=DOT_PRECISION)
+                          input_precision=DIAG_PRECISION)
         else:
             for j in range(0, BC):  # a loop, not unrolled: the fallback keeps registers low
                 m_kj = m_k & (i_c * BT + i_i * BC + j < T)
@@ -146,7 +153,8 @@ def decay_intra_fwd_kernel(q, k, gq, gc, u, A, cu_seqlens, chunk_indices, scale,
 def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgk, dgq, du, cu_seqlens, chunk_indices,
                            scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                            BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EXCLUSIVE: tl.constexpr,
-                           USE_U: tl.constexpr, DOT_PRECISION: tl.constexpr, SPAN: tl.constexpr):
+                           USE_U: tl.constexpr, DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr,
+                           SPAN: tl.constexpr):
     i_k, i_tc, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NC: tl.constexpr = BT // BC
     i_t, i_i = (i_tc // NC).to(tl.int64), i_tc % NC
@@ -227,8 +235,8 @@ def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgk, dgq, 
                        other=0.) * scale
         b_fq = factor(1., b_gq, b_ref, m_ik, True)
         b_fk = factor(1., b_gk, b_ref, m_ik, False)
-        b_dq += tl.dot(b_dA, b_k * b_fk, input_precision=DOT_PRECISION) * b_fq
-        b_dk += tl.dot(tl.trans(b_dA), b_q * b_fq, input_precision=DOT_PRECISION) * b_fk
+        b_dq += tl.dot(b_dA, b_k * b_fk, input_precision=DIAG_PRECISION) * b_fq
+        b_dk += tl.dot(tl.trans(b_dA), b_q * b_fq, input_precision=DIAG_PRECISION) * b_fk
     else:
         for j in range(0, BC):  # a loop, not unrolled: the fallback keeps registers low
             r_j = i_c * BT + i_i * BC + j
@@ -295,7 +303,8 @@ def intra_fwd(q, k, gq, gc, u, scale: float, chunks: Chunks, exclusive: bool) ->
     grid = (chunks.NC * (BT // BC), H)
     decay_intra_fwd_kernel[grid](q, k, gq, gc, u if u is not None else q, A, chunks.cu_seqlens,
                                  chunks.chunk_indices, scale, H=H, K=K, BT=BT, BC=BC, BK=BK, EXCLUSIVE=exclusive,
-                                 USE_U=u is not None, DOT_PRECISION=dot_precision(q.dtype), SPAN=SAFE_SPAN)
+                                 USE_U=u is not None, DOT_PRECISION=dot_precision(q.dtype),
+                                 DIAG_PRECISION=diag_precision(q.dtype), SPAN=SAFE_SPAN)
     return A
 
 
@@ -315,5 +324,6 @@ def intra_bwd(q, k, v, gq, gc, u, h, dh, do, dA, scale: float, chunks: Chunks, e
                                  dgq if dgq is not None else dgk, du if du is not None else dgk,
                                  chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, V=V, BT=BT, BC=BC,
                                  BK=BK, BV=BV, EXCLUSIVE=exclusive, USE_U=u is not None,
-                                 DOT_PRECISION=dot_precision(q.dtype), SPAN=SAFE_SPAN)
+                                 DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype),
+                                 SPAN=SAFE_SPAN)
     return dq, dk, dgk, dgq, du

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from fastweight.kernels.common import Chunks
 from fastweight.kernels import decay_intra
-from fastweight.kernels.decay_intra import factor, span_ref
+from fastweight.kernels.decay_intra import diag_precision, factor, span_ref
 from fastweight.kernels.decay_state import dot_precision
 
 
@@ -46,7 +46,7 @@ def _load_dA(dA, bos, o_r, m_r, c0, i_h, H: tl.constexpr, BT: tl.constexpr, BC: 
 @triton.jit
 def dplr_intra_fwd_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, cu_seqlens, chunk_indices, scale,
                           H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr, SPAN: tl.constexpr):
+                          DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr):
     i_tc, i_h = tl.program_id(0), tl.program_id(1)
     NC: tl.constexpr = BT // BC
     i_t, i_i = (i_tc // NC).to(tl.int64), i_tc % NC
@@ -110,10 +110,10 @@ def dplr_intra_fwd_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, cu_seqlens, ch
             b_bg = tl.trans(_load_rows(b, bos, o_i, m_i, i_h, o_k, m_k, H, K) * b_fc)
             b_qg = factor(b_q, b_g, b_ref, m_ik, True)
             b_ag = factor(b_a, b_gp, b_ref, m_ik, True)
-            b_qk += tl.dot(b_qg, b_kg, input_precision=DOT_PRECISION)
-            b_qb += tl.dot(b_qg, b_bg, input_precision=DOT_PRECISION)
-            b_ak += tl.dot(b_ag, b_kg, input_precision=DOT_PRECISION)
-            b_ab += tl.dot(b_ag, b_bg, input_precision=DOT_PRECISION)
+            b_qk += tl.dot(b_qg, b_kg, input_precision=DIAG_PRECISION)
+            b_qb += tl.dot(b_qg, b_bg, input_precision=DIAG_PRECISION)
+            b_ak += tl.dot(b_ag, b_kg, input_precision=DIAG_PRECISION)
+            b_ab += tl.dot(b_ag, b_bg, input_precision=DIAG_PRECISION)
         else:
             for j in range(0, BC):  # a loop, not unrolled: the fallback keeps registers low
                 m_kj = m_k & (i_c * BT + i_i * BC + j < T)
@@ -142,7 +142,7 @@ def dplr_intra_fwd_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, cu_seqlens, ch
 def dplr_intra_bwd_kernel(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s, dq, dk, da, db,
                           dgk, dga, cu_seqlens, chunk_indices, scale, H: tl.constexpr, K: tl.constexpr,
                           BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                          SPAN: tl.constexpr):
+                          DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr):
     i_k, i_tc, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NC: tl.constexpr = BT // BC
     i_t, i_i = (i_tc // NC).to(tl.int64), i_tc % NC
@@ -225,14 +225,14 @@ def dplr_intra_bwd_kernel(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s
         b_fa = factor(1., b_gp, b_ref, m_ik, True)
         b_kg, b_bg = b_k * b_fc, b_b * b_fc
         b_qg, b_ag = b_q * b_fq * scale, b_a * b_fa
-        b_dq += (tl.dot(b_dqk, b_kg, input_precision=DOT_PRECISION)
-                 + tl.dot(b_dqb, b_bg, input_precision=DOT_PRECISION)) * b_fq
-        b_da += (tl.dot(b_dak, b_kg, input_precision=DOT_PRECISION)
-                 + tl.dot(b_dab, b_bg, input_precision=DOT_PRECISION)) * b_fa
-        b_dk += (tl.dot(tl.trans(b_dqk), b_qg, input_precision=DOT_PRECISION)
-                 + tl.dot(tl.trans(b_dak), b_ag, input_precision=DOT_PRECISION)) * b_fc
-        b_db += (tl.dot(tl.trans(b_dqb), b_qg, input_precision=DOT_PRECISION)
-                 + tl.dot(tl.trans(b_dab), b_ag, input_precision=DOT_PRECISION)) * b_fc
+        b_dq += (tl.dot(b_dqk, b_kg, input_precision=DIAG_PRECISION)
+                 + tl.dot(b_dqb, b_bg, input_precision=DIAG_PRECISION)) * b_fq
+        b_da += (tl.dot(b_dak, b_kg, input_precision=DIAG_PRECISION)
+                 + tl.dot(b_dab, b_bg, input_precision=DIAG_PRECISION)) * b_fa
+        b_dk += (tl.dot(tl.trans(b_dqk), b_qg, input_precision=DIAG_PRECISION)
+                 + tl.dot(tl.trans(b_dak), b_ag, input_precision=DIAG_PRECISION)) * b_fc
+        b_db += (tl.dot(tl.trans(b_dqb), b_qg, input_precision=DIAG_PRECISION)
+                 + tl.dot(tl.trans(b_dab), b_ag, input_precision=DIAG_PRECISION)) * b_fc
     else:
         for j in range(0, BC):  # a loop, not unrolled: the fallback keeps registers low
             r_j = i_c * BT + i_i * BC + j
@@ -283,7 +283,8 @@ def dplr_intra_fwd(q, k, a, b, gc, gp, scale: float, chunks: Chunks):
     As = [torch.empty(1, T, H, BT, dtype=torch.float32, device=q.device) for _ in range(4)]
     dplr_intra_fwd_kernel[(chunks.NC * (BT // BC), H)](
         q, k, a, b, gc, gp, *As, chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, BT=BT, BC=BC, BK=BK,
-        DOT_PRECISION=dot_precision(q.dtype), SPAN=decay_intra.SAFE_SPAN, num_warps=8)
+        DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=decay_intra.SAFE_SPAN,
+        num_warps=8)
     return As
 
 
@@ -299,5 +300,6 @@ def dplr_intra_bwd(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s,
     dplr_intra_bwd_kernel[(triton.cdiv(K, BK), chunks.NC * (BT // BC), H)](
         q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s, dq, dk, da, db, dgk, dga,
         chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, BT=BT, BC=BC, BK=BK,
-        DOT_PRECISION=dot_precision(q.dtype), SPAN=decay_intra.SAFE_SPAN, num_warps=8)
+        DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=decay_intra.SAFE_SPAN,
+        num_warps=8)
     return dq, dk, da, db, dgk, dga
