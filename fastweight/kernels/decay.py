@@ -11,8 +11,10 @@ readout is o_t = S_{t-1}^T (scale r_t) + (scale r_t . (u * k_t)) v_t). Stages, i
     3. A = intra-chunk decayed attention (per-channel gate) ``decay_intra.py``
     4. o = scale (q * exp gq) h[c] + A v                    ``decay_output.py``
 
-Backward: h is recomputed, dh[c] (state gradient after chunk c) comes from the same loop run
-in reverse, then dv, dA, dq, dk per chunk. The gate gradient uses the identity, for the
+Backward: h is kept from the forward (``RECOMPUTE = False``, the default: K V / 64 values per
+token and head in the input dtype, 128 B at K = V = 64 and 512 B at 128 in bf16) or recomputed
+(``RECOMPUTE = True``: one more state pass, less memory); dh[c] (state gradient after chunk c)
+comes from the same loop run in reverse, then dv, dA, dq, dk per chunk. The gate gradient uses the identity, for the
 global cumulative log decay G_t (q_t appears only as q_t exp(G_t), k_s only as k_s exp(-G_s),
 the final state as exp(G_T) (...)):
 
@@ -34,6 +36,8 @@ from fastweight.kernels.decay_output import bwd_dqk, bwd_dv, output_fwd
 from fastweight.kernels.decay_state import state_pass
 
 BT = 64
+# keep the forward's chunk states for the backward (False) or recompute them there (True)
+RECOMPUTE = False
 
 
 class ChunkDecayFunction(torch.autograd.Function):
@@ -48,17 +52,19 @@ class ChunkDecayFunction(torch.autograd.Function):
         h, ht = state_pass(k, v, gc, gc, chunks, initial_state, output_final_state, reverse=False)
         A = intra_fwd(q, k, gq, gc, u, scale, chunks, exclusive) if vector else None
         o = output_fwd(q, k, v, gq, gc, h, A, scale, chunks, exclusive)
-        ctx.save_for_backward(q, k, v, g, u, gc, gq if exclusive else None, A, initial_state, ht)
+        ctx.save_for_backward(q, k, v, g, u, gc, gq if exclusive else None, A, initial_state, ht,
+                              None if RECOMPUTE else h)
         ctx.scale, ctx.chunks, ctx.exclusive = scale, chunks, exclusive
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, u, gc, gq, A, initial_state, ht = ctx.saved_tensors
+        q, k, v, g, u, gc, gq, A, initial_state, ht, h = ctx.saved_tensors
         scale, chunks, exclusive = ctx.scale, ctx.chunks, ctx.exclusive
         gq = gq if exclusive else gc
         do = do.contiguous()
-        h, _ = state_pass(k, v, gc, gc, chunks, initial_state, False, reverse=False)
+        if h is None:
+            h, _ = state_pass(k, v, gc, gc, chunks, initial_state, False, reverse=False)
         dh, dh0 = state_pass(q, do, gq, gc, chunks, dht, initial_state is not None, reverse=True, scale=scale)
         dv, dA = bwd_dv(q, k, v, gq, gc, A, dh, do, scale, chunks, exclusive)
         du = dg = None

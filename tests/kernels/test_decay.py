@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fastweight import ops
-from fastweight.kernels import decay_intra
+from fastweight.kernels import decay, decay_intra
 from fastweight.testing import generator, rel_err
 
 # measured: fp32 errors ~1e-6 (gate gradients through the reverse cumulative sum ~3e-6);
@@ -84,6 +84,14 @@ def _check(op, inputs, dtype=torch.float32, initial_state=True, cu_seqlens=None,
 
 @pytest.mark.parametrize("op", ["linear_attn", "retention", "simple_gla", "gla", "rwkv6", "hgrn2"])
 def test_ops_fwd_bwd(op):
+    gen = generator()
+    _check(op, _inputs(op, 100, gen=gen), gen=gen)
+
+
+@pytest.mark.parametrize("op", ["simple_gla", "gla"])
+def test_states_recomputed(op, monkeypatch):
+    """The backward with the chunk states recomputed instead of kept from the forward."""
+    monkeypatch.setattr(decay, "RECOMPUTE", True)
     gen = generator()
     _check(op, _inputs(op, 100, gen=gen), gen=gen)
 
