@@ -67,11 +67,15 @@ class GatedRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         if _triton_usable(x) and self.act_name in ("silu", "sigmoid", "identity"):
-            # one pass (fastweight.layers.norm_kernel), where the form below makes five
+            # one pass (fastweight.layers.norm_kernel), where the form below makes up to seven
             from fastweight.layers.norm_kernel import gated_rms_norm
             return gated_rms_norm(x, gate, self.weight, self.eps, self.act_name, out_dtype=out_dtype(x))
         y = super().forward(x)
-        return y if gate is None else y * self.act(gate.float()).to(y.dtype)
+        if gate is None:
+            return y
+        if gate.dtype == y.dtype:  # 16-bit activations compute in fp32 inside their kernel
+            return y * self.act(gate)
+        return y * self.act(gate.float()).to(y.dtype)
 
 
 class ShortConv(nn.Module):
@@ -111,8 +115,18 @@ class ShortConv(nn.Module):
             tail = F.pad(x[:, max(T - (W - 1), 0):], (0, 0, max(W - 1 - T, 0), 0))
             return self.act(y.transpose(1, 2)), tail
         xx = torch.cat([cache.to(x.dtype), x], dim=1)  # [B, T + W - 1, C]
-        y = F.conv1d(xx.transpose(1, 2), weight, bias, groups=C)
-        return self.act(y.transpose(1, 2)), xx[:, xx.shape[1] - (W - 1):]
+        if T == 1:
+            # a decode step: W products summed (conv1d on a 4-long input may pick a general kernel)
+            y = (xx * weight[:, 0].t()).sum(1, keepdim=True)
+            y = y if bias is None else y + bias
+        elif self.fused and _fused_conv_usable(x):
+            from fastweight.kernels.conv import short_conv
+            y = short_conv(xx, self.weight.view(C, W), self.bias, silu=self.act is F.silu)[:, W - 1:]
+            return y, xx[:, xx.shape[1] - (W - 1):].clone()
+        else:
+            y = F.conv1d(xx.transpose(1, 2), weight, bias, groups=C).transpose(1, 2)
+        tail = xx[:, xx.shape[1] - (W - 1):]
+        return self.act(y), (tail if T == 1 else tail.clone())  # a view would keep all of xx alive
 
     def _packed(self, x, weight, bias, positions):
         """Packed sequences (``positions`` [T]: index of each token in its own sequence): a tap

@@ -121,3 +121,17 @@ def test_model_on_the_triton_path_matches_the_pytorch_path(mixer, monkeypatch):
     assert grads.keys() == ref_grads.keys()
     for name in grads:
         assert rel_err(grads[name], ref_grads[name]) < 1e-5, name
+
+
+def test_short_conv_kernel_continues_a_cache():
+    """Chunks of several tokens after a cache (the kernel over [cache, x]) and single steps."""
+    conv = ShortConv(40, 4, "silu")
+    x = torch.randn(2, 30, 40, generator=generator())
+    ref, _ = conv(x)
+    outs, cache = [], None
+    with use_backend("triton"):
+        for a, b in ((0, 7), (7, 8), (8, 20), (20, 21), (21, 30)):
+            y, cache = conv(x[:, a:b], cache)
+            outs.append(y)
+    assert cache.shape == (2, 3, 40) and cache.is_contiguous()
+    assert rel_err(torch.cat(outs, 1), ref) < 2e-6
