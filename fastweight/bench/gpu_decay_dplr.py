@@ -14,7 +14,8 @@ Checks also run strong gates (gates x20 on alternate 16-token sub-chunks: both d
 long:  RWKV-7 over T = 65536, bf16 inputs, fp32 state: finite, and close to the fp32
 per-token reference. ``CHECK_OPS=a,b`` limits the check section to those ops,
 ``TIME_CASES=op:shape,...`` the time section to those cases.
-Prints a short table last; writes every row to $OUT/gpu_decay_dplr.json when OUT is set.
+Prints a short table last; writes every row to $OUT/gpu_decay_dplr.json when OUT is set (after
+each row, so a run stopped by its time limit keeps what it finished).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def check(op, dtype, T=200, H=3, K=64, cu_seqlens=None, V=None, B=2, strong=Fals
     worst = max(errs.values())
     row = dict(kind="check", op=op, dtype=str(dtype).split(".")[-1], T=T, K=K, V=V, varlen=cu_seqlens is not None,
                strong=strong, worst=worst, ok=worst < TOL[dtype], errs=errs, wall_s=time.time() - t0)
-    ROWS.append(row)
+    record(row)
     print(f"check {op:16s} {row['dtype']:8s} K={K:<3d} V={V:<3d} varlen={row['varlen']!s:5s} strong={strong!s:5s} "
           f"worst {worst:.2e} {'ok' if row['ok'] else 'FAIL'} [{row['wall_s']:.0f}s]  "
           + " ".join(f"{n}={e:.1e}" for n, e in errs.items()), flush=True)
@@ -136,7 +137,7 @@ def profile(op, shape, label):
     total = sum(per.values())
     top = sorted(per.items(), key=lambda kv: -kv[1])[:8]
     row = dict(kind="variant", op=op, shape=shape, variant=label, kernel_ms=total, top=top)
-    ROWS.append(row)
+    record(row)
     print(f"variant {op} {shape} [{label}]: kernels {total:.3f} ms | " +
           ", ".join(f"{n[:28]} {t:.3f}" for n, t in top), flush=True)
     torch.cuda.empty_cache()
@@ -156,7 +157,7 @@ def variants():
             profile(op, shape, label)
         except Exception as e:  # a variant that fails to build is reported, not fatal
             print(f"variant {op} {shape} [{label}] failed: {e!r}"[:400], flush=True)
-            ROWS.append(dict(kind="variant", op=op, shape=shape, variant=label, error=repr(e)[:400]))
+            record(dict(kind="variant", op=op, shape=shape, variant=label, error=repr(e)[:400]))
         finally:
             decay_intra.SAFE_SPAN, dplr.RECOMPUTE = span, recompute
 
@@ -186,7 +187,7 @@ def timing(op, shape):
     row = dict(kind="time", op=op, shape=shape, fwd_ms=fwd, fwdbwd_ms=fb, fla_fwd_ms=fla[0], fla_fwdbwd_ms=fla[1],
                ratio_fwd=fwd / fla[0] if fla[0] else None, ratio_fwdbwd=fb / fla[1] if fla[1] else None,
                wall_s=time.time() - t0)
-    ROWS.append(row)
+    record(row)
     print(f"time {op} {shape}: fwd {fwd:.3f} ms, fwd+bwd {fb:.3f} ms (fla {fla[0]} / {fla[1]})", flush=True)
     torch.cuda.empty_cache()
 
@@ -201,19 +202,34 @@ def long_rwkv7(T=65536, H=2, K=64):
     finite = bool(torch.isfinite(o).all()) and bool(torch.isfinite(ht).all())
     row = dict(kind="long", op="rwkv7", T=T, finite=finite, err_o=rel_err(o, ro), err_ht=rel_err(ht, rht),
                state_max=ht.abs().max().item())
-    ROWS.append(row)
+    record(row)
     print(f"long rwkv7 T={T}: finite={finite} rel err o {row['err_o']:.2e} state {row['err_ht']:.2e}", flush=True)
+
+
+def record(row):
+    """Keep a row and rewrite $OUT/gpu_decay_dplr.json, so a run cut short by its time limit still
+    returns every row it finished."""
+    ROWS.append(row)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpu_decay_dplr.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           rows=ROWS), f, indent=1, default=str)
 
 
 def main(argv):
     sections = argv or ["check", "time", "long"]
     torch.manual_seed(0)
+    t0 = time.time()
+
+    def stamp(what):
+        print(f"[{time.time() - t0:.0f} s] {what}", flush=True)
     decay = ["linear_attn", "retention", "simple_gla", "gla", "rwkv6", "hgrn2"]
     dplr_ops = ["dplr_delta_rule", "rwkv7"]
     if os.environ.get("CHECK_OPS"):
         decay = [op for op in decay if op in os.environ["CHECK_OPS"].split(",")]
         dplr_ops = [op for op in dplr_ops if op in os.environ["CHECK_OPS"].split(",")]
     if "check" in sections:
+        stamp("check")
         full = os.environ.get("CHECK_ALL_DTYPES") == "1"
         for op in decay + dplr_ops:
             for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -230,19 +246,18 @@ def main(argv):
             for K, V in ((64, 16), (16, 16), (32, 128)):
                 check(op, torch.bfloat16, T=130, H=4, K=K, V=V, B=3)
     if "time" in sections:
+        stamp("time")
         cases = [("simple_gla", "gdn1.3b"), ("gla", "rwkv7paper"), ("rwkv7", "gdn1.3b"), ("rwkv7", "rwkv7paper")]
         if os.environ.get("TIME_CASES"):
             cases = [tuple(c.split(":")) for c in os.environ["TIME_CASES"].split(",")]
         for op, shape in cases:
             timing(op, shape)
     if "variants" in sections:
+        stamp("variants")
         variants()
     if "long" in sections and "rwkv7" in dplr_ops:
+        stamp("long")
         long_rwkv7()
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu_decay_dplr.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           triton=triton.__version__, rows=ROWS), f, indent=1, default=str)
     print("\n| what | result |\n|---|---|")
     for r in ROWS:
         if r["kind"] == "check" and not r["ok"]:
