@@ -48,8 +48,8 @@ class Attention(Mixer):
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
         pos, cu_seqlens = positions(shared), packed(shared, "cu_seqlens")
-        q = rotary(split_heads(self.q_proj(x), self.n_heads), pos, self.rope_theta)
-        k = rotary(split_heads(self.k_proj(x), self.n_kv_heads), pos, self.rope_theta)
+        q = rotary(split_heads(self.q_proj(x), self.n_heads), pos, self.rope_theta, shared)
+        k = rotary(split_heads(self.k_proj(x), self.n_kv_heads), pos, self.rope_theta, shared)
         v = split_heads(self.v_proj(x), self.n_kv_heads)
         if cache is not None:
             k, v = self.append(cache, k, v) if self.window is None else self.window_append(cache, k, v)

@@ -199,21 +199,37 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def rotary(x: torch.Tensor, offset: int | torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+def rotary(x: torch.Tensor, offset: int | torch.Tensor, theta: float = 10000.0,
+           tables: dict | None = None) -> torch.Tensor:
     """Rotary position embedding (rotate-half form) of x [B, T, H, D] at positions offset..offset+T-1
-    (or at the positions given as a tensor [T])."""
+    (or at the positions given as a tensor [T]). ``tables``: a dict (the model's per-call ``shared``
+    one) that keeps the cos/sin tables for the other layers of the same call."""
     T, D = x.shape[1], x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D))
-    if isinstance(offset, torch.Tensor):
-        pos = offset.to(device=x.device, dtype=torch.float32)
-    else:
-        pos = torch.arange(offset, offset + T, device=x.device, dtype=torch.float32)
-    angle = pos[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos = torch.cat([angle.cos(), angle.cos()], -1)[None, :, None, :]
-    sin = torch.cat([angle.sin(), angle.sin()], -1)[None, :, None, :]
+    cos, sin = rotary_tables(T, D, offset, theta, x.device, tables)
+    if _triton_usable(x):
+        from fastweight.layers.rotary_kernel import rotary_triton
+        return rotary_triton(x, cos, sin)
+    cos, sin = (torch.cat([t, t], -1)[None, :, None, :] for t in (cos, sin))
     x1, x2 = x.float().chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
+def rotary_tables(T: int, D: int, offset, theta: float, device, tables: dict | None = None):
+    """cos and sin of the rotary angles, [T, D/2] fp32 each, reused from ``tables`` when there."""
+    key = ("rotary", T, D, theta, offset if isinstance(offset, int) else id(offset), device)
+    if tables is not None and key in tables:
+        return tables[key]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, device=device, dtype=torch.float32) / D))
+    if isinstance(offset, torch.Tensor):
+        pos = offset.to(device=device, dtype=torch.float32)
+    else:
+        pos = torch.arange(offset, offset + T, device=device, dtype=torch.float32)
+    angle = pos[:, None] * inv_freq[None, :]  # [T, D/2]
+    out = angle.cos(), angle.sin()
+    if tables is not None:
+        tables[key] = out
+    return out
 
 
 def inverse_softplus(y: torch.Tensor) -> torch.Tensor:

@@ -135,3 +135,24 @@ def test_short_conv_kernel_continues_a_cache():
             outs.append(y)
     assert cache.shape == (2, 3, 40) and cache.is_contiguous()
     assert rel_err(torch.cat(outs, 1), ref) < 2e-6
+
+
+@pytest.mark.parametrize("offset", [0, 5, "positions"])
+def test_rotary_kernel_matches_the_pytorch_form(offset, monkeypatch):
+    from fastweight.layers import common
+    gen = generator()
+    x = torch.randn(2, 9, 3, 16, generator=gen, requires_grad=True)
+    pos = torch.tensor([0, 1, 2, 0, 1, 2, 3, 4, 0]) if offset == "positions" else offset
+    ref = common.rotary(x, pos)
+    dy = torch.randn(ref.shape, generator=gen)
+    (ref_dx,) = torch.autograd.grad(ref, x, dy)
+    monkeypatch.setattr(common, "_TRITON_MIN_NUMEL", 0)
+    tables = {}
+    with use_backend("triton"):
+        y = common.rotary(x, pos, tables=tables)
+        (dx,) = torch.autograd.grad(y, x, dy)
+        assert len(tables) == 1 and common.rotary(x, pos, tables=tables).shape == y.shape and len(tables) == 1
+    # the same fp32 products and sums in both: measured 0 / 1e-7
+    assert rel_err(y, ref) < 1e-6 and rel_err(dx, ref_dx) < 1e-6
+    # the rotation keeps norms (a rotation per pair of channels)
+    assert rel_err(y.norm(dim=-1), x.norm(dim=-1)) < 1e-6
