@@ -86,7 +86,7 @@ def decay_intra_fwd_kernel(q, k, gq, gc, u, A, cu_seqlens, chunk_indices, scale,
     m_i = o_i < T
     # the reference row: last token of sub-chunk i - 1
     o_r = bos + i_c * BT + i_i * BC - 1
-    for i_j in tl.static_range(0, NC - 1):
+    for i_j in range(0, NC - 1):
         if i_j < i_i:
             o_j = i_c * BT + i_j * BC + o_c
             b_A = tl.zeros([BC, BC], dtype=tl.float32)
@@ -197,7 +197,7 @@ def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgk, dgq, 
         o_r = bos + i_c * BT + i_i * BC - 1
         b_gr = tl.load(gc + (o_r * H + i_h) * K + o_k, mask=m_k, other=0.)
         b_dqi = tl.zeros([BC, BK], dtype=tl.float32)
-        for i_j in tl.static_range(0, NC - 1):
+        for i_j in range(0, NC - 1):
             if i_j < i_i:
                 o_j = i_c * BT + i_j * BC + o_c
                 p_j = ((bos + o_j) * H + i_h)[:, None] * K + o_k[None, :]
@@ -208,7 +208,7 @@ def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgk, dgq, 
                 b_dqi += tl.dot(b_dA, b_kj * tl.exp(b_gr[None, :] - b_gkj), input_precision=DOT_PRECISION)
         b_dq += b_dqi * scale * tl.exp(tl.where(m_ik, b_gq - b_gr[None, :], 0.))
     # intra-chunk, later sub-chunks j > i (for dk) through the reference row before sub-chunk j
-    for i_j in tl.static_range(1, NC):
+    for i_j in range(1, NC):
         o_j = i_c * BT + i_j * BC + o_c
         m_j = o_j < T
         o_r = bos + i_c * BT + i_j * BC - 1

@@ -61,7 +61,7 @@ def dplr_intra_fwd_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, cu_seqlens, ch
     p_A = ((bos + o_i) * H + i_h)[:, None] * BT
     # earlier sub-chunks j < i, through the reference row before sub-chunk i
     o_r = bos + i_c * BT + i_i * BC - 1
-    for i_j in tl.static_range(0, NC - 1):
+    for i_j in range(0, NC - 1):
         if i_j < i_i:
             o_j = i_c * BT + i_j * BC + o_c
             b_qk = tl.zeros([BC, BC], dtype=tl.float32)
@@ -168,7 +168,7 @@ def dplr_intra_bwd_kernel(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s
     b_da = tl.zeros([BC, BK], dtype=tl.float32)
     if i_i > 0:
         b_gr = tl.load(gc + ((bos + i_c * BT + i_i * BC - 1) * H + i_h) * K + o_k, mask=m_k, other=0.)
-        for i_j in tl.static_range(0, NC - 1):
+        for i_j in range(0, NC - 1):
             if i_j < i_i:
                 o_j = i_c * BT + i_j * BC + o_c
                 b_e = tl.exp(b_gr[None, :] - _load_rows(gc, bos, o_j, o_j < T, i_h, o_k, m_k, H, K))
@@ -187,7 +187,7 @@ def dplr_intra_bwd_kernel(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s
     # column side (dk, db) from later sub-chunks, through the reference row before each of them
     b_dk = tl.zeros([BC, BK], dtype=tl.float32)
     b_db = tl.zeros([BC, BK], dtype=tl.float32)
-    for i_j in tl.static_range(1, NC):
+    for i_j in range(1, NC):
         if (i_j > i_i) and (i_c * BT + i_j * BC < T):
             o_j = i_c * BT + i_j * BC + o_c
             m_j = o_j < T
