@@ -7,7 +7,10 @@ drawn from the seed ``(seed, 0, s)``, so a resumed run sees exactly the data it
 would have seen, and under ``torchrun`` each of ``world`` ranks draws its slice of
 the global batch (examples ``rank * B / world ...``) and DDP averages the
 gradients: two ranks with batch B/2 each take the same step as one process with B.
-Several ``;``-separated task specs (one vocabulary) take turns, one per step.
+Several ``;``-separated task specs (one vocabulary) take turns, one per step; a
+``curriculum`` (specs of the same vocabulary, e.g. the task at a shorter length) is
+trained on instead during the first ``curriculum_steps`` steps (the learning-rate
+schedule runs over all ``steps``).
 
     fastweight train --task mqar:seq_len=64,n_pairs=8 --mixer gdn --steps 300
     torchrun --nproc-per-node 2 -m fastweight.train --task s5:seq_len=32 --mixer rwkv7
@@ -67,6 +70,8 @@ class TrainConfig:
     resume: bool = arg(False, "continue from out_dir/checkpoint.pt")
     stop_at: int = arg(0, "stop after this step, as if interrupted (0: run all steps)")
     overfit_batches: int = arg(0, "cycle through this many batches (0: a fresh batch every step)")
+    curriculum: str = arg("", "';'-separated task specs trained on first, in turns, for curriculum_steps steps")
+    curriculum_steps: int = arg(0, "the first steps (of `steps`) train on `curriculum` instead of `task`")
     eval_tasks: str = arg("", "';'-separated task specs scored at the end (default: the train task)")
     eval_examples: int = arg(256, "held-out examples per eval task")
     log_every: int = arg(10, "steps between loss-curve points")
@@ -77,7 +82,7 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("d_model", "n_layers", "n_heads", "warmup", "checkpoint_every", "stop_at", "threads",
-                     "overfit_batches"):
+                     "overfit_batches", "curriculum_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:
@@ -91,6 +96,12 @@ class TrainConfig:
         if len(sizes) != 1:
             raise ValueError(f"TrainConfig.task: the tasks of {self.task!r} must share one vocabulary, "
                              f"got sizes {sizes}")
+        if bool(self.curriculum_specs) != bool(self.curriculum_steps) or self.curriculum_steps > self.steps:
+            raise ValueError(f"TrainConfig.curriculum_steps must be in [1, steps = {self.steps}] with a curriculum "
+                             f"and 0 without one, got {self.curriculum_steps} with curriculum {self.curriculum!r}")
+        for spec in self.curriculum_specs:
+            if from_spec(spec).vocab_size not in sizes:
+                raise ValueError(f"TrainConfig.curriculum: {spec!r} has another vocabulary than the train task")
         for spec in self.eval_specs:
             if from_spec(spec).vocab_size not in sizes:
                 raise ValueError(f"TrainConfig.eval_tasks: {spec!r} has another vocabulary than the train task")
@@ -98,6 +109,10 @@ class TrainConfig:
     @property
     def train_specs(self) -> list[str]:
         return [s.strip() for s in self.task.split(";") if s.strip()] or [""]
+
+    @property
+    def curriculum_specs(self) -> list[str]:
+        return [s.strip() for s in self.curriculum.split(";") if s.strip()]
 
     @property
     def eval_specs(self) -> list[str]:
@@ -233,6 +248,7 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     tasks = [from_spec(s) for s in cfg.train_specs]
+    curriculum_tasks = [from_spec(s) for s in cfg.curriculum_specs]
     vocab_size = tasks[0].vocab_size
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, vocab_size).to(device)
@@ -268,7 +284,8 @@ def train(cfg: TrainConfig) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(cfg, step)
         data_step = step % cfg.overfit_batches if cfg.overfit_batches else step
-        task = tasks[data_step % len(tasks)]
+        phase = curriculum_tasks if step < cfg.curriculum_steps else tasks
+        task = phase[data_step % len(phase)]
         batch = task.batch(local, seed=(cfg.seed, TRAIN_STREAM, data_step), start=rank * local).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
             loss = masked_loss(logits_of(net, batch.input_ids), batch)

@@ -78,6 +78,22 @@ def test_tasks_take_turns(tmp_path):
         TrainConfig(task="s5;parity")
 
 
+def test_curriculum_comes_first(tmp_path, monkeypatch):
+    from fastweight.tasks import SNiah1, SNiah2
+    seen = []
+    for cls in (SNiah1, SNiah2):
+        monkeypatch.setattr(cls, "batch", lambda self, *a, _f=cls.batch, **k: seen.append(self.spec()) or _f(self, *a, **k))
+    cur, main = "s_niah_1:context_len=32,value_len=2", "s_niah_2:context_len=40,value_len=2"
+    res = train(tiny(tmp_path, task=main, curriculum=cur, curriculum_steps=2, steps=3, eval_examples=1))
+    assert seen == [cur, cur, main, main] and res["eval"][0]["task"] == main  # the last: scoring
+    with pytest.raises(ValueError, match="curriculum_steps"):
+        TrainConfig(curriculum=cur, curriculum_steps=0)
+    with pytest.raises(ValueError, match="curriculum_steps"):
+        TrainConfig(task=main, curriculum=cur, curriculum_steps=301)
+    with pytest.raises(ValueError, match="curriculum"):
+        TrainConfig(task=main, curriculum="parity", curriculum_steps=1)
+
+
 @pytest.mark.parametrize("kw, name", [(dict(steps=0), "steps"), (dict(task="mqar:n_pairs=x"), "n_pairs"),
                                       (dict(device="tpu"), "device"), (dict(eval_tasks="mqar;bogus"), "bogus"),
                                       (dict(eval_tasks="s5"), "vocabulary"), (dict(lr=-1.0), "lr"),
