@@ -46,8 +46,11 @@ class ChunkDecayFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, u, g_gamma, initial_state, scale: float, output_final_state: bool,
                 chunks: Chunks, exclusive: bool):
         T, H = q.shape[1], q.shape[2]
-        gc = gate_cumsum(g, g_gamma, chunks, H, T) if (g is not None or g_gamma is not None) else None
-        gq = gc - g.float() if exclusive else gc
+        if exclusive:
+            gc, gq = gate_cumsum(g, None, chunks, H, T, exclusive=True)
+        else:
+            gc = gate_cumsum(g, g_gamma, chunks, H, T) if (g is not None or g_gamma is not None) else None
+            gq = gc
         vector = gc is not None and gc.dim() == 4
         h, ht = state_pass(k, v, gc, gc, chunks, initial_state, output_final_state, reverse=False)
         A = intra_fwd(q, k, gq, gc, u, scale, chunks, exclusive) if vector else None
@@ -78,10 +81,7 @@ class ChunkDecayFunction(torch.autograd.Function):
                 carry = (ht * dht).sum(-1)
                 if g.dim() == 3:
                     carry = carry.sum(-1)
-            dg = gate_reverse_cumsum(dgk, chunks, carry)
-            if exclusive:
-                dg -= dgq
-            dg = dg.to(g.dtype)
+            dg = gate_reverse_cumsum(dgk, chunks, carry, sub=dgq if exclusive else None, dtype=g.dtype)
         if du is not None:
             du = du.sum((0, 1)).to(u.dtype)
         if dh0 is not None:

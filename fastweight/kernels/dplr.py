@@ -50,8 +50,7 @@ RECOMPUTE = False
 def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks):
     """Steps 1-2: gates, the four intra-chunk matrices, T, W and U~."""
     T, H = q.shape[1], q.shape[2]
-    gc = gate_cumsum(gk, None, chunks, H, T)
-    gp = gc - gk.float()
+    gc, gp = gate_cumsum(gk, None, chunks, H, T, exclusive=True)
     Aqk, Aqb, Aak, Aab = dplr_intra_fwd(q, k, a, b, gc, gp, scale, chunks)
     Ai = solve(Aab, torch.full((1, T, H), -1.0, device=q.device), chunks)
     w, ut = dplr_wy_fwd(a, v, gp, Ai, Aak, chunks)
@@ -80,15 +79,14 @@ class ChunkDplrFunction(torch.autograd.Function):
             h, u, _ = dplr_state_fwd(k, v, b, gc, w, ut, chunks, initial_state, False)
         else:
             Aqk, Aqb, Aak, Ai, w, ut, h, u = kept
-            gc = gate_cumsum(gk, None, chunks, q.shape[2], q.shape[1])
-            gp = gc - gk.float()
+            gc, gp = gate_cumsum(gk, None, chunks, q.shape[2], q.shape[1], exclusive=True)
         dh, du, dh0 = dplr_state_bwd(q, b, gc, w, Aqb, do, dht, scale, chunks, initial_state is not None)
         dv, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s = dplr_bwd_local(
             q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, scale, chunks)
         dq, dk, da, db, dgk, dga = dplr_intra_bwd(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s,
                                                   db_s, scale, chunks)
         carry = (ht * dht).sum(-1) if dht is not None else None
-        dg = (gate_reverse_cumsum(dgk, chunks, carry) - dga).to(gk.dtype)
+        dg = gate_reverse_cumsum(dgk, chunks, carry, sub=dga, dtype=gk.dtype)
         if dh0 is not None:
             dh0 = dh0.to(initial_state.dtype)
         return dq, dk, dv, da, db, dg, dh0, None, None, None
