@@ -52,19 +52,20 @@ def uuid_like(rng: np.random.Generator, n: int) -> str:
     return " ".join(chars)
 
 
+@lru_cache(maxsize=None)
+def period_id() -> int:
+    return tokenizer().ids["."]
+
+
 def sentence_starts(ids) -> list[int]:
-    period = tokenizer().ids["."]
-    return [0] + [i + 1 for i, t in enumerate(ids[:-1]) if t == period]
+    """Positions where a sentence starts in ``ids``: 0 and every position after a period."""
+    return [0] + [i + 1 for i, t in enumerate(ids[:-1]) if t == period_id()]
 
 
 @lru_cache(maxsize=None)
-def source_sentence_starts(source: tuple) -> tuple:
-    return tuple(sentence_starts(source))
-
-
-def cyclic_run(ids: tuple, start: int, n: int) -> list[int]:
-    reps = -(-(start + n) // len(ids))
-    return list((ids * reps)[start:start + n])
+def haystack_arrays(source: tuple) -> tuple:
+    """``source`` as an int64 array and its sentence starts (where a cyclic haystack run begins)."""
+    return np.array(source, dtype=np.int64), np.array(sentence_starts(source), dtype=np.int64)
 
 
 class NeedleTask(Task):
@@ -100,10 +101,11 @@ class NeedleTask(Task):
     def example(self, rng):
         needle, query, answer = self.parts(rng)
         n_hay = self.context_len + 1 - len(needle) - len(query) - len(answer)
-        source = self.haystack_ids()
-        hay = cyclic_run(source, int(rng.choice(source_sentence_starts(source))), n_hay)
-        cut = int(rng.choice(sentence_starts(hay) + [n_hay])) if n_hay else 0
-        seq = np.array(hay[:cut] + needle + hay[cut:] + query + answer, dtype=np.int64)
+        source, starts = haystack_arrays(self.haystack_ids())
+        hay = source[(int(rng.choice(starts)) + np.arange(n_hay)) % len(source)]
+        cut = int(rng.choice(np.concatenate(([0], np.flatnonzero(hay[:-1] == period_id()) + 1, [n_hay])))) \
+            if n_hay else 0
+        seq = np.concatenate((hay[:cut], needle, hay[cut:], query, answer)).astype(np.int64)
         mask = np.zeros(len(seq), dtype=bool)
         mask[len(seq) - len(answer):] = True
         return seq[:-1], seq[1:], mask[1:]
