@@ -166,6 +166,13 @@ def profile_steps(step, n, device, path):
     tables (by device time, by CPU time) written to ``path``. On the CPU: nothing."""
     if device.type != "cuda":
         return {}
+    try:
+        return _profile_steps(step, n, device, path)
+    except Exception as e:  # noqa: BLE001 (the throughput row stands without its profile)
+        return dict(profile_error=f"{type(e).__name__}: {str(e)[:200]}")
+
+
+def _profile_steps(step, n, device, path):
     from torch.profiler import ProfilerActivity, profile
     sync(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
