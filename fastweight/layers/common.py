@@ -209,10 +209,17 @@ def rotary(x: torch.Tensor, offset: int | torch.Tensor, theta: float = 10000.0,
     if _triton_usable(x):
         from fastweight.layers.rotary_kernel import rotary_triton
         return rotary_triton(x, cos, sin)
-    cos, sin = (torch.cat([t, t], -1)[None, :, None, :] for t in (cos, sin))
-    x1, x2 = x.float().chunk(2, dim=-1)
+    key = ("rotary_full", T, D, theta, offset if isinstance(offset, int) else id(offset), x.device)
+    if tables is not None and key in tables:
+        cos, sin = tables[key]
+    else:
+        cos, sin = (torch.cat([t, t], -1)[None, :, None, :] for t in (cos, sin))
+        if tables is not None:
+            tables[key] = cos, sin
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated * sin).to(x.dtype)
+    return (xf * cos + rotated * sin).to(x.dtype)
 
 
 def rotary_tables(T: int, D: int, offset, theta: float, device, tables: dict | None = None):
