@@ -196,7 +196,11 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(d_hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        a, b = self.gate_proj(x), self.up_proj(x)
+        if a.dtype == b.dtype and _triton_usable(a):
+            from fastweight.layers.swiglu_kernel import swiglu
+            return self.down_proj(swiglu(a, b))
+        return self.down_proj(F.silu(a) * b)
 
 
 def rotary(x: torch.Tensor, offset: int | torch.Tensor, theta: float = 10000.0,

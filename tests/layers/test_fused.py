@@ -156,3 +156,25 @@ def test_rotary_kernel_matches_the_pytorch_form(offset, monkeypatch):
     assert rel_err(y, ref) < 1e-6 and rel_err(dx, ref_dx) < 1e-6
     # the rotation keeps norms (a rotation per pair of channels)
     assert rel_err(y.norm(dim=-1), x.norm(dim=-1)) < 1e-6
+
+
+def test_swiglu_kernel_matches_its_definition(monkeypatch):
+    from fastweight.layers import common
+    from fastweight.layers.swiglu_kernel import swiglu
+    gen = generator()
+    a, b = (torch.randn(3, 5, 700, generator=gen, requires_grad=True) for _ in range(2))
+    ref = F.silu(a.double()) * b.double()
+    dy = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    ref_grads = torch.autograd.grad(ref, [a, b], dy)
+    y = swiglu(a, b)
+    grads = torch.autograd.grad(y, [a, b], dy.float())
+    # elementwise fp32: measured worst 7e-8 over 4 seeds
+    assert rel_err(y, ref) < 1e-6
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) < 1e-6
+    mlp = common.SwiGLU(16, 48)
+    x = torch.randn(2, 3, 16, generator=gen)
+    ref = mlp(x)
+    monkeypatch.setattr(common, "_TRITON_MIN_NUMEL", 0)
+    with use_backend("triton"):
+        assert rel_err(mlp(x), ref) < 1e-6
