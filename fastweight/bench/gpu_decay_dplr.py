@@ -10,7 +10,7 @@ the anchor shapes, next to fla 0.6.0's figures from ``../shared/anchors``.
 variants: per-kernel CUDA time (torch.profiler) of one forward+backward for each variant:
 GLA with the diagonal sub-chunks factored (default) or all token at a time (SAFE_SPAN = 0),
 RWKV-7 with the forward's intermediates kept (default) or recomputed (``dplr.RECOMPUTE``).
-Checks also run strong gates (gates x20 on alternate 16-token sub-chunks: both diagonal paths).
+Checks also run strong gates (x64 on alternate 16-token sub-chunks: both diagonal paths).
 long:  RWKV-7 over T = 65536, bf16 inputs, fp32 state: finite, and close to the fp32
 per-token reference. ``CHECK_OPS=a,b`` limits the check section to those ops,
 ``TIME_CASES=op:shape,...`` the time section to those cases.
@@ -48,12 +48,13 @@ ROWS = []
 
 def inputs(op, B, T, H, K, dtype, gen_scale=1.0, V=None, strong=False):
     """Inputs of ``ops.chunk_<op>`` by argument name (gates fp32, log-space, as the anchors);
-    value head dim V (default K). ``strong``: the gates x20 (GLA family; RWKV-7's w x16, past its
-    bound) on every other 16-token sub-chunk, so the diagonal sub-chunks take both paths."""
+    value head dim V (default K). ``strong``: the gates x64 (GLA family: -3.2 per step on average,
+    down to about -15; RWKV-7's w x16, past its bound) on every other 16-token sub-chunk, so the
+    diagonal sub-chunks take both paths (measured at T = 200, K = 64: ~60% factored)."""
     r = lambda *s: torch.randn(*s, device=DEV)  # noqa: E731
     if strong:
         alt = (torch.arange(T, device=DEV) // 16) % 2 == 0
-        gen_scale = torch.where(alt, 16.0 if op == "rwkv7" else 20.0, 1.0).view(1, T, 1, 1)
+        gen_scale = torch.where(alt, 16.0 if op == "rwkv7" else 64.0, 1.0).view(1, T, 1, 1)
     q = F.normalize(r(B, T, H, K), dim=-1).to(dtype)
     k = F.normalize(r(B, T, H, K), dim=-1).to(dtype)
     v = r(B, T, H, V or K).to(dtype)
@@ -238,10 +239,11 @@ def main(argv):
                     check(op, dtype)
         for op in [op for op in ("simple_gla", "gla") if op in decay] + dplr_ops[-1:]:
             check(op, torch.bfloat16, T=300, cu_seqlens=torch.tensor([0, 1, 100, 100, 300], device=DEV))
-        # strong gates: both diagonal sub-chunk paths (factored, token at a time) in one call
+        # strong gates: both diagonal sub-chunk paths (factored, token at a time) in one call; fp32,
+        # where the paths' exactness shows (16-bit: the storage roundings, amplified by the gate
+        # gradient's cancellation under strong gates, dominate: fp16 dg 3.8e-3 in the interpreter)
         for op in [op for op in ("gla", "rwkv6") if op in decay] + dplr_ops[-1:]:
-            for dtype in (torch.bfloat16, torch.float32):
-                check(op, dtype, strong=True)
+            check(op, torch.float32, strong=True)
         # small heads (Mamba-2's 16-wide value heads faulted the bf16 backward at 8 warps)
         for op in decay + dplr_ops:
             for K, V in ((64, 16), (16, 16), (32, 128)):
