@@ -140,3 +140,57 @@ def test_window_ring_cache_matches_one_pass(chunks):
 def test_flash_attention_is_cuda_only():
     from fastweight.layers.attention import flash_usable
     assert not flash_usable(torch.randn(1, 4, 2, 8))
+
+
+def flash_semantics(q, k, v, T, S, left, causal=True):
+    """What aten::_flash_attention_forward computes (q [B, T, H, d], k, v [B, S, Hk, d]): query i sees
+    the keys j <= i + S - T (causal, aligned to the last key) and j >= i + S - T - left."""
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    i = torch.arange(T)[:, None] + S - T
+    j = torch.arange(S)[None, :]
+    mask = j <= i
+    if left is not None:
+        mask = mask & (j >= i - left)
+    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                         attn_mask=mask)
+    return o.transpose(1, 2)
+
+
+def fake_flash_op(shift=0):
+    """A CPU stand-in for aten::_flash_attention_forward (``shift`` widens the window: a wrong kernel)."""
+    def op(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, window_size_left=None,
+           window_size_right=None):
+        assert causal and window_size_right in (None, 0) and max_q == q.shape[1] and max_k == k.shape[1]
+        left = None if window_size_left is None else window_size_left + shift
+        return (flash_semantics(q, k, v, q.shape[1], k.shape[1], left),)
+    return op
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_attention_flash_path_matches_sdpa(window, monkeypatch):
+    """The layer's calls of the flash op (window, last-key alignment, grouped heads, the ring cache)
+    under the op's documented semantics give the SDPA path's outputs."""
+    from fastweight.layers import attention
+    layer = Attention(cfg("swa", window_size=5, n_kv_heads=1), window=window)
+    inp = x(B=2, T=17)
+    ref = layer(inp)
+    cache = {}
+    ref_steps = [layer(inp[:, :9], cache, {"offset": 0})]
+    ref_steps += [layer(inp[:, t:t + 1], cache, {"offset": t}) for t in range(9, 17)]
+    monkeypatch.setattr(attention, "flash_usable", lambda q: True)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", fake_flash_op())
+    assert rel_err(layer(inp), ref) < 1e-6
+    cache = {}
+    steps = [layer(inp[:, :9], cache, {"offset": 0})]
+    steps += [layer(inp[:, t:t + 1], cache, {"offset": t}) for t in range(9, 17)]
+    assert rel_err(torch.cat(steps, 1), torch.cat(ref_steps, 1)) < 1e-6
+
+
+def test_flash_probe_accepts_the_right_kernel_and_rejects_a_wrong_one(monkeypatch):
+    from fastweight.layers import attention
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", fake_flash_op())
+    assert attention._probe(torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", fake_flash_op(shift=1))
+    with pytest.warns(UserWarning, match="disagrees"):
+        assert not attention._probe(torch.device("cpu"), torch.float32)
