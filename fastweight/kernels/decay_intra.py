@@ -37,7 +37,7 @@ from fastweight.kernels.decay_state import dot_precision
 
 # A diagonal sub-chunk whose gates span less than this (max - min over its rows, per K block)
 # takes the factored form (factors within e^+-20: far inside fp32/tf32's range); wider spans
-# take the exact token-at-a-time path. Tests set 0 (always exact) or inf (always factored).
+# take the exact token-at-a-time path. Tests set 0 (always exact) or 1e30 (always factored).
 SAFE_SPAN = 40.0
 
 
