@@ -151,8 +151,8 @@ def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None)
 
 
 def _probe(device, dtype) -> bool:
-    """Run :func:`flash` once at a small size against the SDPA path (forward and gradients, a window
-    and a one-token step with a cache); False (with a warning) if it fails or disagrees."""
+    """Run :func:`flash` once at a small size against the SDPA path (forward and gradients, a window,
+    a one-token step and five queries after a cache); False (with a warning) if it fails or disagrees."""
     try:
         with torch.enable_grad(), torch.autocast(device.type, enabled=False):
             g = torch.Generator(device=device).manual_seed(0)
@@ -164,7 +164,8 @@ def _probe(device, dtype) -> bool:
             ref = window_blocks(qf, kf, vf, 8).transpose(1, 2)
             ref_grads = torch.autograd.grad(ref.square().sum(), (qf, kf, vf))
             step = flash(q[:, -1:], k[:, -8:], v[:, -8:], 8)
-            errs = [_err(out, ref), _err(step, ref[:, -1:])]
+            tail = flash(q[:, -5:], k, v, 8)  # several queries after a cache: aligned to the last key
+            errs = [_err(out, ref), _err(step, ref[:, -1:]), _err(tail, ref[:, -5:])]
             errs += [_err(a, b.transpose(1, 2)) for a, b in zip(grads, ref_grads)]
         if max(errs) < 2e-2:  # bf16 rounding of o and of the probabilities: ~5e-3
             return True
