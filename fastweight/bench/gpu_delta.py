@@ -1,9 +1,17 @@
 """One GPU run for the delta family's chunked Triton kernels: correctness, then speed.
 
-    python -m fastweight.bench.gpu_delta [--out DIR] [--skip-check] [--ops gdn,kda,...]
+    python -m fastweight.bench.gpu_delta [--out DIR] [--skip-check] [--ops gdn,kda,...] [--quick]
+        [--heads 256x512,128x16,64x16,16x16] [--heads-ops gated_delta_rule,kda] [--varlen-bv32]
+        [--budget SECONDS]
 
 Correctness: bf16 / fp16 / fp32 against the float64 reference (``fastweight.reference.ops``) on
 the same rounded inputs, output, final state and every gradient, varlen with initial_state.
+``--heads``: bf16 checks at other head sizes K x V (uniform lengths: the pipelined state passes):
+K = 256, V = 512 is flame's 340M Gated DeltaNet (it ran out of shared memory before the launch
+configs of kernels/state.py, output.py), V = 16 the block width Triton 3.6 miscompiled at 8 warps.
+``--varlen-bv32``: the varlen state passes forced to BV = 32 (faulted on the H200 in session 1),
+each op in a child process with CUDA_LAUNCH_BLOCKING=1 so that a fault names its kernel and
+leaves this process's CUDA context intact. ``--budget``: skip what is left past that many seconds.
 Tolerance (flash-attention's rule, with the floor as the low-precision reference's error):
 each relative error must be within 3x of the error of the float64 result rounded to the input
 dtype, and at most 1e-4 for fp32 (whose rounding floor is ~1e-8). Buffers are NaN-poisoned.
@@ -53,6 +61,7 @@ def run(op, x, **kw):
 
 
 def check(op, dtype, device, varlen=True, T=1000, H=4, K=128, V=128):
+    """Relative errors against the float64 reference: {quantity: dict(err, floor, tol, ok)}."""
     if varlen:
         B, cu = 1, torch.tensor([0, T // 5, 2 * T // 3, T], dtype=torch.int64, device=device)
     else:
@@ -158,6 +167,51 @@ def stages(op, B, T, H, K, device):
     return res
 
 
+def check_line(op, dtype, varlen, K, V, rows, seconds):
+    worst = max(rows.items(), key=lambda kv: kv[1]["err"] / max(kv[1]["tol"], 1e-30))
+    bad = [n for n, r in rows.items() if not r["ok"]]
+    o = rows.get("o", dict(err=float("nan"), floor=0))
+    dg = f"dg {rows['dg']['err']:.2e}/{rows['dg']['tol']:.1e}  " if "dg" in rows else ""
+    what = rows["error"]["what"] if "error" in rows else ""
+    return (f"check {op:17s} {str(dtype)[6:]:8s} {'varlen ' if varlen else 'uniform'} K={K:<3d} V={V:<3d} "
+            f"{'ok  ' if not bad else 'FAIL'} o {o['err']:.2e} (floor {o['floor']:.1e})  {dg}"
+            f"worst {worst[0]} {worst[1]['err']:.2e}/{worst[1]['tol']:.1e}  "
+            f"{'bad: ' + ','.join(bad) if bad else ''} {what}[{seconds:.0f}s]")
+
+
+def child_bv32(op, device="cuda"):
+    """In a child process: the bf16 varlen check with the state passes forced to BV = 32."""
+    from fastweight.kernels import state
+    state._bv = lambda K, V, block_v, per_channel, chunks, store_h=False: block_v or min(32, triton.next_power_of_2(V))
+    common.POISON_OUTPUTS = True
+    t0 = time.time()
+    rows = check(op, torch.bfloat16, device, varlen=True)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    print(check_line(op, torch.bfloat16, True, 128, 128, rows, time.time() - t0).replace("check", "BV32 ", 1))
+    print("JSON " + json.dumps(rows))
+
+
+def varlen_bv32(op, result):
+    """Runs child_bv32(op) in a fresh process (CUDA_LAUNCH_BLOCKING=1); a fault shows its kernel."""
+    import subprocess
+    import sys
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
+    cmd = [sys.executable, "-m", "fastweight.bench.gpu_delta", "--child-bv32", op]
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        out, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired:
+        out, rc = "timed out after 120 s", -1
+    rows = [ln for ln in out.splitlines() if ln.startswith("JSON ")]
+    result["check"][f"{op}/bfloat16/varlen/BV32"] = json.loads(rows[-1][5:]) if rows else {"rc": rc, "out": out[-3000:]}
+    if rc == 0:
+        return next(ln for ln in out.splitlines() if ln.startswith("BV32"))
+    # the last traceback frames name the kernel launch that faulted
+    tail = [ln.strip() for ln in out.splitlines() if ln.strip().strip("^~")][-8:]
+    return f"BV32  {op:17s} bfloat16 varlen FAULT (rc {rc}): " + " | ".join(tail)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -165,34 +219,55 @@ def main():
     ap.add_argument("--ops", default="")
     ap.add_argument("--quick", action="store_true", help="bf16 checks only")
     ap.add_argument("--stages", default="gated_delta_rule,kda", help="ops to break down by stage")
+    ap.add_argument("--heads", default="256x512,128x16,64x16,16x16", help="KxV head sizes of extra bf16 checks")
+    ap.add_argument("--heads-ops", default="gated_delta_rule,kda", help="ops checked at --heads")
+    ap.add_argument("--varlen-bv32", action="store_true", help="varlen checks with the state passes at BV = 32")
+    ap.add_argument("--budget", type=float, default=0, help="seconds; what is left past it is skipped")
+    ap.add_argument("--child-bv32", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child_bv32:
+        return child_bv32(args.child_bv32)
     device = "cuda"
     ops = [o for o in MECHANISM if hasattr(kernels, f"chunk_{o}") and (not args.ops or o in args.ops.split(","))]
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), check={}, speed=[])
     lines = []
+    start = time.time()
+
+    def over_budget(what):
+        if args.budget and time.time() - start > args.budget:
+            lines.append(f"skipped (past --budget {args.budget:.0f} s): {what}")
+            print(lines[-1], flush=True)
+            return True
+        return False
+
     if not args.skip_check:
         common.POISON_OUTPUTS = True
-        runs = [(o, vl, d) for vl, dts in CHECKS for o in ops for d in dts]
-        for op, varlen, dtype in [r for r in runs if not args.quick or r[2] == torch.bfloat16]:
+        runs = [(o, vl, d, 128, 128) for vl, dts in CHECKS for o in ops for d in dts]
+        runs = [r for r in runs if not args.quick or r[2] == torch.bfloat16]
+        heads = [tuple(int(n) for n in kv.split("x")) for kv in args.heads.split(",") if kv]
+        runs += [(o, False, torch.bfloat16, K, V) for K, V in heads for o in ops if o in args.heads_ops.split(",")]
+        for op, varlen, dtype, K, V in runs:
+            if over_budget(f"check {op} K={K} V={V}"):
+                continue
             t0 = time.time()
+            other = (K, V) != (128, 128)
             try:
-                rows = check(op, dtype, device, varlen=varlen)
+                rows = check(op, dtype, device, varlen=varlen, K=K, V=V, T=300 if other else 1000)
             except Exception as e:  # noqa: BLE001  (report and go on to the timings)
                 rows = {"error": dict(err=float("nan"), floor=0, tol=0, ok=False, what=repr(e)[:300])}
-            tag = f"{op}/{str(dtype)[6:]}/{'varlen' if varlen else 'uniform'}"
+            tag = f"{op}/{str(dtype)[6:]}/{'varlen' if varlen else 'uniform'}" + (f"/K{K}V{V}" if other else "")
             result["check"][tag] = rows
-            worst = max(rows.items(), key=lambda kv: kv[1]["err"] / max(kv[1]["tol"], 1e-30))
-            bad = [n for n, r in rows.items() if not r["ok"]]
-            o = rows.get("o", dict(err=float("nan"), floor=0))
-            lines.append(f"check {op:17s} {str(dtype)[6:]:8s} {'varlen ' if varlen else 'uniform'} "
-                         f"{'ok  ' if not bad else 'FAIL'} o {o['err']:.2e} (floor {o['floor']:.1e})  "
-                         f"worst {worst[0]} {worst[1]['err']:.2e}/{worst[1]['tol']:.1e}  "
-                         f"{'bad: ' + ','.join(bad) if bad else ''} [{time.time() - t0:.0f}s]")
+            lines.append(check_line(op, dtype, varlen, K, V, rows, time.time() - t0))
             print(lines[-1], flush=True)
         common.POISON_OUTPUTS = False
+        if args.varlen_bv32:
+            for op in [o for o in ("gated_delta_rule", "delta_rule") if o in ops]:
+                if not over_budget(f"varlen BV=32 {op}"):
+                    lines.append(varlen_bv32(op, result))
+                    print(lines[-1], flush=True)
     for op, (B, T, H, K), fla_f, fla_fb in SPEED:
-        if op not in ops:
+        if op not in ops or over_budget(f"speed {op}"):
             continue
         try:
             fwd, fb, peak = bench(op, B, T, H, K, device)
@@ -207,7 +282,7 @@ def main():
                      f"peak {peak:5.2f} GiB  vs fla {ratio}")
         print(lines[-1], flush=True)
     for op in ("gated_delta_rule", "kda"):
-        if op in ops and op in args.stages.split(","):
+        if op in ops and op in args.stages.split(",") and not over_budget(f"stages {op}"):
             result[f"stages_{op}"] = stages(op, 4, 8192, 16, 128, device)
             lines.append(f"stages {op} (4, 8192, 16, 128) ms: " +
                          ", ".join(f"{n} {t:.3f}" for n, t in result[f"stages_{op}"].items()))

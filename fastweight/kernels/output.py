@@ -108,6 +108,24 @@ def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, cu_se
     tl.store(p_dw, (-b_dw).to(p_dw.dtype.element_ty), boundary_check=(0, 1))
 
 
+# shared memory the prefetching of the loop over V may take (the H200 has 227 KiB a block)
+SHARED_BUDGET = 200 * 1024
+
+
+def launch_config(K, V, itemsize, BT=64):
+    """(BV, num_warps, num_stages) of the output backward.
+
+    8 warps past K = 64, but 4 whenever BV < 32 (Triton 3.6 miscompiled a bf16 kernel with
+    16-wide V blocks at 8 warps on the H200: docs/bench/runs-2026-11-30-s2.md run 5). Each stage
+    of the loop over V holds the [BV, K] tiles of h and dh and the [BT, BV] tiles of v_tilde, dO,
+    dv_tilde; as many stages (up to 3) as fit SHARED_BUDGET: 3 for 16-bit K <= 128, 2 at K = 256
+    (3 asked for 264 KiB there), 1 for fp32 from K = 128 (sm_90 compiles: docs/bench/delta.md)."""
+    BV = min(64, triton.next_power_of_2(V))
+    warps = 4 if K <= 64 or BV < 32 else 8
+    per_stage = (2 * BV * triton.next_power_of_2(K) + 3 * BT * BV) * itemsize
+    return BV, warps, max(1, min(3, SHARED_BUDGET // per_stage))
+
+
 def output_bwd(q, k, g_cum, h, dh, v_new, do, dv, scale: float, chunks: Chunks, gk_cum=None,
                dq_dtype=torch.float32):
     """Returns (dq in ``dq_dtype``, dk fp32, dw in k's dtype, dg fp32, dAqk fp32), per value head; dk and
@@ -117,7 +135,8 @@ def output_bwd(q, k, g_cum, h, dh, v_new, do, dv, scale: float, chunks: Chunks, 
     part of dq, dk, dg is left to ``intra.intra_bwd`` through dAqk (None otherwise)."""
     _, T, HK, K = k.shape
     H, V = do.shape[2], do.shape[-1]
-    BK, BV = triton.next_power_of_2(K), min(64, triton.next_power_of_2(V))
+    BK = triton.next_power_of_2(K)
+    BV, warps, stages = launch_config(K, V, k.element_size())
     f32 = dict(device=q.device, dtype=torch.float32)
     dev = q.device
     dq, dk = alloc((1, T, H, K), dtype=dq_dtype, device=dev), alloc((1, T, H, K), **f32)
@@ -127,5 +146,6 @@ def output_bwd(q, k, g_cum, h, dh, v_new, do, dv, scale: float, chunks: Chunks, 
     dAqk = alloc((1, T, H, chunks.BT), **f32) if gk_cum is not None else None
     output_bwd_kernel[(chunks.NC, H)](q, k, gate, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, chunks.cu_seqlens,
                                       chunks.chunk_indices, scale, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
-                                      USE_G=g_cum is not None, USE_GK=gk_cum is not None, num_warps=4 if K <= 64 else 8)
+                                      USE_G=g_cum is not None, USE_GK=gk_cum is not None, num_warps=warps,
+                                      num_stages=stages)
     return dq, dk, dw, dg, dAqk

@@ -224,8 +224,18 @@ def _bv(K, V, block_v, per_channel, chunks, store_h=False):
     return block_v or min(32 if small else 64, triton.next_power_of_2(V))
 
 
-def _warps(K):
-    return 4 if K <= 128 else 8
+def launch_config(K, BV, itemsize):
+    """(num_warps, num_stages) of a state pass with value block BV and inputs of ``itemsize`` bytes.
+
+    Warps: 8 for K = 256 (the [K, BV] fp32 state in registers), else 4; and 4 whenever BV < 32:
+    Triton 3.6 miscompiled a bf16 kernel with 16-wide V blocks at 8 warps (illegal memory accesses
+    on the H200, docs/bench/runs-2026-11-30-s2.md run 5). Stages: the pipelined for loop keeps two
+    copies of a chunk's q, k, w tiles ([64, K] each) in shared memory; past 256 bytes a row
+    (K = 256 in 16 bits, K >= 128 in fp32) that exceeds the H200's 227 KiB (K = 256 bf16 asked for
+    248 KiB), so those run one stage (sm_90 compiles of every shape: docs/bench/delta.md)."""
+    warps = 8 if K > 128 and BV >= 32 else 4
+    stages = 2 if triton.next_power_of_2(K) * itemsize <= 256 else 1
+    return warps, stages
 
 
 def state_output_fwd(q, k, w, u, g_cum, initial_state, output_final_state: bool, store_h: bool,
@@ -236,6 +246,7 @@ def state_output_fwd(q, k, w, u, g_cum, initial_state, output_final_state: bool,
     _, T, HK, K = k.shape
     H, V = u.shape[2], u.shape[-1]
     BK, BV = triton.next_power_of_2(K), _bv(K, V, block_v, gk_cum is not None, chunks, store_h)
+    warps, stages = launch_config(K, BV, k.element_size())
     dev = u.device
     o = alloc(u.shape, dtype=u.dtype, device=dev)
     ht = alloc((chunks.N, H, K, V), dtype=torch.float32, device=dev) if output_final_state else None
@@ -246,8 +257,8 @@ def state_output_fwd(q, k, w, u, g_cum, initial_state, output_final_state: bool,
         q, k, w, u, gate, Aqk, initial_state, o, ht, h, v_new, chunks.cu_seqlens, chunks.chunk_offsets, scale,
         chunks.NT or 0, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, USE_G=g_cum is not None,
         USE_GK=gk_cum is not None, USE_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=output_final_state, STORE_H=store_h, IS_VARLEN=_while_loop(chunks), num_warps=_warps(K),
-        num_stages=2)
+        STORE_FINAL_STATE=output_final_state, STORE_H=store_h, IS_VARLEN=_while_loop(chunks), num_warps=warps,
+        num_stages=stages)
     return o, ht, h, v_new
 
 
@@ -257,6 +268,7 @@ def state_bwd(q, k, w, g_cum, do, dht, scale: float, chunks: Chunks, need_dh0: b
     _, T, HK, K = k.shape
     H, V = do.shape[2], do.shape[-1]
     BK, BV = triton.next_power_of_2(K), _bv(K, V, block_v, gk_cum is not None, chunks)
+    warps, stages = launch_config(K, BV, k.element_size())
     dev = q.device
     dh = alloc((chunks.NC, H, K, V), dtype=k.dtype, device=dev)
     dv = alloc(do.shape, device=dev, dtype=do.dtype)
@@ -266,5 +278,5 @@ def state_bwd(q, k, w, g_cum, do, dht, scale: float, chunks: Chunks, need_dh0: b
         q, k, w, gate, Aqk, do, dht, dh, dh0, dv, chunks.cu_seqlens, chunks.chunk_offsets, scale, chunks.NT or 0,
         H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, USE_G=g_cum is not None, USE_GK=gk_cum is not None,
         USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0,
-        IS_VARLEN=_while_loop(chunks), num_warps=_warps(K), num_stages=2)
+        IS_VARLEN=_while_loop(chunks), num_warps=warps, num_stages=stages)
     return dh, dv, dh0

@@ -6,6 +6,8 @@ kernel's own. Tolerances (relative, norm-wise) were set by measurement: fp32 ker
 ~3e-7, fp16 ~1e-3.
 """
 
+import itertools
+
 import pytest
 import torch
 
@@ -95,6 +97,29 @@ def test_short(T):
 def test_varlen(op):
     cu = torch.tensor([0, 1, 64, 100, 129], dtype=torch.int64)
     check(op, 1, 129, 1, 16, 16, torch.float32, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("op", ["gated_delta_rule", "kda"])
+def test_largest_heads(op):
+    """K = 256, V = 512 (flame's 340M Gated DeltaNet heads): the state passes hold all of K, and on
+    the GPU run with one stage of prefetch there (state.launch_config)."""
+    check(op, 1, 70 if op == "gated_delta_rule" else 40, 1, 256, 512, torch.float32)
+
+
+def test_launch_configs():
+    """4 warps whenever a value block is under 32 wide (Triton 3.6 faulted on 16-wide blocks at 8 warps),
+    and less prefetching where the tiles are large: the configurations that fit the H200's shared
+    memory when compiled for sm_90 (docs/bench/delta.md)."""
+    from fastweight.kernels import output, state
+    for K, V, itemsize in itertools.product((16, 64, 128, 256), (16, 32, 64, 512), (2, 4)):
+        BV, warps, stages = output.launch_config(K, V, itemsize)
+        assert BV == min(64, V) and (BV >= 32 or warps == 4)
+        for BV in (16, 32, 64):
+            warps, stages = state.launch_config(K, BV, itemsize)
+            assert (BV >= 32 or warps == 4) and (K * itemsize <= 256 or stages == 1)
+    assert output.launch_config(256, 512, 2)[2] == 2 and output.launch_config(128, 512, 4)[2] == 1
+    assert output.launch_config(128, 128, 2)[1:] == (8, 3)     # the H200-timed configuration
+    assert state.launch_config(128, 32, 2) == (4, 2)
 
 
 def test_no_initial_state_odd_dims():
