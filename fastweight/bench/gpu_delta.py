@@ -1,7 +1,7 @@
 """One GPU run for the delta family's chunked Triton kernels: correctness, then speed.
 
     python -m fastweight.bench.gpu_delta [--out DIR] [--skip-check] [--ops gdn,kda,...] [--quick]
-        [--heads 256x512,128x16,64x16,16x16] [--heads-ops gated_delta_rule,kda] [--varlen-bv32]
+        [--heads 256x512,128x16,64x16,16x16] [--heads-ops gated_delta_rule,kda] [--varlen-bv32 OPS]
         [--budget SECONDS]
 
 Correctness: bf16 / fp16 / fp32 against the float64 reference (``fastweight.reference.ops``) on
@@ -9,8 +9,8 @@ the same rounded inputs, output, final state and every gradient, varlen with ini
 ``--heads``: bf16 checks at other head sizes K x V (uniform lengths: the pipelined state passes):
 K = 256, V = 512 is flame's 340M Gated DeltaNet (it ran out of shared memory before the launch
 configs of kernels/state.py, output.py), V = 16 the block width Triton 3.6 miscompiled at 8 warps.
-``--varlen-bv32``: the varlen state passes forced to BV = 32 (faulted on the H200 in session 1),
-each op in a child process with CUDA_LAUNCH_BLOCKING=1 so that a fault names its kernel and
+``--varlen-bv32 OPS``: the varlen state passes forced to BV = 32 (faulted on the H200 in session 1),
+after the timings, each op in a child process with CUDA_LAUNCH_BLOCKING=1 so that a fault names its kernel and
 leaves this process's CUDA context intact. ``--budget``: skip what is left past that many seconds.
 Tolerance (flash-attention's rule, with the floor as the low-precision reference's error):
 each relative error must be within 3x of the error of the float64 result rounded to the input
@@ -199,10 +199,10 @@ def varlen_bv32(op, result):
     env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
     cmd = [sys.executable, "-m", "fastweight.bench.gpu_delta", "--child-bv32", op]
     try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
         out, rc = p.stdout + p.stderr, p.returncode
     except subprocess.TimeoutExpired:
-        out, rc = "timed out after 120 s", -1
+        out, rc = "timed out after 90 s", -1
     rows = [ln for ln in out.splitlines() if ln.startswith("JSON ")]
     result["check"][f"{op}/bfloat16/varlen/BV32"] = json.loads(rows[-1][5:]) if rows else {"rc": rc, "out": out[-3000:]}
     if rc == 0:
@@ -221,7 +221,8 @@ def main():
     ap.add_argument("--stages", default="gated_delta_rule,kda", help="ops to break down by stage")
     ap.add_argument("--heads", default="256x512,128x16,64x16,16x16", help="KxV head sizes of extra bf16 checks")
     ap.add_argument("--heads-ops", default="gated_delta_rule,kda", help="ops checked at --heads")
-    ap.add_argument("--varlen-bv32", action="store_true", help="varlen checks with the state passes at BV = 32")
+    ap.add_argument("--varlen-bv32", default="", help="ops whose bf16 varlen check runs with the state passes at "
+                    "BV = 32, each in a child process")
     ap.add_argument("--budget", type=float, default=0, help="seconds; what is left past it is skipped")
     ap.add_argument("--child-bv32", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -261,11 +262,6 @@ def main():
             lines.append(check_line(op, dtype, varlen, K, V, rows, time.time() - t0))
             print(lines[-1], flush=True)
         common.POISON_OUTPUTS = False
-        if args.varlen_bv32:
-            for op in [o for o in ("gated_delta_rule", "delta_rule") if o in ops]:
-                if not over_budget(f"varlen BV=32 {op}"):
-                    lines.append(varlen_bv32(op, result))
-                    print(lines[-1], flush=True)
     for op, (B, T, H, K), fla_f, fla_fb in SPEED:
         if op not in ops or over_budget(f"speed {op}"):
             continue
@@ -286,6 +282,11 @@ def main():
             result[f"stages_{op}"] = stages(op, 4, 8192, 16, 128, device)
             lines.append(f"stages {op} (4, 8192, 16, 128) ms: " +
                          ", ".join(f"{n} {t:.3f}" for n, t in result[f"stages_{op}"].items()))
+            print(lines[-1], flush=True)
+    # last: a fault here must not cost the timings (each op runs in its own process anyway)
+    for op in [o for o in args.varlen_bv32.split(",") if o]:
+        if not over_budget(f"varlen BV=32 {op}"):
+            lines.append(varlen_bv32(op, result))
             print(lines[-1], flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_delta.json"), "w") as f:
