@@ -42,10 +42,13 @@ SAFE_SPAN = 40.0
 
 
 def diag_precision(dtype: torch.dtype) -> str:
-    """The factored diagonal sub-chunks' dots: exact fp32 for fp32 inputs, 3 x TF32 (fp32-accurate)
-    for 16-bit ones. These hold the largest (least decayed) entries, and their operands are fp32
-    products of the inputs with decay factors, which one TF32 rounding would cut to 10 bits."""
-    return "ieee" if dtype == torch.float32 else "tf32x3"
+    """The factored diagonal sub-chunks' dots: exact fp32 for fp32 inputs; 3 x TF32 for fp16
+    (whose 11-bit inputs one TF32 rounding of the fp32 products would match in error); one TF32
+    pass for bf16, whose own rounding (8 bits) is 8 times coarser than TF32's, as the
+    off-diagonal sub-chunks do (3 x TF32 cost the diagonals 3 tensor-core passes)."""
+    if dtype == torch.float32:
+        return "ieee"
+    return "tf32x3" if dtype == torch.float16 else "tf32"
 
 
 @triton.jit
