@@ -116,11 +116,13 @@ def test_model_on_the_triton_path_matches_the_pytorch_path(mixer, monkeypatch):
     ref, ref_grads = run()
     with use_backend("triton"):
         out, grads = run()
-    # measured worst over 2 seeds: logits 1.1e-6 (kda), gradients 2.2e-6 (the chunk kernels' fp32 sums)
-    assert rel_err(out, ref) < 4e-6
+    # measured worst over 10 seeds: logits 1.3e-6 (kda), gradients 2.2e-6 (the chunk kernels' fp32
+    # sums), but A_log / dt_bias 4.4e-5 (kda): sums over all tokens that cancel (both sides fp32)
+    assert rel_err(out, ref) < 5e-6
     assert grads.keys() == ref_grads.keys()
     for name in grads:
-        assert rel_err(grads[name], ref_grads[name]) < 1e-5, name
+        bound = 3e-4 if name.endswith(("A_log", "dt_bias")) else 1e-5
+        assert rel_err(grads[name], ref_grads[name]) < bound, name
 
 
 def test_short_conv_kernel_continues_a_cache():
