@@ -38,10 +38,17 @@ TASK_TITLES = {"s_niah_1": "S-NIAH-1", "s_niah_2": "S-NIAH-2", "s_niah_3": "S-NI
 
 @dataclass(frozen=True)
 class Scale:
-    """The sizes of one setting of the suite."""
+    """The sizes of one setting of the suite.
+
+    The S-NIAH model trains ``niah_steps`` steps in all: first ``niah_warmup_steps`` on S-NIAH-1
+    alone at ``niah_warmup_len`` tokens (a curriculum: the mix of the three tasks at the training
+    length does not leave chance from scratch at these sizes, see docs/evals.md), then
+    S-NIAH-1/2/3 in turns at ``niah_train_len``. ``--steps`` scales both.
+    """
 
     niah_train_len: int
     niah_eval_lens: tuple
+    niah_warmup_len: int
     number_digits: int
     uuid_hex: int
     mqar: str
@@ -51,26 +58,28 @@ class Scale:
     n_layers: int
     n_heads: int
     niah_steps: int
+    niah_warmup_steps: int
     mqar_steps: int
     parity_steps: int
     s5_steps: int
     batch_size: int
     lr: float
+    niah_lr: float
     state_lr: float
     eval_examples: int
 
 
 SCALES = {
-    "tiny": Scale(niah_train_len=64, niah_eval_lens=(64, 128, 256), number_digits=3, uuid_hex=8,
+    "tiny": Scale(niah_train_len=64, niah_eval_lens=(64, 128, 256), niah_warmup_len=64, number_digits=3, uuid_hex=8,
                   mqar="mqar:seq_len=32,n_pairs=4,vocab_size=64", mqar_eval_lens=(32, 64, 128),
-                  state_len=16, d_model=32, n_layers=2,
-                  n_heads=2, niah_steps=80, mqar_steps=300, parity_steps=200, s5_steps=100, batch_size=16,
-                  lr=1e-2, state_lr=3e-3, eval_examples=32),
-    "full": Scale(niah_train_len=512, niah_eval_lens=(512, 1024, 2048), number_digits=7, uuid_hex=32,
-                  mqar="mqar:seq_len=256,n_pairs=16,vocab_size=1024", mqar_eval_lens=(256, 512, 1024),
-                  state_len=64, d_model=128, n_layers=2,
-                  n_heads=2, niah_steps=600, mqar_steps=600, parity_steps=1000, s5_steps=1000, batch_size=32,
-                  lr=3e-3, state_lr=3e-3, eval_examples=256),
+                  state_len=16, d_model=32, n_layers=2, n_heads=2, niah_steps=300, niah_warmup_steps=150,
+                  mqar_steps=300, parity_steps=200, s5_steps=100, batch_size=16,
+                  lr=1e-2, niah_lr=3e-3, state_lr=3e-3, eval_examples=32),
+    "full": Scale(niah_train_len=512, niah_eval_lens=(512, 1024, 2048), niah_warmup_len=128, number_digits=7,
+                  uuid_hex=32, mqar="mqar:seq_len=256,n_pairs=16,vocab_size=1024", mqar_eval_lens=(256, 512, 1024),
+                  state_len=64, d_model=128, n_layers=2, n_heads=2, niah_steps=1200, niah_warmup_steps=300,
+                  mqar_steps=600, parity_steps=1000, s5_steps=1000, batch_size=32,
+                  lr=3e-3, niah_lr=3e-3, state_lr=3e-3, eval_examples=128),
 }
 
 
@@ -129,9 +138,12 @@ def suite(scale_name: str = "tiny", *, mixers=None, groups=("retrieval", "state 
         for mixer in RETRIEVAL_MIXERS:
             if mixers and mixer not in mixers:
                 continue
-            experiments.append(Experiment("retrieval", mixer, sized(
-                s.niah_steps, mixer=mixer, task=";".join(niah_specs(s, s.niah_train_len)), eval_tasks=niah_eval,
-                out_dir=os.path.join(out_dir, f"niah-{mixer}"))))
+            niah = sized(s.niah_steps, mixer=mixer, lr=s.niah_lr, task=";".join(niah_specs(s, s.niah_train_len)),
+                         eval_tasks=niah_eval, out_dir=os.path.join(out_dir, f"niah-{mixer}"))
+            warm = s.niah_warmup_steps * niah.steps // s.niah_steps
+            if warm:
+                niah = replace(niah, curriculum=niah_specs(s, s.niah_warmup_len)[0], curriculum_steps=warm)
+            experiments.append(Experiment("retrieval", mixer, niah))
             experiments.append(Experiment("retrieval", mixer, sized(
                 s.mqar_steps, mixer=mixer, task=s.mqar, eval_tasks=mqar_eval,
                 out_dir=os.path.join(out_dir, f"mqar-{mixer}"))))

@@ -14,11 +14,14 @@ def test_suite_covers_the_brief():
     assert {e.config.task.split(":")[0] for e in retrieval} == {"s_niah_1", "mqar"}
     niah = next(e for e in retrieval if e.config.task.startswith("s_niah"))
     assert {column(s) for s in niah.config.eval_specs} >= {"S-NIAH-3 64", "S-NIAH-3 256", "S-NIAH-2 128"}
+    assert niah.config.curriculum.startswith("s_niah_1:") and 0 < niah.config.curriculum_steps < niah.config.steps
     assert {(e.label, e.config.task.split(":")[0]) for e in state} == {
         (m, t) for m in ("deltanet", "deltanet (neg. eig.)", "rwkv7", "mamba2") for t in ("parity", "s5")}
     assert all(e.config.n_layers == 1 for e in state)
     assert [e.config.allow_neg_eigval for e in state if e.label.startswith("deltanet")] == [False, False, True, True]
     assert len(suite("full")) == len(exps)
+    short = next(e for e in suite("full", steps=12) if e.config.task.startswith("s_niah"))
+    assert short.config.steps == 12 and short.config.curriculum_steps == 3  # the curriculum's share is kept
     with pytest.raises(ValueError, match="scale"):
         suite("huge")
 
