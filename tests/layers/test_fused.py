@@ -59,7 +59,7 @@ def norm_reference(x, gate, w, eps, act):
     return y * {"silu": F.silu, "sigmoid": torch.sigmoid, "identity": lambda t: t}[act](g)
 
 
-@pytest.mark.parametrize("D,act", [(128, "silu"), (96, "sigmoid"), (64, "identity"), (200, None)])
+@pytest.mark.parametrize("D,act", [(128, "silu"), (96, "sigmoid"), (64, "identity"), (200, None), (1024, None)])
 def test_gated_norm_kernel_matches_its_definition(D, act):
     from fastweight.layers.norm_kernel import gated_rms_norm
     gen = generator()
