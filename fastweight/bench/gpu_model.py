@@ -1,6 +1,7 @@
 """One GPU run for the language model (issue 6): correctness of the model on the kernels, then speed.
 
     python -m fastweight.bench.gpu_model [--out DIR] [--budget SECONDS] [--smoke]
+    TRITON_INTERPRET=1 python -m fastweight.bench.gpu_model --count    (CPU: launches per layer)
 
 1. Correctness (fp32, tiny model): logits on the device (Triton kernels) against the same
    model on the CPU (PyTorch chunk path), and prefill-then-decode against one pass, for
@@ -192,6 +193,75 @@ def _profile_steps(step, n, device, path):
     return dict(gpu_busy_ms_per_step=gpu_us / 1e3 / n, launches_per_step=launches / n)
 
 
+VIEW_OPS = {"view", "reshape", "slice", "select", "transpose", "t", "unsqueeze", "squeeze", "expand", "as_strided",
+            "unflatten", "flatten", "detach", "alias", "permute", "split", "chunk", "narrow", "unbind", "empty",
+            "empty_like", "new_empty", "empty_strided", "new_empty_strided", "resize_", "set_", "lift_fresh",
+            "_reshape_alias", "contiguous", "to", "_unsafe_view", "expand_as", "view_as", "split_with_sizes",
+            "diagonal", "movedim", "is_nonzero", "item", "_local_scalar_dense", "unfold", "conj", "resolve_conj",
+            "resolve_neg"}
+
+
+def count_launches(mixers=("gdn", "swa", "attn")):
+    """Kernel launches per layer on the GPU code paths, counted on the CPU (TRITON_INTERPRET=1,
+    ``use_backend("triton")``, the Triton norm threshold at 0, flash stood in for): leaf aten ops
+    that are not views, plus Triton launches (stubbed: counted, not run). One training step
+    (forward + backward) of a tiny 2-layer model, and one decode step after a prompt."""
+    import collections
+
+    import triton.runtime.interpreter as interp
+    from torch.profiler import ProfilerActivity, profile
+
+    from fastweight.layers import attention, common, use_backend
+    launches = collections.Counter()
+    interp.InterpretedFunction.run = lambda self, *a, **k: launches.update([self.fn.__name__])
+
+    class Flash(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            launches.update(["flash_fwd"])
+            return torch.empty_like(q)
+
+        @staticmethod
+        def backward(ctx, do):
+            launches.update(["flash_bwd"])
+            return None, None, None
+
+    attention.flash_usable = lambda q: True
+    attention.flash = lambda q, k, v, window: Flash.apply(q, k, v)
+
+    def count(fn):
+        fn()
+        launches.clear()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        events = [e for e in prof.events() if e.name.startswith("aten::")]
+        parents = {e.cpu_parent.id for e in events if e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")}
+        aten = sum(1 for e in events if e.id not in parents and e.name[6:] not in VIEW_OPS)
+        return aten, sum(launches.values())
+
+    rows = []
+    for mixer in mixers:
+        torch.manual_seed(0)
+        model = LanguageModel(LMConfig.preset("tiny", mixer=mixer, n_layers=2, d_model=64, n_heads=2, window_size=16))
+        ids = torch.randint(0, model.cfg.vocab_size, (2, 64))
+        with use_backend("triton"):
+            common._TRITON_MIN_NUMEL = 0
+            def train_step():
+                model.zero_grad(set_to_none=True)
+                model(ids).float().pow(2).mean().backward()
+            train = count(train_step)
+            common._TRITON_MIN_NUMEL = 1 << 20
+            model.eval()
+            with torch.no_grad():
+                cache = model.new_cache()
+                model(ids, cache=cache)
+                decode = count(lambda: model(ids[:, :1], cache=cache))
+        rows.append(dict(mixer=mixer, train_aten=train[0] / 2, train_triton=train[1] / 2, decode_aten=decode[0] / 2,
+                         decode_triton=decode[1] / 2))
+        print(rows[-1], flush=True)
+    return rows
+
+
 class Run:
     """The results so far, saved to ``out/model.json`` after every part (a killed run keeps them)."""
 
@@ -237,7 +307,12 @@ def main(argv=None):
     parser.add_argument("--budget", type=float, default=110.0)
     parser.add_argument("--smoke", action="store_true", help="toy sizes, any device")
     parser.add_argument("--check", default="gdn,swa", help="patterns to check, separated by ';'")
+    parser.add_argument("--count", action="store_true",
+                        help="only count kernel launches per layer on the CPU (run with TRITON_INTERPRET=1)")
     args = parser.parse_args(argv)
+    if args.count:
+        count_launches()
+        return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     run = Run(args.out, args.budget, device)
     try:
