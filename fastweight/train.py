@@ -10,7 +10,10 @@ gradients: two ranks with batch B/2 each take the same step as one process with 
 Several ``;``-separated task specs (one vocabulary) take turns, one per step; a
 ``curriculum`` (specs of the same vocabulary, e.g. the task at a shorter length) is
 trained on instead during the first ``curriculum_steps`` steps (the learning-rate
-schedule runs over all ``steps``).
+schedule runs over all ``steps``). With ``data_workers`` the batches are drawn ahead in
+that many processes (a ``torch.utils.data.DataLoader``; the same batches): on a GPU, where
+a small model's step is bound by the Python launching its kernels, that takes the data
+off the critical path.
 
     fastweight train --task mqar:seq_len=64,n_pairs=8 --mixer gdn --steps 300
     torchrun --nproc-per-node 2 -m fastweight.train --task s5:seq_len=32 --mixer rwkv7
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -72,6 +76,7 @@ class TrainConfig:
     overfit_batches: int = arg(0, "cycle through this many batches (0: a fresh batch every step)")
     curriculum: str = arg("", "';'-separated task specs trained on first, in turns, for curriculum_steps steps")
     curriculum_steps: int = arg(0, "the first steps (of `steps`) train on `curriculum` instead of `task`")
+    data_workers: int = arg(0, "processes that draw the batches ahead of the steps (0: the training process)")
     eval_tasks: str = arg("", "';'-separated task specs scored at the end (default: the train task)")
     eval_examples: int = arg(256, "held-out examples per eval task")
     log_every: int = arg(10, "steps between loss-curve points")
@@ -82,7 +87,7 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("d_model", "n_layers", "n_heads", "warmup", "checkpoint_every", "stop_at", "threads",
-                     "overfit_batches", "curriculum_steps"):
+                     "overfit_batches", "curriculum_steps", "data_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:
@@ -247,9 +252,7 @@ def train(cfg: TrainConfig) -> dict:
         raise ValueError(f"`batch_size` ({cfg.batch_size}) must be a multiple of the world size ({world})")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    tasks = [from_spec(s) for s in cfg.train_specs]
-    curriculum_tasks = [from_spec(s) for s in cfg.curriculum_specs]
-    vocab_size = tasks[0].vocab_size
+    vocab_size = from_spec(cfg.train_specs[0]).vocab_size
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, vocab_size).to(device)
     model_config = lm_config(cfg, vocab_size).to_dict()
@@ -279,14 +282,12 @@ def train(cfg: TrainConfig) -> dict:
                              config=dataclasses.asdict(cfg),
                              model_config=model_config))
 
+    batches = _batches(cfg, start_step, end_step, rank, world)
     net.train()
     for step in range(start_step, end_step):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(cfg, step)
-        data_step = step % cfg.overfit_batches if cfg.overfit_batches else step
-        phase = curriculum_tasks if step < cfg.curriculum_steps else tasks
-        task = phase[data_step % len(phase)]
-        batch = task.batch(local, seed=(cfg.seed, TRAIN_STREAM, data_step), start=rank * local).to(device)
+        batch = next(batches).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
             loss = masked_loss(logits_of(net, batch.input_ids), batch)
         optimizer.zero_grad(set_to_none=True)
@@ -321,6 +322,40 @@ def train(cfg: TrainConfig) -> dict:
     if world > 1:
         torch.distributed.barrier()
     return results
+
+
+class _Steps(torch.utils.data.IterableDataset):
+    """The training batches of steps ``start .. end - 1`` for one rank, in order; with several
+    data workers, worker ``i`` draws the steps ``start + i, start + i + n, ...`` (the loader
+    takes them round robin, so the order is kept)."""
+
+    def __init__(self, cfg: TrainConfig, start: int, end: int, rank: int, world: int):
+        super().__init__()
+        self.cfg, self.start, self.end, self.rank, self.local = cfg, start, end, rank, cfg.batch_size // world
+
+    def batch(self, step: int) -> Batch:
+        cfg = self.cfg
+        data_step = step % cfg.overfit_batches if cfg.overfit_batches else step
+        phase = cfg.curriculum_specs if step < cfg.curriculum_steps else cfg.train_specs
+        task = _task(phase[data_step % len(phase)])
+        return task.batch(self.local, seed=(cfg.seed, TRAIN_STREAM, data_step), start=self.rank * self.local)
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        first, stride = (0, 1) if info is None else (info.id, info.num_workers)
+        return (self.batch(step) for step in range(self.start + first, self.end, stride))
+
+
+_task = functools.lru_cache(maxsize=None)(from_spec)
+
+
+def _batches(cfg: TrainConfig, start: int, end: int, rank: int, world: int):
+    """An iterator over the batches of steps ``start .. end - 1`` (the same with or without workers)."""
+    steps = _Steps(cfg, start, end, rank, world)
+    if not cfg.data_workers or end <= start:
+        return iter(steps)
+    return iter(torch.utils.data.DataLoader(steps, batch_size=None, num_workers=cfg.data_workers,
+                                            prefetch_factor=4, persistent_workers=False))
 
 
 def _progress(cfg: TrainConfig, rank: int, start: int, end: int):

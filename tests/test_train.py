@@ -78,6 +78,13 @@ def test_tasks_take_turns(tmp_path):
         TrainConfig(task="s5;parity")
 
 
+def test_data_workers_draw_the_same_batches(tmp_path):
+    kw = dict(curriculum="parity:seq_len=8", curriculum_steps=2, steps=5)
+    inline = train(tiny(tmp_path / "a", **kw))
+    ahead = train(tiny(tmp_path / "b", data_workers=2, **kw))  # worker 0: steps 0, 2, 4; worker 1: 1, 3
+    assert ahead["curve"] == inline["curve"] and ahead["eval"] == inline["eval"]
+
+
 def test_curriculum_comes_first(tmp_path, monkeypatch):
     from fastweight.tasks import SNiah1, SNiah2
     seen = []
