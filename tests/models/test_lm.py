@@ -25,7 +25,9 @@ def test_prefill_then_decode_matches_one_pass(mixer):
         parts = [model(x[:, :7], cache=cache), model(x[:, 7:13], cache=cache)]  # prefill in two chunks
         parts += [model(x[:, t:t + 1], cache=cache) for t in range(13, 21)]
     assert cache.seen == 21
-    assert rel_err(torch.cat(parts, 1), full) < 2e-5  # measured worst 4e-6 (hgrn2, 40 seeds; the others < 1e-6)
+    # measured worst 2.1e-5 (hgrn2 at seed 1344870754691273968, the same on a5799ae; over 151 seeds the
+    # next is 1.3e-5, median 7e-7: a heavy tail of fp32 rounding; the others < 1e-6); issue 6 asks 1e-4
+    assert rel_err(torch.cat(parts, 1), full) < 5e-5
 
 
 @pytest.mark.parametrize("mixer", MIXERS)
