@@ -43,7 +43,8 @@ class Scale:
     The S-NIAH model trains ``niah_steps`` steps in all: first ``niah_warmup_steps`` on S-NIAH-1
     alone at ``niah_warmup_len`` tokens (a curriculum: the mix of the three tasks at the training
     length does not leave chance from scratch at these sizes, see docs/evals.md), then
-    S-NIAH-1/2/3 in turns at ``niah_train_len``. ``--steps`` scales both.
+    S-NIAH-1/2/3 in turns at ``niah_train_len``. ``--steps`` scales both. ``data_workers``: processes
+    drawing batches ahead (the GPU setting: its steps are bound by the CPU, data included).
     """
 
     niah_train_len: int
@@ -67,6 +68,7 @@ class Scale:
     niah_lr: float
     state_lr: float
     eval_examples: int
+    data_workers: int
 
 
 SCALES = {
@@ -74,12 +76,12 @@ SCALES = {
                   mqar="mqar:seq_len=32,n_pairs=4,vocab_size=64", mqar_eval_lens=(32, 64, 128),
                   state_len=16, d_model=32, n_layers=2, n_heads=2, niah_steps=300, niah_warmup_steps=150,
                   mqar_steps=300, parity_steps=200, s5_steps=100, batch_size=16,
-                  lr=1e-2, niah_lr=3e-3, state_lr=3e-3, eval_examples=32),
+                  lr=1e-2, niah_lr=3e-3, state_lr=3e-3, eval_examples=32, data_workers=0),
     "full": Scale(niah_train_len=512, niah_eval_lens=(512, 1024, 2048), niah_warmup_len=128, number_digits=7,
                   uuid_hex=32, mqar="mqar:seq_len=256,n_pairs=16,vocab_size=1024", mqar_eval_lens=(256, 512, 1024),
                   state_len=64, d_model=128, n_layers=2, n_heads=2, niah_steps=1200, niah_warmup_steps=300,
                   mqar_steps=600, parity_steps=1000, s5_steps=1000, batch_size=32,
-                  lr=3e-3, niah_lr=3e-3, state_lr=3e-3, eval_examples=128),
+                  lr=3e-3, niah_lr=3e-3, state_lr=3e-3, eval_examples=128, data_workers=1),
 }
 
 
@@ -124,7 +126,7 @@ def suite(scale_name: str = "tiny", *, mixers=None, groups=("retrieval", "state 
     s = SCALES[scale_name]
     base = TrainConfig(d_model=s.d_model, n_layers=s.n_layers, n_heads=s.n_heads, batch_size=s.batch_size,
                        lr=s.lr, eval_examples=eval_examples or s.eval_examples, seed=seed, progress=progress,
-                       threads=threads, checkpoint_every=0, log_every=5)
+                       threads=threads, checkpoint_every=0, log_every=5, data_workers=s.data_workers)
 
     def sized(n_steps, **kw):
         n_steps = steps or n_steps
@@ -167,8 +169,10 @@ def column(spec: str) -> str:
     return f"{TASK_TITLES[task.name]} {task.seq_len}"
 
 
-def run(experiments: list[Experiment], *, log=sys.stderr) -> list[dict]:
-    """Train and score every experiment; one result dict each (the trainer's, plus group and label)."""
+def run(experiments: list[Experiment], *, log=sys.stderr, on_result=None) -> list[dict]:
+    """Train and score every experiment; one result dict each (the trainer's, plus group and label).
+    ``on_result(results)`` is called after each run (the suite saves what it has, so a run cut
+    short by a time limit still leaves its table)."""
     results = []
     for i, exp in enumerate(experiments):
         t0 = time.perf_counter()
@@ -178,6 +182,8 @@ def run(experiments: list[Experiment], *, log=sys.stderr) -> list[dict]:
         accs = ", ".join(f"{column(r['task'])}: {r['acc']:.2f}" for r in res["eval"])
         print(f"[{i + 1}/{len(experiments)}] {exp.group} / {exp.label} / {exp.config.task.split(':')[0]} "
               f"({time.perf_counter() - t0:.0f} s, loss {res['final_loss']:.3f}): {accs}", file=log, flush=True)
+        if on_result is not None:
+            on_result(results)
     return results
 
 
@@ -211,8 +217,9 @@ def _cell(accs: list) -> str:
     return f"{mean:.1f} ({100 * min(accs):.0f}-{100 * max(accs):.0f})"
 
 
-def report(results: list[dict], seconds: float, scale: str) -> str:
-    parts = [f"fastweight eval --{scale}: {len(results)} runs in {seconds:.0f} s"]
+def report(results: list[dict], seconds: float, scale: str, planned: int | None = None) -> str:
+    done = f"{len(results)} of {planned}" if planned not in (None, len(results)) else f"{len(results)}"
+    parts = [f"fastweight eval --{scale}: {done} runs in {seconds:.0f} s"]
     for group in ("retrieval", "state tracking"):
         t = table(results, group)
         if t:
@@ -233,14 +240,18 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"no run of the suite matches --mixers {args.mixers!r} --groups {args.groups!r} "
                          f"--tasks {args.tasks!r}")
     t0 = time.perf_counter()
-    results = run(experiments)
-    text = report(results, time.perf_counter() - t0, scale)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "suite.json"), "w") as f:
-        json.dump(dict(scale=scale, scale_config=asdict(SCALES[scale]), results=results), f, indent=1)
-    with open(os.path.join(args.out, "table.md"), "w") as f:
-        f.write(text)
-    print(text)
+
+    def save(results):
+        text = report(results, time.perf_counter() - t0, scale, planned=len(experiments))
+        with open(os.path.join(args.out, "suite.json"), "w") as f:
+            json.dump(dict(scale=scale, scale_config=asdict(SCALES[scale]), seconds=time.perf_counter() - t0,
+                           planned_runs=len(experiments), results=results), f, indent=1)
+        with open(os.path.join(args.out, "table.md"), "w") as f:
+            f.write(text)
+        return text
+
+    print(save(run(experiments, on_result=save)))
     return 0
 
 

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from fastweight.cli import main as cli_main
-from fastweight.evaluate import RETRIEVAL_MIXERS, column, suite, table
+from fastweight.evaluate import RETRIEVAL_MIXERS, column, report, suite, table
 
 
 def test_suite_covers_the_brief():
@@ -33,10 +33,20 @@ def test_eval_tiny_smoke(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| retrieval | S-NIAH-1 64 |" in printed and "| deltanet (neg. eig.) |" in printed
     saved = json.load(open(out / "suite.json"))
-    assert saved["scale"] == "tiny" and len(saved["results"]) == 2 * 2 + 3 * 2
+    assert saved["scale"] == "tiny" and len(saved["results"]) == saved["planned_runs"] == 2 * 2 + 3 * 2
     for res in saved["results"]:
         assert res["steps_done"] == 2 and all(0 <= r["acc"] <= 1 for r in res["eval"])
     assert (out / "table.md").read_text().strip() in printed
+
+
+def test_partial_results_are_saved_after_each_run(monkeypatch):
+    from fastweight import evaluate
+    monkeypatch.setattr(evaluate, "train", lambda cfg: dict(final_loss=0.0, eval=[dict(task=cfg.task, acc=0.5)]))
+    seen = []
+    evaluate.run(suite("tiny", groups=("state tracking",))[:3], on_result=lambda r: seen.append(len(r)))
+    assert seen == [1, 2, 3]
+    assert report([dict(group="state tracking", label="x", eval=[dict(task="parity", acc=1.0)])], 5.0, "full",
+                  planned=18).startswith("fastweight eval --full: 1 of 18 runs in 5 s")
 
 
 def test_table_layout():
