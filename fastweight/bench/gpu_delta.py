@@ -207,9 +207,10 @@ def varlen_bv32(op, result):
     result["check"][f"{op}/bfloat16/varlen/BV32"] = json.loads(rows[-1][5:]) if rows else {"rc": rc, "out": out[-3000:]}
     if rc == 0:
         return next(ln for ln in out.splitlines() if ln.startswith("BV32"))
-    # the last traceback frames name the kernel launch that faulted
-    tail = [ln.strip() for ln in out.splitlines() if ln.strip().strip("^~")][-8:]
-    return f"BV32  {op:17s} bfloat16 varlen FAULT (rc {rc}): " + " | ".join(tail)
+    # the innermost frame in fastweight/kernels names the launch that faulted, the last line the error
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip().strip("^~")]
+    frames = [ln for ln in lines if "fastweight/kernels/" in ln]
+    return f"BV32  {op:17s} bfloat16 varlen FAULT (rc {rc}): " + " | ".join(frames[-2:] + lines[-2:])
 
 
 def main():
