@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import os
 import time
 
@@ -20,9 +21,12 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.runtime.jit import JITFunction, native_specialize_impl
 
 TARGET = GPUTarget("cuda", 90, 32)
+BACKEND = CUDABackend(TARGET)
+SHARED_LIMIT = 232448  # bytes of shared memory a block may have on an H100/H200
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
           torch.int32: "i32"}
 _seen: dict = {}
@@ -33,34 +37,42 @@ def _compile_instead(self, *args, grid, warmup, **kwargs):
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     bound = inspect.signature(self.fn).bind(*args, **kwargs)
     bound.apply_defaults()
-    signature, constexprs = {}, {}
-    for param in self.params:
+    # the launcher's own specialisation: 16-divisible ints and 16-aligned pointers get tt.divisibility,
+    # which turns on cp.async pipelining and with it most of a kernel's shared memory
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(self.params):
         value = bound.arguments[param.name]
-        if param.is_constexpr or value is None:
-            signature[param.name] = "constexpr"
-            constexprs[param.name] = value
-        elif isinstance(value, torch.Tensor):
-            signature[param.name] = "*" + _TYPES[value.dtype]
-        elif isinstance(value, bool):
-            signature[param.name] = "i1"
-        elif isinstance(value, int):
-            signature[param.name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
-        else:
-            signature[param.name] = "fp32"
+        if param.is_constexpr:
+            signature[param.name], constexprs[(i,)] = "constexpr", value
+            continue
+        ty, spec = native_specialize_impl(BACKEND, value, param.is_const, not param.do_not_specialize,
+                                          not param.do_not_specialize_on_alignment)
+        signature[param.name] = ty
+        if ty == "constexpr":
+            constexprs[(i,)] = spec
+        elif isinstance(spec, str) and spec:
+            attrs[(i,)] = BACKEND.parse_attr(spec)
     key = (self.fn.__name__, tuple(sorted(signature.items())), repr(sorted(constexprs.items(), key=str)),
-           tuple(sorted(options.items())))
+           repr(sorted(attrs.items())), tuple(sorted(options.items())))
     if key in _seen:
         return None
     t0 = time.time()
     try:
-        triton.compile(ASTSource(fn=self, signature=signature, constexprs=constexprs), target=TARGET,
-                       options=options)
-        status = "ok"
+        compiled = triton.compile(ASTSource(fn=self, signature=signature, constexprs=constexprs, attrs=attrs),
+                                  target=TARGET, options=options)
+        shared = compiled.metadata.shared
+        status = f"ok, {shared} B shared"
+        if shared > SHARED_LIMIT:
+            status = f"FAILED: {shared} B of shared memory > {SHARED_LIMIT}"
+            failures.append((self.fn.__name__, status))
     except Exception as e:  # noqa: BLE001  (report every kernel, then fail at the end)
         status = f"FAILED: {str(e).strip().splitlines()[-1][:300]}"
         failures.append((self.fn.__name__, status))
-    flags = ", ".join(f"{k}={v}" for k, v in constexprs.items() if isinstance(v, bool) and v)
-    print(f"{self.fn.__name__:26s} {flags[:60]:60s} {status} [{time.time() - t0:.1f}s]", flush=True)
+    names = [p.name for p in self.params]
+    flags = ", ".join(names[k[0]] for k, v in constexprs.items() if v is True)
+    blocks = " ".join(f"{names[k[0]]}={v}" for k, v in constexprs.items() if names[k[0]].startswith("B") and isinstance(v, int))
+    flags = f"{blocks} {options} {flags}"
+    print(f"{self.fn.__name__:26s} {flags[:100]:100s} {status} [{time.time() - t0:.1f}s]", flush=True)
     _seen[key] = status
     return None
 
@@ -69,6 +81,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", default="gated_delta_rule,delta_rule,kda,comba,longhorn")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--heads", default="128x128,256x512,256x16,64x16,16x16", help="KxV head sizes")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: this compiles for the GPU")
@@ -76,15 +89,15 @@ def main():
     import fastweight.kernels as kernels
     from fastweight.bench.gpu_delta import inputs
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    for op in args.ops.split(","):
-        for cu in (None, torch.tensor([0, 100, 256])):
-            B = 2 if cu is None else 1
-            x = {n: t.requires_grad_() for n, t in inputs(op, B, 256 // B, 2, 128, 128, dtype, "cpu").items()}
-            h0 = torch.zeros(B if cu is None else 2, 2, 128, 128, requires_grad=True)
-            o, ht = getattr(kernels, f"chunk_{op}")(**x, scale=0.1, initial_state=h0, output_final_state=True,
-                                                     cu_seqlens=cu)
-            (o.float().sum() + ht.sum()).backward()
-        if op in ("gated_delta_rule", "kda"):
+    heads = [tuple(int(n) for n in kv.split("x")) for kv in args.heads.split(",")]
+    for op, (K, V), cu in itertools.product(args.ops.split(","), heads, (None, torch.tensor([0, 100, 256]))):
+        B = 2 if cu is None else 1
+        x = {n: t.requires_grad_() for n, t in inputs(op, B, 256 // B, 2, K, V, dtype, "cpu").items()}
+        h0 = torch.zeros(B if cu is None else 2, 2, K, V, requires_grad=True)
+        o, ht = getattr(kernels, f"chunk_{op}")(**x, scale=0.1, initial_state=h0, output_final_state=True,
+                                                 cu_seqlens=cu)
+        (o.float().sum() + ht.sum()).backward()
+        if op in ("gated_delta_rule", "kda") and cu is None and (K, V) == heads[0]:
             x = inputs(op, 2, 128, 2, 128, 128, dtype, "cpu")
             size = 2 * 128 if op == "kda" else 2
             getattr(kernels, f"chunk_{op}")(**x, scale=0.1, use_gate_in_kernel=True, A_log=torch.zeros(2),
