@@ -13,10 +13,10 @@ echo "eval wall: $(( $(date +%s) - start )) s" | tee -a "$OUT/eval_full.log"
 cp "$R/table.md" "$R/suite.json" "$OUT/" 2>/dev/null
 fw plot niah-length --suite "$R/suite.json" --out "$OUT/full_niah_length.png"
 fw plot attention --checkpoint "$R/mqar-gdn/checkpoint.pt" --out "$OUT/full_attention_mqar_gdn.png"
-for m in deltanet gdn; do  # the S-NIAH-1 lookup: the last tokens read the needle's columns
-  fw plot attention --checkpoint "$R/niah-$m/checkpoint.pt" --out "$OUT/full_attention_niah_$m.png"
-done
 fw plot trained-spectra --checkpoint "$R/parity-deltanet-neg/checkpoint.pt" --out "$OUT/full_spectra_parity_deltanet_neg.png"
 fw plot state-norm --mechanisms rwkv7,rwkv6,gla --length 4096 --out "$OUT/full_state_norm.png"
 tar czf "$OUT/runs.tgz" --exclude='*.pt' -C "$(dirname "$R")" "$(basename "$R")"
+for m in deltanet gdn; do  # the S-NIAH-1 lookup: the last tokens read the needle's columns
+  fw plot attention --checkpoint "$R/niah-$m/checkpoint.pt" --out "$OUT/full_attention_niah_$m.png"
+done
 ls -la "$OUT"
