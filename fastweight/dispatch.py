@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 
 import torch
 
 BACKENDS = ("triton", "torch", "reference")
+_WARNED: set = set()
 _MODULES = {"triton": "fastweight.kernels", "torch": "fastweight.chunk", "reference": "fastweight.reference.ops"}
 
 
@@ -84,6 +86,16 @@ def call(op: str, mode: str, backend: str | None, tensors: dict, *, key_tensors=
     """
     device = next(t.device for t in tensors.values() if isinstance(t, torch.Tensor))
     impl = resolve(op, mode, backend, device)
+    unverified = getattr(impl, "gpu_unverified", None)
+    why = unverified(device, tensors["k"].shape[-1], tensors["v"].shape[-1]) if unverified else None
+    if why:
+        if backend == "triton":
+            raise ValueError(f"backend='triton' cannot run {mode}_{op} at {why}; use backend='torch'")
+        if (op, why) not in _WARNED:
+            _WARNED.add((op, why))
+            warnings.warn(f"{mode}_{op}: {why}: running the PyTorch chunk path instead of the Triton kernels",
+                          stacklevel=3)
+        impl = resolve(op, mode, "torch", device)
     tensors = dict(tensors)
     if tensors.get("A_log") is not None:
         # Mamba-2's gate, requested to be formed by the op: in the kernel, or here for the others
