@@ -4,7 +4,8 @@ Two groups of experiments, each a model trained from scratch by
 :func:`fastweight.train.train` and scored on held-out examples:
 
 - retrieval: mixers {DeltaNet, Mamba-2, Gated DeltaNet, KDA, RWKV-7}, one model per
-  mixer trained on S-NIAH-1/2/3 in turns at one context length and scored at
+  mixer trained on S-NIAH-1 alone at a short length, then on S-NIAH-1/2/3 in turns at
+  one context length (:class:`Scale`), and scored at
   several (exact match of the whole needle value), one model per mixer on MQAR
   (query accuracy), scored at its training length and longer ones (the same pairs,
   queried from further away). The seed's three conclusions (decay hurts retention, gating
@@ -43,7 +44,9 @@ class Scale:
     The S-NIAH model trains ``niah_steps`` steps in all: first ``niah_warmup_steps`` on S-NIAH-1
     alone at ``niah_warmup_len`` tokens (a curriculum: the mix of the three tasks at the training
     length does not leave chance from scratch at these sizes, see docs/evals.md), then
-    S-NIAH-1/2/3 in turns at ``niah_train_len``. ``--steps`` scales both. ``data_workers``: processes
+    S-NIAH-1/2/3 in turns at ``niah_train_len``, at ``niah_lr`` (MQAR at ``lr``, the one-layer
+    state-tracking models at ``state_lr``). ``--steps`` scales the S-NIAH warm-up with the total.
+    ``data_workers``: processes
     drawing batches ahead (the GPU setting: its steps are bound by the CPU, data included).
     """
 
