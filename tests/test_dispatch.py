@@ -42,3 +42,12 @@ def test_auto_falls_back_to_torch_with_one_warning(monkeypatch):
         o, _ = ops.chunk_delta_rule(*x)
     ref, _ = ops.chunk_delta_rule(*x, backend="torch")
     assert torch.equal(o, ref)
+
+
+def test_scalar_decay_small_value_heads_unverified():
+    from fastweight.kernels import decay
+    cuda = torch.device("cuda")
+    assert "V = 16" in decay.gpu_unverified(cuda, 64, 16)
+    assert decay.gpu_unverified(cuda, 64, 64) is None
+    assert decay.gpu_unverified(torch.device("cpu"), 64, 16) is None
+    assert dispatch._lookup("triton", "chunk", "simple_gla").gpu_unverified is decay.gpu_unverified

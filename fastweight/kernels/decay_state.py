@@ -112,6 +112,8 @@ def while_loops() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("FASTWEIGHT_WHILE_LOOPS") == "1"
 
 
+# (4 warps for V blocks under 32: the Triton 3.6 hazard of decay_output._warps, where the bf16
+# backward at V = 16 and 8 warps faulted on the H200)
 # the V block of the state pass: a sequential loop per program, so more, smaller programs hide
 # its latency; larger blocks read the gates fewer times. 64 measured faster on the H200
 # (docs/bench/decay_dplr.md).
@@ -145,5 +147,5 @@ def state_pass(x: torch.Tensor, y: torch.Tensor, gx: torch.Tensor | None, gc: to
                                   chunks.cu_seqlens, chunks.chunk_offsets, scale, H=H, K=K, V=V, BT=chunks.BT,
                                   BK=BK, BV=BV, GATE=gate, REVERSE=reverse, USE_H0=initial is not None,
                                   STORE_HT=store_final, DOT_PRECISION=dot_precision(x.dtype),
-                                  WHILE_LOOP=while_loops(), num_warps=8, num_stages=2)
+                                  WHILE_LOOP=while_loops(), num_warps=4 if BV < 32 else 8, num_stages=2)
     return h, final
