@@ -94,8 +94,11 @@ class ShortConv(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
         self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
         self.act = ACTIVATIONS[activation]
-        # the Triton kernel (fastweight.kernels.conv) on CUDA for SiLU / no activation
-        self.fused = activation in ("silu", "identity", None)
+        # the Triton kernel (fastweight.kernels.conv) on CUDA for SiLU / no activation, without a
+        # bias: Mamba-2's conv (the only one with a bias) keeps conv1d until its kernel path passes a
+        # GPU check (a Mamba-2 model gave NaN from its first step on the H200 with it and the
+        # scalar-decay kernels at V = 16; docs/results/full.md). The interpreter finds it exact.
+        self.fused = activation in ("silu", "identity", None) and not bias
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None, positions: torch.Tensor | None = None):

@@ -36,14 +36,19 @@ def test_short_conv_kernel_matches_conv1d(B, T, C, W, bias, silu):
         assert rel_err(g, r) < 2e-6, name
 
 
+def test_short_conv_with_bias_keeps_conv1d():
+    assert not ShortConv(48, 4, "silu", bias=True).fused
+    assert ShortConv(48, 4, "silu").fused
+
+
 def test_short_conv_layer_uses_the_kernel_with_the_same_result():
-    conv = ShortConv(48, 4, "silu", bias=True)
+    conv = ShortConv(48, 4, "silu")
     x = torch.randn(2, 21, 48, generator=generator(), requires_grad=True)
     ref, ref_tail = conv(x)
-    ref_grads = torch.autograd.grad(ref.square().sum(), [x, conv.weight, conv.bias])
+    ref_grads = torch.autograd.grad(ref.square().sum(), [x, conv.weight])
     with use_backend("triton"):
         y, tail = conv(x)
-        grads = torch.autograd.grad(y.square().sum(), [x, conv.weight, conv.bias])
+        grads = torch.autograd.grad(y.square().sum(), [x, conv.weight])
     assert torch.equal(tail, ref_tail)
     assert rel_err(y, ref) < 2e-6
     for g, r in zip(grads, ref_grads):
