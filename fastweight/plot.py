@@ -161,7 +161,8 @@ def plot_trained_spectra(checkpoint: str, out: str, *, seed: int = 0, max_len: i
     T = ids.shape[1]
     mixers = [block.mixer for block in model.blocks]
     for ax, rec in zip(axes, records):
-        ev = recurrence_eigenvalues(rec)[0].real  # [T, H, K]
+        with torch.no_grad():  # the gate may be formed from the layer's parameters (A_log, dt_bias)
+            ev = recurrence_eigenvalues(rec)[0].real  # [T, H, K]
         t = torch.arange(T)[:, None, None].expand(ev.shape)
         ax.scatter(t.flatten().numpy(), ev.flatten().numpy(), s=4, color="0.6")
         for h in range(ev.shape[1]):
