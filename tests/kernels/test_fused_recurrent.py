@@ -52,9 +52,15 @@ def _check(op, inputs, *, dtype=torch.float32, initial_state=None, cu_seqlens=No
     names = list(tri)
     gt = torch.autograd.grad((o.double() * do).sum() + (ht.double() * dht).sum(), [tri[n] for n in names])
     gr = torch.autograd.grad((ro * do).sum() + (rht * dht).sum(), [ref[n] for n in names])
+    grads = dict(zip(names, gr))
     for n, x, y in zip(names, gt, gr):
         assert x.dtype == tri[n].dtype
-        assert rel_err(x, y) < tol, f"d{n}: {rel_err(x, y):.3g}"
+        scale = 1.0
+        if n == "g_gamma" and "g" in grads:
+            # dg_gamma = sum over tokens of dg_t (the same log gate per token): its fp32 error is
+            # the per-token error times sum |dg_t|, which cancellation can make >> |dg_gamma|
+            scale = max(1.0, grads["g"].abs().sum((0, 1)).norm().item() / y.norm().item())
+        assert rel_err(x, y) < tol * scale, f"d{n}: {rel_err(x, y):.3g} (tolerance {tol * scale:.3g})"
 
 
 # The interpreter runs ~100 token steps a second: shapes are the smallest that still cover
