@@ -24,11 +24,11 @@ if op == "kda":
     x["g"] = F.logsigmoid(r(B, T, H, K)) / 8
 fn = getattr(ops, f"chunk_{op}")
 try:
-    lo = {n: t.to(LOW if n not in ("g",) else t.dtype).requires_grad_() for n, t in x.items()}
+    lo = {n: t.detach().clone().to(LOW if n not in ("g",) else t.dtype).requires_grad_() for n, t in x.items()}
     o, _ = fn(**lo, cu_seqlens=cu, backend="triton")
     o.float().square().sum().backward()
     None
-    ref = {n: t.double().requires_grad_() for n, t in x.items()}
+    ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
     ro, _ = fn(**ref, cu_seqlens=cu, backend="reference")
     ro.square().sum().backward()
     e = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
