@@ -65,6 +65,19 @@ def _uniform_chunks(B: int, T: int, BT: int, device: torch.device) -> Chunks:
 
 
 @triton.jit
+def sub_chunk_rows(i_tc, cu_seqlens, chunk_indices, BT: tl.constexpr, BC: tl.constexpr):
+    """Program id over (chunk, sub-chunk) pairs -> (i_t global chunk, i_i sub-chunk, i_c chunk in its
+    sequence, bos, T of the sequence, o_i [BC] row positions in the sequence, m_i rows < T)."""
+    NC: tl.constexpr = BT // BC
+    i_t, i_i = (i_tc // NC).to(tl.int64), i_tc % NC
+    i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    o_i = i_c * BT + i_i * BC + tl.arange(0, BC)
+    return i_t, i_i, i_c, bos, T, o_i, o_i < T
+
+
+@triton.jit
 def mm(a, b):
     """tl.dot that stays IEEE fp32 for fp32 operands (TF32 would cost fp32 inputs ~1e-3 accuracy)."""
     if a.dtype == tl.float32:

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks
+from fastweight.kernels.common import Chunks, sub_chunk_rows
 from fastweight.kernels import decay_intra
 from fastweight.kernels.decay_intra import diag_precision, factor, span_ref
 from fastweight.kernels.decay_state import dot_precision
@@ -49,15 +49,10 @@ def dplr_intra_fwd_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, cu_seqlens, ch
                           DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr):
     i_tc, i_h = tl.program_id(0), tl.program_id(1)
     NC: tl.constexpr = BT // BC
-    i_t, i_i = (i_tc // NC).to(tl.int64), i_tc % NC
-    i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    T = eos - bos
+    i_t, i_i, i_c, bos, T, o_i, m_i = sub_chunk_rows(i_tc, cu_seqlens, chunk_indices, BT, BC)
     if i_c * BT + i_i * BC >= T:
         return
     o_c = tl.arange(0, BC)
-    o_i = i_c * BT + i_i * BC + o_c
-    m_i = o_i < T
     p_A = ((bos + o_i) * H + i_h)[:, None] * BT
     # earlier sub-chunks j < i, through the reference row before sub-chunk i
     o_r = bos + i_c * BT + i_i * BC - 1
@@ -145,15 +140,10 @@ def dplr_intra_bwd_kernel(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s
                           DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr):
     i_k, i_tc, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NC: tl.constexpr = BT // BC
-    i_t, i_i = (i_tc // NC).to(tl.int64), i_tc % NC
-    i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    T = eos - bos
+    i_t, i_i, i_c, bos, T, o_i, m_i = sub_chunk_rows(i_tc, cu_seqlens, chunk_indices, BT, BC)
     if i_c * BT + i_i * BC >= T:
         return
     o_c = tl.arange(0, BC)
-    o_i = i_c * BT + i_i * BC + o_c
-    m_i = o_i < T
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     m_ik = m_i[:, None] & m_k[None, :]
