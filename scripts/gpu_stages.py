@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fastweight import dispatch, ops
-from fastweight.kernels import delta, state
+from fastweight.kernels import decay, delta, state
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 args = [a for a in sys.argv[1:] if "=" not in a]
@@ -75,20 +75,27 @@ def _twin(name, fn):
     return wrapped
 
 
-for _name in ("chunk_local_cumsum", "intra_fwd", "intra_bwd", "kkt_solve", "solve", "recompute_w_u",
-              "state_output_fwd", "state_bwd", "output_bwd", "wy_bwd"):
-    setattr(delta, _name, _twin(_name, getattr(delta, _name)))
+STAGES = {delta: ("chunk_local_cumsum", "intra_fwd", "intra_bwd", "kkt_solve", "solve", "recompute_w_u",
+                  "state_output_fwd", "state_bwd", "output_bwd", "wy_bwd"),
+          decay: ("gate_cumsum", "gate_reverse_cumsum", "intra_fwd", "intra_bwd", "output_fwd", "bwd_dv", "bwd_dqk",
+                  "state_pass")}
+for _mod, _names in STAGES.items():
+    for _name in _names:
+        setattr(_mod, _name, _twin(f"{_mod.__name__.split('.')[-1]}.{_name}", getattr(_mod, _name)))
 
 torch.manual_seed(0)
 B, T, H = (1, 300, 2) if varlen else (2, 150, 2)
 cu = torch.tensor([0, 100, 300], device=DEV) if varlen else None
 r = lambda *s: torch.randn(*s, device=DEV)  # noqa: E731
-x = dict(q=F.normalize(r(B, T, H, K), dim=-1), k=F.normalize(r(B, T, H, K), dim=-1), v=r(B, T, H, V),
-         beta=torch.rand(B, T, H, device=DEV))
+x = dict(q=F.normalize(r(B, T, H, K), dim=-1), k=F.normalize(r(B, T, H, K), dim=-1), v=r(B, T, H, V))
+if op in ("delta_rule", "gated_delta_rule", "kda"):
+    x["beta"] = torch.rand(B, T, H, device=DEV)
 if op == "gated_delta_rule":
     x["g"] = F.logsigmoid(r(B, T, H)) / 8
-if op == "kda":
+if op in ("kda", "gla"):
     x["g"] = F.logsigmoid(r(B, T, H, K)) / 8
+if op == "simple_gla":  # Mamba-2's range: -exp(A) softplus(dt), A up to 16
+    x["g"] = -torch.rand(B, T, H, device=DEV) * 1.5
 fn = getattr(ops, f"chunk_{op}")
 print(tag, flush=True)
 try:

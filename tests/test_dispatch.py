@@ -1,4 +1,4 @@
-"""The dispatcher's guard for kernel shapes that failed on the GPU (fastweight/kernels/delta.py)."""
+"""The dispatcher's guard for kernel shapes that fail on the GPU (``impl.gpu_unverified``, docs/kernels.md)."""
 
 import pytest
 import torch
@@ -7,13 +7,13 @@ from fastweight import dispatch, ops
 from fastweight.kernels import delta
 
 
-def test_gpu_unverified_names_the_shape():
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert delta.gpu_unverified(cuda, 128, 128) is None
-    assert delta.gpu_unverified(cuda, 64, 32) is None
-    assert "K = 256" in delta.gpu_unverified(cuda, 256, 256)
-    assert "V = 16" in delta.gpu_unverified(cuda, 64, 16)
-    assert delta.gpu_unverified(cpu, 256, 16) is None  # the interpreter computes them right
+def test_no_shape_is_fenced_now():
+    """The shapes fenced in session 2 (K = 256, V < 32 on CUDA) pass on the H200 since the kernels'
+    narrow blocks were padded (docs/bench/runs-2026-11-30-s3.md): no registered kernel declares one."""
+    from fastweight.kernels import decay
+    for impl in (delta.chunk_gated_delta_rule, delta.chunk_delta_rule, delta.chunk_kda, decay.chunk_simple_gla,
+                 decay.chunk_linear_attn, decay.chunk_retention):
+        assert getattr(impl, "gpu_unverified", None) is None
 
 
 def _inputs(K=8, V=8):
@@ -24,7 +24,8 @@ def _inputs(K=8, V=8):
 
 def test_explicit_triton_is_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(delta.chunk_delta_rule, "gpu_unverified", lambda device, K, V: f"K = {K} (test)")
+    monkeypatch.setattr(delta.chunk_delta_rule, "gpu_unverified", lambda device, K, V: f"K = {K} (test)",
+                        raising=False)
     with pytest.raises(ValueError, match="backend='triton'.*K = 8 \\(test\\).*backend='torch'"):
         ops.chunk_delta_rule(*_inputs(), backend="triton")
 
@@ -35,19 +36,11 @@ def test_auto_falls_back_to_torch_with_one_warning(monkeypatch):
     monkeypatch.setattr(dispatch, "resolve", lambda op, mode, backend, device: resolve(
         op, mode, "triton" if backend is None else backend, device))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(delta.chunk_delta_rule, "gpu_unverified", lambda device, K, V: "V = 8 (test)")
+    monkeypatch.setattr(delta.chunk_delta_rule, "gpu_unverified", lambda device, K, V: "V = 8 (test)",
+                        raising=False)
     monkeypatch.setattr(dispatch, "_WARNED", set())
     x = _inputs()
     with pytest.warns(UserWarning, match="V = 8 \\(test\\).*PyTorch chunk path"):
         o, _ = ops.chunk_delta_rule(*x)
     ref, _ = ops.chunk_delta_rule(*x, backend="torch")
     assert torch.equal(o, ref)
-
-
-def test_scalar_decay_small_value_heads_unverified():
-    from fastweight.kernels import decay
-    cuda = torch.device("cuda")
-    assert "V = 16" in decay.gpu_unverified(cuda, 64, 16)
-    assert decay.gpu_unverified(cuda, 64, 64) is None
-    assert decay.gpu_unverified(torch.device("cpu"), 64, 16) is None
-    assert dispatch._lookup("triton", "chunk", "simple_gla").gpu_unverified is decay.gpu_unverified

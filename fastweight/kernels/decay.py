@@ -150,19 +150,3 @@ def chunk_hgrn2(q, v, g, *, scale, initial_state=None, output_final_state=False,
     k = (-torch.expm1(g.float())).to(q.dtype)
     return chunk_decay(q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                        cu_seqlens=cu_seqlens)
-
-
-def gpu_unverified(device: torch.device, K: int, V: int) -> str | None:
-    """Why the scalar-gate kernels (linear attention, RetNet, simple_gla) must not run at (K, V), or None.
-
-    On the H200 (triton 3.6, 2026-11-30, docs/bench/runs-2026-11-30-s2.md runs 5 and 7) the bf16
-    backward at V = 16 faulted with 8 warps, and after the 4-warp fix a Mamba-2 model with 16-wide
-    value heads gave NaN losses from the first step, while the per-channel kernels (GLA, RWKV-7)
-    passed their checks at V = 16. Until a GPU check passes there, V < 32 runs on the PyTorch path."""
-    if device.type == "cuda" and V < 32:
-        return f"value head dim V = {V} < 32 (a Mamba-2 model with V = 16 gave NaN on the H200)"
-    return None
-
-
-for _impl in (chunk_linear_attn, chunk_simple_gla, chunk_retention):
-    _impl.gpu_unverified = gpu_unverified

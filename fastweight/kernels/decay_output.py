@@ -202,14 +202,17 @@ def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, dh, do, dA, dq, dk, dgk, cu_seqlens
         tl.store(dgk + i_k * T_all * H + (bos + o_t) * H + i_h, b_g, mask=m_t)
 
 
-def _warps(BV: int) -> int:
-    """8 warps, but 4 for 16-wide V blocks: triton 3.6 on the H200 compiles the bf16 backward dv
-    kernel at V = 16 with 8 warps into an illegal memory access (measured, docs/bench/decay_dplr.md)."""
-    return 4 if BV < 32 else 8
-
-
-# the V block of the output kernel: 128 reads q and k once for V = 128, 64 gives more programs
-OUTPUT_BV = 64
+# The key and value blocks of the three kernels: 64, a smaller K or V padded (masked). Narrower
+# blocks went wrong in 16 bits on the H200 (triton 3.6): the bf16 backward dv kernel at V = 16 with
+# 8 warps made illegal memory accesses (docs/bench/runs-2026-11-30-s2.md run 5) and simple_gla at
+# K = 64, V = 16 gave NaN outputs in bf16 (docs/bench/runs-2026-11-30-s3.md run 1). The output
+# kernel's value block: 128 would read q and k once at V = 128; 64 gives more programs.
+BK_OUT = BV_OUT = 64
+# (num_warps, num_stages) of each kernel, from the H200 sweep of session 3 (fastweight.bench.gpu_sweep,
+# docs/bench/runs-2026-11-30-s3.md run 3): 4 warps for the output and dv kernels saved 0.11 / 0.34 ms
+# of simple_gla's 2.29 ms fwd+bwd at (4, 8192, 16, 128) and 0.88 / 2.44 ms of GLA's 37.7 at
+# (8, 16384, 64, 64); the dq/dk kernel keeps 8 warps with one stage.
+OUTPUT_FWD_CONFIG, BWD_DV_CONFIG, BWD_DQK_CONFIG = (4, 3), (4, 3), (8, 1)
 
 
 def output_fwd(q, k, v, gq, gc, h, A, scale: float, chunks: Chunks, exclusive: bool, A2=None,
@@ -218,8 +221,7 @@ def output_fwd(q, k, v, gq, gc, h, A, scale: float, chunks: Chunks, exclusive: b
     _, T, H, K = q.shape
     V = v.shape[-1]
     gate = 0 if gc is None else (1 if gc.dim() == 3 else 2)
-    BK = min(64, triton.next_power_of_2(K))
-    BV = min(OUTPUT_BV if A2 is None else 64, triton.next_power_of_2(V))
+    BK, BV = BK_OUT, BV_OUT
     o = torch.empty_like(v)
     grid = (triton.cdiv(V, BV), chunks.NC, H)
     decay_output_fwd_kernel[grid](q, k, v, gq if gq is not None else q, gc if gc is not None else q, h,
@@ -227,7 +229,7 @@ def output_fwd(q, k, v, gq, gc, h, A, scale: float, chunks: Chunks, exclusive: b
                                   v2 if v2 is not None else v, o, chunks.cu_seqlens, chunks.chunk_indices, scale,
                                   H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, GATE=gate, EXCLUSIVE=exclusive,
                                   USE_A=A is not None, USE_A2=A2 is not None, DOT_PRECISION=dot_precision(q.dtype),
-                                  num_warps=_warps(BV), num_stages=2)
+                                  num_warps=OUTPUT_FWD_CONFIG[0], num_stages=OUTPUT_FWD_CONFIG[1])
     return o
 
 
@@ -236,15 +238,15 @@ def bwd_dv(q, k, v, gq, gc, A, dh, do, scale: float, chunks: Chunks, exclusive: 
     _, T, H, K = q.shape
     V = v.shape[-1]
     gate = 0 if gc is None else (1 if gc.dim() == 3 else 2)
-    BK = min(64, triton.next_power_of_2(K))
-    BV = min(64, triton.next_power_of_2(V))
+    BK, BV = BK_OUT, BV_OUT
     dv = torch.empty_like(v)
     dA = torch.empty(1, T, H, chunks.BT, dtype=torch.float32, device=q.device)
     decay_bwd_dv_kernel[(chunks.NC, H)](q, k, v, gq if gq is not None else q, gc if gc is not None else q,
                                         A if A is not None else q, dh, do, dv, dA, chunks.cu_seqlens,
                                         chunks.chunk_indices, scale, H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
                                         GATE=gate, EXCLUSIVE=exclusive, USE_A=A is not None,
-                                        DOT_PRECISION=dot_precision(q.dtype), num_warps=_warps(BV), num_stages=2)
+                                        DOT_PRECISION=dot_precision(q.dtype), num_warps=BWD_DV_CONFIG[0],
+                                        num_stages=BWD_DV_CONFIG[1])
     return dv, dA
 
 
@@ -253,8 +255,7 @@ def bwd_dqk(q, k, v, gq, gc, h, dh, do, dA, scale: float, chunks: Chunks, exclus
     _, T, H, K = q.shape
     V = v.shape[-1]
     gate = 0 if gc is None else 1
-    BK = min(64, triton.next_power_of_2(K))
-    BV = min(64, triton.next_power_of_2(V))
+    BK, BV = BK_OUT, BV_OUT
     NK = triton.cdiv(K, BK)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dgk = torch.empty(NK, T, H, dtype=torch.float32, device=q.device) if gate else None
@@ -262,6 +263,6 @@ def bwd_dqk(q, k, v, gq, gc, h, dh, do, dA, scale: float, chunks: Chunks, exclus
                                              h, dh, do, dA, dq, dk, dgk if dgk is not None else dA,
                                              chunks.cu_seqlens, chunks.chunk_indices, scale, T, H=H, K=K, V=V,
                                              BT=chunks.BT, BK=BK, BV=BV, GATE=gate, EXCLUSIVE=exclusive,
-                                             DOT_PRECISION=dot_precision(q.dtype), num_warps=_warps(BV),
-                                             num_stages=2)
+                                             DOT_PRECISION=dot_precision(q.dtype), num_warps=BWD_DQK_CONFIG[0],
+                                             num_stages=BWD_DQK_CONFIG[1])
     return dq, dk, (dgk.sum(0, keepdim=True) if dgk is not None else None)

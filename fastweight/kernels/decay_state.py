@@ -112,11 +112,11 @@ def while_loops() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("FASTWEIGHT_WHILE_LOOPS") == "1"
 
 
-# (4 warps for V blocks under 32: the Triton 3.6 hazard of decay_output._warps, where the bf16
-# backward at V = 16 and 8 warps faulted on the H200)
-# the V block of the state pass: a sequential loop per program, so more, smaller programs hide
+# the key block is 64 and the V block never narrower, a smaller K or V padded (masked): the
+# narrow 16-bit blocks that went wrong on the H200 (decay_output.BK_OUT) are not used.
+# The V block of the state pass: a sequential loop per program, so more, smaller programs hide
 # its latency; larger blocks read the gates fewer times. 64 measured faster on the H200
-# (docs/bench/decay_dplr.md).
+# (docs/bench/decay_dplr.md). 8 warps, 3 stages: the session 3 sweep (docs/bench/runs-2026-11-30-s3.md).
 STATE_BV = 64
 
 
@@ -139,13 +139,12 @@ def state_pass(x: torch.Tensor, y: torch.Tensor, gx: torch.Tensor | None, gc: to
     gate = 0 if gc is None else (1 if gc.dim() == 3 else 2)
     h = torch.empty(chunks.NC, H, K, V, dtype=state_dtype or x.dtype, device=x.device)
     final = torch.empty(chunks.N, H, K, V, dtype=torch.float32, device=x.device) if store_final else None
-    BK = min(64, triton.next_power_of_2(K))
-    BV = min(STATE_BV, max(16, triton.next_power_of_2(V)))
+    BK, BV = 64, STATE_BV
     grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), chunks.N * H)
     decay_state_pass_kernel[grid](x, y, gx if gx is not None else x, gc if gc is not None else x, h,
                                   initial if initial is not None else h, final if final is not None else h,
                                   chunks.cu_seqlens, chunks.chunk_offsets, scale, H=H, K=K, V=V, BT=chunks.BT,
                                   BK=BK, BV=BV, GATE=gate, REVERSE=reverse, USE_H0=initial is not None,
                                   STORE_HT=store_final, DOT_PRECISION=dot_precision(x.dtype),
-                                  WHILE_LOOP=while_loops(), num_warps=4 if BV < 32 else 8, num_stages=2)
+                                  WHILE_LOOP=while_loops(), num_warps=8, num_stages=3)
     return h, final

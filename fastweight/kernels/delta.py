@@ -219,26 +219,8 @@ def chunk_longhorn(q, k, v, beta, *, scale, initial_state=None, output_final_sta
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
-def gpu_unverified(device: torch.device, K: int, V: int) -> str | None:
-    """Why these kernels must not run at head sizes (K, V) on ``device``, or None.
-
-    On the H200 (triton 3.6, 2026-11-30, docs/bench/runs-2026-11-30-s2.md run 8) the backward
-    state pass made illegal memory accesses at K = 256 (GDN, DeltaNet), and DeltaNet at V = 16 in
-    bf16 gave wrong outputs; K = V = 64 and 128 are checked there. Until those shapes pass on the
-    GPU, the dispatcher runs them on the PyTorch chunk path (and refuses ``backend="triton"``).
-    The interpreter (CPU) computes them right and is not affected."""
-    if device.type != "cuda":
-        return None
-    if K > 128:
-        return f"head dim K = {K} > 128 (the backward state pass faulted at K = 256 on the H200)"
-    if V < 32:
-        return f"value head dim V = {V} < 32 (DeltaNet gave wrong bf16 outputs at V = 16 on the H200)"
-    return None
-
-
 for _impl in (chunk_gated_delta_rule, chunk_delta_rule, chunk_kda, chunk_comba, chunk_longhorn):
     _impl.grouped_heads = True
-    _impl.gpu_unverified = gpu_unverified
 for _impl in (chunk_gated_delta_rule, chunk_delta_rule, chunk_kda, chunk_comba):
     _impl.fused_l2norm = True
 chunk_gated_delta_rule.fused_gate = chunk_kda.fused_gate = True

@@ -216,24 +216,23 @@ def _while_loop(chunks: Chunks) -> bool:
 
 
 def _bv(K, V, block_v, per_channel, chunks, store_h=False):
-    """The value block, by the H200 measurements of docs/bench/delta.md: 32 for a scalar or no gate
-    with K >= 128 (twice the programs on a pass that is one chain per program), else 64; the
-    forward that keeps h for the backward is faster at 64. The while loop (varlen) keeps 64: with
-    32 it made illegal memory accesses on the H200 (triton 3.6)."""
-    small = K >= 128 and not per_channel and not store_h and not _while_loop(chunks)
-    return block_v or min(32 if small else 64, triton.next_power_of_2(V))
+    """The value block: 32 for a scalar or no gate at K = 128 on the uniform (for) loop without h
+    kept (twice the programs on a pass that is one chain per program; docs/bench/delta.md), else
+    64; never narrower, a smaller V is padded (masked). On the H200 (triton 3.6) narrower blocks
+    broke: 32 with the while loop (varlen) and 32 or 16 at K = 256 made out-of-range shared-memory
+    accesses in the dots (compute-sanitizer), docs/bench/runs-2026-11-30-s3.md run 1."""
+    small = K == 128 and not per_channel and not store_h and not _while_loop(chunks)
+    return block_v or (32 if small else 64)
 
 
 def launch_config(K, BV, itemsize):
     """(num_warps, num_stages) of a state pass with value block BV and inputs of ``itemsize`` bytes.
 
-    Warps: 8 for K = 256 (the [K, BV] fp32 state in registers), else 4; and 4 whenever BV < 32:
-    Triton 3.6 miscompiled a bf16 kernel with 16-wide V blocks at 8 warps (illegal memory accesses
-    on the H200, docs/bench/runs-2026-11-30-s2.md run 5). Stages: the pipelined for loop keeps two
-    copies of a chunk's q, k, w tiles ([64, K] each) in shared memory; past 256 bytes a row
-    (K = 256 in 16 bits, K >= 128 in fp32) that exceeds the H200's 227 KiB (K = 256 bf16 asked for
-    248 KiB), so those run one stage (sm_90 compiles of every shape: docs/bench/delta.md)."""
-    warps = 8 if K > 128 and BV >= 32 else 4
+    Warps: 8 for K = 256 (the [K, BV] fp32 state in registers), else 4. Stages: the pipelined for
+    loop keeps two copies of a chunk's q, k, w tiles ([64, K] each) in shared memory; past 256
+    bytes a row (K = 256 in 16 bits, K >= 128 in fp32) that exceeds the H200's 227 KiB (K = 256
+    bf16 asked for 248 KiB), so those run one stage (sm_90 compiles of every shape: docs/bench/delta.md)."""
+    warps = 8 if K > 128 else 4
     stages = 2 if triton.next_power_of_2(K) * itemsize <= 256 else 1
     return warps, stages
 
@@ -269,6 +268,8 @@ def state_bwd(q, k, w, g_cum, do, dht, scale: float, chunks: Chunks, need_dh0: b
     H, V = do.shape[2], do.shape[-1]
     BK, BV = triton.next_power_of_2(K), _bv(K, V, block_v, gk_cum is not None, chunks)
     warps, stages = launch_config(K, BV, k.element_size())
+    if gk_cum is not None and K == 128:
+        warps = 8  # KDA's dh pass: 0.26 ms of 9.6 at (4, 8192, 16, 128) (session 3 sweep, s3 run 5)
     dev = q.device
     dh = alloc((chunks.NC, H, K, V), dtype=k.dtype, device=dev)
     dv = alloc(do.shape, device=dev, dtype=do.dtype)
