@@ -114,3 +114,30 @@ def test_bad_config_names_the_field(kw, name):
 def test_bad_model_args_name_the_field(model_args):
     with pytest.raises(ValueError, match=model_args.split("=")[0]):
         lm_config(TrainConfig(model_args=model_args), 64)
+
+
+def test_weight_decay_on_matrices_only(tmp_path):
+    """weight_decay_1d=False: A_log, dt_bias, norm weights and biases get no decay, every matrix does;
+    one step with zero gradients then shrinks only the matrices."""
+    from fastweight.train import build_model, make_optimizer
+    cfg = tiny(tmp_path, mixer="mamba2", weight_decay=0.5, weight_decay_1d=False)
+    model = build_model(cfg, 16)
+    opt = make_optimizer(model, cfg)
+    decayed, kept = opt.param_groups
+    assert decayed["weight_decay"] == 0.5 and kept["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decayed["params"]) and all(p.dim() < 2 for p in kept["params"])
+    assert len(decayed["params"]) + len(kept["params"]) == len(list(model.parameters()))
+    names = {id(p): n for n, p in model.named_parameters()}
+    kept_names = {names[id(p)] for p in kept["params"]}
+    assert any(n.endswith("A_log") for n in kept_names) and any(n.endswith("dt_bias") for n in kept_names)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for n, p in model.named_parameters():
+        if p.dim() < 2:
+            assert torch.equal(p, before[n]), n
+        elif before[n].abs().sum() > 0:
+            assert not torch.equal(p, before[n]), n
+    default = make_optimizer(model, tiny(tmp_path, mixer="mamba2"))
+    assert len(default.param_groups) == 1 and default.param_groups[0]["weight_decay"] == 0.1
