@@ -183,7 +183,8 @@ def _profile_steps(step, n, device, path):
     events = prof.key_averages()
     dev_time = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
     gpu_us = sum(dev_time(e) for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    launches = sum(e.count for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+    # an averaged event is named by ``key`` (torch 2.11's FunctionEventAvg has no ``name``)
+    launches = sum(e.count for e in events if getattr(e, "key", getattr(e, "name", None)) in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                                                          "cudaLaunchKernelExC", "cudaMemcpyAsync"))
     with open(path, "w") as f:
         f.write(f"{n} calls\n")
