@@ -87,9 +87,22 @@ def errors(got: dict, want: dict) -> dict:
     return {n: rel_err(got[n], want[n]) for n in want}
 
 
-def assert_close(got: dict, want: dict, tol: float):
+def assert_close(got: dict, want: dict, tol: float, scale: dict | None = None):
+    """Every relative error within ``tol`` (times ``scale[name]`` where given)."""
     errs = errors(got, want)
-    assert all(e <= tol for e in errs.values()), errs
+    scale = scale or {}
+    assert all(e <= tol * scale.get(n, 1.0) for n, e in errs.items()), (errs, scale)
+
+
+def summed_gate_scale(want: dict) -> dict:
+    """RetNet-style ``g_gamma`` is one log gate shared by every token, so dg_gamma = sum_t dg_t: its
+    fp32 error is the per-token error times sum_t |dg_t|, which cancellation can make much larger
+    than |dg_gamma| under strong gates. Its tolerance is scaled by that ratio (from the reference),
+    as in tests/kernels/test_fused_recurrent.py."""
+    if "dg_gamma" not in want or "dg" not in want:
+        return {}
+    ratio = want["dg"].abs().sum((0, 1)).norm() / want["dg_gamma"].norm().clamp_min(1e-300)
+    return {"dg_gamma": max(1.0, ratio.item())}
 
 
 def assert_finite(got: dict):
@@ -146,7 +159,7 @@ def check_gate_extremes(op, gate_range, T=100, H=2, K=8, V=8):
         assert_close(run(chunk_impl(op), x, h0, scale=0.4, chunk_size=C), want, TOL[torch.float64])
         got32 = run(chunk_impl(op), {n: t.float() for n, t in x.items()}, h0.float(), scale=0.4, chunk_size=C)
         assert_finite(got32)
-        assert_close(got32, want, TOL[torch.float32])
+        assert_close(got32, want, TOL[torch.float32], scale=summed_gate_scale(want))
 
 
 def check_low_precision(op, dtype, T=100, H=2, K=16, V=16):
