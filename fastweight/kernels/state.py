@@ -225,14 +225,16 @@ def _bv(K, V, block_v, per_channel, chunks, store_h=False):
     return block_v or (32 if small else 64)
 
 
-def launch_config(K, BV, itemsize):
+def launch_config(K, BV, itemsize, per_channel_bwd=False):
     """(num_warps, num_stages) of a state pass with value block BV and inputs of ``itemsize`` bytes.
 
-    Warps: 8 for K = 256 (the [K, BV] fp32 state in registers), else 4. Stages: the pipelined for
+    Warps: 8 for K = 256 (the [K, BV] fp32 state in registers) and for the per-channel (KDA) dh
+    pass at K = 128 (0.26 ms of KDA's 9.6 at (4, 8192, 16, 128): the session 3 sweep,
+    docs/bench/runs-2026-11-30-s3.md run 5), else 4. Stages: the pipelined for
     loop keeps two copies of a chunk's q, k, w tiles ([64, K] each) in shared memory; past 256
     bytes a row (K = 256 in 16 bits, K >= 128 in fp32) that exceeds the H200's 227 KiB (K = 256
     bf16 asked for 248 KiB), so those run one stage (sm_90 compiles of every shape: docs/bench/delta.md)."""
-    warps = 8 if K > 128 else 4
+    warps = 8 if K > 128 or (per_channel_bwd and K == 128) else 4
     stages = 2 if triton.next_power_of_2(K) * itemsize <= 256 else 1
     return warps, stages
 
@@ -267,9 +269,7 @@ def state_bwd(q, k, w, g_cum, do, dht, scale: float, chunks: Chunks, need_dh0: b
     _, T, HK, K = k.shape
     H, V = do.shape[2], do.shape[-1]
     BK, BV = triton.next_power_of_2(K), _bv(K, V, block_v, gk_cum is not None, chunks)
-    warps, stages = launch_config(K, BV, k.element_size())
-    if gk_cum is not None and K == 128:
-        warps = 8  # KDA's dh pass: 0.26 ms of 9.6 at (4, 8192, 16, 128) (session 3 sweep, s3 run 5)
+    warps, stages = launch_config(K, BV, k.element_size(), per_channel_bwd=gk_cum is not None)
     dev = q.device
     dh = alloc((chunks.NC, H, K, V), dtype=k.dtype, device=dev)
     dv = alloc(do.shape, device=dev, dtype=do.dtype)

@@ -124,6 +124,7 @@ def test_launch_configs():
                                               and not store_h and not state._while_loop(chunks)))
             warps, stages = state.launch_config(K, BV, itemsize)
             assert warps == (8 if K == 256 else 4) and (K * itemsize <= 256 or stages == 1)
+            assert state.launch_config(K, BV, itemsize, per_channel_bwd=True) == (8 if K >= 128 else 4, stages)
     assert output.launch_config(256, 512, 2)[2] == 2 and output.launch_config(128, 512, 4)[2] == 1
     assert output.launch_config(128, 128, 2)[1:] == (8, 3)     # the H200-timed configuration
     assert state.launch_config(128, 32, 2) == (4, 2)
