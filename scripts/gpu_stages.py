@@ -2,11 +2,13 @@
 
     python scripts/gpu_stages.py OP K V [varlen] [bv=N] [warps=N] [dtype=bfloat16]
 
+(It replaces session 2's scripts/gpu_heads.py: without options it runs the same check.)
+
 Every stage the op calls (cumsum, solve, W/U, state pass, output backward, WY backward, intra)
 runs twice: as called, and again on fp32 copies of its inputs. A stage whose output differs
 from its fp32 twin by more than its dtype's rounding (relative 2e-2) is the one to look at.
 ``bv`` / ``warps`` force the state passes' value block and warp count. Then the op's output and
-gradients are compared with the float64 reference, as scripts/gpu_heads.py does.
+gradients are compared with the float64 reference.
 """
 import sys
 import traceback
@@ -30,7 +32,7 @@ if "bv" in opts:
     state._bv = lambda K, V, block_v, *a, **kw: int(opts["bv"])  # noqa: E731
 if "warps" in opts:
     _lc = state.launch_config
-    state.launch_config = lambda K, BV, itemsize: (int(opts["warps"]), _lc(K, BV, itemsize)[1])  # noqa: E731
+    state.launch_config = lambda K, BV, itemsize, **kw: (int(opts["warps"]), _lc(K, BV, itemsize)[1])  # noqa: E731
 dispatch._lookup("triton", "chunk", op).gpu_unverified = lambda *a: None
 
 worst = {}
