@@ -78,6 +78,15 @@ def sub_chunk_rows(i_tc, cu_seqlens, chunk_indices, BT: tl.constexpr, BC: tl.con
 
 
 @triton.jit
+def chunk_bounds(i_t, cu_seqlens, chunk_indices):
+    """Global chunk index -> (i_c chunk in its sequence, bos, T of the sequence), all int64."""
+    i_t = i_t.to(tl.int64)
+    i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    return i_c, bos, eos - bos
+
+
+@triton.jit
 def mm(a, b):
     """tl.dot that stays IEEE fp32 for fp32 operands (TF32 would cost fp32 inputs ~1e-3 accuracy)."""
     if a.dtype == tl.float32:

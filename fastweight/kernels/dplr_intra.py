@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, sub_chunk_rows
+from fastweight.kernels.common import Chunks, chunk_bounds
 from fastweight.kernels import decay_intra
 from fastweight.kernels.decay_intra import diag_precision, factor, span_ref
 from fastweight.kernels.decay_state import dot_precision
@@ -44,15 +44,27 @@ def _load_dA(dA, bos, o_r, m_r, c0, i_h, H: tl.constexpr, BT: tl.constexpr, BC: 
 
 
 @triton.jit
-def dplr_intra_fwd_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, cu_seqlens, chunk_indices, scale,
-                          H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr):
-    i_tc, i_h = tl.program_id(0), tl.program_id(1)
+def _chunk_span(gc, gp, bos, o_t, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """The widest gate span of one chunk (rows' G^- and G, every channel): max - min."""
+    b_span = tl.max(tl.zeros([BK], dtype=tl.float32), 0)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_s, _ = span_ref(_load_rows(gp, bos, o_t, m_t, i_h, o_k, m_k, H, K),
+                          _load_rows(gc, bos, o_t, m_t, i_h, o_k, m_k, H, K), m_t[:, None] & m_k[None, :])
+        b_span = tl.maximum(b_span, b_s)
+    return b_span
+
+
+@triton.jit
+def _fwd_sub(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_h, H: tl.constexpr, K: tl.constexpr,
+             BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+             DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr):
+    """Sub-chunk i_i's rows of the four matrices (the path for chunks whose gates span SPAN or more)."""
     NC: tl.constexpr = BT // BC
-    i_t, i_i, i_c, bos, T, o_i, m_i = sub_chunk_rows(i_tc, cu_seqlens, chunk_indices, BT, BC)
-    if i_c * BT + i_i * BC >= T:
-        return
     o_c = tl.arange(0, BC)
+    o_i = i_c * BT + i_i * BC + o_c
+    m_i = o_i < T
     p_A = ((bos + o_i) * H + i_h)[:, None] * BT
     # earlier sub-chunks j < i, through the reference row before sub-chunk i
     o_r = bos + i_c * BT + i_i * BC - 1
@@ -134,16 +146,77 @@ def dplr_intra_fwd_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, cu_seqlens, ch
 
 
 @triton.jit
-def dplr_intra_bwd_kernel(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s, dq, dk, da, db,
-                          dgk, dga, cu_seqlens, chunk_indices, scale, H: tl.constexpr, K: tl.constexpr,
-                          BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                          DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr):
-    i_k, i_tc, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def dplr_intra_fwd_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, cu_seqlens, chunk_indices, scale,
+                          H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr):
+    """One program per (chunk, head). A chunk whose gates span less than SPAN is factored whole
+    through the per-channel midpoint of its gates (four [BT, BT] dots per K block); a wider one
+    takes the sub-chunk path (``_fwd_sub``), sub-chunk by sub-chunk."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    if _chunk_span(gc, gp, bos, o_t, m_t, i_h, H, K, BK) < SPAN:
+        b_qk = tl.zeros([BT, BT], dtype=tl.float32)
+        b_qb = tl.zeros([BT, BT], dtype=tl.float32)
+        b_ak = tl.zeros([BT, BT], dtype=tl.float32)
+        b_ab = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            m_tk = m_t[:, None] & m_k[None, :]
+            b_g = _load_rows(gc, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+            b_gp = _load_rows(gp, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+            _, b_ref = span_ref(b_gp, b_g, m_tk)
+            b_fc = factor(1., b_g, b_ref, m_tk, False)
+            b_kg = tl.trans(_load_rows(k, bos, o_t, m_t, i_h, o_k, m_k, H, K) * b_fc)
+            b_bg = tl.trans(_load_rows(b, bos, o_t, m_t, i_h, o_k, m_k, H, K) * b_fc)
+            b_qg = factor(_load_rows(q, bos, o_t, m_t, i_h, o_k, m_k, H, K), b_g, b_ref, m_tk, True)
+            b_ag = factor(_load_rows(a, bos, o_t, m_t, i_h, o_k, m_k, H, K), b_gp, b_ref, m_tk, True)
+            b_qk += tl.dot(b_qg, b_kg, input_precision=DIAG_PRECISION)
+            b_qb += tl.dot(b_qg, b_bg, input_precision=DIAG_PRECISION)
+            b_ak += tl.dot(b_ag, b_kg, input_precision=DIAG_PRECISION)
+            b_ab += tl.dot(b_ag, b_bg, input_precision=DIAG_PRECISION)
+        o_r = tl.arange(0, BT)
+        m_incl = o_r[:, None] >= o_r[None, :]
+        m_strict = o_r[:, None] > o_r[None, :]
+        p_A = ((bos + o_t) * H + i_h)[:, None] * BT + o_r[None, :]
+        tl.store(Aqk + p_A, tl.where(m_incl, b_qk * scale, 0.), mask=m_t[:, None])
+        tl.store(Aqb + p_A, tl.where(m_incl, b_qb * scale, 0.), mask=m_t[:, None])
+        tl.store(Aak + p_A, tl.where(m_strict, b_ak, 0.), mask=m_t[:, None])
+        tl.store(Aab + p_A, tl.where(m_strict, b_ab, 0.), mask=m_t[:, None])
+    else:
+        for i_i in range(0, BT // BC):
+            if i_c * BT + i_i * BC < T:
+                _fwd_sub(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
+                         DOT_PRECISION, DIAG_PRECISION, SPAN)
+
+
+@triton.jit
+def _bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, p_i, m_ik, scale, dq_s, dk_s, da_s, db_s, dq, dk, da, db,
+                dgk, dga):
+    """Add the parts through the states, store the gradients and the per-token gate terms."""
+    b_dq = b_dq * scale + tl.load(dq_s + p_i, mask=m_ik, other=0.)
+    b_dk += tl.load(dk_s + p_i, mask=m_ik, other=0.)
+    b_da += tl.load(da_s + p_i, mask=m_ik, other=0.)
+    b_db += tl.load(db_s + p_i, mask=m_ik, other=0.)
+    tl.store(dgk + p_i, b_q * b_dq - b_k * b_dk - b_b * b_db + b_a * b_da, mask=m_ik)
+    tl.store(dga + p_i, b_a * b_da, mask=m_ik)
+    tl.store(dq + p_i, b_dq.to(dq.dtype.element_ty), mask=m_ik)
+    tl.store(dk + p_i, b_dk.to(dk.dtype.element_ty), mask=m_ik)
+    tl.store(da + p_i, b_da.to(da.dtype.element_ty), mask=m_ik)
+    tl.store(db + p_i, b_db.to(db.dtype.element_ty), mask=m_ik)
+
+
+@triton.jit
+def _bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s, dq, dk, da, db, dgk, dga, scale,
+             i_k, i_c, i_i, bos, T, i_h, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+             BK: tl.constexpr, DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr):
+    """Sub-chunk i_i's rows of dq, dk, da, db in K block i_k (chunks whose gates span SPAN or more)."""
     NC: tl.constexpr = BT // BC
-    i_t, i_i, i_c, bos, T, o_i, m_i = sub_chunk_rows(i_tc, cu_seqlens, chunk_indices, BT, BC)
-    if i_c * BT + i_i * BC >= T:
-        return
     o_c = tl.arange(0, BC)
+    o_i = i_c * BT + i_i * BC + o_c
+    m_i = o_i < T
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     m_ik = m_i[:, None] & m_k[None, :]
@@ -165,13 +238,13 @@ def dplr_intra_bwd_kernel(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s
                 b_kj = _load_rows(k, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e
                 b_bj = _load_rows(b, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e
                 b_dq += tl.dot(_load_dA(dAqk, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_kj,
-                                 input_precision=DOT_PRECISION)
+                               input_precision=DOT_PRECISION)
                 b_dq += tl.dot(_load_dA(dAqb, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_bj,
-                                 input_precision=DOT_PRECISION)
+                               input_precision=DOT_PRECISION)
                 b_da += tl.dot(_load_dA(dAak, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_kj,
-                                 input_precision=DOT_PRECISION)
+                               input_precision=DOT_PRECISION)
                 b_da += tl.dot(_load_dA(dAab, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_bj,
-                                 input_precision=DOT_PRECISION)
+                               input_precision=DOT_PRECISION)
         b_dq *= tl.exp(tl.where(m_ik, b_g - b_gr[None, :], 0.))
         b_da *= tl.exp(tl.where(m_ik, b_gp - b_gr[None, :], 0.))
     # column side (dk, db) from later sub-chunks, through the reference row before each of them
@@ -203,26 +276,9 @@ def dplr_intra_bwd_kernel(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s
     # a-rows), row j for dk, db (columns s <= j, s < j)
     b_span, b_ref = span_ref(b_gp, b_g, m_ik)
     if b_span < SPAN:
-        p_d = ((bos + o_i) * H + i_h)[:, None] * BT + (i_i * BC + o_c)[None, :]
-        m_di = (o_c[:, None] >= o_c[None, :]) & m_i[:, None]
-        m_ds = (o_c[:, None] > o_c[None, :]) & m_i[:, None]
-        b_dqk = tl.load(dAqk + p_d, mask=m_di, other=0.)
-        b_dqb = tl.load(dAqb + p_d, mask=m_di, other=0.)
-        b_dak = tl.load(dAak + p_d, mask=m_ds, other=0.)
-        b_dab = tl.load(dAab + p_d, mask=m_ds, other=0.)
-        b_fc = factor(1., b_g, b_ref, m_ik, False)
-        b_fq = factor(1., b_g, b_ref, m_ik, True)
-        b_fa = factor(1., b_gp, b_ref, m_ik, True)
-        b_kg, b_bg = b_k * b_fc, b_b * b_fc
-        b_qg, b_ag = b_q * b_fq * scale, b_a * b_fa
-        b_dq += (tl.dot(b_dqk, b_kg, input_precision=DIAG_PRECISION)
-                 + tl.dot(b_dqb, b_bg, input_precision=DIAG_PRECISION)) * b_fq
-        b_da += (tl.dot(b_dak, b_kg, input_precision=DIAG_PRECISION)
-                 + tl.dot(b_dab, b_bg, input_precision=DIAG_PRECISION)) * b_fa
-        b_dk += (tl.dot(tl.trans(b_dqk), b_qg, input_precision=DIAG_PRECISION)
-                 + tl.dot(tl.trans(b_dak), b_ag, input_precision=DIAG_PRECISION)) * b_fc
-        b_db += (tl.dot(tl.trans(b_dqb), b_qg, input_precision=DIAG_PRECISION)
-                 + tl.dot(tl.trans(b_dab), b_ag, input_precision=DIAG_PRECISION)) * b_fc
+        b_dq, b_dk, b_da, b_db = _factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_dq, b_dk, b_da, b_db, dAqk,
+                                               dAqb, dAak, dAab, bos, o_i, m_i, m_ik, i_i * BC, i_h, scale, H, BT,
+                                               BC, DIAG_PRECISION)
     else:
         for j in range(0, BC):  # a loop, not unrolled: the fallback keeps registers low
             r_j = i_c * BT + i_i * BC + j
@@ -250,18 +306,83 @@ def dplr_intra_bwd_kernel(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s
             b_e = tl.exp(tl.where(m_ss[:, None], b_gpj[None, :] - b_g, float("-inf")))
             b_dk += tl.load(dAak + p_r, mask=m_ss, other=0.)[:, None] * b_aj[None, :] * b_e
             b_db += tl.load(dAab + p_r, mask=m_ss, other=0.)[:, None] * b_aj[None, :] * b_e
-    # plus the parts through the states, then the gate terms
     p_i = ((bos + o_i) * H + i_h)[:, None] * K + o_k[None, :]
-    b_dq = b_dq * scale + tl.load(dq_s + p_i, mask=m_ik, other=0.)
-    b_dk += tl.load(dk_s + p_i, mask=m_ik, other=0.)
-    b_da += tl.load(da_s + p_i, mask=m_ik, other=0.)
-    b_db += tl.load(db_s + p_i, mask=m_ik, other=0.)
-    tl.store(dgk + p_i, b_q * b_dq - b_k * b_dk - b_b * b_db + b_a * b_da, mask=m_ik)
-    tl.store(dga + p_i, b_a * b_da, mask=m_ik)
-    tl.store(dq + p_i, b_dq.to(dq.dtype.element_ty), mask=m_ik)
-    tl.store(dk + p_i, b_dk.to(dk.dtype.element_ty), mask=m_ik)
-    tl.store(da + p_i, b_da.to(da.dtype.element_ty), mask=m_ik)
-    tl.store(db + p_i, b_db.to(db.dtype.element_ty), mask=m_ik)
+    _bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, p_i, m_ik, scale, dq_s, dk_s, da_s, db_s, dq, dk, da, db,
+                dgk, dga)
+
+
+@triton.jit
+def _factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_dq, b_dk, b_da, b_db, dAqk, dAqb, dAak, dAab, bos, o_r, m_r,
+                  m_rk, c0, i_h, scale, H: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr,
+                  DIAG_PRECISION: tl.constexpr):
+    """The block of rows o_r (BR of them, columns c0.. of the dA rows) against itself, every decay
+    factored through b_ref: adds to (dq, dk, da, db) and returns them."""
+    o_c = tl.arange(0, BR)
+    p_d = ((bos + o_r) * H + i_h)[:, None] * BT + (c0 + o_c)[None, :]
+    m_di = (o_c[:, None] >= o_c[None, :]) & m_r[:, None]
+    m_ds = (o_c[:, None] > o_c[None, :]) & m_r[:, None]
+    b_dqk = tl.load(dAqk + p_d, mask=m_di, other=0.)
+    b_dqb = tl.load(dAqb + p_d, mask=m_di, other=0.)
+    b_dak = tl.load(dAak + p_d, mask=m_ds, other=0.)
+    b_dab = tl.load(dAab + p_d, mask=m_ds, other=0.)
+    b_fc = factor(1., b_g, b_ref, m_rk, False)
+    b_fq = factor(1., b_g, b_ref, m_rk, True)
+    b_fa = factor(1., b_gp, b_ref, m_rk, True)
+    b_kg, b_bg = b_k * b_fc, b_b * b_fc
+    b_qg, b_ag = b_q * b_fq * scale, b_a * b_fa
+    b_dq += (tl.dot(b_dqk, b_kg, input_precision=DIAG_PRECISION)
+             + tl.dot(b_dqb, b_bg, input_precision=DIAG_PRECISION)) * b_fq
+    b_da += (tl.dot(b_dak, b_kg, input_precision=DIAG_PRECISION)
+             + tl.dot(b_dab, b_bg, input_precision=DIAG_PRECISION)) * b_fa
+    b_dk += (tl.dot(tl.trans(b_dqk), b_qg, input_precision=DIAG_PRECISION)
+             + tl.dot(tl.trans(b_dak), b_ag, input_precision=DIAG_PRECISION)) * b_fc
+    b_db += (tl.dot(tl.trans(b_dqb), b_qg, input_precision=DIAG_PRECISION)
+             + tl.dot(tl.trans(b_dab), b_ag, input_precision=DIAG_PRECISION)) * b_fc
+    return b_dq, b_dk, b_da, b_db
+
+
+@triton.jit
+def dplr_intra_bwd_kernel(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s, dq, dk, da, db,
+                          dgk, dga, cu_seqlens, chunk_indices, scale, H: tl.constexpr, K: tl.constexpr,
+                          BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                          DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr):
+    """One program per (K block, chunk, head): the whole chunk factored through its gates' midpoint
+    when their span (in this K block) is below SPAN, else sub-chunk by sub-chunk (``_bwd_sub``)."""
+    i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_g = _load_rows(gc, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+    b_gp = _load_rows(gp, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+    b_span, b_ref = span_ref(b_gp, b_g, m_tk)
+    if b_span < SPAN:
+        b_q = _load_rows(q, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+        b_k = _load_rows(k, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+        b_a = _load_rows(a, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+        b_b = _load_rows(b, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+        b_z = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dq, b_dk, b_da, b_db = _factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_z, b_z, b_z, b_z, dAqk, dAqb,
+                                               dAak, dAab, bos, o_t, m_t, m_tk, 0, i_h, scale, H, BT, BT,
+                                               DIAG_PRECISION)
+        p_t = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
+        _bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, p_t, m_tk, scale, dq_s, dk_s, da_s, db_s, dq, dk,
+                    da, db, dgk, dga)
+    else:
+        for i_i in range(0, BT // BC):
+            if i_c * BT + i_i * BC < T:
+                _bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s, dq, dk, da, db, dgk, dga,
+                         scale, i_k, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK, DOT_PRECISION, DIAG_PRECISION, SPAN)
+
+
+def chunk_spans(g: torch.Tensor, BK: int, BT: int = 64) -> torch.Tensor:
+    """The span each chunk's branch compares with ``SAFE_SPAN``, for one sequence of log gates
+    g [T, H, K] (rows G^- and G, columns G). Returns [NT, H, cdiv(K, BK)] float64, per K block (the
+    backward's branch); the forward branches on the largest over K blocks (tests, benchmarks)."""
+    spans = decay_intra.diagonal_spans(g, exclusive=True, BK=BK, BT=BT, BC=BT)
+    return spans[:, 0]
 
 
 def dplr_intra_fwd(q, k, a, b, gc, gp, scale: float, chunks: Chunks):
@@ -271,7 +392,7 @@ def dplr_intra_fwd(q, k, a, b, gc, gp, scale: float, chunks: Chunks):
     BT, BC = chunks.BT, 16
     BK = min(32, max(16, triton.next_power_of_2(K)))
     As = [torch.empty(1, T, H, BT, dtype=torch.float32, device=q.device) for _ in range(4)]
-    dplr_intra_fwd_kernel[(chunks.NC * (BT // BC), H)](
+    dplr_intra_fwd_kernel[(chunks.NC, H)](
         q, k, a, b, gc, gp, *As, chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, BT=BT, BC=BC, BK=BK,
         DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=decay_intra.SAFE_SPAN,
         num_warps=8)
@@ -287,7 +408,7 @@ def dplr_intra_bwd(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s,
     dq, dk, da, db = (torch.empty_like(x) for x in (q, k, a, b))
     dgk = torch.empty(1, T, H, K, dtype=torch.float32, device=q.device)
     dga = torch.empty_like(dgk)
-    dplr_intra_bwd_kernel[(triton.cdiv(K, BK), chunks.NC * (BT // BC), H)](
+    dplr_intra_bwd_kernel[(triton.cdiv(K, BK), chunks.NC, H)](
         q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s, dq, dk, da, db, dgk, dga,
         chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, BT=BT, BC=BC, BK=BK,
         DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=decay_intra.SAFE_SPAN,

@@ -153,11 +153,15 @@ def dplr_state_bwd_kernel(q, b, gc, w, Aqb, do, dh, du, dht, dh0, cu_seqlens, ch
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + o_h, b_dh, mask=m_h)
 
 
+# V block of the state passes: None = the rule in ``_blocks``; benchmarks set 16 / 32 / 64 to compare
+BLOCK_V: int | None = None
+
+
 def _blocks(K, V):
     # all of K per program; V split small so that the state, W and the [BT, K] tiles fit in registers
     BK = max(16, triton.next_power_of_2(K))
-    BV = min(32 if BK <= 64 else 16, max(16, triton.next_power_of_2(V)))
-    return BK, BV
+    BV = BLOCK_V or (32 if BK <= 64 else 16)
+    return BK, min(BV, max(16, triton.next_power_of_2(V)))
 
 
 def dplr_state_fwd(k, v, b, gc, w, ut, chunks: Chunks, initial_state, output_final_state: bool):

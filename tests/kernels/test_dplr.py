@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fastweight import ops
-from fastweight.kernels import decay_intra, dplr
+from fastweight.kernels import decay_intra, dplr, dplr_intra
 from fastweight.testing import generator, rel_err
 
 # measured: fp32 errors 1e-7..4e-6 (strong decays included); fp16 <= 7e-4
@@ -116,10 +116,22 @@ def test_rwkv7_strong_decay():
     _check("rwkv7", x, gen=gen)
 
 
+def test_rwkv7_chunk_paths():
+    """Chunks take different paths in one call: the first 64 tokens' log decays x8 (the chunk's
+    gates span SAFE_SPAN or more: sub-chunk by sub-chunk), the rest x1 (the whole chunk factored
+    through its gates' midpoint); T = 150 leaves a short last chunk; two heads, varlen."""
+    gen = generator()
+    x = _inputs("rwkv7", 150, H=2, gen=gen, w_scale=torch.where(torch.arange(150) < 64, 8.0, 1.0))
+    spans = dplr_intra.chunk_spans(x["w"][0], BK=16)
+    assert (spans[0] >= decay_intra.SAFE_SPAN).all() and (spans[1:] < decay_intra.SAFE_SPAN).all(), spans
+    _check("rwkv7", x, gen=gen)
+    _check("rwkv7", x, cu_seqlens=torch.tensor([0, 70, 150]), gen=gen)
+
+
 @pytest.mark.parametrize("path", ["exact", "factored"])
 def test_diagonal_paths(path, monkeypatch):
-    """Each diagonal sub-chunk path on its own (SAFE_SPAN 0: always token at a time; 1e30: always
-    factored), every w at RWKV-7's bound (span 16 x 0.607 = 9.7 per sub-chunk), odd T, two heads."""
+    """Each path on its own (SAFE_SPAN 0: sub-chunks, diagonal ones token at a time; 1e30: every
+    chunk factored whole), every w at RWKV-7's bound (span 16 x 0.607 = 9.7 per sub-chunk), odd T, two heads."""
     monkeypatch.setattr(decay_intra, "SAFE_SPAN", 0.0 if path == "exact" else 1e30)
     gen = generator()
     x = _inputs("dplr_delta_rule", 77, H=2, gen=gen, at_bound=True)
