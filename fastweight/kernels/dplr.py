@@ -7,8 +7,8 @@ fla's meaning (``a`` is read against the state, ``b`` is the write direction):
 Per chunk of 64 tokens, G the chunk-local cumulative log decay, G^- one token earlier, S the
 state before the chunk (the readable spec is ``fastweight/chunk/dplr.py``):
 
-    1. A_qk, A_qb (s <= t, decays exp(G_t - G_s)), A_ak, A_ab (s < t, exp(G^-_t - G_s))
-       with sub-chunked safe decays, in one pass                      ``dplr_intra.py``
+    1. A_qk, A_qb (s <= t, decays exp(G_t - G_s)), A_ak, A_ab (s < t, exp(G^-_t - G_s)),
+       the whole chunk factored through its gates' midpoint, or by sub-chunks ``dplr_intra.py``
     2. T = (I - A_ab)^{-1} (blockwise exact solve)                    ``kkt_solve.py``
        W = T (a * exp(G^-)),  U~ = T A_ak V                          ``dplr_wy.py``
     3. per chunk in order: U = W S + U~,
@@ -20,13 +20,14 @@ kept (``RECOMPUTE = False``, the default) or recomputed (steps 1-3 again, ``RECO
 fla's choice, less memory); the gates' cumsum is always recomputed. Kept, they cost per token
 and head 4 x 64 fp32 (A_qk, A_qb, A_ak, T) + K + 2 V + K V / 64 in the input dtype (W, U~, U,
 h): 1.5 KB at K = V = 64, 2.3 KB at K = V = 128 in bf16, against 0.9 / 1.8 KB for the inputs
-the op keeps anyway. The state gradient runs the loop in reverse (with the
-reads' gradient dU), then ``dplr_wy.py`` forms dV and the four matrices' gradients per chunk
-and ``dplr_intra.py`` takes them to q, k, a, b and the per-token gate terms, whose reverse
-cumulative sum is dgk (the identity of ``decay.py``, with a reading exp(G_{t-1})).
+the op keeps anyway. The state gradient runs the loop in reverse (with the reads' gradient dU),
+then one program per chunk (``dplr_bwd.py``) forms dV and the four matrices' gradients
+(``dplr_wy.local_grads``) and takes them to q, k, a, b and the per-token gate terms
+(``dplr_intra.py``), whose reverse cumulative sum is dgk (the identity of ``decay.py``, with a
+reading exp(G_{t-1})).
 
-Every exponential has an argument <= 0, except in the diagonal sub-chunks whose gates span
-less than ``decay_intra.SAFE_SPAN`` (there, within +-SAFE_SPAN / 2); no gate is clamped. Shapes: q, k, a, b, gk
+Every exponential has an argument <= 0, except in the chunks (and diagonal sub-chunks) whose
+gates span less than ``decay_intra.SAFE_SPAN`` (there, within +-SAFE_SPAN / 2); no gate is clamped. Shapes: q, k, a, b, gk
 [B, T, H, K], v [B, T, H, V], ``initial_state`` [N, H, K, V], ``cu_seqlens`` [N+1] (B = 1).
 """
 
@@ -37,9 +38,10 @@ import torch
 from fastweight.kernels.common import Chunks, prepare_chunks
 from fastweight.kernels.decay_gate import gate_cumsum, gate_reverse_cumsum
 from fastweight.kernels.decay_output import output_fwd
-from fastweight.kernels.dplr_intra import dplr_intra_bwd, dplr_intra_fwd
+from fastweight.kernels.dplr_bwd import dplr_bwd
+from fastweight.kernels.dplr_intra import dplr_intra_fwd
 from fastweight.kernels.dplr_state import dplr_state_bwd, dplr_state_fwd
-from fastweight.kernels.dplr_wy import dplr_bwd_local, dplr_wy_fwd
+from fastweight.kernels.dplr_wy import dplr_wy_fwd
 from fastweight.kernels.kkt_solve import solve
 
 BT = 64
@@ -81,10 +83,8 @@ class ChunkDplrFunction(torch.autograd.Function):
             Aqk, Aqb, Aak, Ai, w, ut, h, u = kept
             gc, gp = gate_cumsum(gk, None, chunks, q.shape[2], q.shape[1], exclusive=True)
         dh, du, dh0 = dplr_state_bwd(q, b, gc, w, Aqb, do, dht, scale, chunks, initial_state is not None)
-        dv, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s = dplr_bwd_local(
-            q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, scale, chunks)
-        dq, dk, da, db, dgk, dga = dplr_intra_bwd(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s,
-                                                  db_s, scale, chunks)
+        dq, dk, dv, da, db, dgk, dga = dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, scale,
+                                                chunks)
         carry = (ht * dht).sum(-1) if dht is not None else None
         dg = gate_reverse_cumsum(dgk, chunks, carry, sub=dga, dtype=gk.dtype)
         if dh0 is not None:

@@ -1,4 +1,4 @@
-"""The generic DPLR chunk's four intra-chunk matrices, forward and backward, per sub-chunk of 16 tokens.
+"""The generic DPLR chunk's four intra-chunk matrices, forward and backward.
 
 fla's names (``a`` read, ``b`` write). With G the chunk-local cumulative log decay and G^- the
 same one token earlier, the forward forms, in one pass over q, a (rows) and k, b (columns),
@@ -6,13 +6,19 @@ same one token earlier, the forward forms, in one pass over q, a (rows) and k, b
     A_qk = lower(scale q k^T * exp(G_t - G_s))      A_qb = lower(scale q b^T * exp(G_t - G_s))
     A_ak = strictLower(a k^T * exp(G^-_t - G_s))    A_ab = strictLower(a b^T * exp(G^-_t - G_s))
 
-Given their gradients (``dplr_wy.py``), the row side gets dq_t = sum_s dA_qk[t, s] dA_qk/dq_t
-+ (same with dA_qb), da_t likewise from dA_ak, dA_ab, and the column side dk_s, db_s from the
-transposes. As in ``decay_intra.py`` the exponentials are split through a reference row
-between different sub-chunks (both factors <= 1); inside one sub-chunk they are split through
-the midpoint of its gates (one tl.dot per matrix) when the gates' span is below
-``decay_intra.SAFE_SPAN`` (always for RWKV-7: 16 x 0.607 = 9.7), else taken pairwise, one
-token of the sub-chunk at a time. The branch is per (sub-chunk, K block), at run time.
+Given their gradients (``dplr_wy.local_grads``), the row side gets dq_t = sum_s dA_qk[t, s]
+dA_qk/dq_t + (same with dA_qb), da_t likewise from dA_ak, dA_ab, and the column side dk_s, db_s
+from the transposes (the backward's kernel is ``dplr_bwd.py``; its pieces are here).
+
+exp(G_t - G_s) is never split as exp(G_t) exp(-G_s) over the sequence. One program per chunk:
+when the chunk's gates span less than ``decay_intra.SAFE_SPAN`` (largest minus smallest over
+its rows' G^-, G and every channel; every RWKV-7 chunk, 64 x 0.607 = 38.8), each decay factors
+through the per-channel midpoint m of the chunk's gates, exp(G_t - m) exp(m - G_s), every factor
+within exp(+-SAFE_SPAN / 2): four [BT, BT] dots per K block. A wider chunk goes sub-chunk by
+sub-chunk (16 tokens), as ``decay_intra.py``: pairs of different sub-chunks through a reference
+row (both factors <= 1), a diagonal sub-chunk through the midpoint of its own gates when they
+span less than SAFE_SPAN, else pairwise, one token at a time. Both branches are taken at run
+time; no gate is clamped.
 
 The gate gradient (see ``decay.py``): q and a read exp(G_t) and exp(G_{t-1}), k and b
 exp(-G_s), so per token dgk = q dq - k dk - b db + a da and dga = a da, and
@@ -29,6 +35,11 @@ from fastweight.kernels.common import Chunks, chunk_bounds
 from fastweight.kernels import decay_intra
 from fastweight.kernels.decay_intra import diag_precision, factor, span_ref
 from fastweight.kernels.decay_state import dot_precision
+
+
+# (num_warps, num_stages) of the forward kernel, from the H200 sweep of session 4 (fastweight.bench.gpu_sweep
+# rwkv7 gdn1.3b / rwkv7paper: 4 warps save 0.8 / 6.4 ms of fwd+bwd against 8; 2 stages within 0.2 ms of the best)
+FWD_CONFIG = (4, 2)
 
 
 @triton.jit
@@ -276,9 +287,13 @@ def _bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s,
     # a-rows), row j for dk, db (columns s <= j, s < j)
     b_span, b_ref = span_ref(b_gp, b_g, m_ik)
     if b_span < SPAN:
-        b_dq, b_dk, b_da, b_db = _factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_dq, b_dk, b_da, b_db, dAqk,
-                                               dAqb, dAak, dAab, bos, o_i, m_i, m_ik, i_i * BC, i_h, scale, H, BT,
-                                               BC, DIAG_PRECISION)
+        p_d = ((bos + o_i) * H + i_h)[:, None] * BT + (i_i * BC + o_c)[None, :]
+        m_di = (o_c[:, None] >= o_c[None, :]) & m_i[:, None]
+        m_ds = (o_c[:, None] > o_c[None, :]) & m_i[:, None]
+        b_dq, b_dk, b_da, b_db = _factored_bwd(
+            b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_dq, b_dk, b_da, b_db, tl.load(dAqk + p_d, mask=m_di, other=0.),
+            tl.load(dAqb + p_d, mask=m_di, other=0.), tl.load(dAak + p_d, mask=m_ds, other=0.),
+            tl.load(dAab + p_d, mask=m_ds, other=0.), m_ik, scale, DIAG_PRECISION)
     else:
         for j in range(0, BC):  # a loop, not unrolled: the fallback keeps registers low
             r_j = i_c * BT + i_i * BC + j
@@ -312,19 +327,10 @@ def _bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s,
 
 
 @triton.jit
-def _factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_dq, b_dk, b_da, b_db, dAqk, dAqb, dAak, dAab, bos, o_r, m_r,
-                  m_rk, c0, i_h, scale, H: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr,
+def _factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_dq, b_dk, b_da, b_db, b_dqk, b_dqb, b_dak, b_dab, m_rk, scale,
                   DIAG_PRECISION: tl.constexpr):
-    """The block of rows o_r (BR of them, columns c0.. of the dA rows) against itself, every decay
-    factored through b_ref: adds to (dq, dk, da, db) and returns them."""
-    o_c = tl.arange(0, BR)
-    p_d = ((bos + o_r) * H + i_h)[:, None] * BT + (c0 + o_c)[None, :]
-    m_di = (o_c[:, None] >= o_c[None, :]) & m_r[:, None]
-    m_ds = (o_c[:, None] > o_c[None, :]) & m_r[:, None]
-    b_dqk = tl.load(dAqk + p_d, mask=m_di, other=0.)
-    b_dqb = tl.load(dAqb + p_d, mask=m_di, other=0.)
-    b_dak = tl.load(dAak + p_d, mask=m_ds, other=0.)
-    b_dab = tl.load(dAab + p_d, mask=m_ds, other=0.)
+    """A block of rows against itself (the dA tiles masked to it), every decay factored through
+    b_ref: adds to (dq, dk, da, db) and returns them."""
     b_fc = factor(1., b_g, b_ref, m_rk, False)
     b_fq = factor(1., b_g, b_ref, m_rk, True)
     b_fa = factor(1., b_gp, b_ref, m_rk, True)
@@ -339,42 +345,6 @@ def _factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_dq, b_dk, b_da, b_db, 
     b_db += (tl.dot(tl.trans(b_dqb), b_qg, input_precision=DIAG_PRECISION)
              + tl.dot(tl.trans(b_dab), b_ag, input_precision=DIAG_PRECISION)) * b_fc
     return b_dq, b_dk, b_da, b_db
-
-
-@triton.jit
-def dplr_intra_bwd_kernel(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s, dq, dk, da, db,
-                          dgk, dga, cu_seqlens, chunk_indices, scale, H: tl.constexpr, K: tl.constexpr,
-                          BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                          DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr):
-    """One program per (K block, chunk, head): the whole chunk factored through its gates' midpoint
-    when their span (in this K block) is below SPAN, else sub-chunk by sub-chunk (``_bwd_sub``)."""
-    i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
-    o_t = i_c * BT + tl.arange(0, BT)
-    m_t = o_t < T
-    o_k = i_k * BK + tl.arange(0, BK)
-    m_k = o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
-    b_g = _load_rows(gc, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-    b_gp = _load_rows(gp, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-    b_span, b_ref = span_ref(b_gp, b_g, m_tk)
-    if b_span < SPAN:
-        b_q = _load_rows(q, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-        b_k = _load_rows(k, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-        b_a = _load_rows(a, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-        b_b = _load_rows(b, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-        b_z = tl.zeros([BT, BK], dtype=tl.float32)
-        b_dq, b_dk, b_da, b_db = _factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_z, b_z, b_z, b_z, dAqk, dAqb,
-                                               dAak, dAab, bos, o_t, m_t, m_tk, 0, i_h, scale, H, BT, BT,
-                                               DIAG_PRECISION)
-        p_t = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
-        _bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, p_t, m_tk, scale, dq_s, dk_s, da_s, db_s, dq, dk,
-                    da, db, dgk, dga)
-    else:
-        for i_i in range(0, BT // BC):
-            if i_c * BT + i_i * BC < T:
-                _bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s, dq, dk, da, db, dgk, dga,
-                         scale, i_k, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK, DOT_PRECISION, DIAG_PRECISION, SPAN)
 
 
 def chunk_spans(g: torch.Tensor, BK: int, BT: int = 64) -> torch.Tensor:
@@ -395,22 +365,5 @@ def dplr_intra_fwd(q, k, a, b, gc, gp, scale: float, chunks: Chunks):
     dplr_intra_fwd_kernel[(chunks.NC, H)](
         q, k, a, b, gc, gp, *As, chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, BT=BT, BC=BC, BK=BK,
         DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=decay_intra.SAFE_SPAN,
-        num_warps=8)
+        num_warps=FWD_CONFIG[0], num_stages=FWD_CONFIG[1])
     return As
-
-
-def dplr_intra_bwd(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s, scale: float,
-                   chunks: Chunks):
-    """dq, dk, da, db (inputs' dtypes) and the per-token gate terms dgk, dga [1, T, H, K] fp32."""
-    _, T, H, K = q.shape
-    BT, BC = chunks.BT, 16
-    BK = min(32, max(16, triton.next_power_of_2(K)))
-    dq, dk, da, db = (torch.empty_like(x) for x in (q, k, a, b))
-    dgk = torch.empty(1, T, H, K, dtype=torch.float32, device=q.device)
-    dga = torch.empty_like(dgk)
-    dplr_intra_bwd_kernel[(triton.cdiv(K, BK), chunks.NC, H)](
-        q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s, dq, dk, da, db, dgk, dga,
-        chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, BT=BT, BC=BC, BK=BK,
-        DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=decay_intra.SAFE_SPAN,
-        num_warps=8)
-    return dq, dk, da, db, dgk, dga

@@ -17,7 +17,8 @@ reads U = W S + U~ and their gradient dU (``dplr_state.py``):
     da (via W) = dA~ * exp(G^-),  dq (via S) = scale (dO S^T) * exp(G),
     db, dk (via S') = (U dS'^T, V dS'^T) * exp(G_e - G)
 
-The intra-chunk matrices' gradients reach q, k, a, b in ``dplr_intra.py``.
+``local_grads`` is the backward's first half (``dplr_bwd.py`` runs it, then the intra-chunk
+matrices' gradients to q, k, a, b of ``dplr_intra.py``, in one program per chunk).
 """
 
 from __future__ import annotations
@@ -62,14 +63,11 @@ def dplr_wy_fwd_kernel(a, v, gp, Ai, Aak, w, ut, cu_seqlens, chunk_indices, H: t
 
 
 @triton.jit
-def dplr_bwd_local_kernel(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dAqk, dAqb, dAak, dAab,
-                          dq, dk, da, db, cu_seqlens, chunk_indices, scale, H: tl.constexpr, K: tl.constexpr,
-                          V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr):
-    i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    T = eos - bos
+def local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, dk, da, db, i_t, i_c, bos, T, i_h,
+                scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                BV: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Chunk i_t (i_c in its sequence): stores dv and the state parts of dq, dk, da, db (fp32) and
+    returns the four matrices' gradients (dA_qk, dA_qb, dA_ak, dA_ab, [BT, BT] fp32, masked)."""
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T
     m_all = m_t[:, None] & m_t[None, :]
@@ -148,10 +146,8 @@ def dplr_bwd_local_kernel(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
         tl.store(dq + p_k, b_dqi * scale * tl.exp(b_g), mask=m_tk)
         tl.store(db + p_k, b_dbi * b_e, mask=m_tk)
         tl.store(dk + p_k, b_dki * b_e, mask=m_tk)
-    tl.store(dAqk + p_A, tl.where(m_incl, b_dAqk, 0.), mask=m_t[:, None])
-    tl.store(dAqb + p_A, tl.where(m_incl, b_dAqb, 0.), mask=m_t[:, None])
-    tl.store(dAak + p_A, tl.where(m_strict, b_dAak, 0.), mask=m_t[:, None])
-    tl.store(dAab + p_A, tl.where(m_strict, b_dAab, 0.), mask=m_t[:, None])
+    return (tl.where(m_incl, b_dAqk, 0.), tl.where(m_incl, b_dAqb, 0.), tl.where(m_strict, b_dAak, 0.),
+            tl.where(m_strict, b_dAab, 0.))
 
 
 def _blocks(K, V):
@@ -167,21 +163,5 @@ def dplr_wy_fwd(a, v, gp, Ai, Aak, chunks: Chunks):
     ut = torch.empty(1, T, H, V, dtype=a.dtype, device=a.device)
     dplr_wy_fwd_kernel[(chunks.NC, H)](a, v, gp, Ai, Aak, w, ut, chunks.cu_seqlens, chunks.chunk_indices, H=H, K=K,
                                        V=V, BT=chunks.BT, BK=BK, BV=BV, DOT_PRECISION=dot_precision(a.dtype),
-                                       num_warps=8, num_stages=1)
+                                       num_warps=4, num_stages=1)  # H200 sweep, session 4: 4 warps -0.16 ms
     return w, ut
-
-
-def dplr_bwd_local(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, scale: float, chunks: Chunks):
-    """dv (v's dtype); dA_qk, dA_qb, dA_ak, dA_ab [1, T, H, BT] fp32; the state parts of dq, dk, da, db (fp32)."""
-    _, T, H, K = q.shape
-    V = v.shape[-1]
-    BK, BV = _blocks(K, V)
-    BK, BV = min(BK, 32), min(BV, 32)
-    dv = torch.empty_like(v)
-    dAs = [torch.empty(1, T, H, chunks.BT, dtype=torch.float32, device=q.device) for _ in range(4)]
-    dqkab = [torch.empty(1, T, H, K, dtype=torch.float32, device=q.device) for _ in range(4)]
-    dplr_bwd_local_kernel[(chunks.NC, H)](q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, *dAs, *dqkab,
-                                          chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, V=V,
-                                          BT=chunks.BT, BK=BK, BV=BV, DOT_PRECISION=dot_precision(q.dtype),
-                                          num_warps=8, num_stages=1)
-    return (dv, *dAs, *dqkab)
