@@ -31,8 +31,14 @@ from fastweight.kernels.decay_state import dot_precision
 from fastweight.kernels.dplr_intra import _bwd_finish, _bwd_sub, _chunk_span, _factored_bwd, _load_rows
 from fastweight.kernels.dplr_wy import local_grads
 
-# (num_warps, num_stages): those of the two kernels it replaced (session 3)
-BWD_CONFIG = (8, 1)
+# (BK, BV) of the kernel; None = 32, 32 (benchmarks set others to compare)
+BLOCKS: tuple[int, int] | None = None
+
+
+def launch_config(K: int) -> tuple[int, int]:
+    """(num_warps, num_stages), H200 sweep of session 4 (RWKV-7 bf16 fwd+bwd): at K = 64 4 warps
+    save 1.5 of 95 ms against 8; at K = 128 8 warps save 0.6 of 13.4 ms against 4."""
+    return (4, 1) if K <= 64 else (8, 1)
 
 
 @triton.jit
@@ -41,6 +47,9 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
                     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr,
                     SPAN: tl.constexpr):
+    """DOT_PRECISION serves the local part and the whole-chunk path (its [BT, BT] fp32 operands:
+    3 x TF32 there would need more shared memory than the H200 has), DIAG_PRECISION the diagonal
+    sub-chunks of the sub-chunk path."""
     i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
     o_t = i_c * BT + tl.arange(0, BT)
@@ -63,7 +72,7 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
             b_b = _load_rows(b, bos, o_t, m_t, i_h, o_k, m_k, H, K)
             b_z = tl.zeros([BT, BK], dtype=tl.float32)
             b_dq, b_dk, b_da, b_db = _factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_z, b_z, b_z, b_z, b_dqk,
-                                                   b_dqb, b_dak, b_dab, m_tk, scale, DIAG_PRECISION)
+                                                   b_dqb, b_dak, b_dab, m_tk, scale, DOT_PRECISION)
             p_t = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
             _bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, p_t, m_tk, scale, dq_s, dk_s, da_s, db_s, dq, dk,
                         da, db, dgk, dga)
@@ -86,8 +95,9 @@ def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, scale
     """dq, dk, dv, da, db (inputs' dtypes) and the per-token gate terms dgk, dga [1, T, H, K] fp32."""
     _, T, H, K = q.shape
     V = v.shape[-1]
-    BK = min(32, max(16, triton.next_power_of_2(K)))
-    BV = min(32, max(16, triton.next_power_of_2(V)))
+    BK, BV = BLOCKS or (32, 32)
+    BK, BV = min(BK, max(16, triton.next_power_of_2(K))), min(BV, max(16, triton.next_power_of_2(V)))
+    warps, stages = launch_config(K)
     dq, dk, dv, da, db = (torch.empty_like(x) for x in (q, k, v, a, b))
     f32 = dict(dtype=torch.float32, device=q.device)
     # the dA's are written only by chunks that take the sub-chunk path; the scratch by every chunk
@@ -98,5 +108,5 @@ def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, scale
         q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, *dAs, *scratch, dq, dk, dv, da, db, dgk, dga,
         chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, V=V, BT=chunks.BT, BC=16, BK=BK, BV=BV,
         DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=decay_intra.SAFE_SPAN,
-        num_warps=BWD_CONFIG[0], num_stages=BWD_CONFIG[1])
+        num_warps=warps, num_stages=stages)
     return dq, dk, dv, da, db, dgk, dga

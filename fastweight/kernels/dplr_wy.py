@@ -75,9 +75,7 @@ def local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
     m_strict = m_all & (o_t[:, None] > o_t[None, :])
     last = bos + tl.minimum(T, i_c * BT + BT) - 1
     p_A = ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
-    b_T = tl.load(Ai + p_A, mask=m_incl, other=0.)
-    b_Aqk = tl.load(Aqk + p_A, mask=m_incl, other=0.)
-    b_Aak = tl.load(Aak + p_A, mask=m_strict, other=0.)
+    # T, A_qk, A_ak are loaded where they are used (L1/L2 hits), not held across the loops
     b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
     b_dAqb = tl.zeros([BT, BT], dtype=tl.float32)
     b_dAak = tl.zeros([BT, BT], dtype=tl.float32)
@@ -88,14 +86,11 @@ def local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
         p_v = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
-        b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(tl.float32)
-        b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
-        b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
-        b_ut = tl.load(ut + p_v, mask=m_tv, other=0.).to(tl.float32)
         b_du = tl.load(du + p_v, mask=m_tv, other=0.)
-        b_dx = tl.dot(tl.trans(b_T), b_du, input_precision=DOT_PRECISION)
-        b_dv = tl.dot(tl.trans(b_Aqk), b_do, input_precision=DOT_PRECISION)
-        b_dv += tl.dot(tl.trans(b_Aak), b_dx, input_precision=DOT_PRECISION)
+        b_dx = tl.dot(tl.trans(tl.load(Ai + p_A, mask=m_incl, other=0.)), b_du, input_precision=DOT_PRECISION)
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_dv = tl.dot(tl.trans(tl.load(Aqk + p_A, mask=m_incl, other=0.)), b_do, input_precision=DOT_PRECISION)
+        b_dv += tl.dot(tl.trans(tl.load(Aak + p_A, mask=m_strict, other=0.)), b_dx, input_precision=DOT_PRECISION)
         for i_k in range(0, tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
@@ -107,6 +102,9 @@ def local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
             b_dh = tl.load(dh + o_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.)
             b_dv += tl.dot(b_kd, b_dh, input_precision=DOT_PRECISION)
         tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_tv)
+        b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_ut = tl.load(ut + p_v, mask=m_tv, other=0.).to(tl.float32)
         b_dAqk += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
         b_dAqb += tl.dot(b_do, tl.trans(b_u), input_precision=DOT_PRECISION)
         b_dAak += tl.dot(b_dx, tl.trans(b_v), input_precision=DOT_PRECISION)
@@ -136,7 +134,7 @@ def local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
             b_dqi += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PRECISION)
             b_dbi += tl.dot(b_u, tl.trans(b_dh), input_precision=DOT_PRECISION)
             b_dki += tl.dot(b_v, tl.trans(b_dh), input_precision=DOT_PRECISION)
-        b_da = tl.dot(tl.trans(b_T), b_dw, input_precision=DOT_PRECISION)
+        b_da = tl.dot(tl.trans(tl.load(Ai + p_A, mask=m_incl, other=0.)), b_dw, input_precision=DOT_PRECISION)
         b_w = tl.load(w + p_k, mask=m_tk, other=0.).to(tl.float32)
         b_dAab += tl.dot(b_da, tl.trans(b_w), input_precision=DOT_PRECISION)
         b_g = tl.load(gc + p_k, mask=m_tk, other=0.)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fastweight import ops
-from fastweight.kernels import decay_intra, dplr, dplr_intra
+from fastweight.kernels import decay_intra, dplr, dplr_bwd, dplr_intra
 from fastweight.testing import generator, rel_err
 
 # measured: fp32 errors 1e-7..4e-6 (strong decays included); fp16 <= 7e-4
@@ -96,6 +96,15 @@ def test_dplr_wide_head_dims():
     """K = 80 (padded to 128 in the state pass), V = 72 (several V blocks, a partial last one)."""
     gen = generator()
     _check("dplr_delta_rule", _inputs("dplr_delta_rule", 40, K=80, V=72, gen=gen), gen=gen)
+
+
+@pytest.mark.parametrize("blocks", [(64, 32), (32, 64), (64, 64)])
+def test_dplr_bwd_blocks(blocks, monkeypatch):
+    """The fused backward's other K / V blocks (benchmarks compare them): K = 80, V = 72, partial
+    last blocks."""
+    monkeypatch.setattr(dplr_bwd, "BLOCKS", blocks)
+    gen = generator()
+    _check("dplr_delta_rule", _inputs("dplr_delta_rule", 70, K=80, V=72, gen=gen), gen=gen)
 
 
 def _spans(x):
