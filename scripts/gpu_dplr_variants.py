@@ -3,9 +3,11 @@ float64 and timed at both anchor shapes.
 
     OUT=dir FASTWEIGHT_VALUE_CHECKS=0 python scripts/gpu_dplr_variants.py state_bv   # state passes' BV
     OUT=dir FASTWEIGHT_VALUE_CHECKS=0 python scripts/gpu_dplr_variants.py bwd_blocks [BK,BV ...]
+    OUT=dir FASTWEIGHT_VALUE_CHECKS=0 python scripts/gpu_dplr_variants.py bwd [HOLD,BK,BV,WARPS ...]
 
 state_bv (run 1): per-kernel time at both shapes, then the state passes with BV 16 / 32 / 64.
 bwd_blocks (run 3): the fused backward (``dplr_bwd``) with the given (BK, BV) blocks.
+bwd (run 4): the fused backward holding T, A_qk, A_ak (HOLD 1) or not, blocks, num_warps (1 stage).
 Rows go to $OUT/gpu_decay_dplr.json (``fastweight.bench.gpu_decay_dplr``'s format).
 """
 
@@ -17,8 +19,10 @@ from fastweight.bench import gpu_decay_dplr as dd
 from fastweight.kernels import dplr_bwd, dplr_state
 
 
-def variant(label, module, attr, value):
+def variant(label, module, attr, value, **more):
     setattr(module, attr, value)
+    for k, v in more.items():
+        setattr(module, k, v)
     print(f"== {label}", flush=True)
     try:
         for K in (64, 128):
@@ -28,6 +32,11 @@ def variant(label, module, attr, value):
     except Exception as e:  # a variant that fails to build is reported, not fatal
         print(f"{label} failed: {e!r}"[:400], flush=True)
     setattr(module, attr, None)
+    for k in more:
+        setattr(module, k, DEFAULTS[k])
+
+
+DEFAULTS = dict(HOLD=dplr_bwd.HOLD, CONFIG=dplr_bwd.CONFIG)
 
 
 def main(argv):
@@ -41,6 +50,11 @@ def main(argv):
         for spec in argv[1:]:
             bk, bv = (int(x) for x in spec.split(","))
             variant(f"fused backward with BK, BV = {bk}, {bv}", dplr_bwd, "BLOCKS", (bk, bv))
+    elif argv[0] == "bwd":
+        for spec in argv[1:]:
+            hold, bk, bv, warps = (int(x) for x in spec.split(","))
+            variant(f"fused backward HOLD {hold}, BK, BV = {bk}, {bv}, {warps} warps", dplr_bwd, "BLOCKS", (bk, bv),
+                    HOLD=bool(hold), CONFIG=(warps, 1))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,10 @@ from fastweight.kernels.dplr_wy import local_grads
 
 # (BK, BV) of the kernel; None = 32, 32 (benchmarks set others to compare)
 BLOCKS: tuple[int, int] | None = None
+# hold T, A_qk, A_ak in registers through the local part (True) or load them where used (False)
+HOLD = True
+# (num_warps, num_stages) instead of launch_config's (benchmarks)
+CONFIG: tuple[int, int] | None = None
 
 
 def launch_config(K: int) -> tuple[int, int]:
@@ -46,7 +50,7 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
                     da_s, db_s, dq, dk, dv, da, db, dgk, dga, cu_seqlens, chunk_indices, scale, H: tl.constexpr,
                     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr,
-                    SPAN: tl.constexpr):
+                    SPAN: tl.constexpr, HOLD: tl.constexpr):
     """DOT_PRECISION serves the local part and the whole-chunk path (its [BT, BT] fp32 operands:
     3 x TF32 there would need more shared memory than the H200 has), DIAG_PRECISION the diagonal
     sub-chunks of the sub-chunk path."""
@@ -56,7 +60,7 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
     m_t = o_t < T
     b_dqk, b_dqb, b_dak, b_dab = local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq_s, dk_s,
                                              da_s, db_s, i_t, i_c, bos, T, i_h, scale, H, K, V, BT, BK, BV,
-                                             DOT_PRECISION)
+                                             DOT_PRECISION, HOLD)
     tl.debug_barrier()
     if _chunk_span(gc, gp, bos, o_t, m_t, i_h, H, K, BK) < SPAN:
         for i_k in range(0, tl.cdiv(K, BK)):
@@ -97,7 +101,7 @@ def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, scale
     V = v.shape[-1]
     BK, BV = BLOCKS or (32, 32)
     BK, BV = min(BK, max(16, triton.next_power_of_2(K))), min(BV, max(16, triton.next_power_of_2(V)))
-    warps, stages = launch_config(K)
+    warps, stages = CONFIG or launch_config(K)
     dq, dk, dv, da, db = (torch.empty_like(x) for x in (q, k, v, a, b))
     f32 = dict(dtype=torch.float32, device=q.device)
     # the dA's are written only by chunks that take the sub-chunk path; the scratch by every chunk
@@ -108,5 +112,5 @@ def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, scale
         q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, *dAs, *scratch, dq, dk, dv, da, db, dgk, dga,
         chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, V=V, BT=chunks.BT, BC=16, BK=BK, BV=BV,
         DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=decay_intra.SAFE_SPAN,
-        num_warps=warps, num_stages=stages)
+        HOLD=HOLD, num_warps=warps, num_stages=stages)
     return dq, dk, dv, da, db, dgk, dga
