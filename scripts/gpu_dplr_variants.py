@@ -7,7 +7,8 @@ float64 and timed at both anchor shapes.
 
 state_bv (run 1): per-kernel time at both shapes, then the state passes with BV 16 / 32 / 64.
 bwd_blocks (run 3): the fused backward (``dplr_bwd``) with the given (BK, BV) blocks.
-bwd (run 4): the fused backward holding T, A_qk, A_ak (HOLD 1) or not, blocks, num_warps (1 stage).
+bwd (run 4): the fused backward holding T, A_qk, A_ak (HOLD 1) or not, blocks, num_warps (1 stage);
+the HOLD 0 option (loading them where used) was removed after that run (it never won): only 1 runs now.
 Rows go to $OUT/gpu_decay_dplr.json (``fastweight.bench.gpu_decay_dplr``'s format).
 """
 
@@ -36,7 +37,7 @@ def variant(label, module, attr, value, **more):
         setattr(module, k, DEFAULTS[k])
 
 
-DEFAULTS = dict(HOLD=dplr_bwd.HOLD, CONFIG=dplr_bwd.CONFIG)
+DEFAULTS = dict(CONFIG=None)
 
 
 def main(argv):
@@ -53,8 +54,9 @@ def main(argv):
     elif argv[0] == "bwd":
         for spec in argv[1:]:
             hold, bk, bv, warps = (int(x) for x in spec.split(","))
+            assert hold == 1, "HOLD 0 was removed after run 4"
             variant(f"fused backward HOLD {hold}, BK, BV = {bk}, {bv}, {warps} warps", dplr_bwd, "BLOCKS", (bk, bv),
-                    HOLD=bool(hold), CONFIG=(warps, 1))
+                    CONFIG=(warps, 1))
 
 
 if __name__ == "__main__":

@@ -31,18 +31,17 @@ from fastweight.kernels.decay_state import dot_precision
 from fastweight.kernels.dplr_intra import _bwd_finish, _bwd_sub, _chunk_span, _factored_bwd, _load_rows
 from fastweight.kernels.dplr_wy import local_grads
 
-# (BK, BV) of the kernel; None = 32, 32 (benchmarks set others to compare)
+# (BK, BV) and (num_warps, num_stages) instead of launch_config's (benchmarks set them)
 BLOCKS: tuple[int, int] | None = None
-# hold T, A_qk, A_ak in registers through the local part (True) or load them where used (False)
-HOLD = True
-# (num_warps, num_stages) instead of launch_config's (benchmarks)
 CONFIG: tuple[int, int] | None = None
 
 
-def launch_config(K: int) -> tuple[int, int]:
-    """(num_warps, num_stages), H200 sweep of session 4 (RWKV-7 bf16 fwd+bwd): at K = 64 4 warps
-    save 1.5 of 95 ms against 8; at K = 128 8 warps save 0.6 of 13.4 ms against 4."""
-    return (4, 1) if K <= 64 else (8, 1)
+def launch_config(K: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((BK, BV), (num_warps, num_stages)) from the H200 runs of session 4 (RWKV-7 bf16 fwd+bwd,
+    scripts/gpu_dplr_variants.py bwd, docs/bench/decay_dplr.md): at K = V = 64, (8, 16384, 64, 64),
+    blocks 32 x 64 with 4 warps 86.6 ms (32 x 32 8 warps 99.2, 64 x 64 8 warps 104.9); at K = V = 128,
+    (4, 8192, 16, 128), 64 x 64 with 8 warps 12.8 ms (32 x 32 14.2, 32 x 64 13.3, 64 x 64 4 warps 18.0)."""
+    return ((32, 64), (4, 1)) if K <= 64 else ((64, 64), (8, 1))
 
 
 @triton.jit
@@ -50,7 +49,7 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
                     da_s, db_s, dq, dk, dv, da, db, dgk, dga, cu_seqlens, chunk_indices, scale, H: tl.constexpr,
                     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr,
-                    SPAN: tl.constexpr, HOLD: tl.constexpr):
+                    SPAN: tl.constexpr):
     """DOT_PRECISION serves the local part and the whole-chunk path (its [BT, BT] fp32 operands:
     3 x TF32 there would need more shared memory than the H200 has), DIAG_PRECISION the diagonal
     sub-chunks of the sub-chunk path."""
@@ -60,7 +59,7 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
     m_t = o_t < T
     b_dqk, b_dqb, b_dak, b_dab = local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq_s, dk_s,
                                              da_s, db_s, i_t, i_c, bos, T, i_h, scale, H, K, V, BT, BK, BV,
-                                             DOT_PRECISION, HOLD)
+                                             DOT_PRECISION)
     tl.debug_barrier()
     if _chunk_span(gc, gp, bos, o_t, m_t, i_h, H, K, BK) < SPAN:
         for i_k in range(0, tl.cdiv(K, BK)):
@@ -99,9 +98,10 @@ def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, scale
     """dq, dk, dv, da, db (inputs' dtypes) and the per-token gate terms dgk, dga [1, T, H, K] fp32."""
     _, T, H, K = q.shape
     V = v.shape[-1]
-    BK, BV = BLOCKS or (32, 32)
+    blocks, config = launch_config(K)
+    BK, BV = BLOCKS or blocks
     BK, BV = min(BK, max(16, triton.next_power_of_2(K))), min(BV, max(16, triton.next_power_of_2(V)))
-    warps, stages = CONFIG or launch_config(K)
+    warps, stages = CONFIG or config
     dq, dk, dv, da, db = (torch.empty_like(x) for x in (q, k, v, a, b))
     f32 = dict(dtype=torch.float32, device=q.device)
     # the dA's are written only by chunks that take the sub-chunk path; the scratch by every chunk
@@ -112,5 +112,5 @@ def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, scale
         q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, *dAs, *scratch, dq, dk, dv, da, db, dgk, dga,
         chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, V=V, BT=chunks.BT, BC=16, BK=BK, BV=BV,
         DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=decay_intra.SAFE_SPAN,
-        HOLD=HOLD, num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages)
     return dq, dk, dv, da, db, dgk, dga

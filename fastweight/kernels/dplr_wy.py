@@ -63,19 +63,9 @@ def dplr_wy_fwd_kernel(a, v, gp, Ai, Aak, w, ut, cu_seqlens, chunk_indices, H: t
 
 
 @triton.jit
-def _matrices(Ai, Aqk, Aak, p_A, m_incl, m_strict, b_T, b_Aqk, b_Aak, LOAD: tl.constexpr):
-    """T, A_qk, A_ak of the chunk: loaded (LOAD) or the ones given."""
-    if LOAD:
-        return (tl.load(Ai + p_A, mask=m_incl, other=0.), tl.load(Aqk + p_A, mask=m_incl, other=0.),
-                tl.load(Aak + p_A, mask=m_strict, other=0.))
-    else:
-        return b_T, b_Aqk, b_Aak
-
-
-@triton.jit
 def local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, dk, da, db, i_t, i_c, bos, T, i_h,
                 scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                BV: tl.constexpr, DOT_PRECISION: tl.constexpr, HOLD: tl.constexpr):
+                BV: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Chunk i_t (i_c in its sequence): stores dv and the state parts of dq, dk, da, db (fp32) and
     returns the four matrices' gradients (dA_qk, dA_qb, dA_ak, dA_ab, [BT, BT] fp32, masked)."""
     o_t = i_c * BT + tl.arange(0, BT)
@@ -85,10 +75,10 @@ def local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
     m_strict = m_all & (o_t[:, None] > o_t[None, :])
     last = bos + tl.minimum(T, i_c * BT + BT) - 1
     p_A = ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
-    # T, A_qk, A_ak: loaded once and held (HOLD), or loaded where used (L1/L2 hits, fewer registers)
-    RELOAD: tl.constexpr = not HOLD
-    b_T = tl.zeros([BT, BT], dtype=tl.float32)
-    b_T, b_Aqk, b_Aak = _matrices(Ai, Aqk, Aak, p_A, m_incl, m_strict, b_T, b_T, b_T, HOLD)
+    # held through both loops (loading them where used instead measured 0.2-11% slower, session 4)
+    b_T = tl.load(Ai + p_A, mask=m_incl, other=0.)
+    b_Aqk = tl.load(Aqk + p_A, mask=m_incl, other=0.)
+    b_Aak = tl.load(Aak + p_A, mask=m_strict, other=0.)
     b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
     b_dAqb = tl.zeros([BT, BT], dtype=tl.float32)
     b_dAak = tl.zeros([BT, BT], dtype=tl.float32)
@@ -100,11 +90,10 @@ def local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
         m_tv = m_t[:, None] & m_v[None, :]
         p_v = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
         b_du = tl.load(du + p_v, mask=m_tv, other=0.)
-        b_Ti, b_Aqki, b_Aaki = _matrices(Ai, Aqk, Aak, p_A, m_incl, m_strict, b_T, b_Aqk, b_Aak, RELOAD)
-        b_dx = tl.dot(tl.trans(b_Ti), b_du, input_precision=DOT_PRECISION)
+        b_dx = tl.dot(tl.trans(b_T), b_du, input_precision=DOT_PRECISION)
         b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(tl.float32)
-        b_dv = tl.dot(tl.trans(b_Aqki), b_do, input_precision=DOT_PRECISION)
-        b_dv += tl.dot(tl.trans(b_Aaki), b_dx, input_precision=DOT_PRECISION)
+        b_dv = tl.dot(tl.trans(b_Aqk), b_do, input_precision=DOT_PRECISION)
+        b_dv += tl.dot(tl.trans(b_Aak), b_dx, input_precision=DOT_PRECISION)
         for i_k in range(0, tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
@@ -148,8 +137,7 @@ def local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
             b_dqi += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PRECISION)
             b_dbi += tl.dot(b_u, tl.trans(b_dh), input_precision=DOT_PRECISION)
             b_dki += tl.dot(b_v, tl.trans(b_dh), input_precision=DOT_PRECISION)
-        b_Ti, _, _ = _matrices(Ai, Aqk, Aak, p_A, m_incl, m_strict, b_T, b_Aqk, b_Aak, RELOAD)
-        b_da = tl.dot(tl.trans(b_Ti), b_dw, input_precision=DOT_PRECISION)
+        b_da = tl.dot(tl.trans(b_T), b_dw, input_precision=DOT_PRECISION)
         b_w = tl.load(w + p_k, mask=m_tk, other=0.).to(tl.float32)
         b_dAab += tl.dot(b_da, tl.trans(b_w), input_precision=DOT_PRECISION)
         b_g = tl.load(gc + p_k, mask=m_tk, other=0.)
