@@ -4,11 +4,15 @@ float64 and timed at both anchor shapes.
     OUT=dir FASTWEIGHT_VALUE_CHECKS=0 python scripts/gpu_dplr_variants.py state_bv   # state passes' BV
     OUT=dir FASTWEIGHT_VALUE_CHECKS=0 python scripts/gpu_dplr_variants.py bwd_blocks [BK,BV ...]
     OUT=dir FASTWEIGHT_VALUE_CHECKS=0 python scripts/gpu_dplr_variants.py bwd [HOLD,BK,BV,WARPS ...]
+    OUT=dir FASTWEIGHT_VALUE_CHECKS=0 python scripts/gpu_dplr_variants.py fwd [BK,WARPS,STAGES,WIDE ...]
 
 state_bv (run 1): per-kernel time at both shapes, then the state passes with BV 16 / 32 / 64.
 bwd_blocks (run 3): the fused backward (``dplr_bwd``) with the given (BK, BV) blocks.
 bwd (run 4): the fused backward holding T, A_qk, A_ak (HOLD 1) or not, blocks, num_warps (1 stage);
 the HOLD 0 option (loading them where used) was removed after that run (it never won): only 1 runs now.
+fwd (run 5): the intra forward (two programs per chunk) with BK, warps, stages, the wide chunks in
+their own kernel (WIDE 1) or in the main one; forward timed alone. Every variant is also checked
+in fp32 with strong gates (the sub-chunk path).
 Rows go to $OUT/gpu_decay_dplr.json (``fastweight.bench.gpu_decay_dplr``'s format).
 """
 
@@ -17,10 +21,10 @@ import sys
 import torch
 
 from fastweight.bench import gpu_decay_dplr as dd
-from fastweight.kernels import dplr_bwd, dplr_state
+from fastweight.kernels import dplr_bwd, dplr_intra, dplr_state
 
 
-def variant(label, module, attr, value, **more):
+def variant(label, module, attr, value, fwd_only=False, **more):
     setattr(module, attr, value)
     for k, v in more.items():
         setattr(module, k, v)
@@ -28,8 +32,14 @@ def variant(label, module, attr, value, **more):
     try:
         for K in (64, 128):
             dd.check("rwkv7", torch.bfloat16, T=200, H=3, K=K)
+        dd.check("rwkv7", torch.float32, strong=True)
         for shape in ("gdn1.3b", "rwkv7paper"):
-            dd.timing("rwkv7", shape)
+            if fwd_only:
+                ms = dd.bench("rwkv7", shape, False)
+                dd.record(dict(kind="time", op="rwkv7", shape=shape, variant=label, fwd_ms=ms))
+                print(f"time rwkv7 {shape}: fwd {ms:.3f} ms", flush=True)
+            else:
+                dd.timing("rwkv7", shape)
     except Exception as e:  # a variant that fails to build is reported, not fatal
         print(f"{label} failed: {e!r}"[:400], flush=True)
     setattr(module, attr, None)
@@ -37,7 +47,7 @@ def variant(label, module, attr, value, **more):
         setattr(module, k, DEFAULTS[k])
 
 
-DEFAULTS = dict(CONFIG=None)
+DEFAULTS = dict(CONFIG=None, WIDE_KERNEL=True)
 
 
 def main(argv):
@@ -57,6 +67,11 @@ def main(argv):
             assert hold == 1, "HOLD 0 was removed after run 4"
             variant(f"fused backward HOLD {hold}, BK, BV = {bk}, {bv}, {warps} warps", dplr_bwd, "BLOCKS", (bk, bv),
                     CONFIG=(warps, 1))
+    elif argv[0] == "fwd":
+        for spec in argv[1:]:
+            bk, warps, stages, wide = (int(x) for x in spec.split(","))
+            variant(f"intra forward BK {bk}, {warps} warps, {stages} stages, wide kernel {wide}", dplr_intra,
+                    "FWD_OVERRIDE", (bk, (warps, stages)), fwd_only=True, WIDE_KERNEL=bool(wide))
 
 
 if __name__ == "__main__":
