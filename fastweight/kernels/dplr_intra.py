@@ -43,8 +43,9 @@ FWD_OVERRIDE: tuple[int, tuple[int, int]] | None = None
 
 def fwd_launch_config(K: int) -> tuple[int, tuple[int, int]]:
     """BK and (num_warps, num_stages) of dplr_intra_fwd_kernel: 4 warps 2 stages (the H200 sweep of
-    session 4, one program per chunk: 4 warps saved 0.8 / 6.4 ms of fwd+bwd against 8 at
-    (4, 8192, 16, 128) / (8, 16384, 64, 64))."""
+    session 4: 4 warps saved 0.8 / 6.4 ms of fwd+bwd against 8 at (4, 8192, 16, 128) / (8, 16384,
+    64, 64)). Two programs per chunk (q rows, a rows; two accumulators each) were slower: RWKV-7
+    forward 3.5 / 27.9 ms against 3.0 / 24.2 (run 5)."""
     return 32, (4, 2)
 
 
@@ -168,57 +169,52 @@ def _fwd_sub(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_
 
 
 @triton.jit
-def _fwd_whole(x, gx, k, b, gc, gp, A1, A2, scale, bos, o_t, m_t, i_h, STRICT: tl.constexpr, H: tl.constexpr,
-               K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
-    """Rows x (read with gates gx) against columns k and b of one chunk, every decay factored
-    through the per-channel midpoint of the chunk's gates: stores scale * lower(x k^T decay) in A1
-    and scale * lower(x b^T decay) in A2 (strictly lower when STRICT)."""
-    b_1 = tl.zeros([BT, BT], dtype=tl.float32)
-    b_2 = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        m_tk = m_t[:, None] & m_k[None, :]
-        b_g = _load_rows(gc, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-        _, b_ref = span_ref(_load_rows(gp, bos, o_t, m_t, i_h, o_k, m_k, H, K), b_g, m_tk)
-        b_fc = factor(1., b_g, b_ref, m_tk, False)
-        b_kg = tl.trans(_load_rows(k, bos, o_t, m_t, i_h, o_k, m_k, H, K) * b_fc)
-        b_bg = tl.trans(_load_rows(b, bos, o_t, m_t, i_h, o_k, m_k, H, K) * b_fc)
-        b_xg = factor(_load_rows(x, bos, o_t, m_t, i_h, o_k, m_k, H, K),
-                      _load_rows(gx, bos, o_t, m_t, i_h, o_k, m_k, H, K), b_ref, m_tk, True)
-        b_1 += tl.dot(b_xg, b_kg, input_precision=PRECISION)
-        b_2 += tl.dot(b_xg, b_bg, input_precision=PRECISION)
-    o_r = tl.arange(0, BT)
-    m_A = o_r[:, None] >= o_r[None, :] + STRICT
-    p_A = ((bos + o_t) * H + i_h)[:, None] * BT + o_r[None, :]
-    tl.store(A1 + p_A, tl.where(m_A, b_1 * scale, 0.), mask=m_t[:, None])
-    tl.store(A2 + p_A, tl.where(m_A, b_2 * scale, 0.), mask=m_t[:, None])
-
-
-@triton.jit
 def dplr_intra_fwd_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, wide, cu_seqlens, chunk_indices, scale,
                           H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                           DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr,
                           FLAG: tl.constexpr):
-    """Two programs per (chunk, head): the q rows (A_qk, A_qb) and the a rows (A_ak, A_ab), two
-    accumulators each, for a chunk whose gates span less than SPAN (factored whole through the
-    per-channel midpoint of its gates). A wider chunk takes the sub-chunk path (``_fwd_sub``, all
-    four matrices): here, in the q-rows program, or (FLAG) in ``dplr_intra_wide_kernel``, which
-    reads the flag the q-rows program stores in wide[chunk, head] (its registers then stay out
-    of this kernel)."""
-    i_t, i_h, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """One program per (chunk, head). A chunk whose gates span less than SPAN is factored whole
+    through the per-channel midpoint of its gates (four [BT, BT] dots per K block). A wider one
+    takes the sub-chunk path (``_fwd_sub``): here, or (FLAG) in ``dplr_intra_wide_kernel``, which
+    reads the flag stored in wide[chunk, head] (the sub-chunk path's registers then stay out of
+    this kernel)."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
     i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T
     is_wide = _chunk_span(gc, gp, bos, o_t, m_t, i_h, H, K, BK) >= SPAN
-    if FLAG and i_r == 0:
+    if FLAG:
         tl.store(wide + i_t * H + i_h, is_wide.to(tl.int8))
     if not is_wide:
-        if i_r == 0:
-            _fwd_whole(q, gc, k, b, gc, gp, Aqk, Aqb, scale, bos, o_t, m_t, i_h, 0, H, K, BT, BK, DIAG_PRECISION)
-        else:
-            _fwd_whole(a, gp, k, b, gc, gp, Aak, Aab, 1., bos, o_t, m_t, i_h, 1, H, K, BT, BK, DIAG_PRECISION)
-    elif not FLAG and i_r == 0:
+        b_qk = tl.zeros([BT, BT], dtype=tl.float32)
+        b_qb = tl.zeros([BT, BT], dtype=tl.float32)
+        b_ak = tl.zeros([BT, BT], dtype=tl.float32)
+        b_ab = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            m_tk = m_t[:, None] & m_k[None, :]
+            b_g = _load_rows(gc, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+            b_gp = _load_rows(gp, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+            _, b_ref = span_ref(b_gp, b_g, m_tk)
+            b_fc = factor(1., b_g, b_ref, m_tk, False)
+            b_kg = tl.trans(_load_rows(k, bos, o_t, m_t, i_h, o_k, m_k, H, K) * b_fc)
+            b_bg = tl.trans(_load_rows(b, bos, o_t, m_t, i_h, o_k, m_k, H, K) * b_fc)
+            b_qg = factor(_load_rows(q, bos, o_t, m_t, i_h, o_k, m_k, H, K), b_g, b_ref, m_tk, True)
+            b_ag = factor(_load_rows(a, bos, o_t, m_t, i_h, o_k, m_k, H, K), b_gp, b_ref, m_tk, True)
+            b_qk += tl.dot(b_qg, b_kg, input_precision=DIAG_PRECISION)
+            b_qb += tl.dot(b_qg, b_bg, input_precision=DIAG_PRECISION)
+            b_ak += tl.dot(b_ag, b_kg, input_precision=DIAG_PRECISION)
+            b_ab += tl.dot(b_ag, b_bg, input_precision=DIAG_PRECISION)
+        o_r = tl.arange(0, BT)
+        m_incl = o_r[:, None] >= o_r[None, :]
+        m_strict = o_r[:, None] > o_r[None, :]
+        p_A = ((bos + o_t) * H + i_h)[:, None] * BT + o_r[None, :]
+        tl.store(Aqk + p_A, tl.where(m_incl, b_qk * scale, 0.), mask=m_t[:, None])
+        tl.store(Aqb + p_A, tl.where(m_incl, b_qb * scale, 0.), mask=m_t[:, None])
+        tl.store(Aak + p_A, tl.where(m_strict, b_ak, 0.), mask=m_t[:, None])
+        tl.store(Aab + p_A, tl.where(m_strict, b_ab, 0.), mask=m_t[:, None])
+    elif not FLAG:
         for i_i in range(0, BT // BC):
             if i_c * BT + i_i * BC < T:
                 _fwd_sub(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
@@ -403,7 +399,7 @@ def dplr_intra_fwd(q, k, a, b, gc, gp, scale: float, chunks: Chunks):
     meta = dict(H=H, K=K, BT=BT, BC=BC, BK=BK, DOT_PRECISION=dot_precision(q.dtype),
                 DIAG_PRECISION=diag_precision(q.dtype), SPAN=decay_intra.SAFE_SPAN)
     args = (q, k, a, b, gc, gp, *As, wide, chunks.cu_seqlens, chunks.chunk_indices, scale)
-    dplr_intra_fwd_kernel[(chunks.NC, H, 2)](*args, **meta, FLAG=WIDE_KERNEL, num_warps=warps, num_stages=stages)
+    dplr_intra_fwd_kernel[(chunks.NC, H)](*args, **meta, FLAG=WIDE_KERNEL, num_warps=warps, num_stages=stages)
     if WIDE_KERNEL:
         dplr_intra_wide_kernel[(chunks.NC * (BT // BC), H)](*args, **meta, num_warps=4)
     return As
