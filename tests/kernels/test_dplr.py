@@ -125,10 +125,13 @@ def test_rwkv7_strong_decay():
     _check("rwkv7", x, gen=gen)
 
 
-def test_rwkv7_chunk_paths():
+@pytest.mark.parametrize("wide_kernel", [True, False])
+def test_rwkv7_chunk_paths(wide_kernel, monkeypatch):
     """Chunks take different paths in one call: the first 64 tokens' log decays x8 (the chunk's
-    gates span SAFE_SPAN or more: sub-chunk by sub-chunk), the rest x1 (the whole chunk factored
-    through its gates' midpoint); T = 150 leaves a short last chunk; two heads, varlen."""
+    gates span SAFE_SPAN or more: sub-chunk by sub-chunk, in the forward's own kernel or inside the
+    main one), the rest x1 (the whole chunk factored through its gates' midpoint); T = 150 leaves a
+    short last chunk; two heads, varlen."""
+    monkeypatch.setattr(dplr_intra, "WIDE_KERNEL", wide_kernel)
     gen = generator()
     x = _inputs("rwkv7", 150, H=2, gen=gen, w_scale=torch.where(torch.arange(150) < 64, 8.0, 1.0))
     spans = dplr_intra.chunk_spans(x["w"][0], BK=16)
