@@ -157,17 +157,22 @@ def dplr_state_bwd_kernel(q, b, gc, w, Aqb, do, dh, du, dht, dh0, cu_seqlens, ch
 BLOCK_V: int | None = None
 
 
-# launch configurations (both passes): from the H200 sweep of session 4 at BV = 64 (RWKV-7 bf16
-# fwd+bwd): K = 64 4 warps 2 stages (-0.6, -2.7 of 95 ms), K = 128 8 warps (fwd 1 stage, bwd 2: -0.2 of 13.4)
+def launch_config(BK: int, backward: bool) -> tuple[int, int]:
+    """(num_warps, num_stages), H200 sweep of session 4 at BV = 64 (RWKV-7 bf16 fwd+bwd): K <= 64
+    4 warps 2 stages (-0.6 / -2.7 of 95 ms, forward / backward pass), above 8 warps (forward 1
+    stage, backward 2: -0.2 of 13.4 ms)."""
+    if BK <= 64:
+        return 4, 2
+    return (8, 2) if backward else (8, 1)
 
 
 def _blocks(K, V):
-    # all of K per program. BV = 64 up to K = 128: every V block reloads W, k, b and the gates of
-    # each chunk, so wide blocks win (H200, session 4, RWKV-7 bf16 fwd+bwd: BV 16 / 32 / 64 at
-    # (4, 8192, 16, 128) 19.0 / 16.5 / 15.7 ms; at (8, 16384, 64, 64) 134 / 123 / 117 ms)
+    # all of K per program. BV = 64: every V block reloads W, k, b and the gates of each chunk, so
+    # wide blocks win (H200, session 4, RWKV-7 bf16 fwd+bwd: BV 16 / 32 / 64 at (4, 8192, 16, 128)
+    # 19.0 / 16.5 / 15.7 ms; at (8, 16384, 64, 64) 134 / 123 / 117 ms), and 16-bit dots narrower
+    # than 64 are what Triton 3.6 miscompiles on the H200 (docs/kernels.md)
     BK = max(16, triton.next_power_of_2(K))
-    BV = BLOCK_V or (64 if BK <= 128 else 32)
-    return BK, min(BV, max(16, triton.next_power_of_2(V)))
+    return BK, min(BLOCK_V or 64, max(16, triton.next_power_of_2(V)))
 
 
 def dplr_state_fwd(k, v, b, gc, w, ut, chunks: Chunks, initial_state, output_final_state: bool):
@@ -175,6 +180,7 @@ def dplr_state_fwd(k, v, b, gc, w, ut, chunks: Chunks, initial_state, output_fin
     _, T, H, K = k.shape
     V = v.shape[-1]
     BK, BV = _blocks(K, V)
+    warps, stages = launch_config(BK, False)
     h = torch.empty(chunks.NC, H, K, V, dtype=k.dtype, device=k.device)
     u = torch.empty(1, T, H, V, dtype=k.dtype, device=k.device)
     ht = torch.empty(chunks.N, H, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
@@ -182,7 +188,7 @@ def dplr_state_fwd(k, v, b, gc, w, ut, chunks: Chunks, initial_state, output_fin
         k, v, b, gc, w, ut, h, u, initial_state if initial_state is not None else h, ht if ht is not None else h,
         chunks.cu_seqlens, chunks.chunk_offsets, H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
         USE_H0=initial_state is not None, STORE_HT=output_final_state, DOT_PRECISION=dot_precision(k.dtype),
-        WHILE_LOOP=while_loops(), num_warps=4 if BK <= 64 else 8, num_stages=2 if BK <= 64 else 1)
+        WHILE_LOOP=while_loops(), num_warps=warps, num_stages=stages)
     return h, u, ht
 
 
@@ -191,6 +197,7 @@ def dplr_state_bwd(q, b, gc, w, Aqb, do, dht, scale: float, chunks: Chunks, need
     _, T, H, K = q.shape
     V = do.shape[-1]
     BK, BV = _blocks(K, V)
+    warps, stages = launch_config(BK, True)
     dh = torch.empty(chunks.NC, H, K, V, dtype=torch.float32, device=q.device)
     du = torch.empty(1, T, H, V, dtype=torch.float32, device=q.device)
     dh0 = torch.empty(chunks.N, H, K, V, dtype=torch.float32, device=q.device) if need_dh0 else None
@@ -198,5 +205,5 @@ def dplr_state_bwd(q, b, gc, w, Aqb, do, dht, scale: float, chunks: Chunks, need
         q, b, gc, w, Aqb, do, dh, du, dht if dht is not None else dh, dh0 if dh0 is not None else dh,
         chunks.cu_seqlens, chunks.chunk_offsets, scale, H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
         USE_DHT=dht is not None, STORE_DH0=need_dh0, DOT_PRECISION=dot_precision(q.dtype),
-        WHILE_LOOP=while_loops(), num_warps=4 if BK <= 64 else 8, num_stages=2)
+        WHILE_LOOP=while_loops(), num_warps=warps, num_stages=stages)
     return dh, du, dh0
