@@ -4,49 +4,84 @@ Every op checks its arguments here, before any kernel runs, and raises a
 ``TypeError`` (wrong type or dtype) or ``ValueError`` (wrong shape, device,
 value) that names the argument and says what was expected.
 
-Value checks (NaN/Inf anywhere, log gates > 0, ``cu_seqlens`` contents) need a
-device-to-host sync. They are on by default; turn them off for benchmarks with
-``fastweight.checks.set_value_checks(False)`` or ``FASTWEIGHT_VALUE_CHECKS=0``.
-They are skipped inside ``torch.compile`` graphs.
+Shape, dtype and device checks always run: they read metadata only. The value checks
+(NaN/Inf anywhere, log gates <= 0, beta's range, token ids) read tensor contents, which
+for a GPU tensor is a device-to-host sync that stalls the launch queue. They have three
+modes, set by ``FASTWEIGHT_VALUE_CHECKS`` or :func:`set_value_checks`:
+
+- ``auto`` (the default): on for CPU tensors, off for CUDA (and every other device), so
+  the default call never syncs the GPU;
+- ``1`` / ``True``: on for every device (debugging: a sync per check and call);
+- ``0`` / ``False``: off everywhere.
+
+``cu_seqlens`` contents are checked in every mode (bad offsets would make the kernels read
+out of bounds), from one host copy: a varlen call reads its boundaries once, as the
+kernels must anyway, and a call without ``cu_seqlens`` reads no tensor value at all.
+Value checks and the ``cu_seqlens`` contents are skipped inside ``torch.compile`` graphs.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from contextlib import contextmanager
 
 import torch
 
-_VALUE_CHECKS = os.environ.get("FASTWEIGHT_VALUE_CHECKS", "1") != "0"
+_MODES = {"auto": None, "": None, "1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
+
+
+def _mode(value, source: str):
+    """True (on everywhere), False (off) or None (auto) from a flag or the environment variable."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _MODES:
+        return _MODES[value.strip().lower()]
+    raise ValueError(f"{source} must be 1/true/on, 0/false/off or auto, got {value!r}")
+
+
+_VALUE_CHECKS = _mode(os.environ.get("FASTWEIGHT_VALUE_CHECKS", "auto"), "`FASTWEIGHT_VALUE_CHECKS`")
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def set_value_checks(enabled: bool) -> None:
-    """Turn the checks that read tensor values (NaN, gate sign, cu_seqlens) on or off."""
+def set_value_checks(enabled) -> None:
+    """Value checks (module docstring): True on for every device, False off, None or "auto" the default."""
     global _VALUE_CHECKS
-    _VALUE_CHECKS = bool(enabled)
+    _VALUE_CHECKS = _mode(enabled, "`enabled`")
 
 
 @contextmanager
-def value_checks(enabled: bool):
+def value_checks(enabled):
     """Context manager form of :func:`set_value_checks`."""
     global _VALUE_CHECKS
-    old, _VALUE_CHECKS = _VALUE_CHECKS, bool(enabled)
+    old, _VALUE_CHECKS = _VALUE_CHECKS, _mode(enabled, "`enabled`")
     try:
         yield
     finally:
         _VALUE_CHECKS = old
 
 
-def _checking_values() -> bool:
-    if not _VALUE_CHECKS:
-        return False
+def reads_values_for_free(device: torch.device) -> bool:
+    """Whether reading a tensor's values on ``device`` costs no device sync (auto mode's rule)."""
+    return device.type == "cpu"
+
+
+def _compiling() -> bool:
     compiler = getattr(torch, "compiler", None)
-    if compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling():
+    return compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling()
+
+
+def checking_values(device: torch.device) -> bool:
+    """Whether the value checks run for tensors on ``device`` in the current mode."""
+    if device.type == "meta" or _compiling():
         return False
-    return True
+    if _VALUE_CHECKS is None:
+        return reads_values_for_free(device)
+    return _VALUE_CHECKS
 
 
 def check_tensor(name: str, x, ndim: int | None = None, shape: tuple | None = None,
@@ -86,16 +121,14 @@ def check_same_device(**tensors) -> None:
 
 def check_finite(**tensors) -> None:
     """No NaN or Inf in any given tensor (value check)."""
-    if not _checking_values():
-        return
     for n, t in tensors.items():
-        if t is not None and not bool(torch.isfinite(t).all()):
+        if t is not None and checking_values(t.device) and not bool(torch.isfinite(t).all()):
             raise ValueError(f"`{n}` contains NaN or Inf")
 
 
 def check_log_gate(name: str, g) -> None:
-    """A gate in log space: finite and <= 0 (a decay factor exp(g) in (0, 1])."""
-    if g is None or not _checking_values():
+    """A gate in log space: finite and <= 0 (a decay factor exp(g) in (0, 1]) (value check)."""
+    if g is None or not checking_values(g.device):
         return
     if not bool(torch.isfinite(g).all()):
         raise ValueError(f"`{name}` (a log-space gate) contains NaN or Inf")
@@ -106,7 +139,9 @@ def check_log_gate(name: str, g) -> None:
 def check_cu_seqlens(cu_seqlens, batch: int, T: int):
     """``cu_seqlens``: int32/int64 1-D, starts at 0, non-decreasing, ends at T; needs batch == 1.
 
-    Returns the number of sequences N.
+    The contents are checked in every value-check mode, from one host copy (one sync for a
+    CUDA tensor; the kernels read the boundaries on the host anyway). Returns the number of
+    sequences N.
     """
     if cu_seqlens is None:
         return None
@@ -118,20 +153,23 @@ def check_cu_seqlens(cu_seqlens, batch: int, T: int):
         raise ValueError(f"`cu_seqlens` must be 1-D with N+1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
     if batch != 1:
         raise ValueError(f"with `cu_seqlens` the batch size must be 1 (sequences packed along T), got B={batch}")
-    if _checking_values():
-        c = cu_seqlens.detach().cpu()
-        if int(c[0]) != 0:
-            raise ValueError(f"`cu_seqlens` must start at 0, got {int(c[0])}")
-        if int(c[-1]) != T:
-            raise ValueError(f"`cu_seqlens` must end at T={T}, got {int(c[-1])}")
-        if bool((c[1:] < c[:-1]).any()):
+    if cu_seqlens.device.type == "meta":
+        raise ValueError("`cu_seqlens` is on the meta device, which holds no values: the sequence boundaries "
+                         "must be readable (pass it on the device of the inputs, or on the CPU with CPU inputs)")
+    if not _compiling():
+        bounds = cu_seqlens.tolist()
+        if bounds[0] != 0:
+            raise ValueError(f"`cu_seqlens` must start at 0, got {bounds[0]}")
+        if bounds[-1] != T:
+            raise ValueError(f"`cu_seqlens` must end at T={T}, got {bounds[-1]}")
+        if any(e < s for s, e in zip(bounds[:-1], bounds[1:])):
             raise ValueError("`cu_seqlens` must be non-decreasing")
     return cu_seqlens.numel() - 1
 
 
 def check_token_ids(name: str, ids, vocab_size: int) -> None:
     """Every token id lies in [0, vocab_size) (value check)."""
-    if not _checking_values() or ids.numel() == 0:
+    if not checking_values(ids.device) or ids.numel() == 0:
         return
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab_size:
@@ -146,18 +184,28 @@ def check_initial_state(initial_state, n: int, h: int, k: int, v: int) -> None:
 
 
 def check_scale(scale, k: int) -> float:
-    """Resolve ``scale`` (None -> K ** -0.5)."""
+    """Resolve ``scale`` (None -> K ** -0.5): a real number > 0, finite.
+
+    Python and numpy numbers are accepted, and 0-d tensors as torch's own number arguments
+    accept them (read on the host: a CUDA tensor costs a sync; a gradient would not reach it).
+    """
     if scale is None:
         return k ** -0.5
     if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1:
-            raise ValueError(f"`scale` must be a number, got a tensor of shape {tuple(scale.shape)}")
-        scale = float(scale)
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise TypeError(f"`scale` must be a float, got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        raise ValueError(f"`scale` must be finite, got {scale}")
-    return float(scale)
+        if scale.ndim != 0:
+            raise ValueError(f"`scale` must be a number (or a 0-d tensor), got a tensor of shape {tuple(scale.shape)}")
+        if scale.dtype == torch.bool or scale.is_complex():
+            raise TypeError(f"`scale` must be a real number, got a {scale.dtype} tensor")
+        if scale.requires_grad:
+            raise ValueError("`scale` is a constant of the op and gets no gradient: pass it detached "
+                             "(or fold a learned scale into q)")
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"`scale` must be a real number, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"`scale` must be a finite number > 0, got {scale}")
+    return scale
 
 
 def check_chunk_size(chunk_size: int) -> int:
@@ -211,7 +259,7 @@ def check_float64_only_with_float64(dtype, **tensors) -> None:
 
 def check_range(name: str, x, low: float, high: float, hint: str = "") -> None:
     """Every value of ``x`` lies in [low, high] (value check)."""
-    if x is None or not _checking_values():
+    if x is None or not checking_values(x.device):
         return
     if not bool(torch.isfinite(x).all()):
         raise ValueError(f"`{name}` contains NaN or Inf")

@@ -1,9 +1,12 @@
 """Bad input gets a ValueError/TypeError naming the argument, before any kernel runs."""
 
+import importlib
 import re
 
+import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastweight import checks, ops
 from fastweight.mechanisms import get
@@ -70,6 +73,23 @@ def test_not_a_tensor():
         gdn(scale=True)
     with raises(ValueError, "scale"):
         gdn(scale=float("nan"))
+
+
+def test_scale_any_real_number():
+    """Python and numpy reals, and 0-d tensors as torch's number arguments take them; never a bool,
+    a non-finite or non-positive value, a 1-element 1-D tensor (torch refuses it too) or a tensor
+    that wants a gradient (it would get none)."""
+    o = gdn(scale=float(np.float32(0.3)))[0]
+    for scale in (np.float32(0.3), torch.tensor(0.3, dtype=torch.float32)):
+        assert torch.equal(gdn(scale=scale)[0], o)
+    assert torch.equal(gdn(scale=np.int64(2))[0], gdn(scale=2.0)[0])
+    assert torch.equal(gdn(scale=np.float64(0.3))[0], gdn(scale=0.3)[0])
+    for bad in (np.bool_(True), torch.tensor(True), 1j):
+        with raises(TypeError, "scale"):
+            gdn(scale=bad)
+    for bad in (0, -0.5, np.float32("inf"), float("-inf"), torch.ones(1), torch.tensor(0.3, requires_grad=True)):
+        with raises(ValueError, "scale"):
+            gdn(scale=bad)
 
 
 @pytest.mark.parametrize("dim, names", [(0, "qkv"), (1, "qkv"), (2, "qkv"), (3, "qk"), (3, "v")], ids=str)
@@ -195,3 +215,93 @@ def test_float64_beside_low_precision_inputs(name):
         ops.chunk_gated_delta_rule(**x)
     x = {n: t.double() for n, t in x.items()}  # all float64: the reference dtype, accepted
     assert ops.chunk_gated_delta_rule(**x)[0].dtype == torch.float64
+
+
+def test_value_check_modes():
+    """auto (the default): values are read for CPU tensors only; True/False force them on/off for
+    every device; a meta tensor has no values to read."""
+    cpu, cuda, meta = torch.device("cpu"), torch.device("cuda"), torch.device("meta")
+    assert checks.checking_values(cpu) and not checks.checking_values(cuda)
+    for mode, want in ((True, True), ("1", True), (False, False), ("off", False), ("auto", None), (None, None)):
+        with checks.value_checks(mode):
+            assert checks.checking_values(cuda) is (want is True)
+            assert checks.checking_values(cpu) is (want is not False)
+            assert not checks.checking_values(meta)
+    with pytest.raises(ValueError, match="`enabled`"):
+        checks.set_value_checks("sometimes")
+
+
+@pytest.mark.parametrize("env, on_cpu, on_cuda", [("auto", True, False), ("1", True, True), ("0", False, False)])
+def test_value_checks_environment_variable(monkeypatch, env, on_cpu, on_cuda):
+    monkeypatch.setenv("FASTWEIGHT_VALUE_CHECKS", env)
+    try:
+        importlib.reload(checks)
+        assert checks.checking_values(torch.device("cpu")) is on_cpu
+        assert checks.checking_values(torch.device("cuda")) is on_cuda
+        monkeypatch.setenv("FASTWEIGHT_VALUE_CHECKS", "yes please")
+        with pytest.raises(ValueError, match="FASTWEIGHT_VALUE_CHECKS"):
+            importlib.reload(checks)
+    finally:
+        monkeypatch.undo()  # the environment as the session started, and the module's mode from it
+        importlib.reload(checks)
+
+
+class ValueReads(TorchDispatchMode):
+    """Counts the reads of a tensor value on the host (``.item()``, ``bool()``: a sync on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def validate_only(monkeypatch):
+    """ops validate as usual and then return instead of dispatching; the device decision of auto
+    mode is the one for a CUDA tensor (values cost a sync)."""
+    monkeypatch.setattr(ops, "call", lambda *args, **kwargs: (None, None))
+    monkeypatch.setattr(checks, "reads_values_for_free", lambda device: False)
+
+
+def test_default_cuda_call_reads_no_value(monkeypatch):
+    validate_only(monkeypatch)
+    x = inputs("gated_deltanet")
+    x["g"], x["beta"] = x["g"].abs() + 0.1, torch.full_like(x["beta"], 3.0)
+    x["q"] = x["q"].clone()
+    x["q"].view(-1)[3] = float("nan")
+    with ValueReads() as mode:
+        ops.chunk_gated_delta_rule(**x, initial_state=torch.zeros(B, H, K, V))
+    assert mode.reads == 0
+    with checks.value_checks(True), raises(ValueError, "q"):
+        ops.chunk_gated_delta_rule(**x)
+
+
+def test_cu_seqlens_is_checked_in_every_mode_from_one_host_copy(monkeypatch):
+    validate_only(monkeypatch)
+    x = inputs("gated_deltanet", B=1, T=10)
+    copies = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: copies.append(t) or tolist(t))
+    for mode in ("auto", False):
+        with checks.value_checks(mode):
+            with raises(ValueError, "cu_seqlens"):
+                ops.chunk_gated_delta_rule(**x, cu_seqlens=torch.tensor([0, 6, 4, 10]))
+            with raises(ValueError, "cu_seqlens"):
+                ops.chunk_gated_delta_rule(**x, cu_seqlens=torch.tensor([0, 9]))
+    copies.clear()
+    cu = torch.tensor([0, 4, 10])
+    with ValueReads() as reads:
+        ops.chunk_gated_delta_rule(**x, cu_seqlens=cu)
+    assert len(copies) == 1 and copies[0] is cu and reads.reads == 0
+
+
+def test_cu_seqlens_on_meta():
+    x = inputs("gated_deltanet", B=1, T=10)
+    with raises(ValueError, "cu_seqlens") as e:
+        ops.chunk_gated_delta_rule(**x, cu_seqlens=torch.tensor([0, 4, 10], device="meta"), backend="reference")
+    assert "meta" in str(e.value)
+    meta = {n: t.to("meta") for n, t in x.items()}
+    with raises(ValueError, "cu_seqlens"):
+        ops.chunk_gated_delta_rule(**meta, cu_seqlens=torch.tensor([0, 4, 10], device="meta"), backend="reference")
