@@ -116,7 +116,11 @@ class ChunkDeltaFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         q, k, v, beta, p, g_raw, A_log, dt_bias, *saved = ctx.saved_tensors
         (qshape, vshape), chunks = ctx.shapes, ctx.chunks
-        dq, dk, dv, dg, dbeta, dh0, dp = delta_bwd(q, k, v, beta, saved, _pack(do), dht, ctx.scale, chunks,
+        # autograd hands the cotangents in any strides (a loss through S.sum() gives a stride-0 dht,
+        # one through S.mT a transposed one); the kernels index them as contiguous [1, T, H, V] and
+        # [N, H, K, V] (a copy only when they are not)
+        do, dht = _pack(do), (dht.contiguous() if dht is not None else None)
+        dq, dk, dv, dg, dbeta, dh0, dp = delta_bwd(q, k, v, beta, saved, do, dht, ctx.scale, chunks,
                                                    ctx.has_h0 and ctx.needs_input_grad[6], p=p)
         gshape = vshape[:3]
         if vshape[2] != qshape[2]:

@@ -17,7 +17,7 @@ from fastweight import ops
 from fastweight.dispatch import l2norm, mamba_gate
 from fastweight.kernels import common
 from fastweight.mechanisms import get
-from fastweight.testing import generator, rel_err
+from fastweight.testing import generator, rel_err, strided
 
 MECHANISM = {"delta_rule": "deltanet", "gated_delta_rule": "gated_deltanet", "longhorn": "longhorn", "kda": "kda",
              "comba": "comba"}
@@ -37,49 +37,86 @@ def sample(op, B, T, H, K, V, G=1, seed=None):
     return x
 
 
-def check(op, B, T, H, K, V, dtype, *, G=1, cu_seqlens=None, initial_state=True, qk_l2norm=False, via_ops=False,
-          gate_scale=1.0):
-    x = sample(op, B, T, H, K, V, G)
-    if "g" in x:
-        x["g"] = x["g"] * gate_scale
-    x = {n: t.to(dtype) for n, t in x.items()}
-    N = B if cu_seqlens is None else len(cu_seqlens) - 1
-    h0 = torch.randn(N, H * G, K, V, generator=generator()) if initial_state else None
-    scale = K ** -0.5
+def run_pair(op, x, h0, dtype, *, G=1, cu_seqlens=None, qk_l2norm=False, via_ops=False, gate=None):
+    """The kernel on ``x`` (float64 values, run in ``dtype``) and the float64 reference on the same values.
 
-    mine = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
-    h0_mine = h0.clone().requires_grad_() if initial_state else None
-    kw = dict(scale=scale, initial_state=h0_mine, output_final_state=True, cu_seqlens=cu_seqlens)
+    gate: (A_log, dt_bias) for the in-kernel gate (``x["g"]`` is then its pre-activation; the reference
+    gets the gate formed in float64 by ``dispatch.mamba_gate``). Returns (outs, leaves, ref_outs,
+    ref_leaves, g_ref): outs = (o, final state), leaves by name with ``initial_state``, g_ref the
+    reference's log gate (None without the in-kernel gate).
+    """
+    x = dict(x, **dict(zip(("A_log", "dt_bias"), gate or ())))
+    low = {n: t.to(dtype) for n, t in x.items()}
+    mine = {n: t.detach().clone().requires_grad_() for n, t in low.items()}
+    ref = {n: t.detach().double().requires_grad_() for n, t in low.items()}
+    if h0 is not None:
+        mine["initial_state"], ref["initial_state"] = h0.float().requires_grad_(), h0.double().requires_grad_()
+    scale = x["q"].shape[-1] ** -0.5
+    kw = dict(scale=scale, output_final_state=True, cu_seqlens=cu_seqlens)
     if via_ops:
         # the mechanisms sample beta up to 2 where the op allows it (negative eigenvalues)
         neg = dict(allow_neg_eigval=True) if op != "longhorn" else {}
-        o, ht = getattr(ops, f"chunk_{op}")(**mine, **kw, **neg, backend="triton")
+        outs = getattr(ops, f"chunk_{op}")(**mine, **kw, **neg, backend="triton")
     else:
         extra = dict(use_qk_l2norm_in_kernel=True) if qk_l2norm else {}
-        o, ht = getattr(kernels, f"chunk_{op}")(**mine, **kw, **extra)
-
-    ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
-    h0_ref = h0.double().requires_grad_() if initial_state else None
+        if gate is not None:
+            extra["use_gate_in_kernel"] = True
+        outs = getattr(kernels, f"chunk_{op}")(**mine, **kw, **extra)
     expanded = dict(ref)
     for n in ("q", "k", "p"):
         if n in ref:
             expanded[n] = l2norm(ref[n]) if qk_l2norm else ref[n]
             expanded[n] = expanded[n].repeat_interleave(G, dim=2)
-    o_ref, ht_ref = getattr(reference, op)(**expanded, scale=scale, initial_state=h0_ref, output_final_state=True,
-                                           cu_seqlens=cu_seqlens)
+    g_ref = None
+    if gate is not None:
+        g_ref = expanded["g"] = mamba_gate(expanded["g"], expanded.pop("A_log"), expanded.pop("dt_bias"))
+    ref_outs = getattr(reference, op)(**expanded, **kw)
+    return outs, mine, ref_outs, ref, g_ref
+
+
+def check_grads(pair, cotangents, tol, what=""):
+    """Every input's gradient for the cotangents of (o, final state) (None: that output is not in the
+    loss), handed to the backward as they are (any strides), against the reference's on the same values.
+
+    dA_log and ddt_bias (in-kernel gate) are sums over tokens of dL/dg_t dg_t/dtheta: their error is the
+    per-token error times sum |dL/dg_t dg_t/dtheta|, which can exceed |dtheta| a lot (cancellation in the
+    sum); their tolerance is scaled by that ratio, computed from the reference (as in the fused-recurrent test).
+    """
+    outs, mine, ref_outs, ref, g_ref = pair
+    used = [i for i, c in enumerate(cotangents) if c is not None]
+    names = list(mine)
+    got = torch.autograd.grad([outs[i] for i in used], [mine[n] for n in names], [cotangents[i] for i in used],
+                              retain_graph=True)
+    targets = [ref[n] for n in names] + ([g_ref] if g_ref is not None else [])
+    want = torch.autograd.grad([ref_outs[i] for i in used], targets, [cotangents[i].double() for i in used],
+                               retain_graph=True, allow_unused=True)
+    want = [torch.zeros_like(t) if w is None else w for w, t in zip(want, targets)]
+    magnitude = {}
+    if g_ref is not None:
+        params = [ref["A_log"], ref["dt_bias"]]
+        magnitude = dict(zip(("A_log", "dt_bias"),
+                             torch.autograd.grad((g_ref * want[-1].abs()).sum(), params, retain_graph=True)))
+    for n, a, b in zip(names, got, want):
+        assert a.dtype == mine[n].dtype, n
+        t = tol * (max(1.0, magnitude[n].norm().item() / b.norm().item()) if n in magnitude else 1.0)
+        assert rel_err(a, b) < t, f"{what}d{n}: {rel_err(a, b):.3g} (tolerance {t:.3g})"
+
+
+def check(op, B, T, H, K, V, dtype, *, G=1, cu_seqlens=None, initial_state=True, qk_l2norm=False, via_ops=False,
+          gate_scale=1.0):
+    x = sample(op, B, T, H, K, V, G)
+    if "g" in x:
+        x["g"] = x["g"] * gate_scale
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    h0 = torch.randn(N, H * G, K, V, generator=generator()) if initial_state else None
+    pair = run_pair(op, x, h0, dtype, G=G, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, via_ops=via_ops)
+    (o, ht), _, (o_ref, ht_ref), _, _ = pair
     assert o.dtype == dtype and ht.dtype == torch.float32
     tol = TOL[dtype]
     assert rel_err(o, o_ref) < tol
     assert rel_err(ht, ht_ref) < tol
-
     do, dht = torch.randn_like(o_ref), torch.randn_like(ht_ref)
-    ((o_ref * do).sum() + (ht_ref * dht).sum()).backward()
-    ((o.float() * do.float()).sum() + (ht * dht.float()).sum()).backward()
-    for n in ref:
-        assert mine[n].grad.dtype == dtype
-        assert rel_err(mine[n].grad, ref[n].grad) < tol, n
-    if initial_state:
-        assert rel_err(h0_mine.grad, h0_ref.grad) < tol, "initial_state"
+    check_grads(pair, (do.to(dtype), dht.float()), tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -183,6 +220,40 @@ def test_gate_in_kernel(op):
     for n, a, b, m in zip(("g", "A_log", "dt_bias"), got, want, magnitude):
         tol = 1e-5 * (1 if n == "g" else max(1.0, m.norm().item() / b.norm().item()))
         assert rel_err(a, b) < tol, f"d{n}: {rel_err(a, b):.3g} (tolerance {tol:.3g})"
+
+
+# (layout of o's cotangent, of the final state's): None leaves that output out of the loss
+COTANGENTS = [("expanded", "contiguous"), ("transposed_outer", "contiguous"), ("sliced", "sliced"),
+              ("contiguous", "expanded"), ("contiguous", "transposed"), (None, "transposed"), (None, "sliced")]
+
+
+@pytest.mark.parametrize("op,gate_in_kernel", [("gated_delta_rule", False), ("gated_delta_rule", True),
+                                               ("delta_rule", False), ("kda", False), ("kda", True),
+                                               ("comba", False), ("longhorn", False)])
+def test_cotangent_layouts(op, gate_in_kernel):
+    """The backward takes the cotangents of o and of the final state in whatever strides autograd
+    hands it: expanded (stride 0), transposed, sliced, and a loss on the state alone, ``S.sum()``
+    (every stride 0) included. Every input's gradient, initial_state (and p, A_log, dt_bias) too."""
+    B, T, H, K, V = 1, 70, 2, 16, 16
+    x = sample(op, B, T, H, K, V)
+    gen = generator()
+    gate = None
+    if gate_in_kernel:
+        x["g"] = torch.randn(x["g"].shape, generator=gen, dtype=torch.float64)
+        gate = (-1 - torch.rand(H, generator=gen, dtype=torch.float64),
+                torch.randn(H * K if op == "kda" else H, generator=gen, dtype=torch.float64))
+    h0 = torch.randn(B, H, K, V, generator=gen)
+    pair = run_pair(op, x, h0, torch.float32, gate=gate)
+    (o, ht), _, (o_ref, ht_ref), _, _ = pair
+    assert rel_err(o, o_ref) < TOL[torch.float32] and rel_err(ht, ht_ref) < TOL[torch.float32]
+    do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
+    for layout_o, layout_s in COTANGENTS:
+        cotangents = (None if layout_o is None else strided(do, layout_o), strided(dht, layout_s))
+        assert all(c is None or c.is_contiguous() == (layout == "contiguous")
+                   for c, layout in zip(cotangents, (layout_o, layout_s)))
+        check_grads(pair, cotangents, TOL[torch.float32], f"cotangents {layout_o}, {layout_s}: ")
+    # S.sum(): the final state's cotangent is one value broadcast with every stride 0
+    check_grads(pair, (None, torch.ones(()).expand(ht.shape)), TOL[torch.float32], "S.sum(): ")
 
 
 def test_key_dim_limit():
