@@ -75,7 +75,10 @@ class ChunkDplrFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         q, k, v, a, b, gk, initial_state, ht, *kept = ctx.saved_tensors
         scale, chunks = ctx.scale, ctx.chunks
+        # autograd hands cotangents in any strides (S.sum(): stride 0; through S.mT: transposed);
+        # the kernels read both as contiguous
         do = do.contiguous()
+        dht = dht.contiguous() if dht is not None else None
         if ctx.recompute:
             gc, gp, Aqk, Aqb, Aak, Ai, w, ut = _prepare(q, k, v, a, b, gk, scale, chunks)
             h, u, _ = dplr_state_fwd(k, v, b, gc, w, ut, chunks, initial_state, False)
