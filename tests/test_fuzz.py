@@ -1,0 +1,57 @@
+"""The property fuzz (``fastweight.fuzz``) in CI: every op, in both modes, on fixed seeds.
+
+Small shapes (the "ci" space: T <= 130 with partial last chunks, K, V <= 32, H <= 2, varlen
+with empty and 1-token sequences): the Triton kernels under the interpreter in fp32 and fp16,
+Triton's float64 (served exactly or refused clearly), and the PyTorch backend in float64, all
+against the float64 per-token reference, every gradient included. A failure lists each failing
+case with its seed and the command that reruns it. Then the GPU command's CPU smoke run.
+"""
+
+import json
+
+import pytest
+
+from fastweight import fuzz
+from fastweight.bench import gpu_fuzz
+from fastweight.ops import OPS
+
+BASE_SEED = 20261201
+# (backend, mode, dtype) per op, one case each: the interpreter runs ~1-3 s a case
+TRITON = [("triton", m, d) for m in fuzz.MODES for d in ("fp32", "fp16")]
+FLOAT64 = [(b, m, "fp64") for b in ("triton", "torch") for m in fuzz.MODES]
+
+
+def _check_all(op, slots):
+    results = []
+    for backend, mode, dtype in slots:
+        case = fuzz.draw("ci", op, fuzz.case_seed(BASE_SEED, op, backend, mode, dtype), mode, backend, dtype)
+        results.append(fuzz.check(case))
+    # every case compared something: numbers, or (Triton float64) a clear refusal
+    assert all(r.rows or r.refused or r.problems for r in results)
+    failed = [r for r in results if not r.ok]
+    assert not failed, "\n".join(f"{r.line()}\n    repro: {r.case.repro()}" for r in failed)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_triton_matches_reference(op):
+    _check_all(op, TRITON)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_float64(op):
+    _check_all(op, FLOAT64)
+
+
+def test_gpu_command_smoke(tmp_path, capsys):
+    """``gpu_fuzz --device cpu``: child processes per op, the summary JSON with every case, and an
+    exit status that says whether any case failed."""
+    ops = ("gated_delta_rule", "simple_gla")
+    rc = gpu_fuzz.main(["--device", "cpu", "--cases", "8", "--dtypes", "fp32,fp16", "--ops", ",".join(ops),
+                        "--workers", "2", "--budget", "120", "--out", str(tmp_path)])
+    summary = json.loads((tmp_path / "gpu_fuzz.json").read_text())
+    results = summary["results"]
+    assert {r["case"]["op"] for r in results} == set(ops)
+    assert all(e["cases_run"] == e["cases_planned"] == 4 for e in summary["ops"].values()), summary["ops"]
+    assert all(r["rows"] or r["refused"] or r["problems"] for r in results)
+    assert rc == (1 if summary["failures"] else 0)
+    assert "worst err" in capsys.readouterr().out
