@@ -11,6 +11,9 @@
 plain model converts either way with ``from_language_model`` / ``.model``. Generation passes
 the model's own :class:`fastweight.models.Cache` between steps (fixed size for linear
 mixers); left padding is not supported (an ``attention_mask`` with zeros is refused).
+``from_pretrained`` loads strictly: weights that do not fill the model of the ``config.json``
+exactly (another mixer, another number of layers, another width) raise a ValueError listing the
+keys (``strict=False``: transformers' behaviour, the missing tensors initialised as in a new model).
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput, generic
 
 from fastweight import checks
 from fastweight.models.config import LMConfig
-from fastweight.models.lm import Cache, LanguageModel
+from fastweight.layers import RMSNorm
+from fastweight.models.lm import Block, Cache, LanguageModel
 
 FIELDS = tuple(f.name for f in dataclasses.fields(LMConfig))
 # transformers >= 5.x (late) names the generation cache `cache`; earlier versions `past_key_values`
@@ -98,7 +103,15 @@ class FastweightForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: FastweightConfig):
         super().__init__(config)
         self.model = LanguageModel(config.to_lm_config())
+        # The LanguageModel initialised itself: marked, its tensors are skipped by post_init's
+        # initialize_weights. The mark goes after it, as transformers would take a marked tensor
+        # for one loaded from a checkpoint.
+        tensors = list(self.model.parameters())
+        for t in tensors:
+            t._is_hf_initialized = True
         self.post_init()
+        for t in tensors:
+            del t._is_hf_initialized
 
     @classmethod
     def from_language_model(cls, model: LanguageModel) -> "FastweightForCausalLM":
@@ -110,8 +123,40 @@ class FastweightForCausalLM(PreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
 
-    def _init_weights(self, module):
-        """The LanguageModel initialises itself; nothing to do here."""
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Initialise the tensors of ``module`` that are not yet (transformers calls it for those a
+        checkpoint did not fill, and for new embeddings when resizing) as the LanguageModel does:
+        in a block, every such tensor of the block takes its value in a new ``Block`` of the same
+        mixer (the layer's constructor, then the LanguageModel's init of its Linear layers);
+        outside, normal(``initializer_range``) for Embedding and Linear weights, zero biases, ones
+        for the RMSNorm weight. Each tensor set is marked ``_is_hf_initialized``."""
+        def todo(tensors):
+            return [(name, t) for name, t in tensors if t is not None and not getattr(t, "_is_hf_initialized", False)]
+
+        block = next((b for b in self.model.blocks if any(m is module for m in b.modules())), None)
+        if block is not None:
+            # the whole block from one new block (built once, whichever of its modules comes first)
+            tensors = todo(block.named_parameters())
+            if tensors:
+                with torch.device("cpu"):
+                    fresh = Block(self.model.cfg, block.mixer_name)
+                fresh.apply(self.model._init_weights)
+                for name, t in tensors:
+                    t.copy_(fresh.get_parameter(name))
+        else:
+            tensors = todo(module.named_parameters(recurse=False))
+            if isinstance(module, (nn.Embedding, nn.Linear)):
+                for name, t in tensors:
+                    nn.init.zeros_(t) if name == "bias" else nn.init.normal_(t, std=self.model.cfg.initializer_range)
+            elif isinstance(module, RMSNorm):
+                for _, t in tensors:
+                    nn.init.ones_(t)
+            elif tensors:
+                raise TypeError(f"no initialisation for the tensors {[name for name, _ in tensors]} of a "
+                                f"{type(module).__name__} outside the model's blocks")
+        for _, t in tensors:
+            t._is_hf_initialized = True
 
     def get_input_embeddings(self):
         return self.model.embed
@@ -163,9 +208,13 @@ class FastweightForCausalLM(PreTrainedModel, GenerationMixin):
         return cache
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, config=None, **kwargs):
-        """As ``PreTrainedModel.from_pretrained``; a ``config`` that differs from the checkpoint's
-        own in any model field is refused with a ValueError naming the fields."""
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, config=None, strict: bool = True, **kwargs):
+        """As ``PreTrainedModel.from_pretrained``, with two checks. A ``config`` that differs from
+        the checkpoint's own in any model field is refused with a ValueError naming the fields.
+        With ``strict`` (the default) the weights must be exactly the model's: missing, unexpected
+        or (unless ``ignore_mismatched_sizes``) mismatched keys raise a ValueError listing them.
+        ``strict=False`` loads as transformers does: a warning, and the missing or mismatched
+        tensors initialised as in a new model (``_init_weights``)."""
         if isinstance(config, FastweightConfig):
             saved = os.path.join(str(pretrained_model_name_or_path), "config.json")
             if os.path.isfile(saved):
@@ -176,8 +225,28 @@ class FastweightForCausalLM(PreTrainedModel, GenerationMixin):
                 if diff:
                     raise ValueError(f"the config does not match the checkpoint at {pretrained_model_name_or_path}: "
                                      + "; ".join(diff))
-        return super().from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
-
+        if not strict:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
+        # transformers raises on mismatched shapes without naming them; take them in the report instead
+        ignore_sizes = kwargs.pop("ignore_mismatched_sizes", False)
+        output_loading_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, config=config,
+                                              ignore_mismatched_sizes=True, output_loading_info=True, **kwargs)
+        mismatched = [] if ignore_sizes else sorted(
+            f"{key} (checkpoint {tuple(saved_shape)}, model {tuple(model_shape)})"
+            for key, saved_shape, model_shape in info["mismatched_keys"])
+        problems = [(what, keys) for what, keys in (("missing", sorted(info["missing_keys"])),
+                                                     ("unexpected", sorted(info["unexpected_keys"])),
+                                                     ("mismatched", mismatched)) if keys]
+        if problems:
+            cfg = model.model.cfg
+            raise ValueError(
+                f"the weights at {pretrained_model_name_or_path} do not match the model of its config "
+                f"(mixer {cfg.mixer!r}, n_layers {cfg.n_layers}, d_model {cfg.d_model}): "
+                + "; ".join(f"{len(keys)} {what} key(s): {', '.join(keys[:20])}" + (", ..." if len(keys) > 20 else "")
+                            for what, keys in problems)
+                + ". Fix the config.json, or pass strict=False to load them anyway (missing tensors newly initialised)")
+        return (model, info) if output_loading_info else model
 
 def register() -> None:
     """Register with AutoConfig / AutoModelForCausalLM (done on import; safe to call twice)."""

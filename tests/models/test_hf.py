@@ -6,7 +6,7 @@ pytest.importorskip("safetensors")
 
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-from fastweight.models import LMConfig, LanguageModel  # noqa: E402
+from fastweight.models import Block, LMConfig, LanguageModel  # noqa: E402
 from fastweight.models.hf import FastweightConfig, FastweightForCausalLM  # noqa: E402
 from fastweight.testing import generator  # noqa: E402
 
@@ -77,3 +77,57 @@ def test_loss_labels_and_conversion():
     model(x, labels=x.masked_fill(x > 30, -100))  # -100: not scored
     with pytest.raises(ValueError, match="mixer"):
         FastweightConfig(mixer="transformer")
+
+
+def edited_checkpoint(tmp_path, **changes):
+    """A saved gdn model whose config.json is then edited: the weights no longer fill its model."""
+    import json
+    hf_model("gdn").save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("changes, report", [
+    (dict(n_layers=3), r"18 missing key\(s\): model\.blocks\.2\.mixer\.A_log"),
+    (dict(n_layers=1), r"18 unexpected key\(s\): model\.blocks\.1\.mixer\.A_log"),
+    (dict(mixer="la"), r"unexpected key\(s\): model\.blocks\.0\.mixer\.A_log"),
+    (dict(mixer="gdn,mamba2"), r"missing key\(s\): model\.blocks\.1\.mixer\.\w+.*unexpected key\(s\)"),
+    (dict(d_model=128), r"26 mismatched key\(s\): model\.blocks\.0\.mixer\.a_proj\.weight \(checkpoint \(2, 64\), model \(2, 128\)\)"),
+])
+def test_weights_that_do_not_fill_the_config_are_refused(tmp_path, changes, report):
+    path = edited_checkpoint(tmp_path, **changes)
+    with pytest.raises(ValueError, match=report) as error:
+        AutoModelForCausalLM.from_pretrained(path)
+    assert str(path) in str(error.value) and "strict=False" in str(error.value)
+
+
+def test_not_strict_initialises_the_missing_tensors_as_a_new_model(tmp_path, monkeypatch):
+    """strict=False: the third block, absent from the checkpoint, is a new Block as the LanguageModel
+    initialises it (the same tensors from the same seed; the memory that transformers leaves to
+    `_init_weights` is filled with NaN here, so none of it may remain)."""
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: empty_like(*a, **k).fill_(float("nan")))
+    saved = hf_model("gdn")
+    path = edited_checkpoint(tmp_path, n_layers=3)
+    torch.manual_seed(1)
+    loaded = FastweightForCausalLM.from_pretrained(path, strict=False)
+    torch.manual_seed(1)
+    new = Block(loaded.model.cfg, "gdn").apply(loaded.model._init_weights)
+    for name, p in new.named_parameters():
+        assert torch.equal(loaded.model.blocks[2].get_parameter(name), p), name
+    for name, p in saved.model.named_parameters():
+        assert torch.equal(loaded.model.get_parameter(name), p), name
+    assert all(torch.isfinite(p).all() for p in loaded.parameters())
+    assert loaded.model.lm_head.weight is loaded.model.embed.weight
+
+
+def test_a_new_model_is_initialised_once_by_the_language_model():
+    """post_init leaves the LanguageModel's own initialisation (the same weights from the same seed)
+    and no transformers mark on the tensors (a mark would hide them from the missing-key report)."""
+    hf = hf_model("gdn,rwkv7")
+    torch.manual_seed(0)
+    plain = LanguageModel(hf.config.to_lm_config())
+    for name, p in plain.named_parameters():
+        assert torch.equal(hf.model.get_parameter(name), p), name
+    assert not any(hasattr(p, "_is_hf_initialized") for p in hf.parameters())
