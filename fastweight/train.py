@@ -18,9 +18,13 @@ off the critical path.
     fastweight train --task mqar:seq_len=64,n_pairs=8 --mixer gdn --steps 300
     torchrun --nproc-per-node 2 -m fastweight.train --task s5:seq_len=32 --mixer rwkv7
 
-Writes ``out_dir/checkpoint.pt`` every ``checkpoint_every`` steps and at the end
-(``--resume`` continues from it) and ``out_dir/results.json``: the config, the loss
-curve, throughput and the held-out scores (:func:`score`) on ``eval_tasks``.
+Writes ``out_dir/checkpoint.pt`` every ``checkpoint_every`` steps and at the end and
+``out_dir/results.json``: the config, the loss curve, throughput and the held-out scores
+(:func:`score`) on ``eval_tasks``. The checkpoint holds tensors and plain containers only
+(model and optimizer state, step, loss curve, configs) and is read with ``weights_only=True``
+(:func:`load_checkpoint`), so a checkpoint from elsewhere cannot run code. ``--resume``
+continues from it and is an error when there is none; ``--resume-if-present`` continues
+when there is one and starts at step 0 otherwise (a job restarted after preemption).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import functools
 import json
 import math
 import os
+import pickle
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -73,7 +78,9 @@ class TrainConfig:
     threads: int = arg(0, "torch CPU threads (0: leave as is)")
     out_dir: str = arg("runs/train", "checkpoint and results.json go here")
     checkpoint_every: int = arg(100, "steps between checkpoints (0: only at the end)")
-    resume: bool = arg(False, "continue from out_dir/checkpoint.pt")
+    resume: bool = arg(False, "continue from out_dir/checkpoint.pt; an error when there is none")
+    resume_if_present: bool = arg(False, "continue from out_dir/checkpoint.pt when there is one, else start at "
+                                         "step 0 (the same command for a first start and for a restart)")
     stop_at: int = arg(0, "stop after this step, as if interrupted (0: run all steps)")
     overfit_batches: int = arg(0, "cycle through this many batches (0: a fresh batch every step)")
     curriculum: str = arg("", "';'-separated task specs trained on first, in turns, for curriculum_steps steps")
@@ -97,6 +104,9 @@ class TrainConfig:
         for name in ("weight_decay", "grad_clip"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.resume and self.resume_if_present:
+            raise ValueError("TrainConfig.resume (a checkpoint is required) and resume_if_present (it is optional) "
+                             "exclude each other; give one")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"TrainConfig.device must be auto, cpu or cuda[:i], got {self.device!r}")
         sizes = {from_spec(s).vocab_size for s in self.train_specs}
@@ -246,6 +256,36 @@ def _save(path: str, payload: dict) -> None:
     os.replace(tmp, path)
 
 
+CHECKPOINT_KEYS = ("model", "optimizer", "step", "curve", "config", "model_config")
+
+
+def load_checkpoint(path: str, map_location="cpu") -> dict:
+    """A checkpoint written by :func:`train`: ``model`` and ``optimizer`` (state dicts), ``step``,
+    ``curve``, ``config`` (the TrainConfig's fields) and ``model_config`` (the LMConfig's).
+
+    Read with ``torch.load(weights_only=True)``: tensors and plain containers only, so unpickling
+    cannot run code. A file that holds other objects, or that is truncated or corrupt, raises a
+    ValueError naming it."""
+    path = os.fspath(path)
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except OSError:
+        raise  # missing, unreadable: the error names the file
+    except pickle.UnpicklingError as e:
+        if "weights_only" not in str(e):
+            raise ValueError(f"cannot read the checkpoint {path}: truncated or corrupt ({e})") from e
+        found = next((line for line in str(e).splitlines() if "GLOBAL" in line), "")
+        raise ValueError(f"the checkpoint {path} holds objects other than tensors and plain containers; it is not "
+                         f"loaded, as unpickling them could run code. {found}".strip()) from e
+    except Exception as e:  # torch reports a damaged file as RuntimeError, EOFError, KeyError, ...
+        raise ValueError(f"cannot read the checkpoint {path}: truncated or corrupt ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else 'no detail'})") from e
+    missing = [k for k in CHECKPOINT_KEYS if k not in state] if isinstance(state, dict) else list(CHECKPOINT_KEYS)
+    if missing:
+        raise ValueError(f"{path} is not a `fastweight train` checkpoint: it lacks {missing}")
+    return state
+
+
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW with ``cfg.weight_decay`` on every parameter, or (``weight_decay_1d=False``) on the
     matrices only: biases, norm weights and the decay parameters (A_log, dt_bias, D) are then not
@@ -276,12 +316,19 @@ def train(cfg: TrainConfig) -> dict:
     optimizer = make_optimizer(model, cfg)
     start_step, curve = 0, []
     path = _checkpoint_path(cfg)
-    if cfg.resume and os.path.exists(path):
-        state = torch.load(path, map_location=device, weights_only=False)
+    if cfg.resume and not os.path.exists(path):
+        raise FileNotFoundError(f"`resume`: no checkpoint at {path} (out_dir {cfg.out_dir!r}); run without "
+                                "--resume to start at step 0, or with --resume-if-present to do so when there is none")
+    if cfg.resume or (cfg.resume_if_present and os.path.exists(path)):
+        state = load_checkpoint(path, map_location=device)
         if state["model_config"] != model_config:
             raise ValueError(f"`resume`: {path} holds a different model; use another out_dir")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        try:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise ValueError(f"`resume`: the state in {path} does not fit this run's model and optimizer "
+                             f"(e.g. another weight_decay_1d): {e}") from e
         start_step, curve = state["step"], state["curve"]
     net = model
     if world > 1:

@@ -72,3 +72,14 @@ def test_module_entry_point_runs_its_subcommand(capsys):
     """``python -m fastweight.verify ARGS`` is ``fastweight verify ARGS``."""
     assert verify.main(["--length", "2", "--mechanism", "gla"]) == 0
     assert "gla" in capsys.readouterr().out
+
+
+def test_train_resume_needs_a_checkpoint_and_says_so_in_help(tmp_path, capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["train", "--help"])
+    assert done.value.code == 0
+    help = " ".join(capsys.readouterr().out.split())
+    assert "--resume, --no-resume continue from out_dir/checkpoint.pt; an error when there is none" in help
+    assert "--resume-if-present" in help and "else start at step 0" in help
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "checkpoint.pt")):
+        cli.main(["train", "--resume", "--out-dir", str(tmp_path), "--steps", "1", "--no-progress"])

@@ -6,7 +6,8 @@ import torch
 import torch.multiprocessing as mp
 
 from fastweight.testing import rel_err
-from fastweight.train import TrainConfig, add_config_arguments, config_from_args, lm_config, train
+from fastweight.train import (TrainConfig, add_config_arguments, config_from_args, lm_config, load_checkpoint,
+                              train)
 
 
 def tiny(tmp_path, **kw):
@@ -25,17 +26,70 @@ def test_loss_falls_on_an_overfit_batch(tmp_path):
     assert 0 <= saved["eval"][0]["acc"] <= 1 and saved["tokens_per_second"] > 0
 
 
-def test_resume_continues_exactly(tmp_path):
+@pytest.mark.parametrize("flag", ["resume", "resume_if_present"])
+def test_resume_continues_exactly(tmp_path, flag):
     straight = train(tiny(tmp_path / "a"))
-    train(tiny(tmp_path / "b", stop_at=3))
-    assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["step"] == 3
-    resumed = train(tiny(tmp_path / "b", resume=True))
-    a = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["model"]
-    b = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["model"]
+    train(tiny(tmp_path / "b", stop_at=3, resume_if_present=flag == "resume_if_present"))  # none yet: step 0
+    assert load_checkpoint(tmp_path / "b" / "checkpoint.pt")["step"] == 3
+    resumed = train(tiny(tmp_path / "b", **{flag: True}))
+    a = load_checkpoint(tmp_path / "a" / "checkpoint.pt")["model"]
+    b = load_checkpoint(tmp_path / "b" / "checkpoint.pt")["model"]
     for name in a:
         assert torch.equal(a[name], b[name]), name
     assert straight["curve"] == resumed["curve"]
     assert straight["eval"] == resumed["eval"]
+
+
+def test_checkpoint_holds_only_tensors_and_plain_containers(tmp_path):
+    """The file loads with weights_only=True (no unpickled code), as it is, with every field."""
+    train(tiny(tmp_path, steps=2))
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert state["step"] == 2 and state["config"]["steps"] == 2 and state["model_config"]["n_layers"] == 1
+    assert state["optimizer"]["state"] and all(isinstance(t, torch.Tensor) for t in state["model"].values())
+
+
+def test_resume_without_a_checkpoint_is_an_error_naming_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "none" / "checkpoint.pt")):
+        train(tiny(tmp_path / "none", resume=True))
+    assert not (tmp_path / "none").exists()
+    with pytest.raises(ValueError, match="resume_if_present"):
+        tiny(tmp_path, resume=True, resume_if_present=True)
+
+
+def test_a_checkpoint_that_would_run_code_is_not_loaded(tmp_path):
+    """A pickled object that calls a function when unpickled: refused, and the call never happens."""
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (marker.touch, ())
+
+    train(tiny(tmp_path, steps=2))
+    state = load_checkpoint(tmp_path / "checkpoint.pt")
+    torch.save({**state, "curve": Payload()}, tmp_path / "checkpoint.pt")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'checkpoint.pt'} holds objects other than tensors"):
+        train(tiny(tmp_path, steps=4, resume=True))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "not torch", "another dict"])
+def test_a_damaged_checkpoint_is_an_error_naming_the_file(tmp_path, damage):
+    train(tiny(tmp_path, steps=2))
+    path = tmp_path / "checkpoint.pt"
+    data = path.read_bytes()
+    if damage == "another dict":
+        torch.save({"model": {}}, path)
+    else:
+        path.write_bytes({"truncated": data[:len(data) // 2], "empty": b"", "not torch": b"hello world"}[damage])
+    report = "lacks" if damage == "another dict" else "truncated or corrupt"
+    with pytest.raises(ValueError, match=f"{path}.*{report}"):
+        train(tiny(tmp_path, steps=4, resume=True))
+
+
+def test_resume_into_another_optimizer_layout_names_the_file(tmp_path):
+    train(tiny(tmp_path, steps=2))
+    with pytest.raises(ValueError, match=f"{tmp_path / 'checkpoint.pt'} does not fit"):
+        train(tiny(tmp_path, steps=4, resume=True, weight_decay_1d=False))
 
 
 def _ddp_worker(rank, world, port, out_dir):
@@ -54,8 +108,8 @@ def test_ddp_two_ranks_match_one_process(tmp_path):
     single = train(tiny(tmp_path / "one", steps=3))
     ddp = json.load(open(tmp_path / "ddp" / "results.json"))
     assert ddp["world_size"] == 2 and single["world_size"] == 1
-    a = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False)["model"]
-    b = torch.load(tmp_path / "ddp" / "checkpoint.pt", weights_only=False)["model"]
+    a = load_checkpoint(tmp_path / "one" / "checkpoint.pt")["model"]
+    b = load_checkpoint(tmp_path / "ddp" / "checkpoint.pt")["model"]
     for name in a:
         assert rel_err(b[name], a[name]) < 1e-5, name
     assert [l for _, l in ddp["curve"]] == pytest.approx([l for _, l in single["curve"]], rel=1e-5)
