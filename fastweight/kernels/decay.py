@@ -14,12 +14,26 @@ readout is o_t = S_{t-1}^T (scale r_t) + (scale r_t . (u * k_t)) v_t). Stages, i
 Backward: h is kept from the forward (``RECOMPUTE = False``, the default: K V / 64 values per
 token and head in the input dtype, 128 B at K = V = 64 and 512 B at 128 in bf16) or recomputed
 (``RECOMPUTE = True``: one more state pass, less memory); dh[c] (state gradient after chunk c)
-comes from the same loop run in reverse, then dv, dA, dq, dk per chunk. The gate gradient uses the identity, for the
-global cumulative log decay G_t (q_t appears only as q_t exp(G_t), k_s only as k_s exp(-G_s),
-the final state as exp(G_T) (...)):
+comes from the same loop run in reverse, then dv, dA, dq, dk per chunk. Every cotangent is
+made contiguous first (``S.sum()`` hands an expanded one, ``S.mT`` losses a transposed one).
 
-    dL/dG_t = q_t dq_t - k_t dk_t (+ sum_v S_T dS_T at the last token)
-    dg_s = sum_{t >= s} dL/dG_t          (RWKV-6: minus q_s dq_s, its q sees G_{s-1})
+The gate gradient is formed per chunk: a token's gate acts only inside its chunk and on the
+state after it, whose gradient dh[c] carries everything later. With G the chunk-local
+cumulative log decay (per channel; a scalar gate sums the channels), C the chunk's last token,
+h the state before the chunk and dh the gradient of the state after it, for u in the chunk:
+
+    dg_u = sum_{t >= u} q_t dq^inter_t                         dq^inter_t = scale exp(G_t) (h do_t)
+         + sum_{t >= u} (q_t dq^pair_t - k_t dk^pair_t)        pairs s < t only (P_ts in both)
+         + sum_{t < u} k_t dk^inter_t                          dk^inter_t = exp(G_C - G_t) (dh v_t)
+         + exp(G_C) sum_v h dh
+
+The pair (t, s) contributes P_ts = dA_ts dA_ts/dG to dg_u for s < u <= t; the diagonal s = t,
+whose decay exp(G_t - G_t) has no gate in it, is left out, and so is every term that would
+cancel: the sequence-wide identity dg_s = sum_{t >= s} (q dq - k dk)_t (+ S_T dS_T) holds as
+well, but under strong decay its terms, the diagonal and the state's carry, are far larger
+than their sum. RWKV-6 reads G_{t-1}: its pairs contribute for s < u < t, its q terms for
+t > u, and the pair t = s + 1 (decay exp(G_s - G_s)) is the one left out.
+``docs/kernels.md`` has the derivation.
 
 Shapes (fla's): q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] or [B, T, H, K];
 ``initial_state`` [N, H, K, V]; ``cu_seqlens`` [N+1] with B = 1. Returns (o, final state fp32).
@@ -30,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from fastweight.kernels.common import Chunks, prepare_chunks
-from fastweight.kernels.decay_gate import gate_cumsum, gate_reverse_cumsum
+from fastweight.kernels.decay_gate import gate_chunk_grad, gate_cumsum
 from fastweight.kernels.decay_intra import intra_bwd, intra_fwd
 from fastweight.kernels.decay_output import bwd_dqk, bwd_dv, output_fwd
 from fastweight.kernels.decay_state import state_pass
@@ -55,46 +69,50 @@ class ChunkDecayFunction(torch.autograd.Function):
         h, ht = state_pass(k, v, gc, gc, chunks, initial_state, output_final_state, reverse=False)
         A = intra_fwd(q, k, gq, gc, u, scale, chunks, exclusive) if vector else None
         o = output_fwd(q, k, v, gq, gc, h, A, scale, chunks, exclusive)
-        ctx.save_for_backward(q, k, v, g, u, gc, gq if exclusive else None, A, initial_state, ht,
+        ctx.save_for_backward(q, k, v, g, u, gc, gq if exclusive else None, A, initial_state,
                               None if RECOMPUTE else h)
         ctx.scale, ctx.chunks, ctx.exclusive = scale, chunks, exclusive
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, u, gc, gq, A, initial_state, ht, h = ctx.saved_tensors
+        q, k, v, g, u, gc, gq, A, initial_state, h = ctx.saved_tensors
         scale, chunks, exclusive = ctx.scale, ctx.chunks, ctx.exclusive
         gq = gq if exclusive else gc
         do = do.contiguous()
+        if dht is not None:
+            dht = dht.contiguous()
         if h is None:
             h, _ = state_pass(k, v, gc, gc, chunks, initial_state, False, reverse=False)
         dh, dh0 = state_pass(q, do, gq, gc, chunks, dht, initial_state is not None, reverse=True, scale=scale)
         dv, dA = bwd_dv(q, k, v, gq, gc, A, dh, do, scale, chunks, exclusive)
-        du = dg = None
+        du = dg = dg_gamma = None
         if A is not None:
-            dq, dk, dgk, dgq, du = intra_bwd(q, k, v, gq, gc, u, h, dh, do, dA, scale, chunks, exclusive)
+            dq, dk, dgx, dga, dgy, du = intra_bwd(q, k, v, gq, gc, u, h, dh, do, dA, scale, chunks, exclusive)
+            if g is not None and ctx.needs_input_grad[3]:
+                dg = gate_chunk_grad(dgx, dga, dgy, chunks, dtype=g.dtype)
         else:
-            dq, dk, dgk = bwd_dqk(q, k, v, gq, gc, h, dh, do, dA, scale, chunks, exclusive)
-        if g is not None and ctx.needs_input_grad[3]:
-            carry = None
-            if dht is not None:
-                carry = (ht * dht).sum(-1)
-                if g.dim() == 3:
-                    carry = carry.sum(-1)
-            dg = gate_reverse_cumsum(dgk, chunks, carry, sub=dgq if exclusive else None, dtype=g.dtype)
+            dq, dk, dgt = bwd_dqk(q, k, v, gq, gc, h, dh, do, dA, scale, chunks, exclusive)
+            if g is not None and ctx.needs_input_grad[3]:
+                dg = dgt.to(g.dtype)
+            if ctx.needs_input_grad[5]:
+                dg_gamma = dgt.sum((0, 1))
         if du is not None:
             du = du.sum((0, 1)).to(u.dtype)
         if dh0 is not None:
             dh0 = dh0.to(initial_state.dtype)
-        return dq, dk, dv, dg, du, None, dh0, None, None, None, None
+        return dq, dk, dv, dg, du, dg_gamma, dh0, None, None, None, None
 
 
 def chunk_decay(q, k, v, g=None, *, u=None, g_gamma=None, scale: float, initial_state=None,
                 output_final_state: bool = False, cu_seqlens=None, exclusive: bool = False):
-    """The generic entry: g scalar [B, T, H] or vector [B, T, H, K] or None; g_gamma [H] (log, fixed);
-    u [H, K] with ``exclusive`` (RWKV-6 readout). Returns (o [B, T, H, V], final state or None)."""
+    """The generic entry: g scalar [B, T, H] or vector [B, T, H, K] or None; g_gamma [H] (a log decay
+    per head, added to every token's g; its gradient is the sum of theirs); u [H, K] with
+    ``exclusive`` (RWKV-6 readout, per-channel g). Returns (o [B, T, H, V], final state or None)."""
     B, T, H, _ = q.shape
     V = v.shape[-1]
+    if exclusive and (g is None or g.dim() != 4 or g_gamma is not None):
+        raise ValueError("chunk_decay: the exclusive readout (RWKV-6) takes a per-channel g and no g_gamma")
     chunks = prepare_chunks(cu_seqlens, B, T, BT, q.device)
 
     def pack(x):

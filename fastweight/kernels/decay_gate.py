@@ -1,8 +1,10 @@
-"""Log-gate bookkeeping for the decay family: chunk-local cumulative sums (forward) and the
-sequence-wide reverse cumulative sum that turns per-position gate gradients into ``dg``.
+"""Log-gate bookkeeping for the decay family: chunk-local cumulative sums (forward), and the sums
+that turn per-position gate-gradient terms into ``dg``: inside each chunk (the decay family,
+``decay.py``), or over the whole sequence (the DPLR kernels).
 
     gc[t] = sum_{s <= t, s in chunk(t)} g[s] + g_gamma * (t - chunk_start(t) + 1)
     gp[t] = gc[t] - g[t]                  (optional: the same sum one token earlier)
+    dg[u] = sum_{t >= u} x[t] + sum_{t > u} a[t] + sum_{t < u} y[t]     (t in chunk(u); a optional)
     dg[s] = carry + sum_{t >= s, t in sequence(s)} x[t] - sub[s]      (sub optional)
 
 Gates are ``[1, T, H]`` (scalar, D = 1) or ``[1, T, H, D]`` (per channel), packed as in
@@ -39,6 +41,29 @@ def decay_gate_cumsum_kernel(g, g_gamma, gc, gp, cu_seqlens, chunk_indices, H: t
     tl.store(gc + o_x, b_c, mask=m)
     if STORE_GP:
         tl.store(gp + o_x, b_c - b_g, mask=m)
+
+
+@triton.jit
+def decay_gate_chunk_grad_kernel(x, a, y, dg, cu_seqlens, chunk_indices, H: tl.constexpr, D: tl.constexpr,
+                                 BT: tl.constexpr, BD: tl.constexpr, USE_A: tl.constexpr):
+    i_c, i_h, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    o_t = tl.arange(0, BT)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = (o_d < D)[None, :]
+    o_x = ((bos + i_t * BT + o_t) * H + i_h)[:, None] * D + o_d[None, :]
+    m = ((i_t * BT + o_t) < (eos - bos))[:, None] & m_d
+    b_x = tl.load(x + o_x, mask=m, other=0.)
+    if USE_A:
+        # a one row later: its reverse cumsum is sum_{t > u}
+        m_a = ((o_t + 1 < BT) & (i_t * BT + o_t + 1 < eos - bos))[:, None] & m_d
+        b_x += tl.load(a + o_x + H * D, mask=m_a, other=0.)
+    # y one row earlier: its cumsum is sum_{t < u}
+    m_y = ((o_t > 0) & (i_t * BT + o_t < eos - bos))[:, None] & m_d
+    b_y = tl.load(y + o_x - H * D, mask=m_y, other=0.)
+    b_dg = tl.cumsum(b_x, axis=0, reverse=True) + tl.cumsum(b_y, axis=0)
+    tl.store(dg + o_x, b_dg.to(dg.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -96,6 +121,20 @@ def gate_cumsum(g: torch.Tensor | None, g_gamma: torch.Tensor | None, chunks: Ch
                                    BT=chunks.BT, BD=BD, USE_G=g is not None, USE_G_GAMMA=g_gamma is not None,
                                    STORE_GP=exclusive)
     return (gc, gp) if exclusive else gc
+
+
+def gate_chunk_grad(x: torch.Tensor, a: torch.Tensor | None, y: torch.Tensor, chunks: Chunks,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+    """dg[u] = sum_{t >= u} x[t] + sum_{t > u} a[t] + sum_{t < u} y[t] over the tokens t of u's chunk:
+    x, a, y [1, T, H(, D)] fp32 (a optional); dg in ``dtype`` (default fp32), summed in fp32."""
+    H = x.shape[2]
+    D = x.shape[3] if x.dim() == 4 else 1
+    dg = torch.empty_like(x, dtype=dtype or x.dtype)
+    BD = min(64, triton.next_power_of_2(D))
+    grid = (chunks.NC, H, triton.cdiv(D, BD))
+    decay_gate_chunk_grad_kernel[grid](x, a if a is not None else x, y, dg, chunks.cu_seqlens, chunks.chunk_indices,
+                                       H=H, D=D, BT=chunks.BT, BD=BD, USE_A=a is not None)
+    return dg
 
 
 def gate_reverse_cumsum(x: torch.Tensor, chunks: Chunks, carry: torch.Tensor | None = None,

@@ -22,8 +22,12 @@ Backward, given dA[t, s] = do_t . v_s (s <= t) and the inter-chunk terms from th
     dq_t = scale exp(gq_t) (do_t h^T) + sum_s dA[t, s] dA/dq_t
     dk_s = exp(G - gc_s) (v_s dh^T)  + sum_t dA[t, s] dA/dk_s
 
-and per position dgk = q dq' - k dk' (dq', dk' without the u bonus), whose sequence-wide
-reverse cumulative sum is dg (see ``decay.py``). One program per (K block, sub-chunk).
+and the per-token terms of the gate gradient (``decay.py``): with dq' = the inter-chunk part of
+dq plus the pairs s < t (s < t - 1 for RWKV-6), dk' the same pairs' part of dk and dki the
+inter-chunk part of dk, x = q dq' - k dk' (RWKV-6: a = q dq' apart, x = -k dk'), y = k dki and,
+on the chunk's last row, x += exp(G) sum_v h dh; ``decay_gate.gate_chunk_grad`` sums them
+inside the chunk. The pairs left out (the diagonal; RWKV-6's t = s + 1), whose decay is exp(0),
+are added to dq, dk elementwise. One program per (K block, sub-chunk).
 """
 
 from __future__ import annotations
@@ -148,11 +152,11 @@ def decay_intra_fwd_kernel(q, k, gq, gc, u, A, cu_seqlens, chunk_indices, scale,
 
 
 @triton.jit
-def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgk, dgq, du, cu_seqlens, chunk_indices,
-                           scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                           BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EXCLUSIVE: tl.constexpr,
-                           USE_U: tl.constexpr, DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr,
-                           SPAN: tl.constexpr):
+def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgx, dga, dgy, du, cu_seqlens,
+                           chunk_indices, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                           BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                           EXCLUSIVE: tl.constexpr, USE_U: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                           DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr):
     i_k, i_tc, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NC: tl.constexpr = BT // BC
     i_t, i_i, i_c, bos, T, o_i, m_i = sub_chunk_rows(i_tc, cu_seqlens, chunk_indices, BT, BC)
@@ -169,9 +173,11 @@ def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgk, dgq, 
     b_gk = tl.load(gc + p_i, mask=m_ik, other=0.)
     last = bos + tl.minimum(T, i_c * BT + BT) - 1
     b_gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k, other=0.)
-    # inter-chunk: through the state before the chunk (dq) and the state gradient after it (dk)
+    # inter-chunk: through the state before the chunk (dq) and the state gradient after it (dki),
+    # and sum_v h dh, the gradient of the state's own decay exp(G)
     b_dq = tl.zeros([BC, BK], dtype=tl.float32)
-    b_dk = tl.zeros([BC, BK], dtype=tl.float32)
+    b_dki = tl.zeros([BC, BK], dtype=tl.float32)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)
     o_h = ((i_t * H + i_h) * K + o_k[:, None]) * V
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -182,10 +188,14 @@ def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgk, dgq, 
         b_h = tl.load(h + o_h + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.)
         b_dh = tl.load(dh + o_h + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.)
         b_dq += tl.dot(b_do, tl.trans(b_h.to(b_do.dtype)), input_precision=DOT_PRECISION)
-        b_dk += tl.dot(b_v, tl.trans(b_dh.to(b_v.dtype)), input_precision=DOT_PRECISION)
+        b_dki += tl.dot(b_v, tl.trans(b_dh.to(b_v.dtype)), input_precision=DOT_PRECISION)
+        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
     b_dq *= scale * tl.exp(b_gq)
-    b_dk *= tl.exp(tl.where(m_ik, b_gl[None, :] - b_gk, 0.))
-    # intra-chunk, earlier sub-chunks j < i (for dq) through the reference row before sub-chunk i
+    b_dki *= tl.exp(tl.where(m_ik, b_gl[None, :] - b_gk, 0.))
+    # intra-chunk pairs (t, s), s < t (s < t - 1: EXCLUSIVE, whose pair t = s + 1 has no gate in
+    # its decay and is added on its own below, as the diagonal of the inclusive readout)
+    b_dk = tl.zeros([BC, BK], dtype=tl.float32)
+    # earlier sub-chunks j < i (for dq) through the reference row before sub-chunk i
     if i_i > 0:
         o_r = bos + i_c * BT + i_i * BC - 1
         b_gr = tl.load(gc + (o_r * H + i_h) * K + o_k, mask=m_k, other=0.)
@@ -196,11 +206,14 @@ def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgk, dgq, 
                 p_j = ((bos + o_j) * H + i_h)[:, None] * K + o_k[None, :]
                 b_kj = tl.load(k + p_j, mask=m_k[None, :], other=0.).to(tl.float32)
                 b_gkj = tl.load(gc + p_j, mask=m_k[None, :], other=0.)
+                m_dA = m_i[:, None]
+                if EXCLUSIVE:
+                    m_dA = m_dA & ((o_c[:, None] + i_i * BC) > (o_c[None, :] + i_j * BC + 1))
                 b_dA = tl.load(dA + ((bos + o_i) * H + i_h)[:, None] * BT + (i_j * BC + o_c)[None, :],
-                               mask=m_i[:, None], other=0.)
+                               mask=m_dA, other=0.)
                 b_dqi += tl.dot(b_dA, b_kj * tl.exp(b_gr[None, :] - b_gkj), input_precision=DOT_PRECISION)
         b_dq += b_dqi * scale * tl.exp(tl.where(m_ik, b_gq - b_gr[None, :], 0.))
-    # intra-chunk, later sub-chunks j > i (for dk) through the reference row before sub-chunk j
+    # later sub-chunks j > i (for dk) through the reference row before sub-chunk j
     for i_j in range(1, NC):
         o_j = i_c * BT + i_j * BC + o_c
         m_j = o_j < T
@@ -211,19 +224,20 @@ def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgk, dgq, 
             p_j = ((bos + o_j) * H + i_h)[:, None] * K + o_k[None, :]
             b_qj = tl.load(q + p_j, mask=m_jk, other=0.).to(tl.float32)
             b_gqj = tl.load(gq + p_j, mask=m_jk, other=0.)
+            m_dA = m_j[:, None]
+            if EXCLUSIVE:
+                m_dA = m_dA & ((o_c[:, None] + i_j * BC) > (o_c[None, :] + i_i * BC + 1))
             b_dA = tl.load(dA + ((bos + o_j) * H + i_h)[:, None] * BT + (i_i * BC + o_c)[None, :],
-                           mask=m_j[:, None], other=0.)
+                           mask=m_dA, other=0.)
             b_qg = b_qj * tl.exp(tl.where(m_jk, b_gqj - b_gr[None, :], 0.))
             b_dk += (tl.dot(tl.trans(b_dA), b_qg, input_precision=DOT_PRECISION)
                      * scale * tl.exp(tl.where(m_ik, b_gr[None, :] - b_gk, 0.)))
     # the diagonal sub-chunk: factored through the midpoint of its gates when their span allows,
     # else one token j at a time (column j of dA for dq, row j for dk)
+    GAP: tl.constexpr = 1 if EXCLUSIVE else 0
     b_span, b_ref = span_ref(b_gq, b_gk, m_ik)
     if b_span < SPAN:
-        if EXCLUSIVE:
-            m_d = (o_c[:, None] > o_c[None, :]) & m_i[:, None]
-        else:
-            m_d = (o_c[:, None] >= o_c[None, :]) & m_i[:, None]
+        m_d = (o_c[:, None] > o_c[None, :] + GAP) & m_i[:, None]
         b_dA = tl.load(dA + ((bos + o_i) * H + i_h)[:, None] * BT + (i_i * BC + o_c)[None, :], mask=m_d,
                        other=0.) * scale
         b_fq = factor(1., b_gq, b_ref, m_ik, True)
@@ -235,12 +249,8 @@ def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgk, dgq, 
             r_j = i_c * BT + i_i * BC + j
             m_kj = m_k & (r_j < T)
             p_j = ((bos + r_j) * H + i_h) * K + o_k
-            if EXCLUSIVE:
-                m_t = (o_c > j) & m_i
-                m_s = (o_c < j) & m_i & (r_j < T)
-            else:
-                m_t = (o_c >= j) & m_i
-                m_s = (o_c <= j) & m_i & (r_j < T)
+            m_t = (o_c > j + GAP) & m_i
+            m_s = (o_c + GAP < j) & m_i & (r_j < T)
             b_dAc = tl.load(dA + ((bos + o_i) * H + i_h) * BT + i_i * BC + j, mask=m_t, other=0.) * scale
             b_kj = tl.load(k + p_j, mask=m_kj, other=0.).to(tl.float32)
             b_gj = tl.load(gc + p_j, mask=m_kj, other=0.)
@@ -251,12 +261,36 @@ def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgk, dgq, 
             b_gqj = tl.load(gq + p_j, mask=m_kj, other=0.)
             b_dk += b_dAr[:, None] * b_qj[None, :] * tl.exp(tl.where(m_s[:, None], b_gqj[None, :] - b_gk,
                                                                      float("-inf")))
+    # the gate gradient's per-token terms (decay.py): x = q dq' - k dk' (EXCLUSIVE: -k dk', with
+    # a = q dq' apart, summed over t > u), y = k dki; exp(G) sum_v h dh on the chunk's last row
+    b_x = tl.where((bos + o_i == last)[:, None], (tl.exp(b_gl) * b_hdh)[None, :], 0.) - b_k * b_dk
     p_g = ((bos + o_i) * H + i_h)[:, None] * K + o_k[None, :]
-    tl.store(dgk + p_g, b_q * b_dq - b_k * b_dk, mask=m_ik)
     if EXCLUSIVE:
-        tl.store(dgq + p_g, b_q * b_dq, mask=m_ik)
+        tl.store(dga + p_g, b_q * b_dq, mask=m_ik)
+    else:
+        b_x += b_q * b_dq
+    tl.store(dgx + p_g, b_x, mask=m_ik)
+    tl.store(dgy + p_g, b_k * b_dki, mask=m_ik)
+    # the pairs left out above, whose decay is exp(0) = 1: (t, t) inclusive, (t, t - 1) EXCLUSIVE
+    o_a = i_i * BC + o_c
+    if EXCLUSIVE:
+        m_p = m_i & (o_a > 0)
+        m_pk = m_p[:, None] & m_k[None, :]
+        b_dp = tl.load(dA + ((bos + o_i) * H + i_h) * BT + o_a - 1, mask=m_p, other=0.) * scale
+        b_kp = tl.load(k + p_i - H * K, mask=m_pk, other=0.).to(tl.float32)
+        b_dq += b_dp[:, None] * b_kp
+        m_n = m_i & (o_a < BT - 1) & (o_i + 1 < T)
+        m_nk = m_n[:, None] & m_k[None, :]
+        b_dn = tl.load(dA + ((bos + o_i + 1) * H + i_h) * BT + o_a, mask=m_n, other=0.) * scale
+        b_qn = tl.load(q + p_i + H * K, mask=m_nk, other=0.).to(tl.float32)
+        b_dk += b_dn[:, None] * b_qn
+    else:
+        b_dd = tl.load(dA + ((bos + o_i) * H + i_h) * BT + o_a, mask=m_i, other=0.) * scale
+        b_dq += b_dd[:, None] * b_k
+        b_dk += b_dd[:, None] * b_q
+    b_dk += b_dki
     if USE_U:
-        b_dd = tl.load(dA + ((bos + o_i) * H + i_h) * BT + i_i * BC + o_c, mask=m_i, other=0.) * scale
+        b_dd = tl.load(dA + ((bos + o_i) * H + i_h) * BT + o_a, mask=m_i, other=0.) * scale
         b_u = tl.load(u + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
         b_dq += b_dd[:, None] * b_u[None, :] * b_k
         b_dk += b_dd[:, None] * b_u[None, :] * b_q
@@ -303,21 +337,24 @@ def intra_fwd(q, k, gq, gc, u, scale: float, chunks: Chunks, exclusive: bool) ->
 
 
 def intra_bwd(q, k, v, gq, gc, u, h, dh, do, dA, scale: float, chunks: Chunks, exclusive: bool):
-    """dq, dk (inputs' dtype), dgk = q dq' - k dk' (fp32), dgq = q dq' (EXCLUSIVE), du per token (USE_U)."""
+    """dq, dk (inputs' dtype), the gate gradient's per-token terms (fp32, [1, T, H, K]; reduced to
+    dg by ``decay_gate.gate_chunk_grad``): dgx (summed over t >= u), dga (EXCLUSIVE: over t > u;
+    else None), dgy (over t < u); du per token (USE_U)."""
     _, T, H, K = q.shape
     V = v.shape[-1]
     BT, BC = chunks.BT, 16
     BK = min(32, triton.next_power_of_2(K))
     BV = min(64, triton.next_power_of_2(V))
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    dgk = torch.empty(1, T, H, K, dtype=torch.float32, device=q.device)
-    dgq = torch.empty_like(dgk) if exclusive else None
-    du = torch.empty_like(dgk) if u is not None else None
+    dgx = torch.empty(1, T, H, K, dtype=torch.float32, device=q.device)
+    dgy = torch.empty_like(dgx)
+    dga = torch.empty_like(dgx) if exclusive else None
+    du = torch.empty_like(dgx) if u is not None else None
     grid = (triton.cdiv(K, BK), chunks.NC * (BT // BC), H)
-    decay_intra_bwd_kernel[grid](q, k, v, gq, gc, u if u is not None else q, h, dh, do, dA, dq, dk, dgk,
-                                 dgq if dgq is not None else dgk, du if du is not None else dgk,
+    decay_intra_bwd_kernel[grid](q, k, v, gq, gc, u if u is not None else q, h, dh, do, dA, dq, dk, dgx,
+                                 dga if dga is not None else dgx, dgy, du if du is not None else dgx,
                                  chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, V=V, BT=BT, BC=BC,
                                  BK=BK, BV=BV, EXCLUSIVE=exclusive, USE_U=u is not None,
                                  DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype),
                                  SPAN=SAFE_SPAN)
-    return dq, dk, dgk, dgq, du
+    return dq, dk, dgx, dga, dgy, du

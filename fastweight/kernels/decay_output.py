@@ -14,7 +14,13 @@ Backward (dh[c] = dL/dS after chunk c, G = gc at the chunk's last token):
     dv = A^T do + (k * exp(G - gc)) dh[c]
     dq = scale exp(gq) (do S^T) + (dA * D) k,   dk = exp(G - gc) (v dh[c]^T) + (dA * D)^T q
     with D = scale exp(gq_t - gc_s) masked (scalar gate or none; the per-channel case is in
-    ``decay_intra.py``), and dgk[t] = sum_c (q dq - k dk)[t, c] for a scalar gate.
+    ``decay_intra.py``). A scalar gate's gradient is formed in the same program, over the whole
+    chunk (the terms of ``decay.py``'s formula summed over the channels):
+
+    dg_u = sum_{t >= u} (q dq' - k dk')_t + sum_{t < u} (k dk^inter)_t + exp(G) sum(h[c] * dh[c])
+
+    with dq', dk' the inter-chunk part of dq and the pairs s < t of the intra-chunk parts (the
+    diagonal s = t, whose gate difference is 0, is added to dq, dk after).
 """
 
 from __future__ import annotations
@@ -151,7 +157,7 @@ def decay_bwd_dv_kernel(q, k, v, gq, gc, A, dh, do, dv, dA, cu_seqlens, chunk_in
 
 
 @triton.jit
-def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, dh, do, dA, dq, dk, dgk, cu_seqlens, chunk_indices, scale, T_all,
+def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, dh, do, dA, dq, dk, dg, cu_seqlens, chunk_indices, scale, T_all,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                          BV: tl.constexpr, GATE: tl.constexpr, EXCLUSIVE: tl.constexpr,
                          DOT_PRECISION: tl.constexpr):
@@ -168,7 +174,9 @@ def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, dh, do, dA, dq, dk, dgk, cu_seqlens
     b_q = tl.load(q + p_k, mask=m_tk, other=0.)
     b_k = tl.load(k + p_k, mask=m_tk, other=0.)
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dki = tl.zeros([BT, BK], dtype=tl.float32)
+    # sum of h * dh over the K block and every V: the state's own decay exp(G) in the gate gradient
+    b_hdh = tl.zeros([BK], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -179,27 +187,41 @@ def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, dh, do, dA, dq, dk, dgk, cu_seqlens
         b_h = tl.load(h + p_h, mask=m_k[:, None] & m_v[None, :], other=0.)
         b_dh = tl.load(dh + p_h, mask=m_k[:, None] & m_v[None, :], other=0.)
         b_dq += tl.dot(b_do, tl.trans(b_h.to(b_do.dtype)), input_precision=DOT_PRECISION)
-        b_dk += tl.dot(b_v, tl.trans(b_dh.to(b_v.dtype)), input_precision=DOT_PRECISION)
-    if EXCLUSIVE:
-        m_s = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
-    else:
-        m_s = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
-    b_dA = tl.load(dA + ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :], mask=m_s, other=0.)
+        b_dki += tl.dot(b_v, tl.trans(b_dh.to(b_v.dtype)), input_precision=DOT_PRECISION)
+        if GATE == 1:
+            b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+    # the pairs s < t; the diagonal s = t (inclusive readout) is added on its own below
+    m_s = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
+    m_d = (o_t[:, None] == o_t[None, :]) & m_t[:, None]
+    b_dA = tl.load(dA + ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :], mask=m_s | m_d,
+                   other=0.)
     if GATE == 1:
         b_gq = tl.load(gq + (bos + o_t) * H + i_h, mask=m_t, other=0.)
         b_gc = tl.load(gc + (bos + o_t) * H + i_h, mask=m_t, other=0.)
         b_gl = tl.load(gc + (bos + tl.minimum(T, i_c * BT + BT) - 1) * H + i_h)
         b_dq *= tl.exp(b_gq)[:, None]
-        b_dk *= tl.exp(b_gl - b_gc)[:, None]
+        b_dki *= tl.exp(b_gl - b_gc)[:, None]
         b_dA *= tl.exp(tl.where(m_s, b_gq[:, None] - b_gc[None, :], 0.))
-    b_dA = tl.where(m_s, b_dA * scale, 0.)
+    b_dA *= scale
+    b_dd = tl.sum(tl.where(m_d, b_dA, 0.), axis=1)
+    b_dA = tl.where(m_s, b_dA, 0.)
     b_dq = b_dq * scale + tl.dot(b_dA.to(b_k.dtype), b_k, input_precision=DOT_PRECISION)
-    b_dk += tl.dot(tl.trans(b_dA).to(b_q.dtype), b_q, input_precision=DOT_PRECISION)
+    b_dk = tl.dot(tl.trans(b_dA).to(b_q.dtype), b_q, input_precision=DOT_PRECISION)
+    if GATE == 1:
+        # per chunk, no cancelling terms (decay.py): the reverse cumsum of q dq - k dk over the
+        # pairs s < t, the forward exclusive cumsum of k dk through dh, and exp(G) sum(h dh)
+        b_x = tl.sum(b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk, axis=1)
+        b_y = tl.sum(b_k.to(tl.float32) * b_dki, axis=1)
+        b_g = (tl.cumsum(b_x, axis=0, reverse=True)
+               + tl.sum(tl.where(o_t[:, None] > o_t[None, :], b_y[None, :], 0.), axis=1)
+               + tl.exp(b_gl) * tl.sum(b_hdh, axis=0))
+        tl.store(dg + i_k * T_all * H + (bos + o_t) * H + i_h, b_g, mask=m_t)
+    if not EXCLUSIVE:
+        b_dq += b_dd[:, None] * b_k.to(tl.float32)
+        b_dk += b_dd[:, None] * b_q.to(tl.float32)
+    b_dk += b_dki
     tl.store(dq + p_k, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_tk)
-    if GATE == 1:
-        b_g = tl.sum(b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk, axis=1)
-        tl.store(dgk + i_k * T_all * H + (bos + o_t) * H + i_h, b_g, mask=m_t)
 
 
 # The key and value blocks of the three kernels: 64, a smaller K or V padded (masked). Narrower
@@ -251,18 +273,21 @@ def bwd_dv(q, k, v, gq, gc, A, dh, do, scale: float, chunks: Chunks, exclusive: 
 
 
 def bwd_dqk(q, k, v, gq, gc, h, dh, do, dA, scale: float, chunks: Chunks, exclusive: bool):
-    """dq, dk (inputs' dtype) and, with a scalar gate, dgk = sum_c (q dq - k dk) [1, T, H] fp32."""
+    """dq, dk (inputs' dtype) and, with a scalar gate, dg [1, T, H] fp32: the gradient of each
+    token's log gate (inclusive readout only)."""
     _, T, H, K = q.shape
     V = v.shape[-1]
     gate = 0 if gc is None else 1
+    if gate and exclusive:
+        raise ValueError("bwd_dqk: the scalar gate's gradient is formed for the inclusive readout only")
     BK, BV = BK_OUT, BV_OUT
     NK = triton.cdiv(K, BK)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    dgk = torch.empty(NK, T, H, dtype=torch.float32, device=q.device) if gate else None
+    dg = torch.empty(NK, T, H, dtype=torch.float32, device=q.device) if gate else None
     decay_bwd_dqk_kernel[(NK, chunks.NC, H)](q, k, v, gq if gq is not None else q, gc if gc is not None else q,
-                                             h, dh, do, dA, dq, dk, dgk if dgk is not None else dA,
+                                             h, dh, do, dA, dq, dk, dg if dg is not None else dA,
                                              chunks.cu_seqlens, chunks.chunk_indices, scale, T, H=H, K=K, V=V,
                                              BT=chunks.BT, BK=BK, BV=BV, GATE=gate, EXCLUSIVE=exclusive,
                                              DOT_PRECISION=dot_precision(q.dtype), num_warps=BWD_DQK_CONFIG[0],
                                              num_stages=BWD_DQK_CONFIG[1])
-    return dq, dk, (dgk.sum(0, keepdim=True) if dgk is not None else None)
+    return dq, dk, (dg.sum(0, keepdim=True) if dg is not None else None)
