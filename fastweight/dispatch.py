@@ -12,7 +12,9 @@ and live by naming convention:
 - ``"reference"``: ``fastweight.reference.ops.<op>``    (the per-token definition)
 
 ``mode`` is ``chunk`` or ``fused_recurrent``. With ``backend=None`` the first that exists
-wins: triton on CUDA, then torch, then reference. An implementation that handles grouped
+wins: triton on CUDA, then torch, then reference. float64 inputs never go to triton (the
+kernels compute in fp32 and have no float64 path): ``backend=None`` serves them with the
+PyTorch chunk path on every device, ``backend="triton"`` refuses them. An implementation that handles grouped
 value heads (HV > H) itself sets ``impl.grouped_heads = True``; one that fuses the q/k L2
 norm sets ``impl.fused_l2norm = True``; otherwise the dispatcher does both in PyTorch first.
 """
@@ -45,16 +47,21 @@ def triton_usable(device: torch.device) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and device.type == "cpu"
 
 
-def resolve(op: str, mode: str, backend: str | None, device: torch.device):
-    """The implementation of ``op`` in ``mode`` for ``backend`` (None = best available)."""
+def resolve(op: str, mode: str, backend: str | None, device: torch.device, dtype: torch.dtype = torch.float32):
+    """The implementation of ``op`` in ``mode`` for ``backend`` (None = best available) and
+    inputs of ``dtype`` on ``device``."""
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"`backend` must be one of {BACKENDS} or None, got {backend!r}")
     order = [backend] if backend is not None else list(BACKENDS)
-    if backend is None and not (device.type == "cuda"):
+    if backend is None and (device.type != "cuda" or dtype == torch.float64):
         order.remove("triton")
     for b in order:
         if b == "triton" and not triton_usable(device):
             raise ValueError(f"backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {device}")
+        if b == "triton" and dtype == torch.float64:
+            raise ValueError(f"backend='triton' has no float64 path for {mode}_{op} (the kernels compute in "
+                             "float32), got torch.float64 inputs: use backend='torch' (exact in float64) or "
+                             "backend=None")
         impl = _lookup(b, mode, op)
         if impl is None and b == "torch" and mode == "fused_recurrent":
             impl = _lookup(b, "chunk", op)
@@ -63,19 +70,26 @@ def resolve(op: str, mode: str, backend: str | None, device: torch.device):
     raise NotImplementedError(f"no {backend or 'available'} implementation of {mode}_{op}")
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / ||x||_2 over the last dim (fla's l2norm: rsqrt(sum x^2 + eps))."""
-    return x * torch.rsqrt((x.float() * x.float()).sum(-1, keepdim=True) + eps).to(x.dtype)
+    """x / ||x||_2 over the last dim (fla's l2norm: rsqrt(sum x^2 + eps)); the norm in float32
+    (float64 for float64 x), the result in x's dtype."""
+    x_c = x.to(_compute_dtype(x))
+    return x * torch.rsqrt((x_c * x_c).sum(-1, keepdim=True) + eps).to(x.dtype)
 
 
 def mamba_gate(x: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
     """g = -exp(A_log) softplus(x + dt_bias): x [B, T, H] (A_log, dt_bias [H]) or [B, T, H, K]
-    (A_log [H], dt_bias [H * K]); in x's dtype, computed in float32 (float64 for float64 x)."""
-    H, dt = A_log.shape[0], (torch.float64 if x.dtype == torch.float64 else torch.float32)
+    (A_log [H], dt_bias [H * K]); in float32 (float64 for float64 x), as the kernels form it:
+    a log decay rounded to 16 bits would carry its rounding into every decay product."""
+    H, dt = A_log.shape[0], _compute_dtype(x)
     bias, a = dt_bias.to(dt), A_log.to(dt).exp()
     if x.dim() == 4:
         bias, a = bias.view(H, -1), a.view(H, 1)
-    return (-a * torch.nn.functional.softplus(x.to(dt) + bias)).to(x.dtype)
+    return -a * torch.nn.functional.softplus(x.to(dt) + bias)
 
 
 def call(op: str, mode: str, backend: str | None, tensors: dict, *, key_tensors=("q", "k"),
@@ -85,7 +99,8 @@ def call(op: str, mode: str, backend: str | None, tensors: dict, *, key_tensors=
     ``l2norm_tensors``: what ``use_qk_l2norm`` normalises (Comba adds its read key ``p``).
     """
     device = next(t.device for t in tensors.values() if isinstance(t, torch.Tensor))
-    impl = resolve(op, mode, backend, device)
+    dtype = tensors[key_tensors[0]].dtype
+    impl = resolve(op, mode, backend, device, dtype)
     unverified = getattr(impl, "gpu_unverified", None)
     why = unverified(device, tensors["k"].shape[-1], tensors["v"].shape[-1]) if unverified else None
     if why:
@@ -95,7 +110,7 @@ def call(op: str, mode: str, backend: str | None, tensors: dict, *, key_tensors=
             _WARNED.add((op, why))
             warnings.warn(f"{mode}_{op}: {why}: running the PyTorch chunk path instead of the Triton kernels",
                           stacklevel=3)
-        impl = resolve(op, mode, "torch", device)
+        impl = resolve(op, mode, "torch", device, dtype)
     tensors = dict(tensors)
     if tensors.get("A_log") is not None:
         # Mamba-2's gate, requested to be formed by the op: in the kernel, or here for the others

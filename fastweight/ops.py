@@ -8,9 +8,13 @@ inputs); o in the dtype of v. Gates are log decays
 ``initial_state`` ``[N, HV, K, V]`` starts each sequence; ``output_final_state`` returns the
 state after the last token. ``cu_seqlens`` (int64 or int32, ``[N+1]``, B must be 1) packs N sequences
 along T as in flash-attn. ``backend`` picks the implementation (``"triton"``, ``"torch"``,
-``"reference"``; None = best for the device). Every argument is validated here
-(``fastweight.checks``) before any kernel runs. ``allow_neg_eigval`` (delta family): beta may
-lie in [0, 2] instead of [0, 1], so the transition's eigenvalue along k, 1 - beta, may be negative.
+``"reference"``; None = best for the device; float64 inputs take the PyTorch chunk path on every
+device, exact in float64, and ``"triton"`` refuses them). Every argument is validated here
+(``fastweight.checks``) before any kernel runs; the checks that read tensor values (NaN, gate
+sign, beta's range) run by default for CPU tensors only, so a default CUDA call syncs only to read
+``cu_seqlens`` (``FASTWEIGHT_VALUE_CHECKS=1`` turns them on everywhere). ``allow_neg_eigval`` (delta
+family): beta may lie in [0, 2] instead of [0, 1], so the transition's eigenvalue along k, 1 - beta,
+may be negative.
 """
 
 from __future__ import annotations
@@ -298,7 +302,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     initial_state: [N, HV, K, V]. Returns (o [B, T, HV, V], final state [N, HV, K, V] fp32 (fp64 for fp64
     inputs) or None).
     use_gate_in_kernel: ``g`` is the pre-activation of Mamba-2's gate, the log decay is
-    ``-exp(A_log) softplus(g + dt_bias)`` (A_log, dt_bias: [HV]), formed inside the kernel.
+    ``-exp(A_log) softplus(g + dt_bias)`` (A_log, dt_bias: [HV]), formed by the op in float32 (float64
+    for float64 inputs): inside the Triton kernel, in PyTorch before the other backends.
     """
     return _gated_delta("chunk", q, k, v, g, beta, scale, initial_state, output_final_state,
                         cu_seqlens, use_qk_l2norm_in_kernel, allow_neg_eigval, backend, use_gate_in_kernel,
@@ -307,10 +312,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                                      output_final_state=False, cu_seqlens=None,
-                                     use_qk_l2norm_in_kernel=False, allow_neg_eigval=False, backend=None):
-    """The gated delta rule one token at a time (decode / short sequences); as ``chunk_gated_delta_rule``."""
+                                     use_qk_l2norm_in_kernel=False, allow_neg_eigval=False,
+                                     use_gate_in_kernel=False, A_log=None, dt_bias=None, backend=None):
+    """The gated delta rule one token at a time (decode / short sequences); as ``chunk_gated_delta_rule``,
+    ``use_gate_in_kernel`` / ``A_log`` / ``dt_bias`` included."""
     return _gated_delta("fused_recurrent", q, k, v, g, beta, scale, initial_state, output_final_state,
-                        cu_seqlens, use_qk_l2norm_in_kernel, allow_neg_eigval, backend)
+                        cu_seqlens, use_qk_l2norm_in_kernel, allow_neg_eigval, backend, use_gate_in_kernel,
+                        A_log, dt_bias)
 
 
 def _kda(mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -331,17 +339,19 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     q, k: [B, T, H, K]; v: [B, T, HV, V]; g (log decay per key channel, <= 0): [B, T, HV, K];
     beta: [B, T, HV]. Returns (o [B, T, HV, V], final state [N, HV, K, V] or None).
     use_gate_in_kernel (as fla): ``g`` is the pre-activation, the log decay is
-    ``-exp(A_log) softplus(g + dt_bias)`` with A_log [HV] and dt_bias [HV * K], formed in the kernel.
+    ``-exp(A_log) softplus(g + dt_bias)`` with A_log [HV] and dt_bias [HV * K], formed by the op as
+    ``chunk_gated_delta_rule`` forms its gate.
     """
     return _kda("chunk", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                 use_qk_l2norm_in_kernel, allow_neg_eigval, backend, use_gate_in_kernel, A_log, dt_bias)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                        cu_seqlens=None, use_qk_l2norm_in_kernel=False, allow_neg_eigval=False, backend=None):
-    """KDA one token at a time; as ``chunk_kda``."""
+                        cu_seqlens=None, use_qk_l2norm_in_kernel=False, allow_neg_eigval=False,
+                        use_gate_in_kernel=False, A_log=None, dt_bias=None, backend=None):
+    """KDA one token at a time; as ``chunk_kda``, ``use_gate_in_kernel`` / ``A_log`` / ``dt_bias`` included."""
     return _kda("fused_recurrent", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                use_qk_l2norm_in_kernel, allow_neg_eigval, backend)
+                use_qk_l2norm_in_kernel, allow_neg_eigval, backend, use_gate_in_kernel, A_log, dt_bias)
 
 
 def _comba(mode, q, k, v, p, g, beta, scale, initial_state, output_final_state, cu_seqlens,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastweight import ops
-from fastweight.dispatch import l2norm, mamba_gate
+from fastweight.dispatch import mamba_gate
 from fastweight.mechanisms import REGISTRY, get
 from fastweight.testing import generator, rel_err
 
@@ -91,24 +91,25 @@ def test_grouped_value_heads(name):
     assert o_g.shape == o.shape and rel_err(o_g, o) <= 1e-15
 
 
+@pytest.mark.parametrize("backend", ["reference", None])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("op", ["delta_rule", "gated_delta_rule", "kda", "comba"])
-def test_qk_l2norm_in_kernel(op):
+def test_qk_l2norm_in_kernel(op, mode, backend):
+    """use_qk_l2norm_in_kernel is x / sqrt(sum x^2 + 1e-6), exact in float64 (the inputs normalised
+    beforehand by that formula, written out here, give the same result)."""
     name = {m.op: n for n, m in REGISTRY.items()}[op]
     x, _ = sample(name, 1, 9)
     kwargs = get(name).to_op(x)
     kwargs["q"], kwargs["k"] = 3 * kwargs["q"], 2 * kwargs["k"]
-    o, _ = op_of(name, "chunk")(**kwargs, use_qk_l2norm_in_kernel=True, backend="reference")
-    normed = {**kwargs, "q": l2norm(kwargs["q"]), "k": l2norm(kwargs["k"])}
-    if op == "comba":
-        normed["p"] = l2norm(kwargs["p"])
-    o_ref, _ = op_of(name, "chunk")(**normed, backend="reference")
-    assert rel_err(o, o_ref) <= 1e-15
+    o, _ = op_of(name, mode)(**kwargs, use_qk_l2norm_in_kernel=True, backend=backend)
+    normed = {n: (t / torch.sqrt((t * t).sum(-1, keepdim=True) + 1e-6) if n in ("q", "k", "p") else t)
+              for n, t in kwargs.items()}
+    o_ref, _ = op_of(name, mode)(**normed, backend="reference")
+    assert rel_err(o, o_ref) <= 1e-14
 
 
-@pytest.mark.parametrize("op", ["gated_delta_rule", "kda"])
-def test_gate_in_kernel(op):
-    """use_gate_in_kernel: ``g`` is the pre-activation of -exp(A_log) softplus(g + dt_bias); A_log
-    without the flag is an error, not silently dropped."""
+def gate_inputs(op, dtype=torch.float64):
+    """Inputs of ``op`` with ``g`` a gate pre-activation, and A_log, dt_bias (fresh seed)."""
     name = {m.op: n for n, m in REGISTRY.items()}[op]
     x, g = sample(name, 1, 9)
     kwargs = get(name).to_op(x)
@@ -116,12 +117,51 @@ def test_gate_in_kernel(op):
     HV, K = kwargs["v"].shape[2], kwargs["k"].shape[3]
     A_log = torch.randn(HV, dtype=torch.float64, generator=g)
     dt_bias = torch.randn(HV * K if op == "kda" else HV, dtype=torch.float64, generator=g)
-    o, _ = op_of(name, "chunk")(**kwargs, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, backend="reference")
-    o_ref, _ = op_of(name, "chunk")(**{**kwargs, "g": mamba_gate(kwargs["g"], A_log, dt_bias)}, backend="reference")
+    return name, {n: t.to(dtype) for n, t in kwargs.items()}, A_log.to(dtype), dt_bias.to(dtype)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("op", ["gated_delta_rule", "kda"])
+def test_gate_in_kernel(op, mode):
+    """use_gate_in_kernel: ``g`` is the pre-activation of -exp(A_log) softplus(g + dt_bias); A_log
+    without the flag is an error, not silently dropped."""
+    name, kwargs, A_log, dt_bias = gate_inputs(op)
+    fn = op_of(name, mode)
+    o, _ = fn(**kwargs, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, backend="reference")
+    o_ref, _ = fn(**{**kwargs, "g": mamba_gate(kwargs["g"], A_log, dt_bias)}, backend="reference")
     assert rel_err(o, o_ref) <= 1e-15
     for extra in (dict(A_log=A_log), dict(dt_bias=dt_bias)):
         with pytest.raises(ValueError, match="use_gate_in_kernel"):
-            op_of(name, "chunk")(**kwargs, **extra, backend="reference")
+            fn(**kwargs, **extra, backend="reference")
+
+
+@pytest.mark.parametrize("backend, dtype", [("torch", torch.float64), ("triton", torch.float32)])
+@pytest.mark.parametrize("op", ["gated_delta_rule", "kda"])
+def test_fused_recurrent_gate_in_kernel_gradients(op, backend, dtype, monkeypatch):
+    """fused_recurrent_<op>(use_gate_in_kernel=True): output and the gradients of g, A_log, dt_bias
+    against the per-token reference in float64, the gate formed there from the same leaves.
+    dA_log and ddt_bias sum the per-token gradients over T (and K): their tolerance is scaled by
+    that sum's cancellation, sum |term| / |sum| (as for g_gamma in tests/chunk)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    name, kwargs, A_log, dt_bias = gate_inputs(op, dtype)
+    fn = op_of(name, "fused_recurrent")
+    rest = {n: t for n, t in kwargs.items() if n != "g"}
+    leaves = [t.clone().requires_grad_() for t in (kwargs["g"], A_log, dt_bias)]
+    o, _ = fn(**rest, g=leaves[0], use_gate_in_kernel=True, A_log=leaves[1], dt_bias=leaves[2], backend=backend)
+    do = torch.randn(o.shape, dtype=torch.float64, generator=generator(1))
+    got = (o, *torch.autograd.grad(o, leaves, do.to(dtype)))
+    ref_leaves = [t.double().requires_grad_() for t in (kwargs["g"], A_log, dt_bias)]
+    gate = mamba_gate(*ref_leaves)
+    o_ref, _ = fn(**{n: t.double() for n, t in rest.items()}, g=gate, backend="reference")
+    want = (o_ref, *torch.autograd.grad(o_ref, ref_leaves + [gate], do))
+    dg, dgate = want[1], want[4]
+    terms = {"dA_log": (dgate * gate).abs().sum((0, 1)).sum(-1) if op == "kda" else (dgate * gate).abs().sum((0, 1)),
+             "ddt_bias": dg.abs().sum((0, 1)).flatten()}
+    # measured over 33 fresh seeds: float64 at most 2e-15; fp32 (Triton, interpreter) at most 9e-6 (GDN's dA_log)
+    tol = 1e-12 if dtype == torch.float64 else 3e-5
+    for name, x, ref in zip(("o", "dg", "dA_log", "ddt_bias"), got, want):
+        cancellation = (terms[name].norm() / ref.norm()).item() if name in terms else 1.0
+        assert rel_err(x, ref) <= tol * max(1.0, cancellation), (name, rel_err(x, ref), cancellation)
 
 
 def test_allow_neg_eigval_widens_beta():

@@ -88,8 +88,10 @@ def chunk_simple_gla(q, k, v, g=None, g_gamma=None, *, scale, initial_state=None
     """Scalar decay (Mamba-2 style): S_t = exp(g_t + g_gamma) S_{t-1} + k_t v_t^T.
     g: [B, T, H] data-dependent log decay and/or g_gamma: [H] a fixed one per head."""
     if g_gamma is not None:
-        g_gamma = g_gamma.expand(*q.shape[:2], q.shape[2])
-        g = g_gamma if g is None else g + g_gamma
+        # the sum in the compute dtype: in a 16-bit gate's dtype it would round the decay
+        dt = compute_dtype(q, k, v, g, g_gamma)
+        g_gamma = g_gamma.to(dt).expand(*q.shape[:2], q.shape[2])
+        g = g_gamma if g is None else g.to(dt) + g_gamma
     return decay_chunk(q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                        cu_seqlens=cu_seqlens, chunk_size=chunk_size)
 
@@ -111,6 +113,8 @@ def chunk_rwkv6(r, k, v, w, u, *, scale, initial_state=None, output_final_state=
 
 def chunk_hgrn2(q, v, g, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
                 chunk_size=64, **options):
-    """HGRN2: S_t = Diag(alpha_t) S_{t-1} + (1 - alpha_t) v_t^T, alpha_t = exp g_t: [B, T, H, K]."""
-    return decay_chunk(q, -torch.expm1(g), v, g, scale=scale, initial_state=initial_state,
+    """HGRN2: S_t = Diag(alpha_t) S_{t-1} + (1 - alpha_t) v_t^T, alpha_t = exp g_t: [B, T, H, K].
+    The key 1 - alpha_t is formed in the compute dtype (fp32, fp64 for fp64), not the gate's."""
+    k = -torch.expm1(g.to(compute_dtype(q, v, g)))
+    return decay_chunk(q, k, v, g, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)

@@ -7,11 +7,11 @@ from hypothesis import given, settings, strategies as st
 from fastweight.chunk.decay import chunk_gla, chunk_simple_gla, decay_chunk
 from fastweight.mechanisms.retnet import retnet_log_gamma
 from fastweight.reference import dplr_recurrent
-from fastweight.testing import rel_err
+from fastweight.testing import generator, rel_err
 
-from chunk_cases import (DECAY_OPS, GATED_OPS, TOL, check_fp32, check_gate_extremes, check_low_precision,
-                         check_matches_reference_fp64, check_public_op, check_random_shapes, check_varlen,
-                         chunk_impl, sample)
+from chunk_cases import (DECAY_OPS, GATED_OPS, TOL, assert_close, check_fp32, check_gate_extremes,
+                         check_low_precision, check_matches_reference_fp64, check_public_op, check_random_shapes,
+                         check_varlen, chunk_impl, reference_impl, run, sample)
 
 
 @pytest.mark.parametrize("chunk_size", [16, 32, 64])
@@ -82,3 +82,16 @@ def test_public_op_uses_this_path(op):
        seed=st.integers(0, 2**31 - 1))
 def test_random_shapes(op, B, T, H, K, V, chunk_size, seed):
     check_random_shapes(op, B, T, H, K, V, chunk_size, seed)
+
+
+@pytest.mark.parametrize("op, gate_dtype", [("hgrn2", torch.float16), ("simple_gla", torch.bfloat16),
+                                            ("simple_gla", torch.float16)])
+def test_16_bit_gates_beside_fp32_inputs(op, gate_dtype):
+    """What is formed from a 16-bit gate (HGRN2's key 1 - exp g, simple GLA's g + g_gamma) is formed in
+    fp32: output, final state and the gradients of q, k, v, h0 keep fp32 accuracy against the fp64
+    reference on the same rounded gates (the gates' own gradients come back in their 16-bit dtype)."""
+    x = {n: t.to(gate_dtype) if n in ("g", "g_gamma") else t.float() for n, t in sample(op, 2, 100, 2, 16, 16).items()}
+    h0 = torch.randn(2, 2, 16, 16, generator=generator())
+    got = run(chunk_impl(op), x, h0, scale=0.4)
+    want = run(reference_impl(op), {n: t.double() for n, t in x.items()}, h0.double(), scale=0.4)
+    assert_close(got, {n: t for n, t in want.items() if n not in ("dg", "dg_gamma")}, TOL[torch.float32])
