@@ -1,19 +1,21 @@
 """The property fuzz (``fastweight.fuzz``) at realistic shapes on one GPU.
 
-    python -m fastweight.bench.gpu_fuzz [--cases 1000] [--dtypes bf16,fp16,fp32] [--ops OPS] [--modes MODES]
+    python -m fastweight.bench.gpu_fuzz [--cases 1000] [--dtypes bf16,fp16,fp32] [--ops OPS] [--modes MODES] [--backend triton]
         [--workers W] [--budget SECONDS] [--out DIR] [--device cuda|cpu] [--seed BASE]
 
-Every op (``--ops``, default all 13) gets ``cases / len(ops)`` cases of the Triton backend,
-cycling over modes and dtypes, plus one float64 case per mode (served exactly or refused with
-a clear ValueError). Shapes come from the "gpu" space (T up to 2048, H up to 8, K and V in
-16..256 with two (K, V) pairs per op, so few Triton compilations per op); the truth is the
-float64 per-token reference up to 300 tokens, the float64 PyTorch chunk path above (each
-result says which). Output buffers are NaN-poisoned.
+The cases (``--cases`` in all) are split evenly over (op, dtype) for every op of ``--ops``
+(default all 13) and dtype of ``--dtypes``, Triton backend, alternating the modes; each op also
+gets one float64 case per mode (served exactly or refused with a clear ValueError). Shapes come
+from the "gpu" space (T up to 2048, H up to 8, K and V in 16..256, two (K, V) pairs per op, the
+kernel-selecting fields from a few profiles per (op, mode, dtype): few Triton compilations); the
+truth is the float64 per-token reference up to 256 tokens, the float64 PyTorch chunk path above
+(each result says which). Output buffers are NaN-poisoned.
 
-Each op runs in its own child process, ``--workers`` at a time (Triton compiles on the CPU,
-~1 s a kernel, so ops compile in parallel while sharing the GPU; a fault stays in its op's
-process). A child starts no new case past ``--budget`` seconds from the start; cases left
-are reported as not run. Prints the worst error per op and field against its tolerance and
+Each (op, dtype) runs in its own child process, ``--workers`` at a time, the slowest to compile
+first (Triton compiles on the CPU, ~1 s a kernel and ten times that for the fp32 WY/DPLR
+kernels, so children compile in parallel while sharing the GPU; a fault stays in its process).
+A child starts no new case past ``--budget`` seconds from the start; the summary says how many
+of the planned cases ran. Prints the worst error per op and field against its tolerance and
 every failure with its repro line, writes DIR/gpu_fuzz.json, exits 1 on any failure.
 
 ``--device cpu`` (TRITON_INTERPRET=1, the tiny "smoke" space, fp32/fp16 only: bf16 is wrong
@@ -34,14 +36,17 @@ from fastweight import fuzz
 from fastweight.ops import OPS
 
 
-def plan(op: str, cases: int, modes, dtypes, base_seed: int) -> list:
-    """(mode, backend, dtype, seed) for one op: the float64 case of each mode, then ``cases``
-    Triton cases cycling over modes x dtypes (so a cut by the budget keeps them balanced)."""
-    out = [(m, "triton", "fp64", fuzz.case_seed(base_seed, op, m, "fp64", 0)) for m in modes]
-    combos = [(m, d) for d in dtypes for m in modes]
+# ops whose chunk kernels (WY / DPLR stages) compile slowest: their children start first
+HEAVY = ("delta_rule", "gated_delta_rule", "kda", "comba", "longhorn", "dplr_delta_rule", "rwkv7")
+
+
+def plan(op: str, dtype: str, cases: int, modes, base_seed: int, float64: bool, backend="triton") -> list:
+    """(mode, backend, dtype, seed) of one child: with ``float64`` the float64 case of each mode
+    first, then Triton cases in ``dtype`` alternating the modes (a cut by the budget keeps them balanced)."""
+    out = [(m, backend, "fp64", fuzz.case_seed(base_seed, op, m, "fp64", 0)) for m in modes] if float64 else []
     for i in range(max(0, cases - len(out))):
-        m, d = combos[i % len(combos)]
-        out.append((m, "triton", d, fuzz.case_seed(base_seed, op, m, d, i)))
+        m = modes[i % len(modes)]
+        out.append((m, backend, dtype, fuzz.case_seed(base_seed, op, m, dtype, i)))
     return out
 
 
@@ -51,17 +56,18 @@ def child(args):
         import torch
         torch.cuda.set_device(0)
     space = args.space or ("gpu" if args.device == "cuda" else "smoke")
-    todo = plan(args.child, args.cases, args.modes.split(","), args.dtypes.split(","), args.seed)
+    op, dtype = args.child.split("/")
+    todo = plan(op, dtype, args.cases, args.modes.split(","), args.seed, float64=args.float64, backend=args.backend)
     with open(args.child_out, "a") as f:
         for mode, backend, dtype, seed in todo:
             if time.time() > args.deadline:
                 break
-            res = fuzz.check(fuzz.draw(space, args.child, seed, mode, backend, dtype), device=args.device)
+            res = fuzz.check(fuzz.draw(space, op, seed, mode, backend, dtype), device=args.device)
             f.write(json.dumps(res.to_json()) + "\n")
             f.flush()
             print(res.line(), flush=True)
             if any("CUDA" in p and "error" in p.lower() for p in res.problems):
-                print(f"{args.child}: CUDA error, the context is lost: stopping this op", flush=True)
+                print(f"{args.child}: CUDA error, the context is lost: stopping", flush=True)
                 break
 
 
@@ -84,15 +90,18 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="bf16,fp16,fp32")
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--modes", default=",".join(fuzz.MODES))
-    ap.add_argument("--workers", type=int, default=0, help="child processes at a time (default: cores - 2)")
+    ap.add_argument("--workers", type=int, default=0, help="child processes at a time (default: one a core)")
     ap.add_argument("--budget", type=float, default=300.0, help="seconds after which no new case starts")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--backend", default="triton", choices=("triton", "torch"),
+                    help="torch: the PyTorch chunk path (its float32 errors set fuzz.FP32_RTOL)")
     ap.add_argument("--space", default="", help="case space (default: gpu on cuda, smoke on cpu)")
     ap.add_argument("--seed", type=int, default=20261201, help="base seed of the cases")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default="", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--float64", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -101,45 +110,51 @@ def main(argv=None):
 
     start = time.time()
     op_list = [o for o in args.ops.split(",") if o]
-    per_op = max(1, -(-args.cases // len(op_list)))
-    workers = args.workers or max(1, min(len(op_list), (os.cpu_count() or 4) - 2))
+    dtypes, modes = args.dtypes.split(","), args.modes.split(",")
+    # one child per (op, dtype), the slowest to compile first: fp32 before 16-bit, HEAVY first
+    children = sorted(((op, d) for op in op_list for d in dtypes),
+                      key=lambda c: (c[1] != "fp32", c[0] not in HEAVY, op_list.index(c[0])))
+    per_child = max(1, -(-args.cases // len(children)))
+    plans = {c: plan(*c, per_child, modes, args.seed, float64=c[1] == dtypes[0], backend=args.backend)
+             for c in children}
+    workers = args.workers or max(1, min(len(children), os.cpu_count() or 4))
     deadline = start + args.budget
     tmp = tempfile.mkdtemp(prefix="gpu_fuzz_")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    pending, running, logs = list(op_list), {}, {}
+    name = lambda c: f"{c[0]}-{c[1]}"  # noqa: E731
+    pending, running, logs = list(children), {}, {}
     while pending or running:
         while pending and len(running) < workers:
-            op = pending.pop(0)
-            cmd = [sys.executable, "-m", "fastweight.bench.gpu_fuzz", "--child", op,
-                   "--child-out", os.path.join(tmp, f"{op}.jsonl"), "--deadline", str(deadline),
-                   "--cases", str(per_op), "--dtypes", args.dtypes, "--modes", args.modes,
-                   "--device", args.device, "--seed", str(args.seed)] + (["--space", args.space] if args.space else [])
-            logs[op] = open(os.path.join(tmp, f"{op}.log"), "w")
-            running[op] = (subprocess.Popen(cmd, stdout=logs[op], stderr=subprocess.STDOUT, env=env), time.time())
-        for op, (p, t0) in list(running.items()):
+            c = pending.pop(0)
+            cmd = [sys.executable, "-m", "fastweight.bench.gpu_fuzz", "--child", "/".join(c),
+                   "--child-out", os.path.join(tmp, f"{name(c)}.jsonl"), "--deadline", str(deadline),
+                   "--cases", str(per_child), "--modes", args.modes, "--device", args.device,
+                   "--seed", str(args.seed), "--backend", args.backend] + (["--space", args.space] if args.space else []) + \
+                (["--float64"] if c[1] == dtypes[0] else [])
+            logs[c] = open(os.path.join(tmp, f"{name(c)}.log"), "w")
+            running[c] = (subprocess.Popen(cmd, stdout=logs[c], stderr=subprocess.STDOUT, env=env), time.time())
+        for c, (p, t0) in list(running.items()):
             # a case started just before the deadline may still compile: kill only well past it
             if p.poll() is None and time.time() > deadline + 180:
                 p.kill()
                 p.wait()
             if p.poll() is not None:
-                logs[op].close()
-                print(f"[{time.time() - start:5.0f}s] {op}: exit {p.returncode} after {time.time() - t0:.0f}s",
+                logs[c].close()
+                print(f"[{time.time() - start:5.0f}s] {name(c)}: exit {p.returncode} after {time.time() - t0:.0f}s",
                       flush=True)
-                del running[op]
+                del running[c]
         time.sleep(0.5)
 
     results, exits, lines = [], {}, []
-    for op in op_list:
-        path = os.path.join(tmp, f"{op}.jsonl")
+    for c in children:
+        path = os.path.join(tmp, f"{name(c)}.jsonl")
         rows = [json.loads(ln) for ln in open(path)] if os.path.exists(path) else []
         results += rows
-        with open(os.path.join(tmp, f"{op}.log")) as f:
+        with open(os.path.join(tmp, f"{name(c)}.log")) as f:
             log = f.read()
-        exits[op] = dict(cases_run=len(rows), cases_planned=len(plan(op, per_op, args.modes.split(","),
-                                                                      args.dtypes.split(","), args.seed)),
-                         log_tail=log[-3000:])
+        exits[name(c)] = dict(cases_run=len(rows), cases_planned=len(plans[c]), log_tail=log[-3000:])
     failures = [r for r in results if not r["ok"]]
-    crashed = [op for op, e in exits.items() if e["cases_run"] == 0]
+    crashed = [c for c, e in exits.items() if e["cases_run"] == 0]
     worst = worst_table(results)
     lines.append(f"{'op/field':32s} {'worst err':>10s} {'tol':>9s} {'err/tol':>8s}  case")
     for key, w in sorted(worst.items()):
@@ -150,8 +165,8 @@ def main(argv=None):
     lines.append(f"cases run {len(results)} (planned {sum(e['cases_planned'] for e in exits.values())}), failed "
                  f"{len(failures)}, float64 refused {refused}; truth: {truths['reference']} reference, "
                  f"{truths['torch']} torch float64; {time.time() - start:.0f} s")
-    for op in crashed:
-        lines.append(f"{op}: no case ran; log tail:\n{exits[op]['log_tail']}")
+    for c in crashed:
+        lines.append(f"{c}: no case ran; log tail:\n{exits[c]['log_tail']}")
     for r in failures:
         c = fuzz.Case(**{**r["case"], "lengths": tuple(r["case"]["lengths"]) if r["case"]["lengths"] else None,
                          "options": tuple(tuple(o) for o in r["case"]["options"])})
