@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import math
 import os
 import random
@@ -68,7 +69,7 @@ GATES = {"simple_gla": {"g": False}, "gla": {"g": True}, "rwkv6": {"w": True}, "
          "gated_delta_rule": {"g": False}, "kda": {"g": True}, "comba": {"g": False},
          "dplr_delta_rule": {"gk": True}, "rwkv7": {"w": True}}
 NEG_EIGVAL = ("delta_rule", "gated_delta_rule", "kda", "comba")   # allow_neg_eigval, use_qk_l2norm_in_kernel
-GATE_IN_KERNEL = ("gated_delta_rule", "kda")                        # chunk mode only
+GATE_IN_KERNEL = ("gated_delta_rule", "kda")                        # where the op's signature has it
 SAME_HEADS = ("rwkv6",)                                             # raise for HV != H (ops.py)
 NORMALISED_KEYS = ("delta_rule", "gated_delta_rule", "kda", "comba")
 
@@ -197,7 +198,7 @@ def draw(space: Space | str, op: str, seed: int, mode: str, backend: str, dtype:
         options.append(("gate_parts", cfg.choice(("g", "g_gamma", "both", "both"))))
     if op in NEG_EIGVAL:
         options += [("use_qk_l2norm_in_kernel", cfg.random() < 0.4), ("allow_neg_eigval", cfg.random() < 0.4)]
-    if op in GATE_IN_KERNEL and mode == "chunk":
+    if op in GATE_IN_KERNEL and "use_gate_in_kernel" in inspect.signature(getattr(ops, f"{mode}_{op}")).parameters:
         options.append(("use_gate_in_kernel", cfg.random() < 0.4))
     if op == "comba":
         options.append(("p_is_k", cfg.random() < 0.2))

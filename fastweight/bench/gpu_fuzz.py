@@ -1,7 +1,7 @@
 """The property fuzz (``fastweight.fuzz``) at realistic shapes on one GPU.
 
-    python -m fastweight.bench.gpu_fuzz [--cases 1000] [--dtypes bf16,fp16,fp32] [--ops OPS] [--modes MODES] [--backend triton]
-        [--workers W] [--budget SECONDS] [--out DIR] [--device cuda|cpu] [--seed BASE]
+    python -m fastweight.bench.gpu_fuzz [--cases 1000] [--dtypes bf16,fp16,fp32] [--ops OPS] [--modes MODES]
+        [--backend triton|torch] [--workers W] [--budget SECONDS] [--out DIR] [--device cuda|cpu] [--seed BASE]
 
 The cases (``--cases`` in all) are split evenly over (op, dtype) for every op of ``--ops``
 (default all 13) and dtype of ``--dtypes``, Triton backend, alternating the modes; each op also
@@ -129,7 +129,8 @@ def main(argv=None):
             cmd = [sys.executable, "-m", "fastweight.bench.gpu_fuzz", "--child", "/".join(c),
                    "--child-out", os.path.join(tmp, f"{name(c)}.jsonl"), "--deadline", str(deadline),
                    "--cases", str(per_child), "--modes", args.modes, "--device", args.device,
-                   "--seed", str(args.seed), "--backend", args.backend] + (["--space", args.space] if args.space else []) + \
+                   "--seed", str(args.seed), "--backend", args.backend] + \
+                (["--space", args.space] if args.space else []) + \
                 (["--float64"] if c[1] == dtypes[0] else [])
             logs[c] = open(os.path.join(tmp, f"{name(c)}.log"), "w")
             running[c] = (subprocess.Popen(cmd, stdout=logs[c], stderr=subprocess.STDOUT, env=env), time.time())
