@@ -248,6 +248,7 @@ class FastweightForCausalLM(PreTrainedModel, GenerationMixin):
                 + ". Fix the config.json, or pass strict=False to load them anyway (missing tensors newly initialised)")
         return (model, info) if output_loading_info else model
 
+
 def register() -> None:
     """Register with AutoConfig / AutoModelForCausalLM (done on import; safe to call twice)."""
     try:

@@ -93,7 +93,8 @@ def edited_checkpoint(tmp_path, **changes):
     (dict(n_layers=1), r"18 unexpected key\(s\): model\.blocks\.1\.mixer\.A_log"),
     (dict(mixer="la"), r"unexpected key\(s\): model\.blocks\.0\.mixer\.A_log"),
     (dict(mixer="gdn,mamba2"), r"missing key\(s\): model\.blocks\.1\.mixer\.\w+.*unexpected key\(s\)"),
-    (dict(d_model=128), r"26 mismatched key\(s\): model\.blocks\.0\.mixer\.a_proj\.weight \(checkpoint \(2, 64\), model \(2, 128\)\)"),
+    (dict(d_model=128), r"26 mismatched key\(s\): model\.blocks\.0\.mixer\.a_proj\.weight "
+                        r"\(checkpoint \(2, 64\), model \(2, 128\)\)"),
 ])
 def test_weights_that_do_not_fill_the_config_are_refused(tmp_path, changes, report):
     path = edited_checkpoint(tmp_path, **changes)
@@ -120,6 +121,16 @@ def test_not_strict_initialises_the_missing_tensors_as_a_new_model(tmp_path, mon
         assert torch.equal(loaded.model.get_parameter(name), p), name
     assert all(torch.isfinite(p).all() for p in loaded.parameters())
     assert loaded.model.lm_head.weight is loaded.model.embed.weight
+
+
+def test_ignore_mismatched_sizes_initialises_them(tmp_path, monkeypatch):
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: empty_like(*a, **k).fill_(float("nan")))
+    path = edited_checkpoint(tmp_path, d_model=128)
+    loaded = AutoModelForCausalLM.from_pretrained(path, ignore_mismatched_sizes=True)
+    assert loaded.model.embed.weight.shape == (64, 128) and loaded.model.lm_head.weight is loaded.model.embed.weight
+    assert all(torch.isfinite(p).all() for p in loaded.parameters())
+    assert 0.015 < loaded.model.embed.weight.std() < 0.025 and torch.equal(loaded.model.norm.weight, torch.ones(128))
 
 
 def test_a_new_model_is_initialised_once_by_the_language_model():
