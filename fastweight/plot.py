@@ -114,8 +114,8 @@ def load_trained(checkpoint: str):
     """(model, task) of a ``fastweight train`` checkpoint (the first train task)."""
     from fastweight.models import LanguageModel, LMConfig
     from fastweight.tasks import from_spec
-    from fastweight.train import TrainConfig
-    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    from fastweight.train import TrainConfig, load_checkpoint
+    state = load_checkpoint(checkpoint)
     model = LanguageModel(LMConfig.from_dict(state["model_config"]))
     model.load_state_dict(state["model"])
     cfg = TrainConfig(**state["config"])
