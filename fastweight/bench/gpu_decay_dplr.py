@@ -46,14 +46,15 @@ SHAPES = {"gdn1.3b": (4, 8192, 16, 128), "rwkv7paper": (8, 16384, 64, 64)}
 ROWS = []
 
 
-def inputs(op, B, T, H, K, dtype, gen_scale=1.0, V=None, strong=False):
+def inputs(op, B, T, H, K, dtype, gen_scale=1.0, V=None, strong=False, device=DEV):
     """Inputs of ``ops.chunk_<op>`` by argument name (gates fp32, log-space, as the anchors);
     value head dim V (default K). ``strong``: the gates x64 (GLA family: -3.2 per step on average,
     down to about -15; RWKV-7's w x16, past its bound) on every other 16-token sub-chunk, so the
-    diagonal sub-chunks take both paths (measured at T = 200, K = 64: ~60% factored)."""
-    r = lambda *s: torch.randn(*s, device=DEV)  # noqa: E731
+    diagonal sub-chunks take both paths (measured at T = 200, K = 64: ~60% factored). On ``device``
+    (the GPU unless given)."""
+    r = lambda *s: torch.randn(*s, device=device)  # noqa: E731
     if strong:
-        alt = (torch.arange(T, device=DEV) // 16) % 2 == 0
+        alt = (torch.arange(T, device=device) // 16) % 2 == 0
         gen_scale = torch.where(alt, 16.0 if op == "rwkv7" else 64.0, 1.0).view(1, T, 1, 1)
     q = F.normalize(r(B, T, H, K), dim=-1).to(dtype)
     k = F.normalize(r(B, T, H, K), dim=-1).to(dtype)
@@ -71,13 +72,13 @@ def inputs(op, B, T, H, K, dtype, gen_scale=1.0, V=None, strong=False):
     if op == "hgrn2":
         return dict(q=q, v=v, g=g_v)
     if op == "rwkv7":
-        iclr = torch.rand(B, T, H, 1, device=DEV)
+        iclr = torch.rand(B, T, H, 1, device=device)
         kk = F.normalize(r(B, T, H, K), dim=-1)
         w = -0.6065306597126334 * torch.sigmoid(r(B, T, H, K)) * gen_scale
         return dict(r=q, w=w, k=k, v=v, a=(-kk).to(dtype), b=(kk * iclr).to(dtype))
     if op == "dplr_delta_rule":
         kk = F.normalize(r(B, T, H, K), dim=-1)
-        return dict(q=q, k=k, v=v, a=(-kk).to(dtype), b=(kk * torch.rand(B, T, H, 1, device=DEV)).to(dtype),
+        return dict(q=q, k=k, v=v, a=(-kk).to(dtype), b=(kk * torch.rand(B, T, H, 1, device=device)).to(dtype),
                     gk=g_v)
     raise ValueError(op)
 
