@@ -23,8 +23,8 @@ h): 1.5 KB at K = V = 64, 2.3 KB at K = V = 128 in bf16, against 0.9 / 1.8 KB fo
 the op keeps anyway. The state gradient runs the loop in reverse (with the reads' gradient dU),
 then one program per chunk (``dplr_bwd.py``) forms dV and the four matrices' gradients
 (``dplr_wy.local_grads``) and takes them to q, k, a, b and the per-token gate terms
-(``dplr_intra.py``), whose reverse cumulative sum is dgk (the identity of ``decay.py``, with a
-reading exp(G_{t-1})).
+(``dplr_intra.py``), which a last pass sums into dgk chunk by chunk, in a form that does not
+cancel under strong decay (``dplr_bwd.py``; no sequence-wide sum, no final-state carry).
 
 Every exponential has an argument <= 0, except in the chunks (and diagonal sub-chunks) whose
 gates span less than ``decay_intra.SAFE_SPAN`` (there, within +-SAFE_SPAN / 2); no gate is clamped. Shapes: q, k, a, b, gk
@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from fastweight.kernels.common import Chunks, prepare_chunks
-from fastweight.kernels.decay_gate import gate_cumsum, gate_reverse_cumsum
+from fastweight.kernels.decay_gate import gate_cumsum
 from fastweight.kernels.decay_output import output_fwd
 from fastweight.kernels.dplr_bwd import dplr_bwd
 from fastweight.kernels.dplr_intra import dplr_intra_fwd
@@ -67,13 +67,13 @@ class ChunkDplrFunction(torch.autograd.Function):
         h, u, ht = dplr_state_fwd(k, v, b, gc, w, ut, chunks, initial_state, output_final_state)
         o = output_fwd(q, k, v, gc, gc, h, Aqk, scale, chunks, False, A2=Aqb, v2=u)
         kept = (Aqk, Aqb, Aak, Ai, w, ut, h, u) if not RECOMPUTE else ()
-        ctx.save_for_backward(q, k, v, a, b, gk, initial_state, ht, *kept)
+        ctx.save_for_backward(q, k, v, a, b, gk, initial_state, *kept)
         ctx.scale, ctx.chunks, ctx.recompute = scale, chunks, RECOMPUTE
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, a, b, gk, initial_state, ht, *kept = ctx.saved_tensors
+        q, k, v, a, b, gk, initial_state, *kept = ctx.saved_tensors
         scale, chunks = ctx.scale, ctx.chunks
         # autograd hands cotangents in any strides (S.sum(): stride 0; through S.mT: transposed);
         # the kernels read both as contiguous
@@ -86,10 +86,8 @@ class ChunkDplrFunction(torch.autograd.Function):
             Aqk, Aqb, Aak, Ai, w, ut, h, u = kept
             gc, gp = gate_cumsum(gk, None, chunks, q.shape[2], q.shape[1], exclusive=True)
         dh, du, dh0 = dplr_state_bwd(q, b, gc, w, Aqb, do, dht, scale, chunks, initial_state is not None)
-        dq, dk, dv, da, db, dgk, dga = dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, scale,
-                                                chunks)
-        carry = (ht * dht).sum(-1) if dht is not None else None
-        dg = gate_reverse_cumsum(dgk, chunks, carry, sub=dga, dtype=gk.dtype)
+        dq, dk, dv, da, db, dg = dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, scale, chunks,
+                                          gk.dtype)
         if dh0 is not None:
             dh0 = dh0.to(initial_state.dtype)
         return dq, dk, dv, da, db, dg, dh0, None, None, None

@@ -20,9 +20,8 @@ row (both factors <= 1), a diagonal sub-chunk through the midpoint of its own ga
 span less than SAFE_SPAN, else pairwise, one token at a time. Both branches are taken at run
 time; no gate is clamped.
 
-The gate gradient (see ``decay.py``): q and a read exp(G_t) and exp(G_{t-1}), k and b
-exp(-G_s), so per token dgk = q dq - k dk - b db + a da and dga = a da, and
-dg_s = sum_{t >= s} dgk_t - dga_s (+ the final-state term).
+The gate gradient: q and a read exp(G_t) and exp(G^-_t), k and b exp(-G_s); the per-token terms
+``_bwd_finish`` stores and their chunk-local sums are in ``dplr_bwd.py``.
 """
 
 from __future__ import annotations
@@ -236,15 +235,37 @@ def dplr_intra_wide_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, wide, cu_seql
 
 
 @triton.jit
-def _bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, p_i, m_ik, scale, dq_s, dk_s, da_s, db_s, dq, dk, da, db,
-                dgk, dga):
-    """Add the parts through the states, store the gradients and the per-token gate terms."""
+def _bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, k, a, b, pairs, bos, o_i, m_i, lo, hi, i_h, o_k, m_k,
+                scale, H: tl.constexpr, K: tl.constexpr, dq_s, dk_s, da_s, db_s, dq, dk, da, db, dgk, dga, dgs):
+    """Rows o_i (valid where m_i) of a chunk holding rows [lo, hi): given the intra-chunk parts of
+    dq (before scale), dk, da, db from the dA's without their gate-free pairs, add the parts
+    through the states and the pairs' own terms (``pairs``, from ``dplr_wy.local_grads``), store
+    the gradients and the gate gradient's three per-token terms (``dplr_bwd.py``, fp32):
+    dgk = q dq - k dk - b db (every part read at G but the pairs and the chunk-end state terms),
+    dga = a da (read at G^-, pairs excluded), dgs = k dk + b db (the chunk-end state terms)."""
+    p_i = ((bos + o_i) * H + i_h)[:, None] * K + o_k[None, :]
+    m_ik = m_i[:, None] & m_k[None, :]
     b_dq = b_dq * scale + tl.load(dq_s + p_i, mask=m_ik, other=0.)
-    b_dk += tl.load(dk_s + p_i, mask=m_ik, other=0.)
     b_da += tl.load(da_s + p_i, mask=m_ik, other=0.)
-    b_db += tl.load(db_s + p_i, mask=m_ik, other=0.)
-    tl.store(dgk + p_i, b_q * b_dq - b_k * b_dk - b_b * b_db + b_a * b_da, mask=m_ik)
+    b_dks = tl.load(dk_s + p_i, mask=m_ik, other=0.)
+    b_dbs = tl.load(db_s + p_i, mask=m_ik, other=0.)
+    tl.store(dgk + p_i, b_q * b_dq - b_k * b_dk - b_b * b_db, mask=m_ik)
     tl.store(dga + p_i, b_a * b_da, mask=m_ik)
+    tl.store(dgs + p_i, b_k * b_dks + b_b * b_dbs, mask=m_ik)
+    # the pairs: dA_qk[t, t], dA_qb[t, t] (rows t), dA_ak[t, t-1], dA_ab[t, t-1] (rows t, against
+    # k, b of row t - 1) and dA_ak[t+1, t], dA_ab[t+1, t] (columns t, against a of row t + 1)
+    p_p = ((bos + o_i) * H + i_h) * 4
+    m_prev, m_next = m_i & (o_i > lo), o_i + 1 < hi
+    b_pqk = tl.load(pairs + p_p, mask=m_i, other=0.)[:, None] * scale
+    b_pqb = tl.load(pairs + p_p + 1, mask=m_i, other=0.)[:, None] * scale
+    b_da += (tl.load(pairs + p_p + 2, mask=m_i, other=0.)[:, None] * _load_rows(k, bos, o_i - 1, m_prev, i_h, o_k,
+                                                                                m_k, H, K)
+             + tl.load(pairs + p_p + 3, mask=m_i, other=0.)[:, None] * _load_rows(b, bos, o_i - 1, m_prev, i_h, o_k,
+                                                                                  m_k, H, K))
+    b_an = _load_rows(a, bos, o_i + 1, m_next, i_h, o_k, m_k, H, K)
+    b_dk += b_dks + b_pqk * b_q + tl.load(pairs + p_p + 4 * H + 2, mask=m_next, other=0.)[:, None] * b_an
+    b_db += b_dbs + b_pqb * b_q + tl.load(pairs + p_p + 4 * H + 3, mask=m_next, other=0.)[:, None] * b_an
+    b_dq += b_pqk * b_k + b_pqb * b_b
     tl.store(dq + p_i, b_dq.to(dq.dtype.element_ty), mask=m_ik)
     tl.store(dk + p_i, b_dk.to(dk.dtype.element_ty), mask=m_ik)
     tl.store(da + p_i, b_da.to(da.dtype.element_ty), mask=m_ik)
@@ -252,9 +273,10 @@ def _bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, p_i, m_ik, scale, dq
 
 
 @triton.jit
-def _bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s, dq, dk, da, db, dgk, dga, scale,
-             i_k, i_c, i_i, bos, T, i_h, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-             BK: tl.constexpr, DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr):
+def _bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, pairs, dq_s, dk_s, da_s, db_s, dq, dk, da, db, dgk, dga,
+             dgs, scale, i_k, i_c, i_i, bos, T, i_h, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+             BC: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr,
+             SPAN: tl.constexpr):
     """Sub-chunk i_i's rows of dq, dk, da, db in K block i_k (chunks whose gates span SPAN or more)."""
     NC: tl.constexpr = BT // BC
     o_c = tl.arange(0, BC)
@@ -353,9 +375,9 @@ def _bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, dq_s, dk_s, da_s, db_s,
             b_e = tl.exp(tl.where(m_ss[:, None], b_gpj[None, :] - b_g, float("-inf")))
             b_dk += tl.load(dAak + p_r, mask=m_ss, other=0.)[:, None] * b_aj[None, :] * b_e
             b_db += tl.load(dAab + p_r, mask=m_ss, other=0.)[:, None] * b_aj[None, :] * b_e
-    p_i = ((bos + o_i) * H + i_h)[:, None] * K + o_k[None, :]
-    _bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, p_i, m_ik, scale, dq_s, dk_s, da_s, db_s, dq, dk, da, db,
-                dgk, dga)
+    _bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, k, a, b, pairs, bos, o_i, m_i, i_c * BT,
+                tl.minimum(T, i_c * BT + BT), i_h, o_k, m_k, scale, H, K, dq_s, dk_s, da_s, db_s, dq, dk, da, db, dgk,
+                dga, dgs)
 
 
 @triton.jit

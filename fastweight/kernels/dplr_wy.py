@@ -63,11 +63,16 @@ def dplr_wy_fwd_kernel(a, v, gp, Ai, Aak, w, ut, cu_seqlens, chunk_indices, H: t
 
 
 @triton.jit
-def local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, dk, da, db, i_t, i_c, bos, T, i_h,
-                scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+def local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, dk, da, db, pairs, i_t, i_c, bos, T,
+                i_h, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                 BV: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Chunk i_t (i_c in its sequence): stores dv and the state parts of dq, dk, da, db (fp32) and
-    returns the four matrices' gradients (dA_qk, dA_qb, dA_ak, dA_ab, [BT, BT] fp32, masked)."""
+    returns the four matrices' gradients (dA_qk, dA_qb, dA_ak, dA_ab, [BT, BT] fp32, masked) without
+    their gate-free pairs: the diagonal of dA_qk, dA_qb (decay exp(G_t - G_t) = 1) and the first
+    subdiagonal of dA_ak, dA_ab (exp(G^-_t - G_{t-1}) = 1). Those go to ``pairs`` [1, T, H, 4] fp32,
+    row t holding dA_qk[t, t], dA_qb[t, t], dA_ak[t, t-1], dA_ab[t, t-1] (0 at the chunk's first row):
+    their terms in the gate gradient cancel exactly, so they are added to dq, dk, da, db only
+    (``dplr_intra._bwd_finish``)."""
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T
     m_all = m_t[:, None] & m_t[None, :]
@@ -147,8 +152,17 @@ def local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
         tl.store(dq + p_k, b_dqi * scale * tl.exp(b_g), mask=m_tk)
         tl.store(db + p_k, b_dbi * b_e, mask=m_tk)
         tl.store(dk + p_k, b_dki * b_e, mask=m_tk)
-    return (tl.where(m_incl, b_dAqk, 0.), tl.where(m_incl, b_dAqb, 0.), tl.where(m_strict, b_dAak, 0.),
-            tl.where(m_strict, b_dAab, 0.))
+    o_r = tl.arange(0, BT)
+    m_diag = o_r[:, None] == o_r[None, :]
+    m_sub = o_r[:, None] == o_r[None, :] + 1
+    p_p = ((bos + o_t) * H + i_h) * 4
+    tl.store(pairs + p_p, tl.sum(tl.where(m_diag, b_dAqk, 0.), 1), mask=m_t)
+    tl.store(pairs + p_p + 1, tl.sum(tl.where(m_diag, b_dAqb, 0.), 1), mask=m_t)
+    tl.store(pairs + p_p + 2, tl.sum(tl.where(m_sub, b_dAak, 0.), 1), mask=m_t)
+    tl.store(pairs + p_p + 3, tl.sum(tl.where(m_sub, b_dAab, 0.), 1), mask=m_t)
+    m_far = m_strict & (o_r[:, None] > o_r[None, :] + 1)
+    return (tl.where(m_strict, b_dAqk, 0.), tl.where(m_strict, b_dAqb, 0.), tl.where(m_far, b_dAak, 0.),
+            tl.where(m_far, b_dAab, 0.))
 
 
 def _blocks(K, V):

@@ -183,3 +183,77 @@ def test_dplr_cotangent_layouts(layout_o, layout_s):
         ref_grad = ref[n].grad if ref[n].grad is not None else torch.zeros_like(ref[n])
         err = rel_err(low[n].grad, ref_grad)
         assert err < TOL[torch.float32], f"d{n}: {err:.3g}"
+
+
+def _strong(op, T, per_token, H=1, K=16, V=32, gen=None):
+    """``_inputs`` with log decays of about ``per_token`` (a float, or a [T] tensor) in every channel:
+    -per_token * exp(0.2 n), n standard normal."""
+    x = _inputs(op, T, H=H, K=K, V=V, gen=gen)
+    g = -torch.as_tensor(per_token, dtype=torch.float32).reshape(1, -1, 1, 1) * torch.exp(
+        0.2 * torch.randn(1, T, H, K, generator=gen))
+    x["w" if op == "rwkv7" else "gk"] = g
+    return x
+
+
+@pytest.mark.parametrize("T, per_token", [(43, 3.0), (43, 6.0), (1, 6.0), (65, 6.0), (68, 6.0)])
+def test_dplr_padded_lanes(T, per_token):
+    """A partial last chunk under strong gates (and K = 20: masked key lanes in every K block): no
+    exponential of a padded row or lane overflows into inf * 0. T = 43: the sub-chunk path; T = 1:
+    the whole-chunk factored path; T = 65, 68: a sub-chunk chunk, then a last chunk of 1 / 4 tokens
+    (span about 6 / 24 < SAFE_SPAN) that is factored whole. Forward and backward finite, against the
+    float64 reference (``rel_err`` is inf for a non-finite value)."""
+    gen = generator()
+    x = _strong("dplr_delta_rule", T, per_token, H=2, K=20, V=24, gen=gen)
+    spans = dplr_intra.chunk_spans(x["gk"][0], BK=32)
+    assert (spans[-1] < decay_intra.SAFE_SPAN).all() == (T in (1, 65, 68)), spans
+    _check("dplr_delta_rule", x, gen=gen)
+
+
+def _gate_errors(op, x, dtype, cu_seqlens=None, gen=None):
+    """The error of the gate gradient (loss on o and on the final state, an initial state) of the
+    Triton kernels and of the PyTorch chunk path in ``dtype`` against the float64 reference, and the
+    largest error of the other gradients of the Triton kernels."""
+    fn = getattr(ops, f"chunk_{op}")
+    gate = "w" if op == "rwkv7" else "gk"
+    K, H, V = x["k"].shape[-1], x["v"].shape[2], x["v"].shape[3]
+    N = 1 if cu_seqlens is None else len(cu_seqlens) - 1
+    leaves = dict(x, initial_state=torch.randn(N, H, K, V, generator=gen))
+    grads = {}
+    for backend, dt in (("triton", dtype), ("torch", dtype), ("reference", torch.float64)):
+        xs = {n: t.to(dt if n not in (gate, "initial_state") or dt == torch.float64 else t.dtype,
+                      copy=True).requires_grad_(True) for n, t in leaves.items()}
+        o, ht = fn(**xs, scale=K ** -0.5, output_final_state=True, cu_seqlens=cu_seqlens, backend=backend)
+        do = torch.randn(o.shape, generator=generator(1)).to(o.dtype)
+        dht = torch.randn(ht.shape, generator=generator(2)).to(ht.dtype)
+        torch.autograd.backward([o, ht], [do, dht])
+        grads[backend] = {n: t.grad for n, t in xs.items()}
+    ref = grads["reference"]
+    others = max(rel_err(grads["triton"][n], ref[n]) for n in leaves if n != gate)
+    return rel_err(grads["triton"][gate], ref[gate]), rel_err(grads["torch"][gate], ref[gate]), others
+
+
+# measured, worst over the cases below: fp32 7e-6 (the PyTorch path 2e-7: G is an fp32 chunk-local
+# cumsum here, float64 there; exactly representable cumsums give 8e-7)
+GATE_TOL_FP32 = 2e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("op, T, per_token, cu", [
+    ("dplr_delta_rule", 64, 6.0, None), ("rwkv7", 64, 6.0, None), ("dplr_delta_rule", 64, 3.0, None),
+    ("rwkv7", 43, 3.0, None), ("dplr_delta_rule", 150, 6.0, [0, 20, 150]), ("rwkv7", 130, None, [0, 70, 130]),
+])
+def test_gate_gradient_strong_decay(op, T, per_token, cu, dtype):
+    """The gate gradient under strong decay (log gates about -6 and -3 per token; None: RWKV-7's own
+    range, [-0.607, 0]): full, partial and several chunks, varlen, an initial state, a loss on o and
+    on the final state. Its error against float64 is at most 0.005 in fp16 (fla's tolerance) and
+    within 1.5x of the PyTorch chunk path's in the same dtype; in fp32 within GATE_TOL_FP32."""
+    gen = generator()
+    K = 64 if T == 64 else 32
+    x = _strong(op, T, per_token, H=2, K=K, V=K, gen=gen) if per_token else _inputs(op, T, H=2, K=K, V=K, gen=gen)
+    cu = torch.tensor(cu) if cu is not None else None
+    err, err_torch, others = _gate_errors(op, x, dtype, cu, gen)
+    assert others < TOL[dtype], f"other gradients: {others:.3g}"
+    if dtype == torch.float16:
+        assert err <= 0.005 and err <= 1.5 * err_torch, f"d gate: {err:.3g} (PyTorch path {err_torch:.3g})"
+    else:
+        assert err <= GATE_TOL_FP32, f"d gate: {err:.3g} (PyTorch path {err_torch:.3g})"
