@@ -15,8 +15,9 @@ modes, set by ``FASTWEIGHT_VALUE_CHECKS`` or :func:`set_value_checks`:
 - ``0`` / ``False``: off everywhere.
 
 ``cu_seqlens`` contents are checked in every mode (bad offsets would make the kernels read
-out of bounds), from one host copy: a varlen call reads its boundaries once, as the
-kernels must anyway, and a call without ``cu_seqlens`` reads no tensor value at all.
+out of bounds), from one host copy, as fla reads them: a varlen call syncs for it (the Triton
+path's ``prepare_chunks`` copies the lengths once more, right after, with the queue already
+drained), and a call without ``cu_seqlens`` reads no tensor value at all.
 Value checks and the ``cu_seqlens`` contents are skipped inside ``torch.compile`` graphs.
 """
 
