@@ -59,3 +59,42 @@ def strided(x: torch.Tensor, layout: str) -> torch.Tensor:
     if layout == "sliced":
         return torch.stack([torch.zeros_like(x), x], -1)[..., 1]
     raise ValueError(f"unknown layout {layout!r}, expected one of {LAYOUTS}")
+
+
+# (layout of o's cotangent, of the final state's) for the ops' backward tests; None leaves that
+# output out of the loss (a loss on the state alone)
+COTANGENTS = (("expanded", "contiguous"), ("transposed_outer", "contiguous"), ("sliced", "sliced"),
+              ("contiguous", "expanded"), ("contiguous", "transposed"), (None, "transposed"), (None, "sliced"))
+
+
+def check_gradients(outs, leaves: dict, ref_outs, ref_leaves: dict, g_ref, cotangents, tol: float, what: str = "",
+                    tols: dict | None = None):
+    """Asserts that every leaf's gradient for ``cotangents`` (of each of ``outs``; None: that output is
+    not in the loss), handed to the backward as they are (any strides), is within ``tol`` (relative) of
+    the reference's (``ref_outs``, ``ref_leaves`` of the same names; cotangents in float64 there).
+    ``tols``: a tolerance for some leaves by name, in place of ``tol``.
+
+    ``g_ref``: the reference's log gate when ``A_log`` and ``dt_bias`` form it (Mamba-2's gate), else
+    None. Their gradients are sums over tokens of dL/dg_t dg_t/dtheta: the error is the per-token error
+    times sum |dL/dg_t dg_t/dtheta|, which can exceed |dtheta| a lot (cancellation in the sum), so their
+    tolerance is scaled by that ratio, computed from the reference.
+    """
+    used = [i for i, c in enumerate(cotangents) if c is not None]
+    names = list(leaves)
+    got = torch.autograd.grad([outs[i] for i in used], [leaves[n] for n in names], [cotangents[i] for i in used],
+                              retain_graph=True, allow_unused=True)
+    targets = [ref_leaves[n] for n in names] + ([g_ref] if g_ref is not None else [])
+    want = torch.autograd.grad([ref_outs[i] for i in used], targets, [cotangents[i].double() for i in used],
+                               retain_graph=True, allow_unused=True)
+    want = [torch.zeros_like(t) if w is None else w for w, t in zip(want, targets)]
+    magnitude = {}
+    if g_ref is not None:
+        params = [ref_leaves["A_log"], ref_leaves["dt_bias"]]
+        magnitude = dict(zip(("A_log", "dt_bias"),
+                             torch.autograd.grad((g_ref * want[-1].abs()).sum(), params, retain_graph=True)))
+    for n, a, b in zip(names, got, want):
+        assert a is not None, f"{what}d{n}: no gradient"
+        assert a.dtype == leaves[n].dtype, f"{what}d{n}: {a.dtype}"
+        t = (tols or {}).get(n, tol)
+        t *= max(1.0, magnitude[n].norm().item() / (b.norm().item() or 1.0)) if n in magnitude else 1.0
+        assert rel_err(a, b) < t, f"{what}d{n}: {rel_err(a, b):.3g} (tolerance {t:.3g})"

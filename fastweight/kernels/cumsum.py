@@ -31,9 +31,9 @@ def chunk_local_cumsum_kernel(x, y, A_log, dt_bias, cu_seqlens, chunk_indices, H
         b_x += tl.load(dt_bias + i_h * D + o_d, mask=o_d < D, other=0.).to(tl.float32)[None, :]
         b_sp = tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(tl.minimum(b_x, 20.))))
         b_x = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * b_sp
-    b_y = tl.cumsum(b_x, axis=0)
-    if REVERSE:
-        b_y = tl.sum(b_x, axis=0)[None, :] - b_y + b_x
+    # the reverse sum runs as a scan from the end, not as total - prefix: a strongly decayed chunk's
+    # gradient is small at its end and the subtraction would leave the rounding of the whole sum there
+    b_y = tl.cumsum(b_x, axis=0, reverse=REVERSE)
     tl.store(p_y, b_y.to(p_y.dtype.element_ty), boundary_check=(0, 1))
 
 

@@ -69,13 +69,11 @@ def delta_bwd(q, k, v, beta, saved, do, dht, scale, chunks, need_dh0, p=None):
     final = q.dtype if gk_cum is None and p is None and q.shape[2] == v.shape[2] else torch.float32
     dq, dk, dw, dg_cum, dAqk = output_bwd(q, k, g_cum, h, dh, v_new, do, dv_tilde, scale, chunks, gk_cum=gk_cum,
                                           dq_dtype=final)
-    dk, dv, dbeta, dAkk, dp, dg_read = wy_bwd(k, v, beta, g_cum, Ai, dw, dv_tilde, dk, dg_cum, chunks,
+    dk, dv, dbeta, dAkk, dp = wy_bwd(k, v, beta, g_cum, Ai, dw, dv_tilde, dk, dg_cum, chunks,
                                               gk_cum=gk_cum, Akk=Akk, dk_dtype=final, p=p, g_read=g_read)
     if gk_cum is not None:
         intra_bwd(q, k, gk_cum, dAqk, dAkk, dq, dk, dg_cum, chunks)
     dg = chunk_local_cumsum(dg_cum, chunks, reverse=True) if dg_cum is not None else None
-    if dg_read is not None:
-        dg = dg - dg_read
     return dq, dk, dv, dg, dbeta, dh0, dp
 
 

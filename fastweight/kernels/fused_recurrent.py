@@ -106,14 +106,14 @@ def fused_recurrent_fwd_kernel(
             b_gs = tl.load(g + i_tok * HV + i_hv).to(tl.float32)
             if USE_GATE_IN_KERNEL:
                 b_x = b_gs + b_dt
-                b_gs = b_A * tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(b_x)))
+                b_gs = b_A * tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(tl.minimum(b_x, 20.))))
         if USE_G_GAMMA:
             b_gs += b_gamma
         if USE_GK:
             b_gk = tl.load(gk + o_hk, mask=m_k, other=0).to(tl.float32)
             if USE_GATE_IN_KERNEL:
                 b_x = b_gk + b_dt
-                b_gk = b_A * tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(b_x)))
+                b_gk = b_A * tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(tl.minimum(b_x, 20.))))
             b_w = tl.exp(b_gk + b_gs)
         else:
             b_w = tl.exp(b_gs + tl.zeros([BK], dtype=tl.float32))

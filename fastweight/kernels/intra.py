@@ -18,6 +18,9 @@ Backward, given dAqk, dAkk (gradients of the raw sums above):
     dk_i += sum_j dAkk_ij k_j e_ij            dG_i += q_i * dq_i + k_i * dk_i (row parts) - k_j * dk_j (column parts)
 
 with ``e_ij = exp(G_i - G_j)`` per channel; the dG terms are with respect to the chunk-local cumsum.
+The diagonal of Aqk (i = j, e_ii = 1) enters dG_i as a row part and a column part that cancel
+exactly: it is left out of dG (a strong decay makes the gate's gradient O(e_ij) small, and the
+rounding of those O(1) terms alone would swamp it) and added to dq and dk only.
 """
 
 from __future__ import annotations
@@ -73,8 +76,8 @@ def intra_fwd_kernel(q, k, g, Aqk, Akk, cu_seqlens, chunk_indices, H: tl.constex
             if c < r:
                 for i_k in range(tl.cdiv(K, BK)):
                     b_gref = _ref_row(g, T, r0, i_k, H, K, BK)
-                    b_er = tl.where((r0 + o_i < T)[:, None],
-                                    tl.exp(_rows(g, T, r0, i_k, H * K, K, BK) - b_gref[None, :]), 0.)
+                    b_er = tl.exp(tl.where((r0 + o_i < T)[:, None],
+                                           _rows(g, T, r0, i_k, H * K, K, BK) - b_gref[None, :], float("-inf")))
                     b_kc = _rows(k, T, t0 + 16 * c, i_k, HK * K, K, BK)
                     b_kc = (b_kc * tl.exp(b_gref[None, :] - _rows(g, T, t0 + 16 * c, i_k, H * K, K, BK))).to(b_kc.dtype)
                     b_qr = (_rows(q, T, r0, i_k, HK * K, K, BK) * b_er).to(b_kc.dtype)
@@ -91,14 +94,14 @@ def intra_fwd_kernel(q, k, g, Aqk, Akk, cu_seqlens, chunk_indices, H: tl.constex
                     b_gref = _ref_row(g, T, r0, i_k, H, K, BK)
                     if _span(b_g, b_gref, m_v) < SAFE_SPAN:
                         # the block's decay fits the factored form: one matrix product
-                        b_er = tl.where(m_v[:, None], tl.exp(b_g - b_gref[None, :]), 0.)
+                        b_er = tl.exp(tl.where(m_v[:, None], b_g - b_gref[None, :], float("-inf")))
                         # fp32 operands (products of the input and the exponentials, not rounded back)
-                        b_kc = b_kr * tl.where(m_v[:, None], tl.exp(b_gref[None, :] - b_g), 0.)
+                        b_kc = b_kr * tl.exp(tl.where(m_v[:, None], b_gref[None, :] - b_g, float("-inf")))
                         b_qk += mm(b_qr * b_er, tl.trans(b_kc))
                         b_kk += mm(b_kr * b_er, tl.trans(b_kc))
                     else:
-                        b_d = tl.where(m_d[:, :, None], b_g[:, None, :] - b_g[None, :, :], 0.)
-                        b_ke = b_kr.to(tl.float32)[None, :, :] * tl.where(m_d[:, :, None], tl.exp(b_d), 0.)
+                        b_d = tl.where(m_d[:, :, None], b_g[:, None, :] - b_g[None, :, :], float("-inf"))
+                        b_ke = b_kr.to(tl.float32)[None, :, :] * tl.exp(b_d)
                         b_qk += tl.sum(b_qr.to(tl.float32)[:, None, :] * b_ke, 2)
                         b_kk += tl.sum(b_kr.to(tl.float32)[:, None, :] * b_ke, 2)
                 b_qk = tl.where(m_d, b_qk, 0.)
@@ -147,35 +150,38 @@ def intra_bwd_kernel(q, k, g, dAqk, dAkk, dq, dk, dg, cu_seqlens, chunk_indices,
                     b_dq += mm(b_dqk, b_kc)
                     b_dkr += mm(b_dkk, b_kc)
             m_b = (b0 + o_i) < T
-            b_er = tl.where(m_b[:, None], tl.exp(b_gb - b_gref[None, :]), 0.)
+            b_er = tl.exp(tl.where(m_b[:, None], b_gb - b_gref[None, :], float("-inf")))
             b_dq *= b_er
             b_dkr *= b_er
             # block b as columns, against row blocks r > b (reference: r's first row)
             for r in tl.static_range(4):
                 if r > b:
                     b_gr_ref = _ref_row(g, T, t0 + 16 * r, i_k, H, K, BK)
-                    b_er2 = tl.where((t0 + 16 * r + o_i < T)[:, None],
-                                     tl.exp(_rows(g, T, t0 + 16 * r, i_k, H * K, K, BK) - b_gr_ref[None, :]), 0.)
+                    b_er2 = tl.exp(tl.where((t0 + 16 * r + o_i < T)[:, None],
+                                            _rows(g, T, t0 + 16 * r, i_k, H * K, K, BK) - b_gr_ref[None, :],
+                                            float("-inf")))
                     b_qr = (_rows(q, T, t0 + 16 * r, i_k, HK * K, K, BK) * b_er2).to(b_qb.dtype)
                     b_kr = (_rows(k, T, t0 + 16 * r, i_k, HK * K, K, BK) * b_er2).to(b_qb.dtype)
                     b_dqk = _rows(dAqk, T, t0 + 16 * r, b, H * BT, BT, 16).to(b_qb.dtype)
                     b_dkk = _rows(dAkk, T, t0 + 16 * r, b, H * BT, BT, 16).to(b_qb.dtype)
                     b_dkc += (mm(tl.trans(b_dqk), b_qr) + mm(tl.trans(b_dkk), b_kr)) * \
                         tl.exp(b_gr_ref[None, :] - b_gb)
-            # the diagonal block: factored through its first row when its decay allows, else pairwise
-            m_d = (o_i[:, None] >= o_i[None, :]) & m_b[:, None]
-            b_dqk = tl.where(m_d, _rows(dAqk, T, b0, b, H * BT, BT, 16), 0.)
+            # the diagonal block: factored through its first row when its decay allows, else pairwise;
+            # Aqk's own diagonal (i = j, exponent 0) apart, added to dq, dk after dg (see the docstring)
+            m_d = (o_i[:, None] > o_i[None, :]) & m_b[:, None]
+            b_dAqk = _rows(dAqk, T, b0, b, H * BT, BT, 16)
+            b_dqk = tl.where(m_d, b_dAqk, 0.)
+            b_dqk_ii = tl.sum(tl.where((o_i[:, None] == o_i[None, :]) & m_b[:, None], b_dAqk, 0.), 1)
             b_dkk = tl.where(o_i[:, None] > o_i[None, :], _rows(dAkk, T, b0, b, H * BT, BT, 16), 0.)
             b_kf, b_qf = b_kb.to(tl.float32), b_qb.to(tl.float32)
             if _span(b_gb, b_gref, m_b) < SAFE_SPAN:
-                b_ec = tl.where(m_b[:, None], tl.exp(b_gref[None, :] - b_gb), 0.)
+                b_ec = tl.exp(tl.where(m_b[:, None], b_gref[None, :] - b_gb, float("-inf")))
                 b_kec = b_kf * b_ec
                 b_dq += mm(b_dqk, b_kec) * b_er
                 b_dkr += mm(b_dkk, b_kec) * b_er
                 b_dkc += (mm(tl.trans(b_dqk), b_qf * b_er) + mm(tl.trans(b_dkk), b_kf * b_er)) * b_ec
             else:
-                b_d = tl.where(m_d[:, :, None], b_gb[:, None, :] - b_gb[None, :, :], 0.)
-                b_e = tl.where(m_d[:, :, None], tl.exp(b_d), 0.)
+                b_e = tl.exp(tl.where(m_d[:, :, None], b_gb[:, None, :] - b_gb[None, :, :], float("-inf")))
                 b_dq += tl.sum(b_dqk[:, :, None] * b_e * b_kf[None, :, :], 1)
                 b_dkr += tl.sum(b_dkk[:, :, None] * b_e * b_kf[None, :, :], 1)
                 b_dkc += tl.sum((b_dqk[:, :, None] * b_qf[:, None, :] + b_dkk[:, :, None] * b_kf[:, None, :]) * b_e, 0)
@@ -183,9 +189,11 @@ def intra_bwd_kernel(q, k, g, dAqk, dAkk, dq, dk, dg, cu_seqlens, chunk_indices,
             p_dq = tl.make_block_ptr(dq, (T, K), (H * K, 1), (b0, i_k * BK), (16, BK), (1, 0))
             p_dk = tl.make_block_ptr(dk, (T, K), (H * K, 1), (b0, i_k * BK), (16, BK), (1, 0))
             p_dg = tl.make_block_ptr(dg, (T, K), (H * K, 1), (b0, i_k * BK), (16, BK), (1, 0))
+            b_dg = b_qf * b_dq + b_kf * (b_dkr - b_dkc)
+            b_dq += b_dqk_ii[:, None] * b_kf
+            b_dkc += b_dqk_ii[:, None] * b_qf
             tl.store(p_dq, tl.load(p_dq, boundary_check=(0, 1)) + b_dq, boundary_check=(0, 1))
             tl.store(p_dk, tl.load(p_dk, boundary_check=(0, 1)) + b_dkr + b_dkc, boundary_check=(0, 1))
-            b_dg = b_qf * b_dq + b_kf * (b_dkr - b_dkc)
             tl.store(p_dg, tl.load(p_dg, boundary_check=(0, 1)) + b_dg, boundary_check=(0, 1))
 
 

@@ -64,7 +64,7 @@ def _gamma(g, gr, bos, T, H: tl.constexpr, i_h, r0, c0, USE_G: tl.constexpr, STR
     if USE_G:
         b_gr = tl.load(gr + (bos + o_r) * H + i_h, mask=o_r < T, other=0.)
         b_gc = tl.load(g + (bos + o_c) * H + i_h, mask=o_c < T, other=0.)
-        return tl.where(m, tl.exp(b_gr[:, None] - b_gc[None, :]), 0.)
+        return tl.exp(tl.where(m, b_gr[:, None] - b_gc[None, :], float("-inf")))
     return tl.where(m, 1., 0.)
 
 

@@ -11,6 +11,11 @@ dv_tilde (``state.py``), with ``gamma_i = exp(g_i)``, Gamma_ij = exp(g_i - g_j),
 
 (dQ_inter the first term of dQ, dK_state the first of dK; dg is with respect to the
 chunk-local cumsum.) One program holds a chunk's whole key dimension and loops over V.
+
+The terms whose exponent is 0 (the diagonal i = j of the scores, the last row's own dK_state)
+enter dg with + and - at the same row and cancel exactly: they are left out. The caller's reverse
+cumsum turns dg into the gradient of the raw gate, which a strong decay makes O(exp(g)) small; those
+terms are O(1), and their rounding alone (1e-7 in fp32) had been 1e-2 of it at g = -6 per token.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import triton
 import triton.language as tl
 
 from fastweight.kernels.common import Chunks, alloc, mm
-from fastweight.kernels.state import _chunk_gates_k
+from fastweight.kernels.state import _chunk_gates, _chunk_gates_k
 
 
 @triton.jit
@@ -35,6 +40,8 @@ def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, cu_se
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
     m_causal = o_t[:, None] >= o_t[None, :]
+    m_strict = o_t[:, None] > o_t[None, :]
+    m_last = o_t == tl.minimum(i_t * BT + BT, T) - 1
 
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)
@@ -71,27 +78,26 @@ def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, cu_se
         b_dq = b_dq * tl.exp(b_gk) * scale
         b_dgk = b_dq * b_q.to(tl.float32)
         b_dk = b_dk * tl.where(m_t[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)
-        b_dkk = b_dk * b_k.to(tl.float32)
+        b_dkk = tl.where(m_last[:, None], 0., b_dk * b_k.to(tl.float32))
         b_dglast = tl.sum(b_dkk, 0) + tl.exp(b_gklast) * b_hdh
-        b_dgk += tl.where((o_t == tl.minimum(i_t * BT + BT, T) - 1)[:, None], b_dglast[None, :], 0.) - b_dkk
+        b_dgk += tl.where(m_last[:, None], b_dglast[None, :], 0.) - b_dkk
         p_dg = tl.make_block_ptr(dg + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
         tl.store(p_dg, b_dgk, boundary_check=(0, 1))
         p_dA = tl.make_block_ptr(dAqk + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_t * BT, 0), (BT, BT), (1, 0))
         tl.store(p_dA, tl.where(m_causal, b_ds, 0.) * scale, boundary_check=(0, 1))
     elif USE_G:
-        b_g = tl.load(g + (bos + o_t) * H + i_h, mask=m_t, other=0.)
-        b_glast = tl.load(g + (bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h)
+        b_g, b_glast = _chunk_gates(g, bos, T, i_t, H, i_h, BT)
         b_dq = b_dq * (tl.exp(b_g) * scale)[:, None]
         b_dg = tl.sum(b_dq * b_q.to(tl.float32), 1)
         b_dk = b_dk * tl.where(m_t, tl.exp(b_glast - b_g), 0.)[:, None]
-        b_dkk = tl.sum(b_dk * b_k.to(tl.float32), 1)
+        b_dkk = tl.where(m_last, 0., tl.sum(b_dk * b_k.to(tl.float32), 1))
         b_dg -= b_dkk
         b_dglast = tl.sum(b_dkk, 0) + tl.exp(b_glast) * tl.sum(b_hdh, 0)
-        b_ds = tl.where(m_causal, b_ds * tl.exp(b_g[:, None] - b_g[None, :]), 0.) * scale
+        b_ds = b_ds * tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf"))) * scale
         b_A = mm(b_q, tl.trans(b_k))
-        b_t = b_ds * b_A
+        b_t = tl.where(m_strict, b_ds * b_A, 0.)
         b_dg += tl.sum(b_t, 1) - tl.sum(b_t, 0)
-        b_dg += tl.where(o_t == tl.minimum(i_t * BT + BT, T) - 1, b_dglast, 0.)
+        b_dg += tl.where(m_last, b_dglast, 0.)
         tl.store(dg + (bos + o_t) * H + i_h, b_dg, mask=m_t)
     else:
         b_dq = b_dq * scale

@@ -32,20 +32,27 @@ from fastweight.kernels.common import Chunks, alloc, mm
 
 @triton.jit
 def _chunk_gates(g, bos, T, i_t, H: tl.constexpr, i_h, BT: tl.constexpr):
-    """(g of the chunk's rows [BT] (0 past the end), g at the chunk's last row)."""
+    """(g of the chunk's rows [BT], g at the chunk's last row C).
+
+    Rows past the end (a partial last chunk) repeat g_C: every exponent a padded lane then forms
+    (g_i - g_j, g_C - g_i, g_i) equals one a valid lane forms, so none can overflow. With 0 there,
+    exp(0 - g_j) passed e^88 once the chunk had decayed that much, and inf times the lane's zero
+    operand put NaN into the valid rows' sums."""
     o_t = i_t * BT + tl.arange(0, BT)
-    b_g = tl.load(g + (bos + o_t) * H + i_h, mask=o_t < T, other=0.)
     b_glast = tl.load(g + (bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h)
+    b_g = tl.load(g + (bos + o_t) * H + i_h, mask=o_t < T, other=b_glast)
     return b_g, b_glast
 
 
 @triton.jit
 def _chunk_gates_k(g, bos, T, i_t, H: tl.constexpr, i_h, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """(per-channel G of the chunk's rows [BT, BK] (0 past the end), G at the chunk's last row [BK])."""
+    """(per-channel G of the chunk's rows [BT, BK], G at the chunk's last row [BK]); rows past the
+    end repeat the last row, as in ``_chunk_gates``."""
     p_g = tl.make_block_ptr(g + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
     o_k = tl.arange(0, BK)
+    m_t = i_t * BT + tl.arange(0, BT) < T
     b_glast = tl.load(g + ((bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h) * K + o_k, mask=o_k < K, other=0.)
-    return tl.load(p_g, boundary_check=(0, 1)), b_glast
+    return tl.where(m_t[:, None], tl.load(p_g, boundary_check=(0, 1)), b_glast[None, :]), b_glast
 
 
 @triton.jit
@@ -91,7 +98,7 @@ def _fwd_step(i_t, b_h, q, k, w, u, g, Aqk, o, h, v_new, bos, T, boh, i_h, i_v, 
         if USE_G:
             b_g, b_glast = _chunk_gates(g, bos, T, i_t, H, i_h, BT)
             b_o = b_o * tl.exp(b_g)[:, None]
-            b_A = b_A * tl.where(m_causal, tl.exp(b_g[:, None] - b_g[None, :]), 0.)
+            b_A = b_A * tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
             b_vk = b_v * tl.exp(b_glast - b_g)[:, None]
             b_h = b_h * tl.exp(b_glast)
         else:
@@ -164,7 +171,7 @@ def _bwd_step(i_t, b_dh, q, k, w, g, Aqk, do, dh, dv, bos, T, boh, i_h, i_v, sca
     elif USE_G:
         # [BT, BT]: entry (j, i) = k_j . q_i, the transpose of the output's Q K^T
         b_g, b_glast = _chunk_gates(g, bos, T, i_t, H, i_h, BT)
-        b_At = mm(b_k, tl.trans(b_q)) * tl.where(m_anticausal, tl.exp(b_g[None, :] - b_g[:, None]), 0.)
+        b_At = mm(b_k, tl.trans(b_q)) * tl.exp(tl.where(m_anticausal, b_g[None, :] - b_g[:, None], float("-inf")))
         b_kd = (b_k * tl.exp(b_glast - b_g)[:, None]).to(b_q.dtype)
         b_qd = (b_q * (tl.exp(b_g) * scale)[:, None]).to(b_q.dtype)
     else:

@@ -69,7 +69,7 @@ def recompute_w_u_kernel(k, v, beta, g, Ai, w, u, cu_seqlens, chunk_indices, H: 
 
 
 @triton.jit
-def wy_bwd_kernel(k, p, v, beta, g, gr, Ai, Akk, dw, du, dk, dk_out, dp, dv, dbeta, dg, dgr, dAkk, cu_seqlens,
+def wy_bwd_kernel(k, p, v, beta, g, gr, Ai, Akk, dw, du, dk, dk_out, dp, dv, dbeta, dg, dAkk, cu_seqlens,
                   chunk_indices, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr,
                   USE_P: tl.constexpr):
@@ -79,7 +79,7 @@ def wy_bwd_kernel(k, p, v, beta, g, gr, Ai, Akk, dw, du, dk, dk_out, dp, dv, dbe
     USE_GK (per-channel gate): the A part of dk and dg is left to intra.py; this kernel writes
     dAkk, the gradient of the raw (beta-free) Akk, for it.
     USE_P (Comba): W and the rows of A read with p and the gate gr (the exclusive cumsum); the
-    kernel writes dp, and dgr, the gradient of gr, which it also adds into dg (gr = g - g_raw).
+    kernel writes dp, and adds the gradient of gr into dg (gr_i = g_{i-1}: at row i - 1).
     """
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
@@ -97,7 +97,7 @@ def wy_bwd_kernel(k, p, v, beta, g, gr, Ai, Akk, dw, du, dk, dk_out, dp, dv, dbe
         if USE_P:
             b_gr = tl.load(gr + (bos + o_t) * H + i_h, mask=m_t, other=0.)
         b_gamma = tl.exp(b_gr)
-        b_Gamma = tl.where(m_A, tl.exp(b_gr[:, None] - b_g[None, :]), 0.)
+        b_Gamma = tl.exp(tl.where(m_A, b_gr[:, None] - b_g[None, :], float("-inf")))
     else:
         b_gamma = tl.where(m_t, 1., 0.)
         b_Gamma = tl.where(m_A, 1., 0.)
@@ -150,6 +150,11 @@ def wy_bwd_kernel(k, p, v, beta, g, gr, Ai, Akk, dw, du, dk, dk_out, dp, dv, dbe
         b_dbeta += tl.sum(b_dA * b_kk, 1)
     b_M = b_dA * b_beta[:, None]
     b_t = b_M * b_kk
+    if USE_P:
+        # pairs i = j + 1 read exp(gr_i - g_j) = exp(0): their row and column terms land on the same
+        # row of dg and cancel exactly, so they are left out (their O(1) rounding would swamp a
+        # strongly decayed chunk's gate gradient)
+        b_t = tl.where(o_t[:, None] > o_t[None, :] + 1, b_t, 0.)
     b_dgr += tl.sum(b_t, 1)
     b_dg -= tl.sum(b_t, 0)
     for i_k in range(tl.cdiv(K, BK)):
@@ -193,10 +198,13 @@ def wy_bwd_kernel(k, p, v, beta, g, gr, Ai, Akk, dw, du, dk, dk_out, dp, dv, dbe
         tl.store(p_dko, b_dk.to(p_dko.dtype.element_ty), boundary_check=(0, 1))
     tl.store(dbeta + (bos + o_t) * H + i_h, b_dbeta, mask=m_t)
     if USE_G:
+        if USE_P:
+            # gr_i = g_{i-1} (the exclusive cumsum; 0 at the chunk's first row, a constant): row i's
+            # gradient belongs to row i - 1 of dg
+            o_i = tl.arange(0, BT)
+            b_dgr = tl.sum(tl.where(o_i[None, :] == o_i[:, None] + 1, b_dgr[None, :], 0.), 1)
         b_dg += b_dgr + tl.load(dg + (bos + o_t) * H + i_h, mask=m_t, other=0.)
         tl.store(dg + (bos + o_t) * H + i_h, b_dg, mask=m_t)
-        if USE_P:
-            tl.store(dgr + (bos + o_t) * H + i_h, b_dgr, mask=m_t)
 
 
 def _blocks(K, V):
@@ -224,10 +232,9 @@ def wy_bwd(k, v, beta, g_cum, Ai, dw, du, dk, dg, chunks: Chunks, gk_cum=None, A
     """Adds the W/U/A chain to dk (fp32 partial) and dg (fp32, in place; None without a gate).
 
     Returns (dk in ``dk_dtype`` (dk itself when fp32), dv in v's dtype, dbeta fp32, dAkk fp32 or None,
-    dp and dg_read (fp32) or None); with Comba's read key ``p`` and its gate ``g_read`` (exclusive
-    cumsum) W and the rows of A read with them, and dg_read is the part of dg to take off the raw
-    gate after the reverse cumsum; with a per-channel gate ``gk_cum`` (and its
-    raw ``Akk``) the A part goes to dAkk for ``intra.intra_bwd`` instead of into dk, dg."""
+    dp fp32 or None); with Comba's read key ``p`` and its gate ``g_read`` (exclusive cumsum) W and the
+    rows of A read with them; with a per-channel gate ``gk_cum`` (and its raw ``Akk``) the A part goes
+    to dAkk for ``intra.intra_bwd`` instead of into dk, dg."""
     _, T, HK, K = k.shape
     H, V = v.shape[2], v.shape[-1]
     BK, BV = _blocks(K, V)
@@ -237,10 +244,9 @@ def wy_bwd(k, v, beta, g_cum, Ai, dw, du, dk, dg, chunks: Chunks, gk_cum=None, A
     dAkk = alloc(Ai.shape, device=v.device, dtype=torch.float32) if gk_cum is not None else None
     use_p = p is not None
     dp = alloc(dk.shape, device=v.device, dtype=torch.float32) if use_p else None
-    dgr = alloc(beta.shape, device=v.device, dtype=torch.float32) if use_p and g_cum is not None else None
     gate = g_cum if gk_cum is None else gk_cum
     wy_bwd_kernel[(chunks.NC, H)](k, p if use_p else k, v, beta, gate, g_read if use_p else gate, Ai, Akk, dw, du,
-                                  dk, dk_out, dp, dv, dbeta, dg, dgr, dAkk, chunks.cu_seqlens, chunks.chunk_indices,
+                                  dk, dk_out, dp, dv, dbeta, dg, dAkk, chunks.cu_seqlens, chunks.chunk_indices,
                                   H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, USE_G=g_cum is not None,
                                   USE_GK=gk_cum is not None, USE_P=use_p)
-    return dk_out, dv, dbeta, dAkk, dp, dgr
+    return dk_out, dv, dbeta, dAkk, dp

@@ -17,7 +17,7 @@ from fastweight import ops
 from fastweight.dispatch import l2norm, mamba_gate
 from fastweight.kernels import common
 from fastweight.mechanisms import get
-from fastweight.testing import generator, rel_err, strided
+from fastweight.testing import COTANGENTS, check_gradients, generator, rel_err, strided
 
 MECHANISM = {"delta_rule": "deltanet", "gated_delta_rule": "gated_deltanet", "longhorn": "longhorn", "kda": "kda",
              "comba": "comba"}
@@ -74,34 +74,6 @@ def run_pair(op, x, h0, dtype, *, G=1, cu_seqlens=None, qk_l2norm=False, via_ops
     return outs, mine, ref_outs, ref, g_ref
 
 
-def check_grads(pair, cotangents, tol, what=""):
-    """Every input's gradient for the cotangents of (o, final state) (None: that output is not in the
-    loss), handed to the backward as they are (any strides), against the reference's on the same values.
-
-    dA_log and ddt_bias (in-kernel gate) are sums over tokens of dL/dg_t dg_t/dtheta: their error is the
-    per-token error times sum |dL/dg_t dg_t/dtheta|, which can exceed |dtheta| a lot (cancellation in the
-    sum); their tolerance is scaled by that ratio, computed from the reference (as in the fused-recurrent test).
-    """
-    outs, mine, ref_outs, ref, g_ref = pair
-    used = [i for i, c in enumerate(cotangents) if c is not None]
-    names = list(mine)
-    got = torch.autograd.grad([outs[i] for i in used], [mine[n] for n in names], [cotangents[i] for i in used],
-                              retain_graph=True)
-    targets = [ref[n] for n in names] + ([g_ref] if g_ref is not None else [])
-    want = torch.autograd.grad([ref_outs[i] for i in used], targets, [cotangents[i].double() for i in used],
-                               retain_graph=True, allow_unused=True)
-    want = [torch.zeros_like(t) if w is None else w for w, t in zip(want, targets)]
-    magnitude = {}
-    if g_ref is not None:
-        params = [ref["A_log"], ref["dt_bias"]]
-        magnitude = dict(zip(("A_log", "dt_bias"),
-                             torch.autograd.grad((g_ref * want[-1].abs()).sum(), params, retain_graph=True)))
-    for n, a, b in zip(names, got, want):
-        assert a.dtype == mine[n].dtype, n
-        t = tol * (max(1.0, magnitude[n].norm().item() / b.norm().item()) if n in magnitude else 1.0)
-        assert rel_err(a, b) < t, f"{what}d{n}: {rel_err(a, b):.3g} (tolerance {t:.3g})"
-
-
 def check(op, B, T, H, K, V, dtype, *, G=1, cu_seqlens=None, initial_state=True, qk_l2norm=False, via_ops=False,
           gate_scale=1.0):
     x = sample(op, B, T, H, K, V, G)
@@ -116,7 +88,7 @@ def check(op, B, T, H, K, V, dtype, *, G=1, cu_seqlens=None, initial_state=True,
     assert rel_err(o, o_ref) < tol
     assert rel_err(ht, ht_ref) < tol
     do, dht = torch.randn_like(o_ref), torch.randn_like(ht_ref)
-    check_grads(pair, (do.to(dtype), dht.float()), tol)
+    check_gradients(*pair, (do.to(dtype), dht.float()), tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -222,11 +194,6 @@ def test_gate_in_kernel(op):
         assert rel_err(a, b) < tol, f"d{n}: {rel_err(a, b):.3g} (tolerance {tol:.3g})"
 
 
-# (layout of o's cotangent, of the final state's): None leaves that output out of the loss
-COTANGENTS = [("expanded", "contiguous"), ("transposed_outer", "contiguous"), ("sliced", "sliced"),
-              ("contiguous", "expanded"), ("contiguous", "transposed"), (None, "transposed"), (None, "sliced")]
-
-
 @pytest.mark.parametrize("op,gate_in_kernel", [("gated_delta_rule", False), ("gated_delta_rule", True),
                                                ("delta_rule", False), ("kda", False), ("kda", True),
                                                ("comba", False), ("longhorn", False)])
@@ -251,9 +218,78 @@ def test_cotangent_layouts(op, gate_in_kernel):
         cotangents = (None if layout_o is None else strided(do, layout_o), strided(dht, layout_s))
         assert all(c is None or c.is_contiguous() == (layout == "contiguous")
                    for c, layout in zip(cotangents, (layout_o, layout_s)))
-        check_grads(pair, cotangents, TOL[torch.float32], f"cotangents {layout_o}, {layout_s}: ")
+        check_gradients(*pair, cotangents, TOL[torch.float32], f"cotangents {layout_o}, {layout_s}: ")
     # S.sum(): the final state's cotangent is one value broadcast with every stride 0
-    check_grads(pair, (None, torch.ones(()).expand(ht.shape)), TOL[torch.float32], "S.sum(): ")
+    check_gradients(*pair, (None, torch.ones(()).expand(ht.shape)), TOL[torch.float32], "S.sum(): ")
+
+
+def strong_gates(x, gate, seed=None):
+    """x's log gate replaced by ``gate`` (per token) times a factor in [0.75, 1.25]."""
+    x = dict(x)
+    x["g"] = gate * (0.75 + 0.5 * torch.rand(x["g"].shape, generator=generator(seed), dtype=torch.float64))
+    return x
+
+
+def gate_tolerance(g, cu_seqlens, tol):
+    """The chunk algorithm forms every decay as exp(G_i - G_j) from the fp32 chunk-local cumsum G, whose
+    resolution is one ulp of |G|: the gate gradient, every term of which carries such a factor, is held to
+    max(tol, 2^-24 max|G|) (max|G| the largest decay a chunk accumulates). Measured: GDN at g = -20 per
+    token, T = 43 (|G| up to ~1e3, 2^-24 |G| = 6e-5): dg 1.9e-5; KDA at -6, T = 127: 8.8e-6."""
+    cu = cu_seqlens.tolist() if cu_seqlens is not None else [i * g.shape[1] for i in range(g.shape[0] + 1)]
+    flat = g.reshape(-1, *g.shape[2:]).abs()
+    decay = max(flat[a + c:min(a + c + 64, b)].sum(0).max().item() for a, b in zip(cu[:-1], cu[1:])
+                for c in range(0, b - a, 64))
+    return max(tol, 2.0 ** -24 * decay)
+
+
+def check_strong(op, x, h0, *, cu_seqlens=None, G=1, qk_l2norm=False, gate=None, dtype=torch.float32):
+    pair = run_pair(op, x, h0, dtype, G=G, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, gate=gate)
+    (o, ht), _, (o_ref, ht_ref), _, g_ref = pair
+    tol = TOL[dtype]
+    assert rel_err(o, o_ref) < tol and rel_err(ht, ht_ref) < tol
+    do, dht = torch.randn(o.shape, generator=generator()), torch.randn(ht.shape, generator=generator())
+    tols = {}
+    if "g" in x:
+        tols = dict.fromkeys(("g", "A_log", "dt_bias"),
+                             gate_tolerance(x["g"] if g_ref is None else g_ref.detach(), cu_seqlens, tol))
+    check_gradients(*pair, (do.to(dtype), dht), tol, tols=tols)
+
+
+STRONG = ([(op, T, gate) for op in ("gated_delta_rule", "kda", "comba") for T in (1, 43, 65, 127)
+           for gate in (-3.0, -6.0)] + [("gated_delta_rule", T, -20.0) for T in (43, 127)]
+          + [(op, T, None) for op in ("delta_rule", "longhorn") for T in (1, 43, 127)])
+
+
+@pytest.mark.parametrize("op,T,gate", STRONG)
+def test_strong_gates_partial_chunks(op, T, gate):
+    """A partial last chunk (T % 64 != 0) under gates of -3, -6 (and -20) per token: the decay inside the
+    chunk passes e^88, and every exponent a padded row or column (position >= T) forms must stay finite
+    (exp(0 - g_j) overflowed there, and inf times the lane's zero made NaN in dk, dv, dbeta, dg)."""
+    x = sample(op, 1, T, 1, 16, 16)
+    x = strong_gates(x, gate) if gate is not None else x
+    check_strong(op, x, torch.randn(1, 1, 16, 16, generator=generator()))
+
+
+@pytest.mark.parametrize("op", ["gated_delta_rule", "kda", "comba", "delta_rule", "longhorn"])
+def test_strong_gates_varlen(op):
+    """Packed sequences of 43, 107 (64 + 43: a partial chunk in the middle of the batch) and 20 tokens."""
+    cu = torch.tensor([0, 43, 150, 170], dtype=torch.int64)
+    x = sample(op, 1, 170, 1, 16, 16)
+    x = strong_gates(x, -6.0) if "g" in x else x
+    check_strong(op, x, torch.randn(3, 1, 16, 16, generator=generator()), cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("op", ["gated_delta_rule", "kda"])
+def test_strong_gates_kernel_options(op):
+    """The in-kernel gate with A = exp(A_log) = 4 (log decays of -0.5 to -12 per token), the fused q/k L2
+    norm and grouped value heads (HV = 2 H), on a partial chunk."""
+    H, G, K = 1, 2, 16
+    x = sample(op, 1, 43, H, K, 16, G)
+    gen = generator()
+    x["g"] = torch.randn(x["g"].shape, generator=gen, dtype=torch.float64)
+    gate = (torch.full((H * G,), 4.0, dtype=torch.float64).log(),
+            torch.randn(H * G * K if op == "kda" else H * G, generator=gen, dtype=torch.float64))
+    check_strong(op, x, torch.randn(1, H * G, K, 16, generator=gen), G=G, qk_l2norm=True, gate=gate)
 
 
 def test_key_dim_limit():
