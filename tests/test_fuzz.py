@@ -43,15 +43,15 @@ def test_float64(op):
 
 
 def test_gpu_command_smoke(tmp_path, capsys):
-    """``gpu_fuzz --device cpu``: a child process per (op, dtype), the summary JSON with every case,
+    """``gpu_fuzz --device cpu``: a child process per (op, dtype, mode), the summary JSON with every case,
     and an exit status that says whether any case failed."""
     rc = gpu_fuzz.main(["--device", "cpu", "--cases", "6", "--dtypes", "fp32,fp16", "--ops", "simple_gla",
                         "--workers", "2", "--budget", "120", "--out", str(tmp_path)])
     summary = json.loads((tmp_path / "gpu_fuzz.json").read_text())
     results = summary["results"]
-    assert set(summary["ops"]) == {"simple_gla-fp32", "simple_gla-fp16"}
-    assert all(e["cases_run"] == e["cases_planned"] == 3 for e in summary["ops"].values()), summary["ops"]
-    assert sorted(r["case"]["dtype"] for r in results) == ["fp16"] * 3 + ["fp32"] + ["fp64"] * 2
+    assert set(summary["ops"]) == {f"simple_gla-{d}-{m}" for d in ("fp32", "fp16") for m in fuzz.MODES}
+    assert all(e["cases_run"] == e["cases_planned"] == 2 for e in summary["ops"].values()), summary["ops"]
+    assert sorted(r["case"]["dtype"] for r in results) == ["fp16"] * 4 + ["fp32"] * 2 + ["fp64"] * 2
     assert all(r["rows"] or r["refused"] or r["problems"] for r in results)
     assert rc == (1 if summary["failures"] else 0)
     assert "worst err" in capsys.readouterr().out

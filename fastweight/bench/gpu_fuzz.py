@@ -1,18 +1,18 @@
 """The property fuzz (``fastweight.fuzz``) at realistic shapes on one GPU.
 
-    python -m fastweight.bench.gpu_fuzz [--cases 1000] [--dtypes bf16,fp16,fp32] [--ops OPS] [--modes MODES]
+    python -m fastweight.bench.gpu_fuzz [--cases 1100] [--dtypes bf16,fp16,fp32] [--ops OPS] [--modes MODES]
         [--backend triton|torch] [--workers W] [--budget SECONDS] [--out DIR] [--device cuda|cpu] [--seed BASE]
 
-The cases (``--cases`` in all) are split evenly over (op, dtype) for every op of ``--ops``
-(default all 13) and dtype of ``--dtypes``, Triton backend, alternating the modes; each op also
-gets one float64 case per mode (served exactly or refused with a clear ValueError). Shapes come
+The cases (``--cases`` planned in all) are split evenly over (op, dtype, mode) for every op of
+``--ops`` (default all 13), dtype of ``--dtypes`` and mode, Triton backend; each op also gets
+one float64 case per mode (served exactly or refused with a clear ValueError). Shapes come
 from the "gpu" space (T up to 2048, H up to 8, K and V in 16..256, two (K, V) pairs per op, the
 kernel-selecting fields from a few profiles per (op, mode, dtype): few Triton compilations); the
 truth is the float64 per-token reference up to 256 tokens, the float64 PyTorch chunk path above
 (each result says which). Output buffers are NaN-poisoned.
 
-Each (op, dtype) runs in its own child process, ``--workers`` at a time, the slowest to compile
-first (Triton compiles on the CPU, ~1 s a kernel and ten times that for the fp32 WY/DPLR
+Each (op, dtype, mode) runs in its own child process, ``--workers`` at a time, the slowest to
+compile first (Triton compiles on the CPU, ~1 s a kernel and ten times that for the fp32 WY/DPLR
 kernels, so children compile in parallel while sharing the GPU; a fault stays in its process).
 A child starts no new case past ``--budget`` seconds from the start; the summary says how many
 of the planned cases ran. Prints the worst error per op and field against its tolerance and
@@ -40,13 +40,10 @@ from fastweight.ops import OPS
 HEAVY = ("delta_rule", "gated_delta_rule", "kda", "comba", "longhorn", "dplr_delta_rule", "rwkv7")
 
 
-def plan(op: str, dtype: str, cases: int, modes, base_seed: int, float64: bool, backend="triton") -> list:
-    """(mode, backend, dtype, seed) of one child: with ``float64`` the float64 case of each mode
-    first, then Triton cases in ``dtype`` alternating the modes (a cut by the budget keeps them balanced)."""
-    out = [(m, backend, "fp64", fuzz.case_seed(base_seed, op, m, "fp64", 0)) for m in modes] if float64 else []
-    for i in range(max(0, cases - len(out))):
-        m = modes[i % len(modes)]
-        out.append((m, backend, dtype, fuzz.case_seed(base_seed, op, m, dtype, i)))
+def plan(op: str, dtype: str, mode: str, cases: int, base_seed: int, float64: bool, backend="triton") -> list:
+    """(mode, backend, dtype, seed) of one child: with ``float64`` the float64 case first."""
+    out = [(mode, backend, "fp64", fuzz.case_seed(base_seed, op, mode, "fp64", 0))] if float64 else []
+    out += [(mode, backend, dtype, fuzz.case_seed(base_seed, op, mode, dtype, i)) for i in range(cases - len(out))]
     return out
 
 
@@ -56,8 +53,8 @@ def child(args):
         import torch
         torch.cuda.set_device(0)
     space = args.space or ("gpu" if args.device == "cuda" else "smoke")
-    op, dtype = args.child.split("/")
-    todo = plan(op, dtype, args.cases, args.modes.split(","), args.seed, float64=args.float64, backend=args.backend)
+    op, dtype, mode = args.child.split("/")
+    todo = plan(op, dtype, mode, args.cases, args.seed, float64=args.float64, backend=args.backend)
     with open(args.child_out, "a") as f:
         for mode, backend, dtype, seed in todo:
             if time.time() > args.deadline:
@@ -86,7 +83,8 @@ def worst_table(results: list) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", type=int, default=1000, help="cases in all, split evenly over the ops")
+    ap.add_argument("--cases", type=int, default=1100, help="cases planned in all, split evenly over "
+                    "(op, dtype, mode); the budget cuts the chunk fp32 ones of the delta/DPLR ops short")
     ap.add_argument("--dtypes", default="bf16,fp16,fp32")
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--modes", default=",".join(fuzz.MODES))
@@ -111,24 +109,24 @@ def main(argv=None):
     start = time.time()
     op_list = [o for o in args.ops.split(",") if o]
     dtypes, modes = args.dtypes.split(","), args.modes.split(",")
-    # one child per (op, dtype), the slowest to compile first: fp32 before 16-bit, HEAVY first
-    children = sorted(((op, d) for op in op_list for d in dtypes),
-                      key=lambda c: (c[1] != "fp32", c[0] not in HEAVY, op_list.index(c[0])))
+    # one child per (op, dtype, mode), the slowest to compile first: chunk fp32 of HEAVY, then HEAVY
+    children = sorted(((op, d, m) for op in op_list for d in dtypes for m in modes),
+                      key=lambda c: (c[2] != "chunk" or c[1] != "fp32", c[0] not in HEAVY, op_list.index(c[0])))
     per_child = max(1, -(-args.cases // len(children)))
-    plans = {c: plan(*c, per_child, modes, args.seed, float64=c[1] == dtypes[0], backend=args.backend)
-             for c in children}
-    workers = args.workers or max(1, min(len(children), os.cpu_count() or 4))
+    plans = {c: plan(*c, per_child, args.seed, float64=c[1] == dtypes[0], backend=args.backend) for c in children}
+    # compiling is CPU-bound and each child mostly compiles or waits on the GPU: 1.5 children a core
+    workers = args.workers or max(1, min(len(children), 3 * (os.cpu_count() or 4) // 2))
     deadline = start + args.budget
     tmp = tempfile.mkdtemp(prefix="gpu_fuzz_")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    name = lambda c: f"{c[0]}-{c[1]}"  # noqa: E731
+    name = lambda c: "-".join(c)  # noqa: E731
     pending, running, logs = list(children), {}, {}
     while pending or running:
         while pending and len(running) < workers:
             c = pending.pop(0)
             cmd = [sys.executable, "-m", "fastweight.bench.gpu_fuzz", "--child", "/".join(c),
                    "--child-out", os.path.join(tmp, f"{name(c)}.jsonl"), "--deadline", str(deadline),
-                   "--cases", str(per_child), "--modes", args.modes, "--device", args.device,
+                   "--cases", str(per_child), "--device", args.device,
                    "--seed", str(args.seed), "--backend", args.backend] + \
                 (["--space", args.space] if args.space else []) + \
                 (["--float64"] if c[1] == dtypes[0] else [])
@@ -169,8 +167,7 @@ def main(argv=None):
     for c in crashed:
         lines.append(f"{c}: no case ran; log tail:\n{exits[c]['log_tail']}")
     for r in failures:
-        c = fuzz.Case(**{**r["case"], "lengths": tuple(r["case"]["lengths"]) if r["case"]["lengths"] else None,
-                         "options": tuple(tuple(o) for o in r["case"]["options"])})
+        c = fuzz.Case.from_json(r["case"])
         lines.append(f"FAIL {c.describe()} [truth {r['truth']}]: " + "; ".join(
             r["problems"] + [f"{n} {row['err']:.3g} > {row['tol']:.3g}" for n, row in r["rows"].items()
                              if not row["ok"]]) + f"\n     repro: {r['repro']}")
