@@ -33,7 +33,7 @@ cancel: the sequence-wide identity dg_s = sum_{t >= s} (q dq - k dk)_t (+ S_T dS
 well, but under strong decay its terms, the diagonal and the state's carry, are far larger
 than their sum. RWKV-6 reads G_{t-1}: its pairs contribute for s < u < t, its q terms for
 t > u, and the pair t = s + 1 (decay exp(G_s - G_s)) is the one left out.
-``docs/kernels.md`` has the derivation.
+``docs/kernels.md`` (the decay family's gate gradient) has the derivation.
 
 Shapes (fla's): q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] or [B, T, H, K];
 ``initial_state`` [N, H, K, V]; ``cu_seqlens`` [N+1] with B = 1. Returns (o, final state fp32).
