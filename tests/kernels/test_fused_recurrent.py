@@ -12,7 +12,8 @@ import torch
 from fastweight import ops
 from fastweight.bench.gpu_decode import op_inputs as _inputs
 from fastweight.kernels import fused_recurrent as fr
-from fastweight.testing import generator, nan_like, rel_err
+from fastweight.dispatch import mamba_gate
+from fastweight.testing import COTANGENTS, check_gradients, generator, nan_like, rel_err, strided
 
 # measured: fp32 outputs, states and most gradients ~1e-7, gate gradients (the reverse-cumsum
 # identity, docs/fused_recurrent.md) up to ~4e-6; fp16: the rounding of outputs and gradients (~5e-4)
@@ -149,6 +150,74 @@ def test_gate_in_kernel(op):
     for n, x_, y, m in zip(("g", "A_log", "dt_bias"), got, want, magnitude):
         tol = 2 * TOL[torch.float32] * (1 if n == "g" else max(1.0, m.norm().item() / y.norm().item()))
         assert rel_err(x_, y) < tol, f"d{n}: {rel_err(x_, y):.3g} (tolerance {tol:.3g})"
+
+
+@pytest.mark.parametrize("op,gate_in_kernel", [("gated_delta_rule", False), ("gated_delta_rule", True),
+                                               ("delta_rule", False), ("kda", False), ("kda", True),
+                                               ("comba", False), ("longhorn", False)])
+def test_cotangent_layouts(op, gate_in_kernel):
+    """The backward takes the cotangents of o and of the final state in whatever strides autograd
+    hands it: expanded (stride 0), transposed, sliced, and a loss on the state alone, ``S.sum()``
+    (every stride 0) included. Every input's gradient, initial_state (and p, A_log, dt_bias) too."""
+    gen = generator()
+    B, T, H, K, V = 1, 20, 2, 16, 16
+    x = _inputs(op, B, T, H, K, V, gen=gen)
+    x["initial_state"] = torch.randn(B, H, K, V, generator=gen)
+    if gate_in_kernel:
+        x["g"] = torch.randn(x["g"].shape, generator=gen)
+        # A = exp(A_log) in [0.14, 0.37]: log decays of about -0.1 to -1 (strong ones: test_strong_gates)
+        x["A_log"] = -1 - torch.rand(H, generator=gen)
+        x["dt_bias"] = torch.randn(H * K if op == "kda" else H, generator=gen)
+    tri = {n: t.clone().requires_grad_() for n, t in x.items()}
+    ref = {n: t.double().requires_grad_() for n, t in x.items()}
+    kw = dict(scale=K ** -0.5, output_final_state=True)
+    g_ref = None
+    if gate_in_kernel:
+        # the in-kernel gate is the kernels' option (fastweight.ops forms it in PyTorch for fused_recurrent)
+        outs = getattr(fr, f"fused_recurrent_{op}")(**tri, **kw)
+        rest = {n: t for n, t in ref.items() if n not in ("g", "A_log", "dt_bias")}
+        g_ref = mamba_gate(ref["g"], ref["A_log"], ref["dt_bias"])
+        ref_outs = getattr(ops, f"fused_recurrent_{op}")(**rest, g=g_ref, **kw, backend="reference")
+    else:
+        outs = getattr(ops, f"fused_recurrent_{op}")(**tri, **kw, backend="triton")
+        ref_outs = getattr(ops, f"fused_recurrent_{op}")(**ref, **kw, backend="reference")
+    tol = TOL[torch.float32]
+    assert rel_err(outs[0], ref_outs[0]) < tol and rel_err(outs[1], ref_outs[1]) < tol
+    do, dht = torch.randn(outs[0].shape, generator=gen), torch.randn(outs[1].shape, generator=gen)
+    pair = (outs, tri, ref_outs, ref, g_ref)
+    # the gate gradients come from the reverse-cumsum identity (docs/fused_recurrent.md): 2 x TOL, as
+    # measured in test_gate_in_kernel
+    tol = 2 * tol if gate_in_kernel else tol
+    for layout_o, layout_s in COTANGENTS:
+        cotangents = (None if layout_o is None else strided(do, layout_o), strided(dht, layout_s))
+        check_gradients(*pair, cotangents, tol, f"cotangents {layout_o}, {layout_s}: ")
+    check_gradients(*pair, (None, torch.ones(()).expand(dht.shape)), tol, "S.sum(): ")
+
+
+# The gate gradient comes from the reverse-cumsum identity (docs/fused_recurrent.md, Precision): its
+# terms are O(1) while dg_t is O(exp(g_t)), so its fp32 error grows like 1e-7 / exp(g). Measured
+# (T = 43, fp32 floor ~1e-7): GDN dg 4e-6 to 1.2e-5 at g = -3 per token (over seeds), 1.2e-5 at -6,
+# 2.2 at -20 (0.2 at T = 1); KDA 1.4e-5 at -3, 1.9e-4 at -6; Comba 3.5e-6 to 1.1e-5 at -3, 1.8e-5 at
+# -6. The cases far past TOL are marked as the known failure (strict: they fail the suite once it is
+# fixed); those near TOL (-3, -6 for GDN and Comba, -3 for KDA) would pass or fail by seed and are
+# not run. Every other gradient is at the floor.
+_IDENTITY = pytest.mark.xfail(strict=True, raises=AssertionError,
+                              reason="dg by the reverse-cumsum identity loses 1e-7/exp(g) (docs/fused_recurrent.md)")
+
+
+@pytest.mark.parametrize("op,gate", [("delta_rule", None), ("longhorn", None),
+                                     pytest.param("gated_delta_rule", -20.0, marks=_IDENTITY),
+                                     pytest.param("kda", -6.0, marks=_IDENTITY),
+                                     pytest.param("comba", -20.0, marks=_IDENTITY)])
+def test_strong_gates(op, gate):
+    """Log gates of ``gate`` per token (times 0.75 to 1.25): outputs, state and every gradient finite and
+    at the fp32 tolerance (no padded lanes here: the kernels step token by token)."""
+    gen = generator()
+    B, T, H, K, V = 1, 43, 1, 16, 16
+    x = _inputs(op, B, T, H, K, V, gen=gen)
+    if gate is not None:
+        x["g"] = gate * (0.75 + 0.5 * torch.rand(x["g"].shape, generator=gen))
+    _check(op, x, initial_state=torch.randn(B, H, K, V, generator=gen))
 
 
 def test_gradient_of_final_state_only():
