@@ -29,7 +29,8 @@ def _check_all(op, slots):
     # every case compared something: numbers, or (Triton float64) a clear refusal
     assert all(r.rows or r.refused or r.problems for r in results)
     failed = [r for r in results if not r.ok]
-    assert not failed, "\n".join(f"{r.line()}\n    repro: {r.case.repro()}" for r in failed)
+    if failed:
+        pytest.fail("\n".join(f"{r.line()}\n    repro: {r.case.repro()}" for r in failed), pytrace=False)
 
 
 @pytest.mark.parametrize("op", OPS)
