@@ -234,10 +234,12 @@ def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgx, dga, 
                      * scale * tl.exp(tl.where(m_ik, b_gr[None, :] - b_gk, 0.)))
     # the diagonal sub-chunk: factored through the midpoint of its gates when their span allows,
     # else one token j at a time (column j of dA for dq, row j for dk)
-    GAP: tl.constexpr = 1 if EXCLUSIVE else 0
     b_span, b_ref = span_ref(b_gq, b_gk, m_ik)
     if b_span < SPAN:
-        m_d = (o_c[:, None] > o_c[None, :] + GAP) & m_i[:, None]
+        if EXCLUSIVE:
+            m_d = (o_c[:, None] > o_c[None, :] + 1) & m_i[:, None]
+        else:
+            m_d = (o_c[:, None] > o_c[None, :]) & m_i[:, None]
         b_dA = tl.load(dA + ((bos + o_i) * H + i_h)[:, None] * BT + (i_i * BC + o_c)[None, :], mask=m_d,
                        other=0.) * scale
         b_fq = factor(1., b_gq, b_ref, m_ik, True)
@@ -249,8 +251,12 @@ def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgx, dga, 
             r_j = i_c * BT + i_i * BC + j
             m_kj = m_k & (r_j < T)
             p_j = ((bos + r_j) * H + i_h) * K + o_k
-            m_t = (o_c > j + GAP) & m_i
-            m_s = (o_c + GAP < j) & m_i & (r_j < T)
+            if EXCLUSIVE:
+                m_t = (o_c > j + 1) & m_i
+                m_s = (o_c + 1 < j) & m_i & (r_j < T)
+            else:
+                m_t = (o_c > j) & m_i
+                m_s = (o_c < j) & m_i & (r_j < T)
             b_dAc = tl.load(dA + ((bos + o_i) * H + i_h) * BT + i_i * BC + j, mask=m_t, other=0.) * scale
             b_kj = tl.load(k + p_j, mask=m_kj, other=0.).to(tl.float32)
             b_gj = tl.load(gc + p_j, mask=m_kj, other=0.)
