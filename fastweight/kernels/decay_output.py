@@ -190,11 +190,10 @@ def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, dh, do, dA, dq, dk, dg, cu_seqlens,
         b_dki += tl.dot(b_v, tl.trans(b_dh.to(b_v.dtype)), input_precision=DOT_PRECISION)
         if GATE == 1:
             b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
-    # the pairs s < t; the diagonal s = t (inclusive readout) is added on its own below
+    # the pairs s < t; the diagonal s = t (inclusive readout, decay exp(0)) is added on its own below
     m_s = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
-    m_d = (o_t[:, None] == o_t[None, :]) & m_t[:, None]
-    b_dA = tl.load(dA + ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :], mask=m_s | m_d,
-                   other=0.)
+    b_dA = tl.load(dA + ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :], mask=m_s, other=0.)
+    b_dd = tl.load(dA + ((bos + o_t) * H + i_h) * BT + tl.arange(0, BT), mask=m_t, other=0.) * scale
     if GATE == 1:
         b_gq = tl.load(gq + (bos + o_t) * H + i_h, mask=m_t, other=0.)
         b_gc = tl.load(gc + (bos + o_t) * H + i_h, mask=m_t, other=0.)
@@ -202,9 +201,7 @@ def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, dh, do, dA, dq, dk, dg, cu_seqlens,
         b_dq *= tl.exp(b_gq)[:, None]
         b_dki *= tl.exp(b_gl - b_gc)[:, None]
         b_dA *= tl.exp(tl.where(m_s, b_gq[:, None] - b_gc[None, :], 0.))
-    b_dA *= scale
-    b_dd = tl.sum(tl.where(m_d, b_dA, 0.), axis=1)
-    b_dA = tl.where(m_s, b_dA, 0.)
+    b_dA = tl.where(m_s, b_dA * scale, 0.)
     b_dq = b_dq * scale + tl.dot(b_dA.to(b_k.dtype), b_k, input_precision=DOT_PRECISION)
     b_dk = tl.dot(tl.trans(b_dA).to(b_q.dtype), b_q, input_precision=DOT_PRECISION)
     if GATE == 1:
