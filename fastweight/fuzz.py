@@ -50,6 +50,7 @@ import os
 import random
 import time
 import traceback
+import zlib
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -69,10 +70,10 @@ COTANGENTS = ("dense", "expanded", "ones", "transposed", "sliced", "permuted", "
 GATES = {"simple_gla": {"g": False}, "gla": {"g": True}, "rwkv6": {"w": True}, "hgrn2": {"g": True},
          "gated_delta_rule": {"g": False}, "kda": {"g": True}, "comba": {"g": False},
          "dplr_delta_rule": {"gk": True}, "rwkv7": {"w": True}}
-NEG_EIGVAL = ("delta_rule", "gated_delta_rule", "kda", "comba")   # allow_neg_eigval, use_qk_l2norm_in_kernel
+# L2-normalised keys, and the options allow_neg_eigval and use_qk_l2norm_in_kernel
+NEG_EIGVAL = ("delta_rule", "gated_delta_rule", "kda", "comba")
 GATE_IN_KERNEL = ("gated_delta_rule", "kda")                        # where the op's signature has it
 SAME_HEADS = ("rwkv6",)                                             # raise for HV != H (ops.py)
-NORMALISED_KEYS = ("delta_rule", "gated_delta_rule", "kda", "comba")
 
 # float32, every field (outputs, states, every gradient, the gates' included): the PyTorch chunk
 # path's float32 errors stay below 1.5e-6 on every field over 372 cases of the "gpu" space on the
@@ -269,7 +270,7 @@ def draw_inputs(case: Case) -> dict:
     q, v = r(B, T, H, K), r(B, T, HV, V)
     if opt.get("use_qk_l2norm_in_kernel"):
         k = r(B, T, H, K) * 2
-    elif op in NORMALISED_KEYS:
+    elif op in NEG_EIGVAL:
         k = l2norm(r(B, T, H, K))
     else:
         k = r(B, T, H, K) * K ** -0.5
@@ -471,6 +472,7 @@ class Result:
 
 
 def _where(e: BaseException) -> str:
+    """The exception and the innermost fastweight frame that raised it, in one line."""
     frames = traceback.extract_tb(e.__traceback__)
     inner = [f for f in frames if "fastweight" in f.filename] or frames
     f = inner[-1] if inner else None
@@ -574,7 +576,6 @@ def check(case: Case, device="cpu") -> Result:
 
 def case_seed(base: int, *parts) -> int:
     """A seed per (base seed, op, slot): stable across runs and Python versions."""
-    import zlib
     return zlib.crc32("/".join(map(str, (base,) + parts)).encode())
 
 
