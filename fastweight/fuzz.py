@@ -24,7 +24,8 @@ Tolerance (:func:`tolerance`), per field, as ``||x - ref|| <= rtol ||ref|| + ato
   ValueError that names float64 before any kernel runs; anything else fails.
 - float32: a fixed rtol for every field (:data:`FP32_RTOL`, set from the errors of the PyTorch
   chunk path in float32 over the fuzz's cases).
-- float16 / bfloat16 (flash-attention's rule): rtol = 3 x floor, the floor being the larger of
+- float16 / bfloat16 (flash-attention's rule): rtol = 3 x floor (10 x for the delta family's chunk
+  kernels, whose WY stages round to 16 bits: :data:`WY_FLOOR_FACTOR`), the floor being the larger of
   the error of the PyTorch chunk path run in that dtype on the same case and the error of the
   truth rounded to the dtype (the dtype's resolution, which stands in for fields kept in
   float32 such as the state: the PyTorch path accumulates in float32).
@@ -85,6 +86,13 @@ FP64_RTOL = 1e-10
 # tenth of the dtype's unit roundoff for 16-bit dtypes
 ATOL = {torch.float64: 1e-13, torch.float32: 1e-6, torch.float16: 5e-5, torch.bfloat16: 4e-4}
 FLOOR_FACTOR = 3.0
+# The delta family's chunk kernels keep W, U and the solved (I + A)^{-1} in the input dtype (16-bit
+# tensor-core operands, as fla's do): a few more roundings in the chain than the PyTorch path,
+# which accumulates in float32. Measured on the "ci" space in fp16, 25 seeds per op: up to 7.7x
+# the floor (DeltaNet dh0), 5.4x (KDA dbeta), 4.1x (Longhorn dbeta), 3.2x (GDN dbeta); the H200
+# runs of docs/bench/runs-2026-12-01-s5.md up to 4.5x. fp32 is held to FP32_RTOL like every op.
+WY_OPS = ("delta_rule", "gated_delta_rule", "kda", "comba", "longhorn")
+WY_FLOOR_FACTOR = 10.0
 
 
 @dataclass(frozen=True)
@@ -428,15 +436,16 @@ def cancellation(case: Case, want: dict) -> dict:
     return {n: max(1.0, float(r)) if math.isfinite(float(r)) else 1.0 for n, r in ratios.items()}
 
 
-def tolerance(dtype: torch.dtype, floor: float | None, ratio: float, scale: float):
-    """(rtol, atol) of one field (module docstring): ``floor`` for 16-bit dtypes, ``ratio`` the
-    field's cancellation ratio, ``scale`` the case's."""
+def tolerance(dtype: torch.dtype, floor: float | None, ratio: float, scale: float,
+              factor: float = FLOOR_FACTOR):
+    """(rtol, atol) of one field (module docstring): ``floor`` for 16-bit dtypes (times ``factor``),
+    ``ratio`` the field's cancellation ratio, ``scale`` the case's."""
     if dtype == torch.float64:
         rtol = FP64_RTOL
     elif dtype == torch.float32:
         rtol = FP32_RTOL * ratio
     else:
-        rtol = FLOOR_FACTOR * floor
+        rtol = factor * floor
     return rtol, ATOL[dtype] * scale
 
 
@@ -500,7 +509,8 @@ def compare(case: Case, got: dict, want: dict, floors: dict | None, ratios: dict
         x, ratio, floor = x.detach(), ratios.get(name, 1.0), None
         if floors is not None:
             floor = max(floors[name], rel_err(ref.to(dtype), ref) * ratio)
-        rtol, atol = tolerance(dtype, floor, ratio, scale)
+        factor = WY_FLOOR_FACTOR if case.op in WY_OPS and case.mode == "chunk" else FLOOR_FACTOR
+        rtol, atol = tolerance(dtype, floor, ratio, scale, factor)
         norm = ref.double().norm().item()
         denom = max(norm, 1e-300)
         err = rel_err(x, ref) if norm > 0 else (x.double().norm().item() / denom
