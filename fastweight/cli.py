@@ -1,8 +1,8 @@
 """The ``fastweight`` command: one subcommand per module.
 
 Each module of :data:`SUBCOMMANDS` exposes ``register(subparsers)``, which adds its parser and
-sets ``func`` (``func(args) -> exit status``). A module that does not exist yet is skipped;
-any other import error is raised.
+sets ``func`` (``func(args) -> exit status``). Every one is imported: an import error is raised,
+never hidden.
 """
 
 from __future__ import annotations
@@ -11,18 +11,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("fastweight.verify", "fastweight.train", "fastweight.evaluate", "fastweight.plot",
-               "fastweight.bench.cli")
-
-
-def _load(name: str):
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        # The module itself (or its package) is not written yet; a missing dependency is an error.
-        if e.name == name or name.startswith(f"{e.name}."):
-            return None
-        raise
+SUBCOMMANDS = ("fastweight.verify", "fastweight.train", "fastweight.evaluate", "fastweight.plot")
 
 
 def build_parser(modules=SUBCOMMANDS) -> argparse.ArgumentParser:
@@ -30,9 +19,7 @@ def build_parser(modules=SUBCOMMANDS) -> argparse.ArgumentParser:
                                      "as fast weights (one DPLR recurrence).")
     subparsers = parser.add_subparsers(dest="command", metavar="command")
     for name in modules:
-        module = _load(name)
-        if module is not None:
-            module.register(subparsers)
+        importlib.import_module(name).register(subparsers)
     return parser
 
 
