@@ -281,7 +281,7 @@ class FusedRecurrentFunction(torch.autograd.Function):
             spec, x["q"], x["k"], x["v"], **{n: x[n] for n in TENSORS[3:-1]}, scale=scale,
             initial_state=x["initial_state"], output_final_state=output_final_state,
             cu_seqlens=cu_seqlens, store_r=needs_grad)
-        ctx.save_for_backward(*tensors, r, ht)
+        ctx.save_for_backward(*tensors, r)
         ctx.spec, ctx.scale, ctx.cu_seqlens = spec, scale, cu_seqlens
         ctx.set_materialize_grads(False)
         return o, ht
@@ -290,7 +290,7 @@ class FusedRecurrentFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         from fastweight.kernels.fused_recurrent_bwd import fused_recurrent_bwd
 
-        *tensors, r, ht = ctx.saved_tensors
+        *tensors, r = ctx.saved_tensors
         x = dict(zip(TENSORS, tensors))
         wants = dict(zip(TENSORS, ctx.needs_input_grad[4:]))
         leaves = {n: x[n].detach().requires_grad_() for n in TENSORS[:-1] if wants[n]}
@@ -300,7 +300,7 @@ class FusedRecurrentFunction(torch.autograd.Function):
             do = torch.zeros_like(x["v"])
         detached = {n: (t.detach() if t is not None else None) for n, t in gen.items()}
         dq, dk, dv, da, db, dg, dh0 = fused_recurrent_bwd(
-            **detached, r=r, do=do, dht=dht, h0=x["initial_state"], ht=ht, scale=ctx.scale,
+            **detached, r=r, do=do, dht=dht, h0=x["initial_state"], scale=ctx.scale,
             cu_seqlens=ctx.cu_seqlens, readout_prev=ctx.spec.bonus)
         outs, grads = [], []
         for name, grad in zip(("q", "k", "v", "a", "b", "g"), (dq, dk, dv, da, db, dg)):
@@ -381,8 +381,13 @@ def fused_recurrent_rwkv6(r, k, v, w, u, **kw):
 
 def fused_recurrent_hgrn2(q, v, g, **kw):
     """S_t = Diag(exp g_t) S_{t-1} + (1 - exp g_t) v_t^T: GLA with the key 1 - exp(g)."""
-    # the key in fp32 whatever the input dtype (the kernel reads each tensor in its own dtype)
-    return fused_recurrent(q, -torch.expm1(g.float()), v, spec=Spec(), gk=g, **kw)
+    # the key and the gate from one fp32 copy of g: the two gradients (which cancel in part) add in
+    # fp32 before the one cast to g's dtype. The key's value from expm1, its gradient -exp(g) from
+    # exp: expm1's backward uses 1 + expm1(g), which is 0 in fp32 for g below about -17
+    g32 = g.float()
+    decay = g32.exp()
+    key = -torch.expm1(g32).detach() + (decay.detach() - decay)
+    return fused_recurrent(q, key, v, spec=Spec(), gk=g32, **kw)
 
 
 @_grouped
