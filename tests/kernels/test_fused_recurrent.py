@@ -15,8 +15,9 @@ from fastweight.kernels import fused_recurrent as fr
 from fastweight.dispatch import mamba_gate
 from fastweight.testing import COTANGENTS, check_gradients, generator, nan_like, rel_err, strided
 
-# measured: fp32 outputs, states and most gradients ~1e-7, gate gradients (the reverse-cumsum
-# identity, docs/fused_recurrent.md) up to ~4e-6; fp16: the rounding of outputs and gradients (~5e-4)
+# measured: fp32 outputs, states and most gradients ~1e-7, gate gradients (the cumsum identity,
+# docs/fused_recurrent.md) 1e-7 to 1.3e-6 at gates -1 to -20 per token; fp16: the rounding of outputs
+# and gradients (~5e-4)
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3}
 # a gate gradient with the loss S.sum() alone: the identity's terms one decay apart (k_t dk'_t against
 # rowsum(dht * P_T), ~w per channel) cancel over K to the much smaller scalar gradient, which a direct
