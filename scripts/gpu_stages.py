@@ -29,7 +29,7 @@ tag = f"{op} K={K} V={V} varlen={varlen} {' '.join(f'{k}={v}' for k, v in opts.i
 
 if "bv" in opts:
     _bv = state._bv
-    state._bv = lambda K, V, block_v, *a, **kw: int(opts["bv"])  # noqa: E731
+    state._bv = lambda block_v=None: int(opts["bv"])  # noqa: E731
 if "warps" in opts:
     _lc = state.launch_config
     state.launch_config = lambda K, BV, itemsize, **kw: (int(opts["warps"]), _lc(K, BV, itemsize)[1])  # noqa: E731

@@ -182,7 +182,7 @@ def check_line(op, dtype, varlen, K, V, rows, seconds):
 def child_bv32(op, device="cuda"):
     """In a child process: the bf16 varlen check with the state passes forced to BV = 32."""
     from fastweight.kernels import state
-    state._bv = lambda K, V, block_v, per_channel, chunks, store_h=False: block_v or min(32, triton.next_power_of_2(V))
+    state._bv = lambda block_v=None: block_v or 32
     common.POISON_OUTPUTS = True
     t0 = time.time()
     rows = check(op, torch.bfloat16, device, varlen=True)

@@ -222,14 +222,13 @@ def _while_loop(chunks: Chunks) -> bool:
     return chunks.NT is None or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _bv(K, V, block_v, per_channel, chunks, store_h=False):
-    """The value block: 32 for a scalar or no gate at K = 128 on the uniform (for) loop without h
-    kept (twice the programs on a pass that is one chain per program; docs/bench/delta.md), else
-    64; never narrower, a smaller V is padded (masked). On the H200 (triton 3.6) narrower blocks
-    broke: 32 with the while loop (varlen) and 32 or 16 at K = 256 made out-of-range shared-memory
-    accesses in the dots (compute-sanitizer), docs/bench/runs-2026-11-30-s3.md run 1."""
-    small = K == 128 and not per_channel and not store_h and not _while_loop(chunks)
-    return block_v or (32 if small else 64)
+def _bv(block_v=None):
+    """The value block: 64 (a smaller V is padded, masked), on every path. Triton 3.6 on the H200
+    addresses shared memory out of range in 16-bit dots over blocks narrower than 64
+    (compute-sanitizer, docs/bench/delta.md): BV = 32 faulted on the varlen loop and at K = 256,
+    and on the uniform loop at K = 128 gave DeltaNet and Longhorn a wrong d initial_state
+    (0.25-0.43) and an illegal address in the next launch (docs/bench/runs-2026-12-01-s6.md)."""
+    return block_v or 64
 
 
 def launch_config(K, BV, itemsize, per_channel_bwd=False):
@@ -253,7 +252,7 @@ def state_output_fwd(q, k, w, u, g_cum, initial_state, output_final_state: bool,
     Per-channel gate: ``gk_cum`` [1, T, H, K] with ``Aqk`` from ``intra.intra_fwd`` (g_cum None)."""
     _, T, HK, K = k.shape
     H, V = u.shape[2], u.shape[-1]
-    BK, BV = triton.next_power_of_2(K), _bv(K, V, block_v, gk_cum is not None, chunks, store_h)
+    BK, BV = triton.next_power_of_2(K), _bv(block_v)
     warps, stages = launch_config(K, BV, k.element_size())
     dev = u.device
     o = alloc(u.shape, dtype=u.dtype, device=dev)
@@ -275,7 +274,7 @@ def state_bwd(q, k, w, g_cum, do, dht, scale: float, chunks: Chunks, need_dh0: b
     """Returns (dh [NC, H, K, V], dv_tilde [1, T, H, V] in do's dtype, d initial_state fp32 or None)."""
     _, T, HK, K = k.shape
     H, V = do.shape[2], do.shape[-1]
-    BK, BV = triton.next_power_of_2(K), _bv(K, V, block_v, gk_cum is not None, chunks)
+    BK, BV = triton.next_power_of_2(K), _bv(block_v)
     warps, stages = launch_config(K, BV, k.element_size(), per_channel_bwd=gk_cum is not None)
     dev = q.device
     dh = alloc((chunks.NC, H, K, V), dtype=k.dtype, device=dev)
