@@ -1,7 +1,7 @@
 """The property fuzz (``fastweight.fuzz``) at realistic shapes on one GPU.
 
     python -m fastweight.bench.gpu_fuzz [--cases 1100] [--dtypes bf16,fp16,fp32] [--ops OPS] [--modes MODES]
-        [--backend triton|torch] [--workers W] [--budget SECONDS] [--out DIR] [--device cuda|cpu] [--seed BASE]
+        [--backend triton|torch] [--workers W] [--budget SECONDS] [--grace SECONDS] [--out DIR] [--device cuda|cpu] [--seed BASE]
 
 The cases (``--cases`` planned in all) are split evenly over (op, dtype, mode) for every op of
 ``--ops`` (default all 13), dtype of ``--dtypes`` and mode, Triton backend; each op also gets
@@ -14,7 +14,8 @@ truth is the float64 per-token reference up to 256 tokens, the float64 PyTorch c
 Each (op, dtype, mode) runs in its own child process, ``--workers`` at a time, the slowest to
 compile first (Triton compiles on the CPU, ~1 s a kernel and ten times that for the fp32 WY/DPLR
 kernels, so children compile in parallel while sharing the GPU; a fault stays in its process).
-A child starts no new case past ``--budget`` seconds from the start; the summary says how many
+A child starts no new case past ``--budget`` seconds from the start and is killed ``--grace``
+seconds later (its finished cases count; each child writes DIR/gpu_fuzz_children/); the summary says how many
 of the planned cases ran. Prints the worst error per op and field against its tolerance and
 every failure with its repro line, writes DIR/gpu_fuzz.json, exits 1 on any failure.
 
@@ -29,7 +30,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 from fastweight import fuzz
@@ -90,6 +90,8 @@ def main(argv=None):
     ap.add_argument("--modes", default=",".join(fuzz.MODES))
     ap.add_argument("--workers", type=int, default=0, help="child processes at a time (default: one a core)")
     ap.add_argument("--budget", type=float, default=300.0, help="seconds after which no new case starts")
+    ap.add_argument("--grace", type=float, default=60.0, help="seconds past the budget after which a child "
+                    "still running (a case compiling) is killed; its finished cases count")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--backend", default="triton", choices=("triton", "torch"),
@@ -117,7 +119,9 @@ def main(argv=None):
     # compiling is CPU-bound and each child mostly compiles or waits on the GPU: 1.5 children a core
     workers = args.workers or max(1, min(len(children), 3 * (os.cpu_count() or 4) // 2))
     deadline = start + args.budget
-    tmp = tempfile.mkdtemp(prefix="gpu_fuzz_")
+    # the children's files go under DIR, so that what ran survives even if this process is killed
+    tmp = os.path.join(args.out, "gpu_fuzz_children")
+    os.makedirs(tmp, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     name = lambda c: "-".join(c)  # noqa: E731
     pending, running, logs = list(children), {}, {}
@@ -134,7 +138,7 @@ def main(argv=None):
             running[c] = (subprocess.Popen(cmd, stdout=logs[c], stderr=subprocess.STDOUT, env=env), time.time())
         for c, (p, t0) in list(running.items()):
             # a case started just before the deadline may still compile: kill only well past it
-            if p.poll() is None and time.time() > deadline + 180:
+            if p.poll() is None and time.time() > deadline + args.grace:
                 p.kill()
                 p.wait()
             if p.poll() is not None:
