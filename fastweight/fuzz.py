@@ -86,10 +86,11 @@ FP64_RTOL = 1e-10
 # tenth of the dtype's unit roundoff for 16-bit dtypes
 ATOL = {torch.float64: 1e-13, torch.float32: 1e-6, torch.float16: 5e-5, torch.bfloat16: 4e-4}
 FLOOR_FACTOR = 3.0
-# The delta family's chunk kernels keep W, U and (I + A)^{-1} in the input dtype (16-bit tensor-core
-# operands, as fla's do): more roundings than the PyTorch path, which accumulates in float32; up to
-# 7.7x the fp16 floor measured on the "ci" space (DeltaNet dh0). fp32 is held to FP32_RTOL as every op.
-WY_OPS = ("delta_rule", "gated_delta_rule", "kda", "comba", "longhorn")
+# The delta family's chunk kernels keep W, U and (I + A)^{-1} in the input dtype, the DPLR ones W and
+# U~ (16-bit tensor-core operands, as fla's do): more roundings than the PyTorch path, which
+# accumulates in float32; up to 7.7x the fp16 floor measured on the "ci" space (DeltaNet dh0), 4.3x
+# on the "gpu" space for DPLR (db). fp32 is held to FP32_RTOL as every op.
+WY_OPS = ("delta_rule", "gated_delta_rule", "kda", "comba", "longhorn", "dplr_delta_rule", "rwkv7")
 WY_FLOOR_FACTOR = 10.0
 
 

@@ -14,7 +14,8 @@ truth is the float64 per-token reference up to 256 tokens, the float64 PyTorch c
 Each (op, dtype, mode) runs in its own child process, ``--workers`` at a time, the slowest to
 compile first (Triton compiles on the CPU, ~1 s a kernel and ten times that for the fp32 WY/DPLR
 kernels, so children compile in parallel while sharing the GPU; a fault stays in its process).
-A child starts no new case past ``--budget`` seconds from the start and is killed ``--grace``
+A child starts no new case past ``--budget`` seconds from the start (its first case it always
+runs) and is killed ``--grace``
 seconds later (its finished cases count; each child writes DIR/gpu_fuzz_children/); the summary says how many
 of the planned cases ran. Prints the worst error per op and field against its tolerance and
 every failure with its repro line, writes DIR/gpu_fuzz.json, exits 1 on any failure.
@@ -56,8 +57,9 @@ def child(args):
     op, dtype, mode = args.child.split("/")
     todo = plan(op, dtype, mode, args.cases, args.seed, float64=args.float64, backend=args.backend)
     with open(args.child_out, "a") as f:
-        for mode, backend, dtype, seed in todo:
-            if time.time() > args.deadline:
+        for i, (mode, backend, dtype, seed) in enumerate(todo):
+            # every child runs its first case, so that each (op, dtype, mode) is covered
+            if i and time.time() > args.deadline:
                 break
             res = fuzz.check(fuzz.draw(space, op, seed, mode, backend, dtype), device=args.device)
             f.write(json.dumps(res.to_json()) + "\n")
