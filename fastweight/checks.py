@@ -15,9 +15,9 @@ modes, set by ``FASTWEIGHT_VALUE_CHECKS`` or :func:`set_value_checks`:
 - ``0`` / ``False``: off everywhere.
 
 ``cu_seqlens`` contents are checked in every mode (bad offsets would make the kernels read
-out of bounds), from one host copy, as fla reads them: a varlen call syncs for it (the Triton
-path's ``prepare_chunks`` copies the lengths once more, right after, with the queue already
-drained), and a call without ``cu_seqlens`` reads no tensor value at all.
+out of bounds), from one host copy, as fla reads them: a varlen call syncs once for it (the
+kernels' chunk bookkeeping reuses that copy, :func:`host_bounds`), and a call without
+``cu_seqlens`` reads no tensor value at all.
 Value checks and the ``cu_seqlens`` contents are skipped inside ``torch.compile`` graphs.
 """
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -137,6 +138,42 @@ def check_log_gate(name: str, g) -> None:
         raise ValueError(f"`{name}` is a log-space decay and must be <= 0 everywhere; max is {g.max().item():.4g}")
 
 
+_LAST_READ: tuple = (None, -1, None, False)   # (weakref to a cu_seqlens, its _version, its values, provided)
+
+
+def _read(t: torch.Tensor) -> list:
+    return t.tolist()
+
+
+def provide_host_bounds(cu_seqlens: torch.Tensor, values: list):
+    """The caller's host copy of ``cu_seqlens`` (fla's ``cu_seqlens_cpu``), used by the next
+    :func:`host_bounds` reads of the same call instead of a device read."""
+    global _LAST_READ
+    _LAST_READ = (weakref.ref(cu_seqlens), cu_seqlens._version, list(values), True)
+
+
+def host_bounds(cu_seqlens: torch.Tensor, fresh: bool = False) -> list:
+    """``cu_seqlens.tolist()``, shared by the input check and the kernels' chunk bookkeeping of one
+    call, so that a varlen call makes one device-to-host copy (a sync for a CUDA tensor).
+
+    The check reads ``fresh`` and leaves the values in a one-slot cache; the next reader of the
+    same tensor (identity and ``_version``: an in-place write bumps it) takes them and empties the
+    slot, so values never outlive the call that read them (a write through a NumPy view, which
+    ``_version`` does not see, cannot leave them stale). Values the caller provided
+    (:func:`provide_host_bounds`) count as fresh."""
+    global _LAST_READ
+    if _compiling():
+        return _read(cu_seqlens)
+    ref, version, values, provided = _LAST_READ
+    _LAST_READ = (None, -1, None, False)
+    same = ref is not None and ref() is cu_seqlens and version == cu_seqlens._version
+    if not same or (fresh and not provided):
+        values = _read(cu_seqlens)
+    if fresh:
+        _LAST_READ = (weakref.ref(cu_seqlens), cu_seqlens._version, values, False)
+    return values
+
+
 def check_cu_seqlens(cu_seqlens, batch: int, T: int):
     """``cu_seqlens``: int32/int64 1-D, starts at 0, non-decreasing, ends at T; needs batch == 1.
 
@@ -158,7 +195,7 @@ def check_cu_seqlens(cu_seqlens, batch: int, T: int):
         raise ValueError("`cu_seqlens` is on the meta device, which holds no values: the sequence boundaries "
                          "must be readable (pass it on the device of the inputs, or on the CPU with CPU inputs)")
     if not _compiling():
-        bounds = cu_seqlens.tolist()
+        bounds = host_bounds(cu_seqlens, fresh=True)
         if bounds[0] != 0:
             raise ValueError(f"`cu_seqlens` must start at 0, got {bounds[0]}")
         if bounds[-1] != T:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from fastweight import checks
+from fastweight import checks, fla_compat
 from fastweight.dispatch import call
 
 _NEG_EIGVAL_HINT = " (pass allow_neg_eigval=True for beta in [0, 2])"
@@ -79,7 +79,7 @@ def _normalize_output(q, k, o, scale, cu_seqlens):
     if cu_seqlens is None:
         k_sum = k.cumsum(1)
     else:
-        bounds = cu_seqlens.tolist()
+        bounds = checks.host_bounds(cu_seqlens)
         k_sum = torch.cat([k[:, b:e].cumsum(1) for b, e in zip(bounds[:-1], bounds[1:])], dim=1)
     z = (scale * q.to(dt) * k_sum).sum(-1, keepdim=True)
     z = z.repeat_interleave(o.shape[2] // q.shape[2], dim=2)
@@ -94,22 +94,23 @@ def _linear_attn(mode, q, k, v, scale, initial_state, output_final_state, normal
     return o, final_state
 
 
-def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=False,
-                      cu_seqlens=None, backend=None):
+def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True,
+                      cu_seqlens=None, *, backend=None):
     """Linear attention: S_t = S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V]. Returns (o [B, T, HV, V], final state [N, HV, K, V] or None).
-    ``normalize=True`` divides o_t by ``scale q_t . sum_{s <= t} k_s`` (Katharopoulos et al.'s
-    normaliser; the initial state is not counted, as in fla). Note fla's default is
-    ``normalize=True``; ours is the plain recurrence.
+    ``normalize=True`` (fla's default here) divides o_t by ``scale q_t . sum_{s <= t} k_s``
+    (Katharopoulos et al.'s normaliser; the initial state is not counted, as in fla).
     """
     return _linear_attn("chunk", q, k, v, scale, initial_state, output_final_state, normalize, cu_seqlens,
                         backend)
 
 
 def fused_recurrent_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False,
-                                normalize=False, cu_seqlens=None, backend=None):
-    """Linear attention one token at a time; as ``chunk_linear_attn``."""
+                                reverse=False, normalize=False, cu_seqlens=None, *, backend=None):
+    """Linear attention one token at a time; as ``chunk_linear_attn`` (``normalize`` defaults to
+    False here, as in fla)."""
+    fla_compat.refuse("fused_recurrent_linear_attn", reverse=(reverse, False))
     return _linear_attn("fused_recurrent", q, k, v, scale, initial_state, output_final_state, normalize,
                         cu_seqlens, backend)
 
@@ -119,19 +120,23 @@ def _retention(mode, q, k, v, scale, initial_state, output_final_state, cu_seqle
                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
-def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                    backend=None):
+def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, *,
+                    backend=None, **kwargs):
     """RetNet: S_t = gamma_h S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t), gamma_h = 1 - 2^(-5-h) per value head h.
 
     q, k: [B, T, H, K]; v: [B, T, HV, V]. Returns (o [B, T, HV, V], final state [N, HV, K, V] or None).
     """
+    fla_compat.extra_kwargs("chunk_retention", kwargs)
     return _retention("chunk", q, k, v, scale, initial_state, output_final_state, cu_seqlens, backend)
 
 
-def fused_recurrent_retention(q, k, v, scale=None, initial_state=None, output_final_state=False,
-                              cu_seqlens=None, backend=None):
+def fused_recurrent_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, reverse=False,
+                              state_v_first=False, cu_seqlens=None, *, backend=None, **kwargs):
     """RetNet one token at a time; as ``chunk_retention``."""
-    return _retention("fused_recurrent", q, k, v, scale, initial_state, output_final_state, cu_seqlens, backend)
+    _, v_first = fla_compat.extra_kwargs("fused_recurrent_retention", kwargs, state_v_first)
+    fla_compat.refuse("fused_recurrent_retention", reverse=(reverse, False))
+    return fla_compat.state_out(_retention("fused_recurrent", q, k, v, scale, fla_compat.state_in(
+        initial_state, v_first), output_final_state, cu_seqlens, backend), v_first)
 
 
 def _simple_gla(mode, q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, backend):
@@ -141,22 +146,28 @@ def _simple_gla(mode, q, k, v, g, g_gamma, scale, initial_state, output_final_st
 
 
 def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False,
-                     cu_seqlens=None, backend=None):
+                     state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, *, backend=None, **kwargs):
     """Scalar-gated linear attention: S_t = exp(g_t + g_gamma) S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV] data-dependent log decay and/or g_gamma:
     [HV] a fixed log decay per head (either may be None: no decay from it). Mamba-2 is
     ``g = dt * A`` with ``k`` scaled by dt. Returns (o [B, T, HV, V], final state or None).
+    fla's further options: ``fastweight.fla_compat``.
     """
-    return _simple_gla("chunk", q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens,
-                       backend)
+    _, v_first = fla_compat.extra_kwargs("chunk_simple_gla", kwargs, state_v_first)
+    fla_compat.host_seqlens(cu_seqlens, cu_seqlens_cpu)
+    return fla_compat.state_out(_simple_gla("chunk", q, k, v, g, g_gamma, scale, fla_compat.state_in(
+        initial_state, v_first), output_final_state, cu_seqlens, backend), v_first)
 
 
 def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
-                               output_final_state=False, cu_seqlens=None, backend=None):
+                               output_final_state=False, reverse=False, state_v_first=False, cu_seqlens=None, *,
+                               backend=None, **kwargs):
     """Scalar-gated linear attention one token at a time; as ``chunk_simple_gla``."""
-    return _simple_gla("fused_recurrent", q, k, v, g, g_gamma, scale, initial_state, output_final_state,
-                       cu_seqlens, backend)
+    _, v_first = fla_compat.extra_kwargs("fused_recurrent_simple_gla", kwargs, state_v_first)
+    fla_compat.refuse("fused_recurrent_simple_gla", reverse=(reverse, False))
+    return fla_compat.state_out(_simple_gla("fused_recurrent", q, k, v, g, g_gamma, scale, fla_compat.state_in(
+        initial_state, v_first), output_final_state, cu_seqlens, backend), v_first)
 
 
 def _gla(mode, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, backend):
@@ -166,25 +177,30 @@ def _gla(mode, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens,
                initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
-def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-              backend=None):
+def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, state_v_first=False,
+              cu_seqlens=None, cu_seqlens_cpu=None, *, backend=None):
     """GLA: S_t = Diag(exp g_t) S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t).
 
     q, k, g (log decay per key channel, <= 0): [B, T, H, K]; v: [B, T, HV, V].
     Returns (o [B, T, HV, V], final state [N, HV, K, V] or None).
     """
-    return _gla("chunk", q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, backend)
+    fla_compat.host_seqlens(cu_seqlens, cu_seqlens_cpu)
+    return fla_compat.state_out(_gla("chunk", q, k, v, g, scale, fla_compat.state_in(initial_state, state_v_first),
+                                     output_final_state, cu_seqlens, backend), state_v_first)
 
 
-def fused_recurrent_gla(q, k, v, gk=None, scale=None, initial_state=None, output_final_state=False,
-                        cu_seqlens=None, backend=None, *, g=None):
-    """GLA one token at a time; as ``chunk_gla``. fla calls the gate ``gk`` here; ``g`` (chunk_gla's
-    name) is accepted as well."""
-    if g is not None:
+def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=None, output_final_state=False,
+                        reverse=False, state_v_first=False, cu_seqlens=None, *, backend=None, **kwargs):
+    """GLA one token at a time; as ``chunk_gla``, with fla's name ``gk`` for the gate (``g``, chunk_gla's
+    name, is accepted as a keyword too). fla's value-side gate ``gv`` is not supported."""
+    extra, v_first = fla_compat.extra_kwargs("fused_recurrent_gla", kwargs, state_v_first, allowed=("g",))
+    fla_compat.refuse("fused_recurrent_gla", gv=(gv, None), reverse=(reverse, False))
+    if extra.get("g") is not None:
         if gk is not None:
             raise TypeError("pass the GLA gate once: `gk` or `g`, not both")
-        gk = g
-    return _gla("fused_recurrent", q, k, v, gk, scale, initial_state, output_final_state, cu_seqlens, backend)
+        gk = extra["g"]
+    return fla_compat.state_out(_gla("fused_recurrent", q, k, v, gk, scale, fla_compat.state_in(
+        initial_state, v_first), output_final_state, cu_seqlens, backend), v_first)
 
 
 def _rwkv6(mode, r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens, backend):
@@ -194,18 +210,21 @@ def _rwkv6(mode, r, k, v, w, u, scale, initial_state, output_final_state, cu_seq
 
 
 def chunk_rwkv6(r, k, v, w, u, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                backend=None):
+                cu_seqlens_cpu=None, *, backend=None, **kwargs):
     """RWKV-6: S_t = Diag(exp w_t) S_{t-1} + k_t v_t^T, o_t = S_{t-1}^T (scale r_t) + (scale r_t . (u * k_t)) v_t.
 
     r, k, w (log decay, <= 0): [B, T, H, K]; v: [B, T, H, V]; u (current-token bonus): [H, K].
     Returns (o [B, T, H, V], final state [N, H, K, V] or None).
     """
+    fla_compat.extra_kwargs("chunk_rwkv6", kwargs)
+    fla_compat.host_seqlens(cu_seqlens, cu_seqlens_cpu)
     return _rwkv6("chunk", r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens, backend)
 
 
-def fused_recurrent_rwkv6(r, k, v, w, u, scale=None, initial_state=None, output_final_state=False,
-                          cu_seqlens=None, backend=None):
+def fused_recurrent_rwkv6(r, k, v, w, u, scale=None, initial_state=None, output_final_state=False, reverse=False,
+                          cu_seqlens=None, *, backend=None):
     """RWKV-6 one token at a time; as ``chunk_rwkv6``."""
+    fla_compat.refuse("fused_recurrent_rwkv6", reverse=(reverse, False))
     return _rwkv6("fused_recurrent", r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens,
                   backend)
 
@@ -215,7 +234,7 @@ def _hgrn2(mode, q, v, g, scale, initial_state, output_final_state, cu_seqlens, 
                initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
-def chunk_hgrn2(q, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+def chunk_hgrn2(q, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, *,
                 backend=None):
     """HGRN2: S_t = Diag(exp g_t) S_{t-1} + (1 - exp g_t) v_t^T, o_t = S_t^T (scale q_t).
 
@@ -225,7 +244,7 @@ def chunk_hgrn2(q, v, g, scale=None, initial_state=None, output_final_state=Fals
     return _hgrn2("chunk", q, v, g, scale, initial_state, output_final_state, cu_seqlens, backend)
 
 
-def fused_recurrent_hgrn2(q, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+def fused_recurrent_hgrn2(q, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, *,
                           backend=None):
     """HGRN2 one token at a time; as ``chunk_hgrn2``."""
     return _hgrn2("fused_recurrent", q, v, g, scale, initial_state, output_final_state, cu_seqlens, backend)
@@ -242,19 +261,22 @@ def _delta_rule(mode, q, k, v, beta, scale, initial_state, output_final_state, c
                initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
-def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                     use_qk_l2norm_in_kernel=False, allow_neg_eigval=False, backend=None):
+def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
+                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None, *, allow_neg_eigval=False,
+                     backend=None, **kwargs):
     """DeltaNet: S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T (scale q_t).
 
     q, k: [B, T, H, K] (L2-normalised, or pass use_qk_l2norm_in_kernel=True); v: [B, T, HV, V];
     beta: [B, T, HV] in [0, 1] ([0, 2] with allow_neg_eigval). Returns (o, final state or None).
     """
+    fla_compat.extra_kwargs("chunk_delta_rule", kwargs)
+    fla_compat.host_seqlens(cu_seqlens, cu_seqlens_cpu)
     return _delta_rule("chunk", q, k, v, beta, scale, initial_state, output_final_state, cu_seqlens,
                        use_qk_l2norm_in_kernel, allow_neg_eigval, backend)
 
 
 def fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=None, output_final_state=False,
-                               cu_seqlens=None, use_qk_l2norm_in_kernel=False, allow_neg_eigval=False,
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, allow_neg_eigval=False,
                                backend=None):
     """DeltaNet one token at a time (beta None = 1); as ``chunk_delta_rule``."""
     return _delta_rule("fused_recurrent", q, k, v, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -293,32 +315,56 @@ def _gated_delta(mode, q, k, v, g, beta, scale, initial_state, output_final_stat
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, allow_neg_eigval=False,
-                           use_gate_in_kernel=False, A_log=None, dt_bias=None, backend=None):
+                           use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                           state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
+                           cp_context=None, *, backend=None, **kwargs):
     """Gated delta rule, chunkwise: S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,
     o_t = S_t^T (scale q_t).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V]; g (log decay, <= 0), beta: [B, T, HV].
-    initial_state: [N, HV, K, V]. Returns (o [B, T, HV, V], final state [N, HV, K, V] fp32 (fp64 for fp64
-    inputs) or None).
-    use_gate_in_kernel: ``g`` is the pre-activation of Mamba-2's gate, the log decay is
-    ``-exp(A_log) softplus(g + dt_bias)`` (A_log, dt_bias: [HV]), formed by the op in float32 (float64
-    for float64 inputs): inside the Triton kernel, in PyTorch before the other backends.
+    initial_state: [N, HV, K, V] ([N, HV, V, K] with state_v_first). Returns (o [B, T, HV, V], final
+    state fp32 (fp64 for fp64 inputs) or None).
+    ``use_gate_in_kernel=True`` (keyword, as fla): ``g`` is the pre-activation of Mamba-2's gate,
+    the log decay is ``-exp(A_log) softplus(g + dt_bias)`` (A_log, dt_bias: [HV]), formed by the op in
+    float32 (float64 for float64 inputs). fla's other options: ``fastweight.fla_compat``.
     """
-    return _gated_delta("chunk", q, k, v, g, beta, scale, initial_state, output_final_state,
-                        cu_seqlens, use_qk_l2norm_in_kernel, allow_neg_eigval, backend, use_gate_in_kernel,
-                        A_log, dt_bias)
+    extra, v_first = fla_compat.extra_kwargs("chunk_gated_delta_rule", kwargs, state_v_first,
+                                             allowed=("use_gate_in_kernel", "A_log", "dt_bias"))
+    fla_compat.refuse("chunk_gated_delta_rule", cp_context=(cp_context, None))
+    fla_compat.host_seqlens(cu_seqlens, cu_seqlens_cpu)
+    beta = fla_compat.beta_sigmoid(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    return fla_compat.state_out(_gated_delta(
+        "chunk", q, k, v, g, beta, scale, fla_compat.state_in(initial_state, v_first), output_final_state,
+        cu_seqlens, use_qk_l2norm_in_kernel, allow_neg_eigval, backend, **extra), v_first)
 
 
-def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
-                                     output_final_state=False, cu_seqlens=None,
-                                     use_qk_l2norm_in_kernel=False, allow_neg_eigval=False,
-                                     use_gate_in_kernel=False, A_log=None, dt_bias=None, backend=None):
-    """The gated delta rule one token at a time (decode / short sequences); as ``chunk_gated_delta_rule``,
-    ``use_gate_in_kernel`` / ``A_log`` / ``dt_bias`` included."""
-    return _gated_delta("fused_recurrent", q, k, v, g, beta, scale, initial_state, output_final_state,
-                        cu_seqlens, use_qk_l2norm_in_kernel, allow_neg_eigval, backend, use_gate_in_kernel,
-                        A_log, dt_bias)
+def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                     use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                                     cu_seqlens=None, *, backend=None, **kwargs):
+    """The gated delta rule one token at a time (decode / short sequences); as ``chunk_gated_delta_rule``.
+
+    As in fla, ``gk`` [B, T, HV, K] instead of ``g`` is a per-key-channel decay applied before the
+    delta step (KDA's recurrence: served by ``fused_recurrent_kda``); beta None means 1.
+    """
+    _, v_first = fla_compat.extra_kwargs("fused_recurrent_gated_delta_rule", kwargs, state_v_first)
+    fla_compat.refuse("fused_recurrent_gated_delta_rule", gv=(gv, None))
+    if beta is None and isinstance(v, torch.Tensor):
+        beta = v.new_ones(v.shape[:3])
+    else:
+        beta = fla_compat.beta_sigmoid(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    h0 = fla_compat.state_in(initial_state, v_first)
+    if gk is not None:
+        if g is not None:
+            raise ValueError("pass one decay to fused_recurrent_gated_delta_rule: `g` (per head) or `gk` "
+                             "(per key channel), not both")
+        return fla_compat.state_out(_kda("fused_recurrent", q, k, v, gk, beta, scale, h0, output_final_state,
+                                         cu_seqlens, use_qk_l2norm_in_kernel, allow_neg_eigval, backend,
+                                         use_gate_in_kernel, A_log, dt_bias), v_first)
+    return fla_compat.state_out(_gated_delta("fused_recurrent", q, k, v, g, beta, scale, h0, output_final_state,
+                                             cu_seqlens, use_qk_l2norm_in_kernel, allow_neg_eigval, backend,
+                                             use_gate_in_kernel, A_log, dt_bias), v_first)
 
 
 def _kda(mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -331,54 +377,77 @@ def _kda(mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
-def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-              use_qk_l2norm_in_kernel=False, allow_neg_eigval=False, use_gate_in_kernel=False, A_log=None,
-              dt_bias=None, backend=None):
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+              allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+              return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+              cp_context=None, use_graph=False, max_num_seqs=None, *, backend=None, **kwargs):
     """KDA: S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T (scale q_t).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V]; g (log decay per key channel, <= 0): [B, T, HV, K];
     beta: [B, T, HV]. Returns (o [B, T, HV, V], final state [N, HV, K, V] or None).
     use_gate_in_kernel (as fla): ``g`` is the pre-activation, the log decay is
-    ``-exp(A_log) softplus(g + dt_bias)`` with A_log [HV] and dt_bias [HV * K], formed by the op as
-    ``chunk_gated_delta_rule`` forms its gate.
+    ``-exp(A_log) softplus(g + dt_bias)`` with A_log [HV] and dt_bias [HV * K] (keywords, as fla),
+    formed by the op as ``chunk_gated_delta_rule`` forms its gate. fla's other options:
+    ``fastweight.fla_compat``.
     """
-    return _kda("chunk", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                use_qk_l2norm_in_kernel, allow_neg_eigval, backend, use_gate_in_kernel, A_log, dt_bias)
+    extra, v_first = fla_compat.extra_kwargs("chunk_kda", kwargs, state_v_first, allowed=("A_log", "dt_bias"))
+    fla_compat.refuse("chunk_kda", safe_gate=(safe_gate, False), lower_bound=(lower_bound, None),
+                      return_intermediate_states=(return_intermediate_states, False), cp_context=(cp_context, None),
+                      use_graph=(use_graph, False), max_num_seqs=(max_num_seqs, None))
+    fla_compat.host_seqlens(cu_seqlens, cu_seqlens_cpu)
+    beta = fla_compat.beta_sigmoid(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    return fla_compat.state_out(_kda(
+        "chunk", q, k, v, g, beta, scale, fla_compat.state_in(initial_state, v_first), output_final_state,
+        cu_seqlens, use_qk_l2norm_in_kernel, allow_neg_eigval, backend, use_gate_in_kernel,
+        extra.get("A_log"), extra.get("dt_bias")), v_first)
 
 
-def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                        cu_seqlens=None, use_qk_l2norm_in_kernel=False, allow_neg_eigval=False,
-                        use_gate_in_kernel=False, A_log=None, dt_bias=None, backend=None):
-    """KDA one token at a time; as ``chunk_kda``, ``use_gate_in_kernel`` / ``A_log`` / ``dt_bias`` included."""
-    return _kda("fused_recurrent", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                use_qk_l2norm_in_kernel, allow_neg_eigval, backend, use_gate_in_kernel, A_log, dt_bias)
+def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
+                        output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                        use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+                        state_v_first=False, cu_seqlens=None, *, backend=None, **kwargs):
+    """KDA one token at a time; as ``chunk_kda``."""
+    _, v_first = fla_compat.extra_kwargs("fused_recurrent_kda", kwargs, state_v_first)
+    fla_compat.refuse("fused_recurrent_kda", lower_bound=(lower_bound, None))
+    beta = fla_compat.beta_sigmoid(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    return fla_compat.state_out(_kda(
+        "fused_recurrent", q, k, v, g, beta, scale, fla_compat.state_in(initial_state, v_first),
+        output_final_state, cu_seqlens, use_qk_l2norm_in_kernel, allow_neg_eigval, backend, use_gate_in_kernel,
+        A_log, dt_bias), v_first)
 
 
 def _comba(mode, q, k, v, p, g, beta, scale, initial_state, output_final_state, cu_seqlens,
            use_qk_l2norm_in_kernel, allow_neg_eigval, backend):
     p = k if p is None else p
+    if beta is None and isinstance(v, torch.Tensor):
+        beta = v.new_ones(v.shape[:3])
     return _op("comba", mode, backend, dict(q=q, k=k, v=v, p=p, g=g, beta=beta), scale=scale, key=("p",),
                head=("g", "beta"), log=("g",), beta_max=_beta_max(allow_neg_eigval),
                use_qk_l2norm=use_qk_l2norm_in_kernel, l2norm_tensors=("q", "k", "p"),
                initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
-def chunk_comba(q, k, v, p, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                use_qk_l2norm_in_kernel=False, allow_neg_eigval=False, backend=None):
+def chunk_comba(q, k, v, p, g, beta=None, scale=None, initial_state=None, output_final_state=False,
+                use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None, *, allow_neg_eigval=False,
+                backend=None):
     """Comba: S_t = (exp(g_t) I - beta_t k_t p_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T (scale q_t).
 
     The prediction error ``v_t - S_{t-1}^T p_t`` is read by the auxiliary key ``p`` from the
     undecayed state (fla's layer passes p = d * k, a per-head d in (0, 1); None means p = k).
-    q, k, p: [B, T, H, K]; v: [B, T, HV, V]; g (log decay, <= 0), beta: [B, T, HV].
+    q, k, p: [B, T, H, K]; v: [B, T, HV, V]; g (log decay, <= 0), beta: [B, T, HV] (None: 1, as fla).
     use_qk_l2norm_in_kernel normalises q, k and p. Returns (o [B, T, HV, V], final state or None).
     """
+    fla_compat.host_seqlens(cu_seqlens, cu_seqlens_cpu)
     return _comba("chunk", q, k, v, p, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                   use_qk_l2norm_in_kernel, allow_neg_eigval, backend)
 
 
-def fused_recurrent_comba(q, k, v, p, g, beta, scale=None, initial_state=None, output_final_state=False,
-                          cu_seqlens=None, use_qk_l2norm_in_kernel=False, allow_neg_eigval=False, backend=None):
-    """Comba one token at a time; as ``chunk_comba`` (same argument order as ``chunk_comba``)."""
+def fused_recurrent_comba(q, k, p, v, g, beta=None, scale=None, initial_state=None, output_final_state=False,
+                          use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, allow_neg_eigval=False, backend=None):
+    """Comba one token at a time; as ``chunk_comba``. The argument order is fla's: ``(q, k, p, v, ...)``
+    here, ``(q, k, v, p, ...)`` for ``chunk_comba`` (fla's two functions differ; pass p and v by name
+    to be safe with either)."""
     return _comba("fused_recurrent", q, k, v, p, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                   use_qk_l2norm_in_kernel, allow_neg_eigval, backend)
 
@@ -389,7 +458,7 @@ def _longhorn(mode, q, k, v, beta, scale, initial_state, output_final_state, cu_
                cu_seqlens=cu_seqlens)
 
 
-def chunk_longhorn(q, k, v, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+def chunk_longhorn(q, k, v, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, *,
                    backend=None):
     """Longhorn: S_t = (I - eps_t k_t k_t^T) S_{t-1} + eps_t k_t v_t^T, eps_t = beta_t / (1 + beta_t k_t^T k_t),
     o_t = S_t^T (scale q_t): the proximal step on 1/2 ||S^T k - v||^2 (docs/objectives.md).
@@ -400,7 +469,7 @@ def chunk_longhorn(q, k, v, beta, scale=None, initial_state=None, output_final_s
 
 
 def fused_recurrent_longhorn(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
-                             cu_seqlens=None, backend=None):
+                             cu_seqlens=None, *, backend=None):
     """Longhorn one token at a time; as ``chunk_longhorn``."""
     return _longhorn("fused_recurrent", q, k, v, beta, scale, initial_state, output_final_state, cu_seqlens,
                      backend)
@@ -415,19 +484,25 @@ def _dplr(mode, q, k, v, a, b, gk, scale, initial_state, output_final_state, cu_
 
 
 def chunk_dplr_delta_rule(q, k, v, a, b, gk, scale=None, initial_state=None, output_final_state=False,
-                          cu_seqlens=None, backend=None):
+                          cu_seqlens=None, cu_seqlens_cpu=None, safe_gate=False, chunk_size=None,
+                          disable_recompute=False, cp_context=None, lower_bound=None, *, backend=None, **kwargs):
     """Generic DPLR, fla's argument meaning: S_t = (Diag(exp gk_t) + b_t a_t^T) S_{t-1} + k_t v_t^T,
     o_t = S_t^T (scale q_t). Note fla's ``a`` is read against the state (``a^T S``) and ``b`` is
     the write direction: the core's (a, b) are fla's (b, a).
 
     q, k, a, b, gk (log decay, <= 0): [B, T, H, K]; v: [B, T, HV, V]. Returns (o, final state or None).
     """
+    fla_compat.extra_kwargs("chunk_dplr_delta_rule", dict(kwargs, chunk_size=chunk_size))
+    fla_compat.refuse("chunk_dplr_delta_rule", safe_gate=(safe_gate, False), cp_context=(cp_context, None),
+                      lower_bound=(lower_bound, None))
+    fla_compat.host_seqlens(cu_seqlens, cu_seqlens_cpu)
     return _dplr("chunk", q, k, v, a, b, gk, scale, initial_state, output_final_state, cu_seqlens, backend)
 
 
 def fused_recurrent_dplr_delta_rule(q, k, v, a, b, gk, scale=None, initial_state=None,
-                                    output_final_state=False, cu_seqlens=None, backend=None):
+                                    output_final_state=False, reverse=False, cu_seqlens=None, *, backend=None):
     """Generic DPLR one token at a time; as ``chunk_dplr_delta_rule``."""
+    fla_compat.refuse("fused_recurrent_dplr_delta_rule", reverse=(reverse, False))
     return _dplr("fused_recurrent", q, k, v, a, b, gk, scale, initial_state, output_final_state,
                  cu_seqlens, backend)
 
@@ -439,20 +514,26 @@ def _rwkv7(mode, r, w, k, v, a, b, scale, initial_state, output_final_state, cu_
 
 
 def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
-                backend=None):
+                cu_seqlens_cpu=None, safe_gate=False, chunk_size=None, disable_recompute=False, cp_context=None,
+                lower_bound=None, *, backend=None):
     """RWKV-7 in fla's DPLR meaning: S_t = (Diag(exp w_t) + b_t a_t^T) S_{t-1} + k_t v_t^T, o_t = S_t^T (scale r_t).
 
     The layer passes a = -kappa^ (normalised removal key), b = kappa^ * iclr, k = the replacement
     key k~ (``fastweight.mechanisms.rwkv7.to_op`` does this preparation). r, w (log decay, <= 0),
-    k, a, b: [B, T, H, K]; v: [B, T, HV, V]. scale defaults to 1.0 as in fla.
+    k, a, b: [B, T, H, K]; v: [B, T, HV, V]. scale defaults to 1.0 here, as fla's chunk_rwkv7.
     Returns (o [B, T, HV, V], final state [N, HV, K, V] or None).
     """
+    fla_compat.extra_kwargs("chunk_rwkv7", dict(chunk_size=chunk_size))
+    fla_compat.refuse("chunk_rwkv7", safe_gate=(safe_gate, False), cp_context=(cp_context, None),
+                      lower_bound=(lower_bound, None))
+    fla_compat.host_seqlens(cu_seqlens, cu_seqlens_cpu)
     return _rwkv7("chunk", r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, backend)
 
 
-def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False,
-                          cu_seqlens=None, backend=None):
-    """RWKV-7 one token at a time; as ``chunk_rwkv7``."""
+def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=None, initial_state=None, output_final_state=True,
+                          cu_seqlens=None, *, backend=None):
+    """RWKV-7 one token at a time; as ``chunk_rwkv7``, but with fla's fused_recurrent_rwkv7 defaults:
+    scale K^-0.5 and the final state returned."""
     return _rwkv7("fused_recurrent", r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
                   backend)
 

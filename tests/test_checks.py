@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastweight import checks, ops
 from fastweight.mechanisms import get
-from fastweight.testing import generator
+from fastweight.testing import generator, rel_err
 
 B, T, H, K, V = 2, 7, 2, 8, 4
 
@@ -295,6 +295,23 @@ def test_cu_seqlens_is_checked_in_every_mode_from_one_host_copy(monkeypatch):
     with ValueReads() as reads:
         ops.chunk_gated_delta_rule(**x, cu_seqlens=cu)
     assert len(copies) == 1 and copies[0] is cu and reads.reads == 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_varlen_call_reads_cu_seqlens_once(monkeypatch, backend):
+    """A whole varlen call, check and kernels' chunk bookkeeping, copies cu_seqlens to the host
+    once (one sync on CUDA); the next call reads it again, in-place changes and all."""
+    x = inputs("gated_deltanet", B=1, T=10)
+    reads = []
+    monkeypatch.setattr(checks, "_read", lambda t: reads.append(t) or t.tolist())
+    cu = torch.tensor([0, 4, 10])
+    o, _ = ops.chunk_gated_delta_rule(**x, cu_seqlens=cu, backend=backend)
+    assert len(reads) == 1 and reads[0] is cu
+    cu.numpy()[1] = 7          # a write autograd's version counter does not see
+    o2, _ = ops.chunk_gated_delta_rule(**x, cu_seqlens=cu, backend=backend)
+    assert len(reads) == 2
+    ref, _ = ops.chunk_gated_delta_rule(**x, cu_seqlens=torch.tensor([0, 7, 10]), backend="reference")
+    assert rel_err(o2, ref) < 1e-5 and rel_err(o, ref) > 1e-3
 
 
 def test_cu_seqlens_on_meta():

@@ -66,8 +66,8 @@ def test_triton_refuses_float64(op, monkeypatch):
     q, k, v, beta = (t.double() for t in _inputs())
     g = -torch.rand(k.shape if op == "chunk_kda" else beta.shape, dtype=torch.float64)
     with pytest.raises(ValueError, match="no float64 path.*torch.float64.*backend='torch'"):
-        getattr(ops, op)(q, k, v, g, beta, backend="triton")
-    o, _ = getattr(ops, op)(q, k, v, g, beta)
+        getattr(ops, op)(q, k, v, g, beta=beta, backend="triton")
+    o, _ = getattr(ops, op)(q, k, v, g, beta=beta)
     assert o.dtype == torch.float64
 
 

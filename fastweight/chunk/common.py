@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from fastweight.checks import host_bounds
 from fastweight.reference.recurrence import compute_dtype
 
 # sub-chunk size of the secondary chunking in the DPLR path (dplr.py)
@@ -44,7 +45,7 @@ class Layout:
 def chunk_layout(B: int, T: int, C: int, cu_seqlens: torch.Tensor | None, device) -> Layout:
     if cu_seqlens is None:
         return Layout(B, T, B, max(1, -(-T // C)), C, None)
-    bounds = cu_seqlens.tolist()
+    bounds = host_bounds(cu_seqlens)
     lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     N, NT = len(lengths), max(1, -(-max(lengths) // C))
     positions = torch.cat([torch.arange(n, device=device) + i * NT * C for i, n in enumerate(lengths)])

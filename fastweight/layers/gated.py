@@ -51,7 +51,7 @@ class DecayMixer(Mixer):
         scale = self.head_k ** -0.5
         if self.variant == "la":
             q, k = F.elu(q) + 1, F.elu(k) + 1
-            o = self.recur("linear_attn", cache, shared, scale=scale, q=q, k=k, v=v)
+            o = self.recur("linear_attn", cache, shared, scale=scale, q=q, k=k, v=v, normalize=False)
         elif self.variant == "retnet":
             pos = positions(shared)
             q, k = rotary(q, pos, self.rope_theta), rotary(k, pos, self.rope_theta)

@@ -69,7 +69,9 @@ def _zeros(q):
     return torch.zeros_like(q)
 
 
-def _linear_attn(mode, q, k, v, **kw):
+def _linear_attn(mode, q, k, v, normalize=False, **kw):
+    if normalize:
+        raise NotImplementedError("the generic DPLR form of linear attention has no normaliser")
     return _dplr(mode, q, k, v, _zeros(q), _zeros(q), _zeros(q), **kw)
 
 

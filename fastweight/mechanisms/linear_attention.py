@@ -39,5 +39,5 @@ MECHANISM = register(Mechanism(
     to_dplr=to_dplr,
     objective=objective,
     op="linear_attn",
-    to_op=lambda x: dict(q=x["q"], k=x["k"], v=x["v"]),
+    to_op=lambda x: dict(q=x["q"], k=x["k"], v=x["v"], normalize=False),
 ))

@@ -1,0 +1,98 @@
+"""fla 0.6.0's extra op arguments, handled in one place for ``fastweight.ops``.
+
+The public ops take fla's parameters in fla's order with fla's defaults (checked against
+``tests/data/fla_0.6.0_ops.json``). Besides the recurrence's own inputs fla has options of
+three kinds, and each is handled here the same way for every op:
+
+- implemented: ``state_v_first`` (states as ``[N, H, V, K]``, fla's and vLLM's layout: the
+  initial state is read transposed and the final state returned transposed),
+  ``use_beta_sigmoid_in_kernel`` (beta is the pre-activation: ``beta = sigmoid(beta)``, times 2
+  with ``allow_neg_eigval``, as fla), ``cu_seqlens_cpu`` (the host copy of ``cu_seqlens``: the
+  call then reads nothing from the device);
+- accepted without effect on the result: ``chunk_indices`` (fla's precomputed chunk
+  bookkeeping; ours is built from the host copy of ``cu_seqlens``), ``disable_recompute`` (a
+  memory/speed trade-off in fla's kernels), ``chunk_size`` of 64 (ours), the deprecated
+  ``transpose_state_layout`` (``state_v_first``, with fla's DeprecationWarning);
+- refused with a ValueError naming the option unless left at its default: ``cp_context``
+  (context parallelism), ``reverse``, ``safe_gate``, ``lower_bound``, ``gv``, ``chunk_size``
+  other than 64, ``return_intermediate_states``, ``use_graph``, ``max_num_seqs``; ``head_first``
+  raises fla's own DeprecationWarning error. Any other keyword is a TypeError (fla ignores
+  unknown keywords silently; a typo here must not be).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from fastweight import checks
+
+
+def refuse(op: str, **options):
+    """Raise for the first option passed with a value other than its default: ``name=(value, default)``."""
+    for name, (value, default) in options.items():
+        if value is not default and value != default:
+            raise ValueError(f"`{name}={value!r}` is not supported by fastweight's {op} (fla 0.6.0 option); "
+                             f"leave it at {default!r}")
+
+
+def extra_kwargs(op: str, kwargs: dict, state_v_first: bool = False, allowed=()) -> tuple[dict, bool]:
+    """fla's keyword-only leftovers: returns (the ``allowed`` ones, state_v_first)."""
+    kwargs = dict(kwargs)
+    if "head_first" in kwargs:
+        raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
+    if "transpose_state_layout" in kwargs:
+        if state_v_first:
+            raise ValueError("pass `state_v_first` or the deprecated `transpose_state_layout`, not both")
+        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.", DeprecationWarning,
+                      stacklevel=3)
+        state_v_first = bool(kwargs.pop("transpose_state_layout"))
+    chunk_size = kwargs.pop("chunk_size", None)
+    kwargs.pop("disable_recompute", None)
+    refuse(op, chunk_size=(64 if chunk_size is None else chunk_size, 64))
+    out = {n: kwargs.pop(n) for n in allowed if n in kwargs}
+    if kwargs:
+        raise TypeError(f"{op}() got an unexpected keyword argument '{next(iter(kwargs))}'")
+    return out, state_v_first
+
+
+def host_seqlens(cu_seqlens, cu_seqlens_cpu):
+    """Hand ``cu_seqlens_cpu`` (fla's host copy) to the checks, so the call makes no device read."""
+    if cu_seqlens_cpu is None:
+        return
+    if cu_seqlens is None:
+        raise ValueError("`cu_seqlens_cpu` is the host copy of `cu_seqlens`: pass `cu_seqlens` too")
+    if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu":
+        raise ValueError("`cu_seqlens_cpu` must be a CPU tensor (the host copy of `cu_seqlens`)")
+    if cu_seqlens_cpu.shape != getattr(cu_seqlens, "shape", None):
+        raise ValueError(f"`cu_seqlens_cpu` must have the shape of `cu_seqlens`, got "
+                         f"{tuple(cu_seqlens_cpu.shape)} and {tuple(getattr(cu_seqlens, 'shape', ()))}")
+    checks.provide_host_bounds(cu_seqlens, cu_seqlens_cpu.tolist())
+
+
+def state_in(initial_state, state_v_first: bool):
+    """``[N, H, V, K]`` -> ``[N, H, K, V]`` (a view) when ``state_v_first``."""
+    if state_v_first and isinstance(initial_state, torch.Tensor):
+        if initial_state.dim() != 4:
+            raise ValueError(f"`initial_state` must be [N, HV, V, K] with state_v_first=True, got shape "
+                             f"{tuple(initial_state.shape)}")
+        return initial_state.transpose(-1, -2)
+    return initial_state
+
+
+def state_out(result, state_v_first: bool):
+    o, final_state = result
+    if state_v_first and final_state is not None:
+        final_state = final_state.transpose(-1, -2).contiguous()
+    return o, final_state
+
+
+def beta_sigmoid(beta, on: bool, allow_neg_eigval: bool):
+    """fla's ``use_beta_sigmoid_in_kernel``: beta = sigmoid(beta) (2 sigmoid(beta) with allow_neg_eigval), in fp32."""
+    if not on:
+        return beta
+    if not isinstance(beta, torch.Tensor):
+        raise ValueError("`use_beta_sigmoid_in_kernel=True` needs `beta` (its pre-activation)")
+    up = torch.float64 if beta.dtype == torch.float64 else torch.float32
+    return torch.sigmoid(beta.to(up)) * (2.0 if allow_neg_eigval else 1.0)

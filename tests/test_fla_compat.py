@@ -1,0 +1,146 @@
+"""fla 0.6.0 parity of the public ops: signatures against the recorded data, and fla's options."""
+
+import inspect
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+from fastweight import checks, ops
+from fastweight.testing import rel_err
+
+FLA = json.load(open(os.path.join(os.path.dirname(__file__), "data", "fla_0.6.0_ops.json")))["ops"]
+B, T, H, K, V = 1, 21, 2, 8, 8
+
+
+def _default(src):
+    return inspect.Parameter.empty if src is None else eval(src)  # noqa: S307  (fla's literal defaults)
+
+
+@pytest.mark.parametrize("name", sorted(FLA))
+def test_signature_is_fla(name):
+    """fla's parameters, in fla's order, with fla's defaults; ours beyond them are keyword-only; **kwargs
+    where fla has them (fla reads options from them)."""
+    params = list(inspect.signature(getattr(ops, name)).parameters.values())
+    positional = [p for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert [(p.name, p.default) for p in positional] == [(n, _default(d)) for n, d in FLA[name]["params"]]
+    assert all(p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in params[len(positional):])
+    assert any(p.kind == p.VAR_KEYWORD for p in params) == FLA[name]["kwargs"]
+
+
+def _x(gen=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(gen)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
+    k = torch.nn.functional.normalize(r(B, T, H, K), dim=-1)
+    return dict(q=r(B, T, H, K), k=k, v=r(B, T, H, V), g=-torch.rand(B, T, H, generator=g, dtype=dtype),
+                gk=-torch.rand(B, T, H, K, generator=g, dtype=dtype), beta=torch.rand(B, T, H, generator=g, dtype=dtype),
+                p=0.5 * k, h0=r(B, H, K, V), braw=r(B, T, H))
+
+
+def test_comba_argument_orders():
+    x = _x()
+    want, _ = ops.chunk_comba(x["q"], x["k"], x["v"], x["p"], x["g"], x["beta"], backend="reference")
+    got, _ = ops.fused_recurrent_comba(x["q"], x["k"], x["p"], x["v"], x["g"], x["beta"], backend="reference")
+    assert rel_err(got, want) < 1e-12
+    ones, _ = ops.chunk_comba(x["q"], x["k"], x["v"], x["p"], x["g"], backend="reference")
+    assert rel_err(ones, ops.chunk_comba(x["q"], x["k"], x["v"], x["p"], x["g"], torch.ones_like(x["beta"]),
+                                         backend="reference")[0]) < 1e-12
+
+
+def test_fla_defaults():
+    x = _x()
+    o, _ = ops.chunk_linear_attn(x["q"], x["k"], x["v"], backend="reference")
+    assert rel_err(o, ops.chunk_linear_attn(x["q"], x["k"], x["v"], normalize=True, backend="reference")[0]) == 0
+    o, _ = ops.fused_recurrent_linear_attn(x["q"], x["k"], x["v"], backend="reference")
+    assert rel_err(o, ops.chunk_linear_attn(x["q"], x["k"], x["v"], normalize=False, backend="reference")[0]) < 1e-12
+    w, a, b = x["gk"], -x["k"], x["k"] * 0.5
+    o, S = ops.fused_recurrent_rwkv7(x["q"], w, x["k"], x["v"], a, b, backend="reference")
+    o2, S2 = ops.chunk_rwkv7(x["q"], w, x["k"], x["v"], a, b, scale=K ** -0.5, output_final_state=True,
+                             backend="reference")
+    assert S is not None and rel_err(o, o2) < 1e-12 and rel_err(S, S2) < 1e-12
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_state_v_first(backend):
+    x = _x()
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    o, S = ops.chunk_gated_delta_rule(*args, initial_state=x["h0"], output_final_state=True, backend=backend)
+    o2, S2 = ops.chunk_gated_delta_rule(*args, initial_state=x["h0"].mT.contiguous(), output_final_state=True,
+                                        state_v_first=True, backend=backend)
+    assert rel_err(o2, o) < 1e-12 and S2.shape == (B, H, V, K) and rel_err(S2.mT, S) < 1e-12
+    with pytest.warns(DeprecationWarning, match="state_v_first"):
+        o3, S3 = ops.chunk_gated_delta_rule(*args, initial_state=x["h0"].mT, output_final_state=True,
+                                            transpose_state_layout=True, backend=backend)
+    assert rel_err(S3, S2) < 1e-12
+    for fn in (ops.chunk_simple_gla, ops.fused_recurrent_simple_gla):
+        o, S = fn(x["q"], x["k"], x["v"], x["g"], initial_state=x["h0"], output_final_state=True, backend=backend)
+        o2, S2 = fn(x["q"], x["k"], x["v"], x["g"], initial_state=x["h0"].mT, output_final_state=True,
+                    state_v_first=True, backend=backend)
+        assert rel_err(o2, o) < 1e-12 and rel_err(S2.mT, S) < 1e-12
+
+
+@pytest.mark.parametrize("neg", [False, True])
+def test_beta_sigmoid_in_kernel(neg):
+    x = _x()
+    braw = x["braw"].clone().requires_grad_()
+    beta = torch.sigmoid(x["braw"]) * (2 if neg else 1)
+    for fn, gate in ((ops.chunk_gated_delta_rule, x["g"]), (ops.chunk_kda, x["gk"]),
+                     (ops.fused_recurrent_kda, x["gk"])):
+        want, _ = fn(x["q"], x["k"], x["v"], gate, beta, allow_neg_eigval=neg, backend="torch")
+        got, _ = fn(x["q"], x["k"], x["v"], gate, braw, allow_neg_eigval=neg, use_beta_sigmoid_in_kernel=True,
+                    backend="torch")
+        assert rel_err(got, want) < 1e-12
+    got.sum().backward()
+    assert braw.grad.abs().sum() > 0
+
+
+def test_fused_gated_delta_rule_gk_is_kda():
+    x = _x()
+    want, _ = ops.fused_recurrent_kda(x["q"], x["k"], x["v"], x["gk"], x["beta"], backend="reference")
+    got, _ = ops.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], gk=x["gk"], beta=x["beta"],
+                                                  backend="reference")
+    assert rel_err(got, want) < 1e-12
+    with pytest.raises(ValueError, match="`g`.*`gk`"):
+        ops.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["gk"], beta=x["beta"])
+
+
+def test_cu_seqlens_cpu_means_no_device_read(monkeypatch):
+    x = _x()
+    cu = torch.tensor([0, 5, 21])
+    want, _ = ops.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu, backend="torch")
+    reads = []
+    monkeypatch.setattr(checks, "_read", lambda t: reads.append(t) or t.tolist())
+    got, _ = ops.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu,
+                                        cu_seqlens_cpu=cu.clone(), backend="torch")
+    assert reads == [] and rel_err(got, want) == 0
+    with pytest.raises(ValueError, match="cu_seqlens_cpu"):
+        ops.chunk_gla(x["q"], x["k"], x["v"], x["gk"], cu_seqlens_cpu=cu)
+
+
+@pytest.mark.parametrize("call, option", [
+    (lambda x: ops.chunk_kda(x["q"], x["k"], x["v"], x["gk"], x["beta"], lower_bound=-5.0), "lower_bound"),
+    (lambda x: ops.chunk_kda(x["q"], x["k"], x["v"], x["gk"], x["beta"], safe_gate=True), "safe_gate"),
+    (lambda x: ops.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cp_context=object()),
+     "cp_context"),
+    (lambda x: ops.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=32), "chunk_size"),
+    (lambda x: ops.fused_recurrent_gla(x["q"], x["k"], x["v"], x["gk"], reverse=True), "reverse"),
+    (lambda x: ops.fused_recurrent_gla(x["q"], x["k"], x["v"], gv=x["v"]), "gv"),
+    (lambda x: ops.chunk_rwkv7(x["q"], x["gk"], x["k"], x["v"], -x["k"], x["k"], lower_bound=-1.0), "lower_bound"),
+])
+def test_unsupported_options_are_refused_by_name(call, option):
+    with pytest.raises(ValueError, match=f"`{option}="):
+        call(_x())
+
+
+def test_legacy_and_unknown_keywords():
+    x = _x()
+    with pytest.raises(DeprecationWarning, match="head_first"):
+        ops.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], head_first=False)
+    with pytest.raises(TypeError, match="'use_qk_l2nrom_in_kernel'"):
+        ops.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2nrom_in_kernel=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ops.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_indices=torch.zeros(1, 2),
+                                   disable_recompute=True, chunk_size=64, backend="reference")
