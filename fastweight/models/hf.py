@@ -38,12 +38,42 @@ FIELDS = tuple(f.name for f in dataclasses.fields(LMConfig))
 CACHE_KEY = "cache" if hasattr(generic, "_rename_kwargs_for_bc") else "past_key_values"
 
 
+# transformers' standard names for our fields: accepted by the constructor and readable as attributes
+STANDARD_NAMES = {"hidden_size": "d_model", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+                  "num_key_value_heads": "n_kv_heads", "rms_norm_eps": "norm_eps", "sliding_window": "window_size",
+                  "head_dim": "head_dim"}
+# what PretrainedConfig itself (and generation) takes; anything else that is not ours is refused
+_BASE = set(PretrainedConfig().__dict__) | set(PretrainedConfig().to_dict()) | {
+    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id", "use_cache",
+    "tie_word_embeddings", "torch_dtype", "num_labels", "finetuning_task", "tokenizer_class", "prefix",
+    "task_specific_params", "max_length", "output_attentions", "name_or_path", "attn_implementation",
+    "pruned_heads", "is_decoder", "add_cross_attention", "auto_map", "use_bfloat16", "tf_legacy_loss",
+    "max_position_embeddings"}
+
+
 class FastweightConfig(PretrainedConfig):
-    """The fields of :class:`LMConfig` (same names, same defaults) as a ``PretrainedConfig``."""
+    """The fields of :class:`LMConfig` (same names, same defaults) as a ``PretrainedConfig``.
+
+    transformers' standard names work as well, in the constructor and as attributes
+    (``hidden_size`` = ``d_model``, ``num_hidden_layers`` = ``n_layers``, ``num_attention_heads`` =
+    ``n_heads``, ``num_key_value_heads`` = ``n_kv_heads``, ``rms_norm_eps`` = ``norm_eps``,
+    ``sliding_window`` = ``window_size``); an argument that is neither ours nor one that
+    ``PretrainedConfig`` takes is a TypeError, never silently kept."""
 
     model_type = "fastweight"
+    attribute_map = {k: v for k, v in STANDARD_NAMES.items() if k != v}
 
     def __init__(self, **kwargs):
+        for std, own in self.attribute_map.items():
+            if std in kwargs:
+                if own in kwargs and kwargs[own] != kwargs[std]:
+                    raise ValueError(f"FastweightConfig: `{std}` and `{own}` name the same field; got {kwargs[std]!r} "
+                                     f"and {kwargs[own]!r}")
+                kwargs[own] = kwargs.pop(std)
+        unknown = [n for n in kwargs if n not in FIELDS and n not in _BASE and not n.startswith("_")]
+        if unknown:
+            raise TypeError(f"FastweightConfig: unknown argument(s) {unknown}; the model's fields are "
+                            f"{', '.join(FIELDS)} (or transformers' names {', '.join(self.attribute_map)})")
         defaults = {f.name: f.default for f in dataclasses.fields(LMConfig)}
         own = {name: kwargs.pop(name, defaults[name]) for name in FIELDS}
         lm = LMConfig(**own)  # validates, resolves head_dim

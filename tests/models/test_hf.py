@@ -79,6 +79,24 @@ def test_loss_labels_and_conversion():
         FastweightConfig(mixer="transformer")
 
 
+def test_config_takes_transformers_names_and_refuses_unknown_ones(tmp_path):
+    """FastweightConfig(hidden_size=128, num_hidden_layers=2) builds that model (not the defaults), the
+    standard names read back, a typo is a TypeError naming it, and a saved config loads back the same."""
+    cfg = FastweightConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=64,
+                           num_key_value_heads=2, rms_norm_eps=1e-5, bos_token_id=1)
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps) == (128, 2, 4, 2, 1e-5)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (128, 2, 4)
+    model = FastweightForCausalLM(cfg)
+    assert len(model.model.blocks) == 2 and model.model.embed.weight.shape == (64, 128)
+    with pytest.raises(TypeError, match="hidden_sise"):
+        FastweightConfig(hidden_sise=128)
+    with pytest.raises(ValueError, match="hidden_size.*d_model"):
+        FastweightConfig(hidden_size=128, d_model=64)
+    cfg.save_pretrained(tmp_path)
+    back = AutoConfig.from_pretrained(tmp_path)
+    assert back.to_lm_config() == cfg.to_lm_config() and back.bos_token_id == 1
+
+
 def edited_checkpoint(tmp_path, **changes):
     """A saved gdn model whose config.json is then edited: the weights no longer fill its model."""
     import json
