@@ -1,0 +1,78 @@
+"""transformers' own Gated DeltaNet and KDA models on fastweight's ops (fastweight.models.transformers_kernels):
+tiny random-init models of Qwen3-Next, Qwen3.5, OLMo-Hybrid and Kimi-Linear, fp32 on the CPU, against
+transformers' PyTorch path: logits, greedy generation (prefill then decode from their cache), gradients."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fastweight.models.transformers_kernels import use_fastweight_kernels  # noqa: E402
+from fastweight.testing import rel_err  # noqa: E402
+
+SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+           layer_types=["linear_attention", "full_attention"])
+
+
+def configs():
+    out = {}
+    if hasattr(transformers, "Qwen3NextConfig"):
+        out["qwen3_next"] = lambda: transformers.Qwen3NextConfig(
+            **SMALL, **GDN, head_dim=32, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            num_experts=4, num_experts_per_tok=2)
+    if hasattr(transformers, "Qwen3_5TextConfig"):
+        out["qwen3_5"] = lambda: transformers.Qwen3_5TextConfig(**SMALL, **GDN, head_dim=32)
+    if hasattr(transformers, "OlmoHybridConfig"):
+        out["olmo_hybrid"] = lambda: transformers.OlmoHybridConfig(**SMALL, **GDN, linear_allow_neg_eigval=True)
+    if hasattr(transformers, "KimiLinearConfig"):
+        out["kimi_linear"] = lambda: transformers.KimiLinearConfig(
+            **SMALL, linear_num_heads=2, linear_head_dim=16, layer_types=["linear_attention", "full_attention"],
+            mlp_layer_types=["dense", "dense"], moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+            kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+    return out
+
+
+def model(name):
+    torch.manual_seed(0)
+    cfg = configs()[name]()
+    m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    # random init leaves some gates near zero: a log decay of a few per token tests more of the recurrence
+    for p in m.parameters():
+        p.data.copy_(torch.randn_like(p) * 0.2 if p.dim() >= 1 else p)
+    return m
+
+
+@pytest.mark.parametrize("name", sorted(configs()))
+def test_logits_generation_and_gradients_match_transformers(name):
+    m = model(name)
+    x = torch.randint(0, 64, (2, 70), generator=torch.Generator().manual_seed(1))  # two chunks, the second partial
+    out = m(x, labels=x)
+    out.loss.backward()
+    want_grad = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad()
+    with use_fastweight_kernels() as patch:
+        assert f"transformers.models.{name}.modeling_{name}" in patch.modules
+        got = m(x, labels=x)
+        got.loss.backward()
+    assert rel_err(got.logits, out.logits) <= 1e-5
+    for n, g in want_grad.items():
+        assert rel_err(dict(m.named_parameters())[n].grad, g) <= 1e-4, n
+    with torch.no_grad():
+        want = m.generate(x[:, :9], max_new_tokens=6, do_sample=False)
+        with use_fastweight_kernels():
+            tokens = m.generate(x[:, :9], max_new_tokens=6, do_sample=False)
+    assert torch.equal(tokens, want)
+
+
+def test_patch_is_reversible_and_checked():
+    import importlib
+    mod = importlib.import_module("transformers.models.qwen3_next.modeling_qwen3_next")
+    before = mod.torch_chunk_gated_delta_rule
+    patch = use_fastweight_kernels(["qwen3_next"])
+    assert mod.torch_chunk_gated_delta_rule is not before and patch.modules == [mod.__name__]
+    patch.undo()
+    assert mod.torch_chunk_gated_delta_rule is before
+    with pytest.raises(ValueError, match="unknown model"):
+        use_fastweight_kernels(["qwen9"])
