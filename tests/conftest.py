@@ -9,6 +9,11 @@ from fastweight import testing
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One share of the cores per pytest-xdist worker (torch's default, every core in each worker,
+# oversubscribes: on 2 cores with 2 workers the suite ran ~4x slower); FASTWEIGHT_TEST_THREADS overrides.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(int(os.environ.get("FASTWEIGHT_TEST_THREADS", 0)) or max(1, (os.cpu_count() or 1) // _workers))
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
