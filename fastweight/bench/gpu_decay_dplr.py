@@ -7,9 +7,10 @@ check: every op with ``backend="triton"`` in bf16/fp16/fp32 against the same op 
 and initial state), with every ``torch.empty`` buffer poisoned with NaN.
 time:  median ms (``triton.testing.do_bench``) of forward and forward+backward in bf16 at
 the anchor shapes, next to fla 0.6.0's figures from ``../shared/anchors``.
-variants: per-kernel CUDA time (torch.profiler) of one forward+backward for each variant:
-GLA with the diagonal sub-chunks factored (default) or all token at a time (SAFE_SPAN = 0),
-RWKV-7 with the forward's intermediates kept (default) or recomputed (``dplr.RECOMPUTE``).
+variants: per-kernel CUDA time (torch.profiler) of one forward+backward for each variant, the
+kernels' entry called with its ``launch``: GLA with the diagonal sub-chunks factored (default)
+or all token at a time (``DecayLaunch(span=0)``), RWKV-7 with the forward's intermediates kept
+(default) or recomputed (``DplrLaunch(recompute=True)``).
 Checks also run strong gates (x64 on alternate 16-token sub-chunks: both diagonal paths).
 long:  RWKV-7 over T = 65536, bf16 inputs, fp32 state: finite, and close to the fp32
 per-token reference. ``CHECK_OPS=a,b`` limits the check section to those ops,
@@ -20,6 +21,7 @@ each row, so a run stopped by its time limit keeps what it finished).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -29,8 +31,10 @@ import torch
 import torch.nn.functional as F
 import triton
 
+import fastweight.kernels as kernels
 from fastweight import ops
-from fastweight.kernels import decay_intra, dplr
+from fastweight.kernels.decay import DecayLaunch
+from fastweight.kernels.dplr import DplrLaunch
 from fastweight.testing import nan_like, rel_err
 
 DEV = "cuda"
@@ -116,15 +120,17 @@ def check(op, dtype, T=200, H=3, K=64, cu_seqlens=None, V=None, B=2, strong=Fals
           + " ".join(f"{n}={e:.1e}" for n, e in errs.items()), flush=True)
 
 
-def profile(op, shape, label):
-    """Per-kernel CUDA time (ms) of one forward+backward, after a warm-up call."""
+def profile(op, shape, label, launch):
+    """Per-kernel CUDA time (ms) of one forward+backward, after a warm-up call, of the kernels'
+    entry ``fastweight.kernels.chunk_<op>`` with ``launch`` (at the ops' default scale)."""
     B, T, H, K = SHAPES[shape]
     x = inputs(op, B, T, H, K, torch.bfloat16)
-    fn = getattr(ops, f"chunk_{op}")
+    fn = functools.partial(getattr(kernels, f"chunk_{op}"), scale=1.0 if op == "rwkv7" else K ** -0.5,
+                           launch=launch)
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
 
     def run():
-        out = fn(**leaves, backend="triton")[0]
+        out = fn(**leaves)[0]
         out.backward(torch.ones_like(out))
     run()
     torch.cuda.synchronize()
@@ -147,22 +153,18 @@ def profile(op, shape, label):
 
 def variants():
     """Per-kernel time of: GLA's diagonal sub-chunks factored (default) vs token at a time
-    (SAFE_SPAN = 0, the path of strong gates); RWKV-7 keeping its intermediates (default) vs
+    (span 0, the path of strong gates); RWKV-7 keeping its intermediates (default) vs
     recomputing them in the backward; RWKV-7 at the paper's shape (where its forward goes)."""
-    span, recompute = decay_intra.SAFE_SPAN, dplr.RECOMPUTE
-    cases = [("gla", "rwkv7paper", "factored", span, recompute),
-             ("gla", "rwkv7paper", "token at a time", 0.0, recompute),
-             ("rwkv7", "gdn1.3b", "kept", span, False), ("rwkv7", "gdn1.3b", "recomputed", span, True),
-             ("rwkv7", "rwkv7paper", "kept", span, False)]
-    for op, shape, label, safe_span, recomp in cases:
-        decay_intra.SAFE_SPAN, dplr.RECOMPUTE = safe_span, recomp
+    cases = [("gla", "rwkv7paper", "factored", DecayLaunch()),
+             ("gla", "rwkv7paper", "token at a time", DecayLaunch(span=0.0)),
+             ("rwkv7", "gdn1.3b", "kept", DplrLaunch()), ("rwkv7", "gdn1.3b", "recomputed", DplrLaunch(recompute=True)),
+             ("rwkv7", "rwkv7paper", "kept", DplrLaunch())]
+    for op, shape, label, launch in cases:
         try:
-            profile(op, shape, label)
+            profile(op, shape, label, launch)
         except Exception as e:  # a variant that fails to build is reported, not fatal
             print(f"variant {op} {shape} [{label}] failed: {e!r}"[:400], flush=True)
             record(dict(kind="variant", op=op, shape=shape, variant=label, error=repr(e)[:400]))
-        finally:
-            decay_intra.SAFE_SPAN, dplr.RECOMPUTE = span, recompute
 
 
 def bench(op, shape, backward):

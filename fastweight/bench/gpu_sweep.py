@@ -37,9 +37,7 @@ def make_inputs(op, B, T, H, K):
     if op in DELTA:
         from fastweight.bench.gpu_delta import inputs
         return inputs(op, B, T, H, K, K, LOW, DEV)
-    import fastweight.bench.gpu_decay_dplr as dd
-    dd.DEV = DEV
-    return decay_inputs(op, B, T, H, K, LOW)
+    return decay_inputs(op, B, T, H, K, LOW, device=DEV)
 
 
 import triton.runtime.interpreter  # noqa: E402  (not imported by triton unless TRITON_INTERPRET is set)

@@ -17,9 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
+from fastweight.checks import host_bounds
+
 
 # Tests set this: every buffer a kernel should fully write starts as NaN, so a missed element shows.
 POISON_OUTPUTS = False
+
+# A block of rows whose log gates span less than this (largest minus smallest, per channel) is
+# factored through one reference gate: every factor within exp(+-SAFE_SPAN) (within
+# exp(+-SAFE_SPAN / 2) around a midpoint), far inside fp32's range; a wider block takes a path
+# whose every exponent is <= 0. The intra-chunk kernels take it as their SPAN constexpr.
+SAFE_SPAN = 40.0
 
 
 def alloc(shape, *, dtype, device) -> torch.Tensor:
@@ -41,11 +49,13 @@ class Chunks:
 
 
 def prepare_chunks(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, device) -> Chunks:
-    """Chunk indices on ``device``; with ``cu_seqlens`` the lengths are read on the host once."""
+    """Chunk indices on ``device``; with ``cu_seqlens`` the lengths are read on the host once per
+    call (the copy the input check made, ``checks.host_bounds``)."""
     if cu_seqlens is None:
         return _uniform_chunks(B, T, BT, torch.device(device))
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    lens = (cu[1:] - cu[:-1]).tolist()
+    bounds = host_bounds(cu_seqlens)
+    lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     counts = [triton.cdiv(L, BT) for L in lens]
     pairs = [(n, i) for n, c in enumerate(counts) for i in range(c)]
     indices = torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2).to(device)

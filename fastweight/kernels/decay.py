@@ -11,9 +11,9 @@ readout is o_t = S_{t-1}^T (scale r_t) + (scale r_t . (u * k_t)) v_t). Stages, i
     3. A = intra-chunk decayed attention (per-channel gate) ``decay_intra.py``
     4. o = scale (q * exp gq) h[c] + A v                    ``decay_output.py``
 
-Backward: h is kept from the forward (``RECOMPUTE = False``, the default: K V / 64 values per
-token and head in the input dtype, 128 B at K = V = 64 and 512 B at 128 in bf16) or recomputed
-(``RECOMPUTE = True``: one more state pass, less memory); dh[c] (state gradient after chunk c)
+Backward: h is kept from the forward (``DecayLaunch.recompute`` False, the default: K V / 64 values
+per token and head in the input dtype, 128 B at K = V = 64 and 512 B at 128 in bf16) or recomputed
+(True: one more state pass, less memory); dh[c] (state gradient after chunk c)
 comes from the same loop run in reverse, then dv, dA, dq, dk per chunk. Every cotangent is
 made contiguous first (``S.sum()`` hands an expanded one, ``S.mT`` losses a transposed one).
 
@@ -41,24 +41,34 @@ Shapes (fla's): q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] or [B, T, H, K];
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from fastweight.kernels.common import Chunks, prepare_chunks
+from fastweight.kernels.common import SAFE_SPAN, Chunks, prepare_chunks
 from fastweight.kernels.decay_gate import gate_chunk_grad, gate_cumsum
 from fastweight.kernels.decay_intra import intra_bwd, intra_fwd
 from fastweight.kernels.decay_output import bwd_dqk, bwd_dv, output_fwd
 from fastweight.kernels.decay_state import state_pass
 
 BT = 64
-# keep the forward's chunk states for the backward (False) or recompute them there (True)
-RECOMPUTE = False
+
+
+@dataclass(frozen=True)
+class DecayLaunch:
+    """Variants of the decay family's chunk kernels (tests and benchmarks compare them); the
+    defaults are the tuned path. ``recompute``: the backward recomputes the chunk states instead of
+    keeping the forward's. ``span``: a diagonal sub-chunk whose gates span less is factored
+    (``decay_intra``; 0: every one token at a time, 1e30: every one factored)."""
+    recompute: bool = False
+    span: float = SAFE_SPAN
 
 
 class ChunkDecayFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, u, g_gamma, initial_state, scale: float, output_final_state: bool,
-                chunks: Chunks, exclusive: bool):
+                chunks: Chunks, exclusive: bool, launch: DecayLaunch):
         T, H = q.shape[1], q.shape[2]
         if exclusive:
             gc, gq = gate_cumsum(g, None, chunks, H, T, exclusive=True)
@@ -67,11 +77,11 @@ class ChunkDecayFunction(torch.autograd.Function):
             gq = gc
         vector = gc is not None and gc.dim() == 4
         h, ht = state_pass(k, v, gc, gc, chunks, initial_state, output_final_state, reverse=False)
-        A = intra_fwd(q, k, gq, gc, u, scale, chunks, exclusive) if vector else None
+        A = intra_fwd(q, k, gq, gc, u, scale, chunks, exclusive, span=launch.span) if vector else None
         o = output_fwd(q, k, v, gq, gc, h, A, scale, chunks, exclusive)
         ctx.save_for_backward(q, k, v, g, u, gc, gq if exclusive else None, A, initial_state,
-                              None if RECOMPUTE else h)
-        ctx.scale, ctx.chunks, ctx.exclusive = scale, chunks, exclusive
+                              None if launch.recompute else h)
+        ctx.scale, ctx.chunks, ctx.exclusive, ctx.launch = scale, chunks, exclusive, launch
         return o, ht
 
     @staticmethod
@@ -88,7 +98,8 @@ class ChunkDecayFunction(torch.autograd.Function):
         dv, dA = bwd_dv(q, k, v, gq, gc, A, dh, do, scale, chunks, exclusive)
         du = dg = dg_gamma = None
         if A is not None:
-            dq, dk, dgx, dga, dgy, du = intra_bwd(q, k, v, gq, gc, u, h, dh, do, dA, scale, chunks, exclusive)
+            dq, dk, dgx, dga, dgy, du = intra_bwd(q, k, v, gq, gc, u, h, dh, do, dA, scale, chunks, exclusive,
+                                                  span=ctx.launch.span)
             if g is not None and ctx.needs_input_grad[3]:
                 dg = gate_chunk_grad(dgx, dga, dgy, chunks, dtype=g.dtype)
         else:
@@ -101,14 +112,16 @@ class ChunkDecayFunction(torch.autograd.Function):
             du = du.sum((0, 1)).to(u.dtype)
         if dh0 is not None:
             dh0 = dh0.to(initial_state.dtype)
-        return dq, dk, dv, dg, du, dg_gamma, dh0, None, None, None, None
+        return dq, dk, dv, dg, du, dg_gamma, dh0, None, None, None, None, None
 
 
 def chunk_decay(q, k, v, g=None, *, u=None, g_gamma=None, scale: float, initial_state=None,
-                output_final_state: bool = False, cu_seqlens=None, exclusive: bool = False):
+                output_final_state: bool = False, cu_seqlens=None, exclusive: bool = False,
+                launch: DecayLaunch = DecayLaunch()):
     """The generic entry: g scalar [B, T, H] or vector [B, T, H, K] or None; g_gamma [H] (a log decay
     per head, added to every token's g; its gradient is the sum of theirs); u [H, K] with
-    ``exclusive`` (RWKV-6 readout, per-channel g). Returns (o [B, T, H, V], final state or None)."""
+    ``exclusive`` (RWKV-6 readout, per-channel g); ``launch`` the kernels' variant (every op
+    below passes it on). Returns (o [B, T, H, V], final state or None)."""
     B, T, H, _ = q.shape
     V = v.shape[-1]
     if exclusive and (g is None or g.dim() != 4 or g_gamma is not None):
@@ -125,46 +138,52 @@ def chunk_decay(q, k, v, g=None, *, u=None, g_gamma=None, scale: float, initial_
     if u is not None:
         u = u.contiguous()
     o, ht = ChunkDecayFunction.apply(pack(q), pack(k), pack(v), pack(g), u, g_gamma, initial_state, scale,
-                                     output_final_state, chunks, exclusive)
+                                     output_final_state, chunks, exclusive, launch)
     return o.reshape(B, T, H, V), ht
 
 
-def chunk_linear_attn(q, k, v, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
+def chunk_linear_attn(q, k, v, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                      launch: DecayLaunch = DecayLaunch(), **_):
     """Linear attention: S_t = S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t)."""
     return chunk_decay(q, k, v, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                       cu_seqlens=cu_seqlens)
+                       cu_seqlens=cu_seqlens, launch=launch)
 
 
 def chunk_simple_gla(q, k, v, g=None, g_gamma=None, *, scale, initial_state=None, output_final_state=False,
-                     cu_seqlens=None, **_):
+                     cu_seqlens=None, launch: DecayLaunch = DecayLaunch(), **_):
     """Scalar decay (Mamba-2 style): S_t = exp(g_t + g_gamma) S_{t-1} + k_t v_t^T; g [B, T, H], g_gamma [H]."""
     return chunk_decay(q, k, v, g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, launch=launch)
 
 
-def chunk_retention(q, k, v, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
+def chunk_retention(q, k, v, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                    launch: DecayLaunch = DecayLaunch(), **_):
     """RetNet: scalar decay fixed per head, gamma_h = 1 - 2^(-5-h)."""
     from fastweight.mechanisms.retnet import retnet_log_gamma
     return chunk_decay(q, k, v, g_gamma=retnet_log_gamma(q.shape[2], device=q.device), scale=scale,
-                       initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                       initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                       launch=launch)
 
 
-def chunk_gla(q, k, v, g, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
+def chunk_gla(q, k, v, g, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+              launch: DecayLaunch = DecayLaunch(), **_):
     """GLA: S_t = Diag(exp g_t) S_{t-1} + k_t v_t^T; g [B, T, H, K] (log decay, <= 0)."""
     return chunk_decay(q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                       cu_seqlens=cu_seqlens)
+                       cu_seqlens=cu_seqlens, launch=launch)
 
 
-def chunk_rwkv6(r, k, v, w, u, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
+def chunk_rwkv6(r, k, v, w, u, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                launch: DecayLaunch = DecayLaunch(), **_):
     """RWKV-6: S_t = Diag(exp w_t) S_{t-1} + k_t v_t^T, o_t = S_{t-1}^T (scale r_t) + (scale r_t . (u * k_t)) v_t.
 
     w [B, T, H, K] (log decay), u [H, K] (the bonus)."""
     return chunk_decay(r, k, v, w, u=u, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, exclusive=True)
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, exclusive=True, launch=launch)
 
 
-def chunk_hgrn2(q, v, g, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
+def chunk_hgrn2(q, v, g, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                launch: DecayLaunch = DecayLaunch(), **_):
     """HGRN2: S_t = Diag(exp g_t) S_{t-1} + (1 - exp g_t) v_t^T; GLA with k = 1 - exp(g)."""
     k = (-torch.expm1(g.float())).to(q.dtype)
     return chunk_decay(q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                       cu_seqlens=cu_seqlens)
+                       cu_seqlens=cu_seqlens, launch=launch)

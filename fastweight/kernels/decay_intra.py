@@ -36,13 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, sub_chunk_rows
+from fastweight.kernels.common import SAFE_SPAN, Chunks, sub_chunk_rows
 from fastweight.kernels.decay_state import dot_precision
-
-# A diagonal sub-chunk whose gates span less than this (max - min over its rows, per K block)
-# takes the factored form (factors within e^+-20: far inside fp32/tf32's range); wider spans
-# take the exact token-at-a-time path. Tests set 0 (always exact) or 1e30 (always factored).
-SAFE_SPAN = 40.0
 
 
 def diag_precision(dtype: torch.dtype) -> str:
@@ -327,8 +322,11 @@ def diagonal_spans(g: torch.Tensor, exclusive: bool, BK: int, BT: int = 64, BC: 
     return torch.where(hi >= lo, hi - lo, 0.).amax(-1)
 
 
-def intra_fwd(q, k, gq, gc, u, scale: float, chunks: Chunks, exclusive: bool) -> torch.Tensor:
-    """A [1, T, H, BT] fp32 (row t holds A[t, chunk(t)]); only s <= t is written."""
+def intra_fwd(q, k, gq, gc, u, scale: float, chunks: Chunks, exclusive: bool, *,
+              span: float = SAFE_SPAN) -> torch.Tensor:
+    """A [1, T, H, BT] fp32 (row t holds A[t, chunk(t)]); only s <= t is written. A diagonal
+    sub-chunk whose gates span less than ``span`` is factored (0: every one token at a time;
+    1e30: every one factored)."""
     _, T, H, K = q.shape
     BT, BC = chunks.BT, 16
     BK = min(32, triton.next_power_of_2(K))
@@ -337,15 +335,16 @@ def intra_fwd(q, k, gq, gc, u, scale: float, chunks: Chunks, exclusive: bool) ->
     decay_intra_fwd_kernel[grid](q, k, gq, gc, u if u is not None else q, A, chunks.cu_seqlens,
                                  chunks.chunk_indices, scale, H=H, K=K, BT=BT, BC=BC, BK=BK, EXCLUSIVE=exclusive,
                                  USE_U=u is not None, DOT_PRECISION=dot_precision(q.dtype),
-                                 DIAG_PRECISION=diag_precision(q.dtype), SPAN=SAFE_SPAN,
+                                 DIAG_PRECISION=diag_precision(q.dtype), SPAN=span,
                                  num_stages=1)  # the session 3 sweep: 0.27 ms of GLA's 37.7 (s3 run 3)
     return A
 
 
-def intra_bwd(q, k, v, gq, gc, u, h, dh, do, dA, scale: float, chunks: Chunks, exclusive: bool):
+def intra_bwd(q, k, v, gq, gc, u, h, dh, do, dA, scale: float, chunks: Chunks, exclusive: bool, *,
+              span: float = SAFE_SPAN):
     """dq, dk (inputs' dtype), the gate gradient's per-token terms (fp32, [1, T, H, K]; reduced to
     dg by ``decay_gate.gate_chunk_grad``): dgx (summed over t >= u), dga (EXCLUSIVE: over t > u;
-    else None), dgy (over t < u); du per token (USE_U)."""
+    else None), dgy (over t < u); du per token (USE_U). ``span`` as in ``intra_fwd``."""
     _, T, H, K = q.shape
     V = v.shape[-1]
     BT, BC = chunks.BT, 16
@@ -362,5 +361,5 @@ def intra_bwd(q, k, v, gq, gc, u, h, dh, do, dA, scale: float, chunks: Chunks, e
                                  chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, V=V, BT=BT, BC=BC,
                                  BK=BK, BV=BV, EXCLUSIVE=exclusive, USE_U=u is not None,
                                  DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype),
-                                 SPAN=SAFE_SPAN)
+                                 SPAN=span)
     return dq, dk, dgx, dga, dgy, du

@@ -108,8 +108,8 @@ def decay_state_pass_kernel(x, y, gx, gc, h, h0, ht, cu_seqlens, chunk_offsets, 
 
 
 def while_loops() -> bool:
-    """Loops to a runtime bound run as ``while`` under the interpreter (or with FASTWEIGHT_WHILE_LOOPS=1)."""
-    return os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("FASTWEIGHT_WHILE_LOOPS") == "1"
+    """Loops to a runtime bound run as ``while`` under the interpreter."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # the key block is 64 and the V block never narrower, a smaller K or V padded (masked): the

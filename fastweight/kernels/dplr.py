@@ -16,8 +16,8 @@ state before the chunk (the readable spec is ``fastweight/chunk/dplr.py``):
     4. o = scale (q * exp G) S + A_qb U + A_qk V                     ``decay_output.py``
 
 Backward: the forward's intra-chunk matrices, T, W, U~, the chunk states and the reads U are
-kept (``RECOMPUTE = False``, the default) or recomputed (steps 1-3 again, ``RECOMPUTE = True``:
-fla's choice, less memory); the gates' cumsum is always recomputed. Kept, they cost per token
+kept (``DplrLaunch.recompute`` False, the default) or recomputed (steps 1-3 again, True: fla's
+choice, less memory); the gates' cumsum is always recomputed. Kept, they cost per token
 and head 4 x 64 fp32 (A_qk, A_qb, A_ak, T) + K + 2 V + K V / 64 in the input dtype (W, U~, U,
 h): 1.5 KB at K = V = 64, 2.3 KB at K = V = 128 in bf16, against 0.9 / 1.8 KB for the inputs
 the op keeps anyway. The state gradient runs the loop in reverse (with the reads' gradient dU),
@@ -27,15 +27,18 @@ then one program per chunk (``dplr_bwd.py``) forms dV and the four matrices' gra
 cancel under strong decay (``dplr_bwd.py``; no sequence-wide sum, no final-state carry).
 
 Every exponential has an argument <= 0, except in the chunks (and diagonal sub-chunks) whose
-gates span less than ``decay_intra.SAFE_SPAN`` (there, within +-SAFE_SPAN / 2); no gate is clamped. Shapes: q, k, a, b, gk
-[B, T, H, K], v [B, T, H, V], ``initial_state`` [N, H, K, V], ``cu_seqlens`` [N+1] (B = 1).
+gates span less than ``common.SAFE_SPAN`` (there, within +-SAFE_SPAN / 2); no gate is clamped.
+Shapes: q, k, a, b, gk [B, T, H, K], v [B, T, H, V], ``initial_state`` [N, H, K, V],
+``cu_seqlens`` [N+1] (B = 1).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from fastweight.kernels.common import Chunks, prepare_chunks
+from fastweight.kernels.common import SAFE_SPAN, Chunks, prepare_chunks
 from fastweight.kernels.decay_gate import gate_cumsum
 from fastweight.kernels.decay_output import output_fwd
 from fastweight.kernels.dplr_bwd import dplr_bwd
@@ -45,15 +48,32 @@ from fastweight.kernels.dplr_wy import dplr_wy_fwd
 from fastweight.kernels.kkt_solve import solve
 
 BT = 64
-# keep the forward's intermediates for the backward (False) or recompute them there (True)
-RECOMPUTE = False
 
 
-def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks):
+@dataclass(frozen=True)
+class DplrLaunch:
+    """Variants of the DPLR chunk kernels (tests and benchmarks compare them); the defaults are the
+    tuned path. ``recompute``: the backward recomputes steps 1-3 instead of keeping the forward's
+    intermediates. ``span``: a chunk (and a diagonal sub-chunk) whose gates span less is factored
+    (0: none, 1e30: every one). ``wide_kernel``: the wider chunks' forward in its own kernel
+    (False: in the main one). ``intra_config`` (BK, (num_warps, num_stages)) of the intra forward,
+    ``bwd_blocks`` (BK, BV) and ``bwd_config`` (num_warps, num_stages) of the fused backward,
+    ``state_block_v`` the state passes' V block: None is each launcher's own choice by shape."""
+    recompute: bool = False
+    span: float = SAFE_SPAN
+    wide_kernel: bool = True
+    intra_config: tuple[int, tuple[int, int]] | None = None
+    bwd_blocks: tuple[int, int] | None = None
+    bwd_config: tuple[int, int] | None = None
+    state_block_v: int | None = None
+
+
+def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):
     """Steps 1-2: gates, the four intra-chunk matrices, T, W and U~."""
     T, H = q.shape[1], q.shape[2]
     gc, gp = gate_cumsum(gk, None, chunks, H, T, exclusive=True)
-    Aqk, Aqb, Aak, Aab = dplr_intra_fwd(q, k, a, b, gc, gp, scale, chunks)
+    Aqk, Aqb, Aak, Aab = dplr_intra_fwd(q, k, a, b, gc, gp, scale, chunks, span=launch.span,
+                                        wide_kernel=launch.wide_kernel, config=launch.intra_config)
     Ai = solve(Aab, torch.full((1, T, H), -1.0, device=q.device), chunks)
     w, ut = dplr_wy_fwd(a, v, gp, Ai, Aak, chunks)
     return gc, gp, Aqk, Aqb, Aak, Ai, w, ut
@@ -62,41 +82,46 @@ def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks):
 class ChunkDplrFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, a, b, gk, initial_state, scale: float, output_final_state: bool, chunks: Chunks):
-        gc, gp, Aqk, Aqb, Aak, Ai, w, ut = _prepare(q, k, v, a, b, gk, scale, chunks)
-        h, u, ht = dplr_state_fwd(k, v, b, gc, w, ut, chunks, initial_state, output_final_state)
+    def forward(ctx, q, k, v, a, b, gk, initial_state, scale: float, output_final_state: bool, chunks: Chunks,
+                launch: DplrLaunch):
+        gc, gp, Aqk, Aqb, Aak, Ai, w, ut = _prepare(q, k, v, a, b, gk, scale, chunks, launch)
+        h, u, ht = dplr_state_fwd(k, v, b, gc, w, ut, chunks, initial_state, output_final_state,
+                                  block_v=launch.state_block_v)
         o = output_fwd(q, k, v, gc, gc, h, Aqk, scale, chunks, False, A2=Aqb, v2=u)
-        kept = (Aqk, Aqb, Aak, Ai, w, ut, h, u) if not RECOMPUTE else ()
+        kept = (Aqk, Aqb, Aak, Ai, w, ut, h, u) if not launch.recompute else ()
         ctx.save_for_backward(q, k, v, a, b, gk, initial_state, *kept)
-        ctx.scale, ctx.chunks, ctx.recompute = scale, chunks, RECOMPUTE
+        ctx.scale, ctx.chunks, ctx.launch = scale, chunks, launch
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, a, b, gk, initial_state, *kept = ctx.saved_tensors
-        scale, chunks = ctx.scale, ctx.chunks
+        scale, chunks, launch = ctx.scale, ctx.chunks, ctx.launch
         # autograd hands cotangents in any strides (S.sum(): stride 0; through S.mT: transposed);
         # the kernels read both as contiguous
         do = do.contiguous()
         dht = dht.contiguous() if dht is not None else None
-        if ctx.recompute:
-            gc, gp, Aqk, Aqb, Aak, Ai, w, ut = _prepare(q, k, v, a, b, gk, scale, chunks)
-            h, u, _ = dplr_state_fwd(k, v, b, gc, w, ut, chunks, initial_state, False)
+        if launch.recompute:
+            gc, gp, Aqk, Aqb, Aak, Ai, w, ut = _prepare(q, k, v, a, b, gk, scale, chunks, launch)
+            h, u, _ = dplr_state_fwd(k, v, b, gc, w, ut, chunks, initial_state, False, block_v=launch.state_block_v)
         else:
             Aqk, Aqb, Aak, Ai, w, ut, h, u = kept
             gc, gp = gate_cumsum(gk, None, chunks, q.shape[2], q.shape[1], exclusive=True)
-        dh, du, dh0 = dplr_state_bwd(q, b, gc, w, Aqb, do, dht, scale, chunks, initial_state is not None)
+        dh, du, dh0 = dplr_state_bwd(q, b, gc, w, Aqb, do, dht, scale, chunks, initial_state is not None,
+                                     block_v=launch.state_block_v)
         dq, dk, dv, da, db, dg = dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, scale, chunks,
-                                          gk.dtype)
+                                          gk.dtype, span=launch.span, blocks=launch.bwd_blocks,
+                                          config=launch.bwd_config)
         if dh0 is not None:
             dh0 = dh0.to(initial_state.dtype)
-        return dq, dk, dv, da, db, dg, dh0, None, None, None
+        return dq, dk, dv, da, db, dg, dh0, None, None, None, None
 
 
 def chunk_dplr_delta_rule(q, k, v, a, b, gk, *, scale, initial_state=None, output_final_state=False,
-                          cu_seqlens=None, **_):
+                          cu_seqlens=None, launch: DplrLaunch = DplrLaunch(), **_):
     """Generic DPLR, fla's meaning: S_t = (Diag(exp gk_t) + b_t a_t^T) S_{t-1} + k_t v_t^T,
-    o_t = S_t^T (scale q_t). Returns (o [B, T, H, V], final state [N, H, K, V] fp32 or None)."""
+    o_t = S_t^T (scale q_t); ``launch`` the kernels' variant. Returns (o [B, T, H, V], final state
+    [N, H, K, V] fp32 or None)."""
     B, T, H, _ = q.shape
     V = v.shape[-1]
     chunks = prepare_chunks(cu_seqlens, B, T, BT, q.device)
@@ -107,12 +132,13 @@ def chunk_dplr_delta_rule(q, k, v, a, b, gk, *, scale, initial_state=None, outpu
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     o, ht = ChunkDplrFunction.apply(pack(q), pack(k), pack(v), pack(a), pack(b), pack(gk), initial_state, scale,
-                                    output_final_state, chunks)
+                                    output_final_state, chunks, launch)
     return o.reshape(B, T, H, V), ht
 
 
-def chunk_rwkv7(r, w, k, v, a, b, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
+def chunk_rwkv7(r, w, k, v, a, b, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                launch: DplrLaunch = DplrLaunch(), **_):
     """RWKV-7 with fla's arguments: ``chunk_dplr_delta_rule(q=r, k, v, a, b, gk=w)``, w the log decay,
     a = -kappa^ (read), b = kappa^ * iclr (write)."""
     return chunk_dplr_delta_rule(r, k, v, a, b, w, scale=scale, initial_state=initial_state,
-                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, launch=launch)

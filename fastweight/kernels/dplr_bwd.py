@@ -6,7 +6,7 @@ Given the state pass's results (h, dh, U, dU from ``dplr_state.py``), a program
        registers) and the parts of dq, dk, da, db that pass through the states (fp32 scratch):
        ``dplr_wy.local_grads``;
     2. takes the dA's to q, k, a, b (``dplr_intra.py``): a chunk whose gates span less than
-       ``decay_intra.SAFE_SPAN`` (every RWKV-7 chunk: 64 x 0.607 = 38.8) factors every decay
+       ``common.SAFE_SPAN`` (every RWKV-7 chunk: 64 x 0.607 = 38.8) factors every decay
        through the per-channel midpoint of its gates, eight [BT, BT] x [BT, BK] dots per K block,
        with the dA's never leaving the chip; a wider one stores them and goes sub-chunk by
        sub-chunk (reference rows between sub-chunks, the diagonal ones factored or token at a time);
@@ -43,23 +43,18 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels import decay_intra
-from fastweight.kernels.common import Chunks, chunk_bounds
+from fastweight.kernels.common import SAFE_SPAN, Chunks, chunk_bounds
 from fastweight.kernels.decay_intra import diag_precision, span_ref
 from fastweight.kernels.decay_state import dot_precision
 from fastweight.kernels.dplr_intra import _bwd_finish, _bwd_sub, _chunk_span, _factored_bwd, _load_rows
 from fastweight.kernels.dplr_wy import local_grads
 
-# (BK, BV) and (num_warps, num_stages) instead of launch_config's (benchmarks set them)
-BLOCKS: tuple[int, int] | None = None
-CONFIG: tuple[int, int] | None = None
-
 
 def launch_config(K: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((BK, BV), (num_warps, num_stages)) from the H200 runs of session 4 (RWKV-7 bf16 fwd+bwd,
-    scripts/gpu_dplr_variants.py bwd, docs/bench/decay_dplr.md): at K = V = 64, (8, 16384, 64, 64),
-    blocks 32 x 64 with 4 warps 86.6 ms (32 x 32 8 warps 99.2, 64 x 64 8 warps 104.9); at K = V = 128,
-    (4, 8192, 16, 128), 64 x 64 with 8 warps 12.8 ms (32 x 32 14.2, 32 x 64 13.3, 64 x 64 4 warps 18.0)."""
+    """((BK, BV), (num_warps, num_stages)) of dplr_bwd_kernel at key size K: K <= 64 blocks 32 x 64
+    with 4 warps, wider K 64 x 64 with 8 warps, one stage (the launcher narrows a block to a smaller
+    K or V): the fastest in H200 timings of RWKV-7 bf16 forward+backward at K = V = 64 and 128
+    (docs/bench/runs-2026-11-30-s4.md)."""
     return ((32, 64), (4, 1)) if K <= 64 else ((64, 64), (8, 1))
 
 
@@ -145,14 +140,17 @@ def dplr_gate_bwd_kernel(gc, h, dh, dgk, dga, dgs, dg, cu_seqlens, chunk_indices
 
 
 def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, scale: float, chunks: Chunks,
-             g_dtype: torch.dtype):
-    """dq, dk, dv, da, db (inputs' dtypes) and dg, the gradient of the log gates (``g_dtype``)."""
+             g_dtype: torch.dtype, *, span: float = SAFE_SPAN, blocks: tuple[int, int] | None = None,
+             config: tuple[int, int] | None = None):
+    """dq, dk, dv, da, db (inputs' dtypes) and dg, the gradient of the log gates (``g_dtype``).
+    ``span``: as in ``dplr_intra.dplr_intra_fwd``; ``blocks`` (BK, BV) and ``config`` (num_warps,
+    num_stages) of dplr_bwd_kernel instead of ``launch_config(K)``'s."""
     _, T, H, K = q.shape
     V = v.shape[-1]
-    blocks, config = launch_config(K)
-    BK, BV = BLOCKS or blocks
+    default_blocks, default_config = launch_config(K)
+    BK, BV = blocks or default_blocks
     BK, BV = min(BK, max(16, triton.next_power_of_2(K))), min(BV, max(16, triton.next_power_of_2(V)))
-    warps, stages = CONFIG or config
+    warps, stages = config or default_config
     dq, dk, dv, da, db = (torch.empty_like(x) for x in (q, k, v, a, b))
     f32 = dict(dtype=torch.float32, device=q.device)
     # the dA's are written only by chunks that take the sub-chunk path; the scratch by every chunk
@@ -163,7 +161,7 @@ def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, scale
     dplr_bwd_kernel[(chunks.NC, H)](
         q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, *dAs, pairs, *scratch, dq, dk, dv, da, db, dgk,
         dga, dgs, chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, V=V, BT=chunks.BT, BC=16, BK=BK, BV=BV,
-        DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=decay_intra.SAFE_SPAN,
+        DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=span,
         num_warps=warps, num_stages=stages)
     dg = torch.empty(1, T, H, K, dtype=g_dtype, device=q.device)
     dplr_gate_bwd_kernel[(chunks.NC, H)](gc, h, dh, dgk, dga, dgs, dg, chunks.cu_seqlens, chunks.chunk_indices, H=H,

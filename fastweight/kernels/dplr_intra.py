@@ -11,7 +11,7 @@ dA_qk/dq_t + (same with dA_qb), da_t likewise from dA_ak, dA_ab, and the column 
 from the transposes (the backward's kernel is ``dplr_bwd.py``; its pieces are here).
 
 exp(G_t - G_s) is never split as exp(G_t) exp(-G_s) over the sequence. One program per chunk:
-when the chunk's gates span less than ``decay_intra.SAFE_SPAN`` (largest minus smallest over
+when the chunk's gates span less than ``common.SAFE_SPAN`` (largest minus smallest over
 its rows' G^-, G and every channel; every RWKV-7 chunk, 64 x 0.607 = 38.8), each decay factors
 through the per-channel midpoint m of the chunk's gates, exp(G_t - m) exp(m - G_s), every factor
 within exp(+-SAFE_SPAN / 2): four [BT, BT] dots per K block. A wider chunk goes sub-chunk by
@@ -30,27 +30,18 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, chunk_bounds
 from fastweight.kernels import decay_intra
+from fastweight.kernels.common import SAFE_SPAN, Chunks, chunk_bounds
 from fastweight.kernels.decay_intra import diag_precision, factor, span_ref
 from fastweight.kernels.decay_state import dot_precision
 
 
-# (BK, (num_warps, num_stages)) of the forward kernel instead of fwd_launch_config's (benchmarks set it)
-FWD_OVERRIDE: tuple[int, tuple[int, int]] | None = None
-
-
 def fwd_launch_config(K: int) -> tuple[int, tuple[int, int]]:
-    """BK and (num_warps, num_stages) of dplr_intra_fwd_kernel: 4 warps 2 stages (the H200 sweep of
-    session 4: 4 warps saved 0.8 / 6.4 ms of fwd+bwd against 8 at (4, 8192, 16, 128) / (8, 16384,
-    64, 64)). Two programs per chunk (q rows, a rows; two accumulators each) were slower: RWKV-7
-    forward 3.5 / 27.9 ms against 3.0 / 24.2 (run 5)."""
-    return 32, (4, 2)
-
-
-# chunks whose gates span SAFE_SPAN or more go through dplr_intra_wide_kernel (True) or the sub-chunk
-# path inside the main kernel (False; its registers then count there too); benchmarks compare
-WIDE_KERNEL = True
+    """(BK, (num_warps, num_stages)) of dplr_intra_fwd_kernel at key size K: K blocks of 32 (16 at
+    K <= 16), 4 warps, 2 stages at every K, one program per (chunk, head) for both the q and the a
+    rows. The H200 timings behind the choice (4 against 8 warps, one against two programs per
+    chunk) are in docs/bench/runs-2026-11-30-s4.md."""
+    return min(32, max(16, triton.next_power_of_2(K))), (4, 2)
 
 
 @triton.jit
@@ -402,26 +393,31 @@ def _factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_dq, b_dk, b_da, b_db, 
 
 
 def chunk_spans(g: torch.Tensor, BK: int, BT: int = 64) -> torch.Tensor:
-    """The span each chunk's branch compares with ``SAFE_SPAN``, for one sequence of log gates
-    g [T, H, K] (rows G^- and G, columns G). Returns [NT, H, cdiv(K, BK)] float64, per K block (the
-    backward's branch); the forward branches on the largest over K blocks (tests, benchmarks)."""
+    """The span each chunk's branch compares with ``span`` (default ``SAFE_SPAN``), for one sequence
+    of log gates g [T, H, K] (rows G^- and G, columns G). Returns [NT, H, cdiv(K, BK)] float64, per
+    K block (the backward's branch); the forward branches on the largest over K blocks (tests,
+    benchmarks)."""
     spans = decay_intra.diagonal_spans(g, exclusive=True, BK=BK, BT=BT, BC=BT)
     return spans[:, 0]
 
 
-def dplr_intra_fwd(q, k, a, b, gc, gp, scale: float, chunks: Chunks):
+def dplr_intra_fwd(q, k, a, b, gc, gp, scale: float, chunks: Chunks, *, span: float = SAFE_SPAN,
+                   wide_kernel: bool = True, config: tuple[int, tuple[int, int]] | None = None):
     """A_qk, A_qb (scale folded in), A_ak, A_ab: [1, T, H, BT] fp32, row t holding its chunk's row;
-    only the (strict) lower triangle is written."""
+    only the (strict) lower triangle is written. A chunk whose gates span less than ``span`` is
+    factored whole; a wider one goes sub-chunk by sub-chunk, in ``dplr_intra_wide_kernel``
+    (``wide_kernel``) or inside the main kernel (its registers then count there too). ``config``:
+    (BK, (num_warps, num_stages)) of the main kernel instead of ``fwd_launch_config(K)``'s."""
     _, T, H, K = q.shape
     BT, BC = chunks.BT, 16
-    BK, (warps, stages) = FWD_OVERRIDE or fwd_launch_config(K)
+    BK, (warps, stages) = config or fwd_launch_config(K)
     BK = min(BK, max(16, triton.next_power_of_2(K)))
     As = [torch.empty(1, T, H, BT, dtype=torch.float32, device=q.device) for _ in range(4)]
     wide = torch.empty(chunks.NC, H, dtype=torch.int8, device=q.device)
     meta = dict(H=H, K=K, BT=BT, BC=BC, BK=BK, DOT_PRECISION=dot_precision(q.dtype),
-                DIAG_PRECISION=diag_precision(q.dtype), SPAN=decay_intra.SAFE_SPAN)
+                DIAG_PRECISION=diag_precision(q.dtype), SPAN=span)
     args = (q, k, a, b, gc, gp, *As, wide, chunks.cu_seqlens, chunks.chunk_indices, scale)
-    dplr_intra_fwd_kernel[(chunks.NC, H)](*args, **meta, FLAG=WIDE_KERNEL, num_warps=warps, num_stages=stages)
-    if WIDE_KERNEL:
+    dplr_intra_fwd_kernel[(chunks.NC, H)](*args, **meta, FLAG=wide_kernel, num_warps=warps, num_stages=stages)
+    if wide_kernel:
         dplr_intra_wide_kernel[(chunks.NC * (BT // BC), H)](*args, **meta, num_warps=4)
     return As

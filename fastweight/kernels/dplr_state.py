@@ -153,34 +153,32 @@ def dplr_state_bwd_kernel(q, b, gc, w, Aqb, do, dh, du, dht, dh0, cu_seqlens, ch
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + o_h, b_dh, mask=m_h)
 
 
-# V block of the state passes: None = the rule in ``_blocks``; benchmarks set 16 / 32 / 64 to compare
-BLOCK_V: int | None = None
-
-
 def launch_config(BK: int, backward: bool) -> tuple[int, int]:
-    """(num_warps, num_stages), H200 sweep of session 4 at BV = 64 (RWKV-7 bf16 fwd+bwd): K <= 64
-    4 warps 2 stages (-0.6 / -2.7 of 95 ms, forward / backward pass), above 8 warps (forward 1
-    stage, backward 2: -0.2 of 13.4 ms; 1 at K = 256)."""
+    """(num_warps, num_stages) of the state passes at BV = 64: K <= 64 4 warps 2 stages; above,
+    8 warps, the forward 1 stage, the backward 2 (1 at K = 256). From H200 sweeps of RWKV-7 bf16
+    forward+backward (docs/bench/runs-2026-11-30-s4.md)."""
     if BK <= 64:
         return 4, 2
     # at K = 256 two stages of the backward need more shared memory than the H200 has
     return (8, 2 if BK <= 128 else 1) if backward else (8, 1)
 
 
-def _blocks(K, V):
-    # all of K per program. BV = 64: every V block reloads W, k, b and the gates of each chunk, so
-    # wide blocks win (H200, session 4, RWKV-7 bf16 fwd+bwd: BV 16 / 32 / 64 at (4, 8192, 16, 128)
-    # 19.0 / 16.5 / 15.7 ms; at (8, 16384, 64, 64) 134 / 123 / 117 ms), and 16-bit dots narrower
-    # than 64 are what Triton 3.6 miscompiles on the H200 (docs/kernels.md)
+def _blocks(K, V, block_v=None):
+    # all of K per program. BV = 64 (``block_v`` instead, narrowed to V): every V block reloads W,
+    # k, b and the gates of each chunk, so wide blocks win (H200 timings of BV 16 / 32 / 64:
+    # docs/bench/runs-2026-11-30-s4.md), and 16-bit dots narrower than 64 are what Triton 3.6
+    # miscompiles on the H200 (docs/kernels.md)
     BK = max(16, triton.next_power_of_2(K))
-    return BK, min(BLOCK_V or 64, max(16, triton.next_power_of_2(V)))
+    return BK, min(block_v or 64, max(16, triton.next_power_of_2(V)))
 
 
-def dplr_state_fwd(k, v, b, gc, w, ut, chunks: Chunks, initial_state, output_final_state: bool):
-    """h [NC, H, K, V] (k's dtype), U [1, T, H, V] (k's dtype), final state [N, H, K, V] fp32 or None."""
+def dplr_state_fwd(k, v, b, gc, w, ut, chunks: Chunks, initial_state, output_final_state: bool, *,
+                   block_v: int | None = None):
+    """h [NC, H, K, V] (k's dtype), U [1, T, H, V] (k's dtype), final state [N, H, K, V] fp32 or None.
+    ``block_v``: the V block instead of 64."""
     _, T, H, K = k.shape
     V = v.shape[-1]
-    BK, BV = _blocks(K, V)
+    BK, BV = _blocks(K, V, block_v)
     warps, stages = launch_config(BK, False)
     h = torch.empty(chunks.NC, H, K, V, dtype=k.dtype, device=k.device)
     u = torch.empty(1, T, H, V, dtype=k.dtype, device=k.device)
@@ -193,11 +191,13 @@ def dplr_state_fwd(k, v, b, gc, w, ut, chunks: Chunks, initial_state, output_fin
     return h, u, ht
 
 
-def dplr_state_bwd(q, b, gc, w, Aqb, do, dht, scale: float, chunks: Chunks, need_dh0: bool):
-    """dh [NC, H, K, V] fp32 (gradient of the state after each chunk), dU [1, T, H, V] fp32, dh0 or None."""
+def dplr_state_bwd(q, b, gc, w, Aqb, do, dht, scale: float, chunks: Chunks, need_dh0: bool, *,
+                   block_v: int | None = None):
+    """dh [NC, H, K, V] fp32 (gradient of the state after each chunk), dU [1, T, H, V] fp32, dh0 or None.
+    ``block_v``: the V block instead of 64."""
     _, T, H, K = q.shape
     V = do.shape[-1]
-    BK, BV = _blocks(K, V)
+    BK, BV = _blocks(K, V, block_v)
     warps, stages = launch_config(BK, True)
     dh = torch.empty(chunks.NC, H, K, V, dtype=torch.float32, device=q.device)
     du = torch.empty(1, T, H, V, dtype=torch.float32, device=q.device)

@@ -29,13 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, alloc, mm
+from fastweight.kernels.common import SAFE_SPAN, Chunks, alloc, mm
 
-# A diagonal block whose decay over its 16 rows stays under exp(SAFE_SPAN) in every channel is
-# factored through its first row like the off-diagonal ones (operands up to e^40, in fp32 for
-# every input dtype: with bf16 operands KDA's bf16 dg was 4.3x its rounding floor on the H200,
-# 2.2x with the exact form; fp16 interpreter proxy: 6.5x -> 2.7x); beyond it the exact pairwise form runs.
-SAFE_SPAN = tl.constexpr(40.0)
+# SPAN (``common.SAFE_SPAN``): a diagonal block whose decay over its 16 rows stays under exp(SPAN) in
+# every channel is factored through its first row like the off-diagonal ones (operands up to
+# e^40, in fp32 for every input dtype: with bf16 operands KDA's bf16 dg was 4.3x its rounding
+# floor on the H200, 2.2x with the exact form; fp16 interpreter proxy: 6.5x -> 2.7x); beyond it
+# the exact pairwise form runs.
 
 
 @triton.jit
@@ -58,7 +58,7 @@ def _ref_row(g, T, r0, i_k, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def intra_fwd_kernel(q, k, g, Aqk, Akk, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
-                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
@@ -92,7 +92,7 @@ def intra_fwd_kernel(q, k, g, Aqk, Akk, cu_seqlens, chunk_indices, H: tl.constex
                     b_kr = _rows(k, T, r0, i_k, HK * K, K, BK)
                     b_qr = _rows(q, T, r0, i_k, HK * K, K, BK)
                     b_gref = _ref_row(g, T, r0, i_k, H, K, BK)
-                    if _span(b_g, b_gref, m_v) < SAFE_SPAN:
+                    if _span(b_g, b_gref, m_v) < SPAN:
                         # the block's decay fits the factored form: one matrix product
                         b_er = tl.exp(tl.where(m_v[:, None], b_g - b_gref[None, :], float("-inf")))
                         # fp32 operands (products of the input and the exponentials, not rounded back)
@@ -114,7 +114,7 @@ def intra_fwd_kernel(q, k, g, Aqk, Akk, cu_seqlens, chunk_indices, H: tl.constex
 
 @triton.jit
 def intra_bwd_kernel(q, k, g, dAqk, dAkk, dq, dk, dg, cu_seqlens, chunk_indices, H: tl.constexpr,
-                     HK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+                     HK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
     """dq, dk, dg (float32, per value head [T, H, K]) arrive with the other stages' parts and are updated."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
@@ -174,7 +174,7 @@ def intra_bwd_kernel(q, k, g, dAqk, dAkk, dq, dk, dg, cu_seqlens, chunk_indices,
             b_dqk_ii = tl.sum(tl.where((o_i[:, None] == o_i[None, :]) & m_b[:, None], b_dAqk, 0.), 1)
             b_dkk = tl.where(o_i[:, None] > o_i[None, :], _rows(dAkk, T, b0, b, H * BT, BT, 16), 0.)
             b_kf, b_qf = b_kb.to(tl.float32), b_qb.to(tl.float32)
-            if _span(b_gb, b_gref, m_b) < SAFE_SPAN:
+            if _span(b_gb, b_gref, m_b) < SPAN:
                 b_ec = tl.exp(tl.where(m_b[:, None], b_gref[None, :] - b_gb, float("-inf")))
                 b_kec = b_kf * b_ec
                 b_dq += mm(b_dqk, b_kec) * b_er
@@ -205,7 +205,7 @@ def intra_fwd(q, k, g_cum, chunks: Chunks):
     f32 = dict(dtype=torch.float32, device=k.device)
     Aqk, Akk = alloc((1, T, H, chunks.BT), dtype=q.dtype, device=k.device), alloc((1, T, H, chunks.BT), **f32)
     intra_fwd_kernel[(chunks.NC, H)](q, k, g_cum, Aqk, Akk, chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK,
-                                     K=K, BT=chunks.BT, BK=min(32, triton.next_power_of_2(K)))
+                                     K=K, BT=chunks.BT, BK=min(32, triton.next_power_of_2(K)), SPAN=SAFE_SPAN)
     return Aqk, Akk
 
 
@@ -213,6 +213,7 @@ def intra_bwd(q, k, g_cum, dAqk, dAkk, dq, dk, dg, chunks: Chunks):
     """Adds the intra-chunk parts into dq, dk, dg (float32 [1, T, H, K], in place)."""
     _, T, HK, K = k.shape
     H = g_cum.shape[2]
+    # 2 stages: 2.4 ms of KDA's 12.2 (s3 sweep)
     intra_bwd_kernel[(chunks.NC, H)](q, k, g_cum, dAqk, dAkk, dq, dk, dg, chunks.cu_seqlens, chunks.chunk_indices,
                                      H=H, HK=HK, K=K, BT=chunks.BT, BK=min(32, triton.next_power_of_2(K)),
-                                     num_warps=4, num_stages=2)  # 2 stages: 2.4 ms of KDA's 12.2 (s3 sweep)
+                                     SPAN=SAFE_SPAN, num_warps=4, num_stages=2)

@@ -204,7 +204,7 @@ def _store16(Ai, T, r0, c0, H: tl.constexpr, BT: tl.constexpr, b_1, b_2, b_3, b_
 
 
 def kkt_solve(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor | None, chunks: Chunks,
-              num_warps: int | None = None, p: torch.Tensor | None = None,
+              num_warps: int = SOLVE_WARPS, p: torch.Tensor | None = None,
               g_read: torch.Tensor | None = None) -> torch.Tensor:
     """k: [1, T, HK, K]; beta: [1, T, H] (H a multiple of HK); g_cum: [1, T, H] chunk-local cumsum or None.
 
@@ -220,15 +220,15 @@ def kkt_solve(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor | None, c
     use_p = p is not None
     kkt_solve_kernel[(chunks.NC, H)](k, p if use_p else k, beta, g_cum, g_read if use_p else g_cum, Ai,
                                      chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK, K=K, BT=BT, BK=BK,
-                                     USE_G=g_cum is not None, USE_P=use_p, num_warps=num_warps or SOLVE_WARPS)
+                                     USE_G=g_cum is not None, USE_P=use_p, num_warps=num_warps)
     return Ai
 
 
 def solve(Akk: torch.Tensor, beta: torch.Tensor, chunks: Chunks, dtype=torch.float32,
-          num_warps: int | None = None) -> torch.Tensor:
+          num_warps: int = SOLVE_WARPS) -> torch.Tensor:
     """Akk: [1, T, H, 64] strictly lower per chunk (fp32); beta: [1, T, H] -> Ai [1, T, H, 64] in ``dtype``."""
     _, T, H, BT = Akk.shape
     Ai = alloc((1, T, H, BT), device=Akk.device, dtype=dtype)
     solve_kernel[(chunks.NC, H)](Akk, beta, Ai, chunks.cu_seqlens, chunks.chunk_indices, H=H, BT=BT,
-                                 num_warps=num_warps or SOLVE_WARPS)
+                                 num_warps=num_warps)
     return Ai

@@ -4,15 +4,19 @@ float64 definitions.
 Runs on CPU under TRITON_INTERPRET=1 (fp32, fp16). Every floating buffer allocated with
 ``torch.empty``/``torch.empty_like`` during a call is poisoned with NaN, so an element the
 kernels fail to write fails the check. Each test calls the public op with ``backend="triton"``
-and the same op with ``backend="reference"`` on float64 copies of the inputs, and compares the
-output, the final state and the gradient of every input.
+(a kernel variant: ``fastweight.kernels.decay.chunk_<op>`` with its ``launch``) and the same op
+with ``backend="reference"`` on float64 copies of the inputs, and compares the output, the final
+state and the gradient of every input.
 """
+
+import functools
 
 import pytest
 import torch
 
 from fastweight import ops
 from fastweight.kernels import decay, decay_intra
+from fastweight.kernels.decay import DecayLaunch
 from fastweight.testing import generator, rel_err
 
 # measured: fp32 errors ~1e-6; the gate gradients up to 7e-6 under log decays of -6 per token
@@ -72,13 +76,19 @@ def _gate_floor(inputs, cu_seqlens, BT=64):
 
 
 def _check(op, inputs, dtype=torch.float32, initial_state=True, cu_seqlens=None, grads=True, gen=None, final=True,
-           cotangents=None):
+           cotangents=None, launch=None):
     """Run ``chunk_<op>`` on the kernels and on the float64 definition; compare o, final state and
     the gradient of every input. ``cotangents(dtype, state_dtype)``: the (do, dS) to pull back,
-    either None (no loss on it), built in the dtypes given (any strides); default random."""
-    fn = getattr(ops, "chunk_simple_gla" if op == "simple_gla_gamma" else f"chunk_{op}")
+    either None (no loss on it), built in the dtypes given (any strides); default random.
+    ``launch``: the kernels run as ``decay.chunk_<op>`` with that ``DecayLaunch`` (default: the op)."""
+    name = "chunk_simple_gla" if op == "simple_gla_gamma" else f"chunk_{op}"
+    fn = getattr(ops, name)
     H, V = inputs["v"].shape[2], inputs["v"].shape[3]
     K = next(x for n, x in inputs.items() if n in ("q", "r")).shape[-1]
+    if launch is None:
+        kernel = functools.partial(fn, backend="triton")
+    else:
+        kernel = functools.partial(getattr(decay, name), scale=K ** -0.5, launch=launch)
     N = 1 if cu_seqlens is None else len(cu_seqlens) - 1
     h0 = torch.randn(N, H, K, V, generator=gen) if initial_state else None
     leaves = dict(inputs, initial_state=h0) if initial_state else dict(inputs)
@@ -88,7 +98,7 @@ def _check(op, inputs, dtype=torch.float32, initial_state=True, cu_seqlens=None,
     # the reference with g_gamma alone takes a zero g too: its gradient is the per-token one
     if "g_gamma" in inputs and "g" not in inputs:
         ref["g"] = torch.zeros(inputs["v"].shape[:3], dtype=torch.float64, requires_grad=grads)
-    o, ht = fn(**low, output_final_state=final, cu_seqlens=cu_seqlens, backend="triton")
+    o, ht = kernel(**low, output_final_state=final, cu_seqlens=cu_seqlens)
     ro, rht = fn(**ref, output_final_state=final, cu_seqlens=cu_seqlens, backend="reference")
     tol = TOL[dtype]
     assert o.dtype == dtype
@@ -128,11 +138,10 @@ def test_ops_fwd_bwd(op):
 
 
 @pytest.mark.parametrize("op", ["simple_gla", "gla"])
-def test_states_recomputed(op, monkeypatch):
+def test_states_recomputed(op):
     """The backward with the chunk states recomputed instead of kept from the forward."""
-    monkeypatch.setattr(decay, "RECOMPUTE", True)
     gen = generator()
-    _check(op, _inputs(op, 100, gen=gen), gen=gen)
+    _check(op, _inputs(op, 100, gen=gen), gen=gen, launch=DecayLaunch(recompute=True))
 
 
 @pytest.mark.parametrize("op", ["simple_gla", "gla", "rwkv6"])
@@ -190,13 +199,12 @@ def test_strong_decay_without_overflow(op):
 
 @pytest.mark.parametrize("path", ["exact", "factored"])
 @pytest.mark.parametrize("op", ["gla", "rwkv6", "hgrn2"])
-def test_diagonal_paths(op, path, monkeypatch):
-    """Each diagonal sub-chunk path on its own (SAFE_SPAN 0: always token at a time; 1e30: always
+def test_diagonal_paths(op, path):
+    """Each diagonal sub-chunk path on its own (span 0: always token at a time; 1e30: always
     factored), with gates of RWKV-6-like strength (spans up to ~10) and odd T."""
-    monkeypatch.setattr(decay_intra, "SAFE_SPAN", 0.0 if path == "exact" else 1e30)
     gen = generator()
     x = _inputs(op, 77, gen=gen, decay=4.0)
-    _check(op, x, gen=gen)
+    _check(op, x, gen=gen, launch=DecayLaunch(span=0.0 if path == "exact" else 1e30))
 
 
 def _layout(kind, shape, gen):

@@ -2,16 +2,20 @@
 ``chunk_dplr_delta_rule``, ``chunk_rwkv7``) against the float64 definitions.
 
 Runs on CPU under TRITON_INTERPRET=1 (fp32, fp16). Every floating ``torch.empty`` buffer is
-poisoned with NaN. Each test compares the public op with ``backend="triton"`` to the same op
-with ``backend="reference"`` on float64 copies: output, final state, gradient of every input.
+poisoned with NaN. Each test compares the public op with ``backend="triton"`` (a kernel variant:
+``fastweight.kernels.dplr.chunk_<op>`` with its ``launch``) to the same op with
+``backend="reference"`` on float64 copies: output, final state, gradient of every input.
 """
+
+import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from fastweight import ops
-from fastweight.kernels import decay_intra, dplr, dplr_bwd, dplr_intra
+from fastweight.kernels import decay_intra, dplr, dplr_intra
+from fastweight.kernels.dplr import DplrLaunch
 from fastweight.testing import generator, rel_err, strided
 
 # measured: fp32 errors 1e-7..4e-6 (strong decays included); fp16 <= 7e-4
@@ -42,8 +46,13 @@ def _inputs(op, T, H=1, K=16, V=32, gen=None, w_scale=1.0, at_bound=False):
     return dict(q=q, k=k, v=v, a=-kappa, b=kappa * iclr, gk=w)
 
 
-def _check(op, inputs, dtype=torch.float32, initial_state=True, cu_seqlens=None, gen=None):
+def _check(op, inputs, dtype=torch.float32, initial_state=True, cu_seqlens=None, gen=None, launch=None):
+    """``launch``: the Triton side runs ``dplr.chunk_<op>`` with that ``DplrLaunch`` (default: the op)."""
     fn = getattr(ops, f"chunk_{op}")
+    if launch is None:
+        kernel = functools.partial(fn, backend="triton")
+    else:
+        kernel = functools.partial(getattr(dplr, f"chunk_{op}"), launch=launch)
     H, V = inputs["v"].shape[2], inputs["v"].shape[3]
     K = inputs["k"].shape[-1]
     N = 1 if cu_seqlens is None else len(cu_seqlens) - 1
@@ -53,7 +62,7 @@ def _check(op, inputs, dtype=torch.float32, initial_state=True, cu_seqlens=None,
     low = {n: x.to(dtype if n not in ("gk", "w", "initial_state") else x.dtype, copy=True).requires_grad_(True)
            for n, x in leaves.items()}
     ref = {n: x.to(torch.float64, copy=True).requires_grad_(True) for n, x in leaves.items()}
-    o, ht = fn(**low, scale=K ** -0.5, output_final_state=True, cu_seqlens=cu_seqlens, backend="triton")
+    o, ht = kernel(**low, scale=K ** -0.5, output_final_state=True, cu_seqlens=cu_seqlens)
     ro, rht = fn(**ref, scale=K ** -0.5, output_final_state=True, cu_seqlens=cu_seqlens, backend="reference")
     tol = TOL[dtype]
     assert o.dtype == dtype and ht.dtype == torch.float32
@@ -68,11 +77,11 @@ def _check(op, inputs, dtype=torch.float32, initial_state=True, cu_seqlens=None,
 
 
 @pytest.mark.parametrize("recompute", [False, True])
-def test_dplr_fwd_bwd_two_chunks(recompute, monkeypatch):
+def test_dplr_fwd_bwd_two_chunks(recompute):
     """Both backward modes: the forward's intermediates kept (default) or recomputed."""
-    monkeypatch.setattr(dplr, "RECOMPUTE", recompute)
     gen = generator()
-    _check("dplr_delta_rule", _inputs("dplr_delta_rule", 100, H=2, gen=gen), gen=gen)
+    _check("dplr_delta_rule", _inputs("dplr_delta_rule", 100, H=2, gen=gen), gen=gen,
+           launch=DplrLaunch(recompute=recompute))
 
 
 @pytest.mark.parametrize("T", [1, 63])
@@ -99,12 +108,12 @@ def test_dplr_wide_head_dims():
 
 
 @pytest.mark.parametrize("blocks", [(64, 32), (32, 64), (64, 64)])
-def test_dplr_bwd_blocks(blocks, monkeypatch):
+def test_dplr_bwd_blocks(blocks):
     """The fused backward's other K / V blocks (benchmarks compare them): K = 80, V = 72, partial
     last blocks."""
-    monkeypatch.setattr(dplr_bwd, "BLOCKS", blocks)
     gen = generator()
-    _check("dplr_delta_rule", _inputs("dplr_delta_rule", 70, K=80, V=72, gen=gen), gen=gen)
+    _check("dplr_delta_rule", _inputs("dplr_delta_rule", 70, K=80, V=72, gen=gen), gen=gen,
+           launch=DplrLaunch(bwd_blocks=blocks))
 
 
 def _spans(x):
@@ -126,29 +135,28 @@ def test_rwkv7_strong_decay():
 
 
 @pytest.mark.parametrize("wide_kernel", [True, False])
-def test_rwkv7_chunk_paths(wide_kernel, monkeypatch):
+def test_rwkv7_chunk_paths(wide_kernel):
     """Chunks take different paths in one call: the first 64 tokens' log decays x8 (the chunk's
     gates span SAFE_SPAN or more: sub-chunk by sub-chunk, in the forward's own kernel or inside the
     main one), the rest x1 (the whole chunk factored through its gates' midpoint); T = 150 leaves a
     short last chunk; two heads, varlen."""
-    monkeypatch.setattr(dplr_intra, "WIDE_KERNEL", wide_kernel)
+    launch = DplrLaunch(wide_kernel=wide_kernel)
     gen = generator()
     x = _inputs("rwkv7", 150, H=2, gen=gen, w_scale=torch.where(torch.arange(150) < 64, 8.0, 1.0))
     spans = dplr_intra.chunk_spans(x["w"][0], BK=16)
     assert (spans[0] >= decay_intra.SAFE_SPAN).all() and (spans[1:] < decay_intra.SAFE_SPAN).all(), spans
-    _check("rwkv7", x, gen=gen)
-    _check("rwkv7", x, cu_seqlens=torch.tensor([0, 70, 150]), gen=gen)
+    _check("rwkv7", x, gen=gen, launch=launch)
+    _check("rwkv7", x, cu_seqlens=torch.tensor([0, 70, 150]), gen=gen, launch=launch)
 
 
 @pytest.mark.parametrize("path", ["exact", "factored"])
-def test_diagonal_paths(path, monkeypatch):
-    """Each path on its own (SAFE_SPAN 0: sub-chunks, diagonal ones token at a time; 1e30: every
+def test_diagonal_paths(path):
+    """Each path on its own (span 0: sub-chunks, diagonal ones token at a time; 1e30: every
     chunk factored whole), every w at RWKV-7's bound (span 16 x 0.607 = 9.7 per sub-chunk), odd T, two heads."""
-    monkeypatch.setattr(decay_intra, "SAFE_SPAN", 0.0 if path == "exact" else 1e30)
     gen = generator()
     x = _inputs("dplr_delta_rule", 77, H=2, gen=gen, at_bound=True)
     assert (_spans(x) < 10).all()
-    _check("dplr_delta_rule", x, gen=gen)
+    _check("dplr_delta_rule", x, gen=gen, launch=DplrLaunch(span=0.0 if path == "exact" else 1e30))
 
 
 
