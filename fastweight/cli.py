@@ -2,13 +2,16 @@
 
 Each module of :data:`SUBCOMMANDS` exposes ``register(subparsers)``, which adds its parser and
 sets ``func`` (``func(args) -> exit status``). Every one is imported: an import error is raised,
-never hidden.
+never hidden. A bad argument value (the ValueError or TypeError that fastweight raises for it, a
+file not found) is printed as one ``fastweight <command>: error: ...`` line, exit status 2, as
+argparse does for its own errors; ``FASTWEIGHT_TRACEBACK=1`` shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 SUBCOMMANDS = ("fastweight.verify", "fastweight.train", "fastweight.evaluate", "fastweight.plot")
@@ -29,7 +32,17 @@ def run_subcommand(register, command: str, argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fastweight")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args([command] + list(sys.argv[1:] if argv is None else argv))
-    return int(args.func(args) or 0)
+    return _run(args)
+
+
+def _run(args) -> int:
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        if os.environ.get("FASTWEIGHT_TRACEBACK") == "1":
+            raise
+        print(f"fastweight {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 def main(argv=None) -> int:
@@ -38,7 +51,7 @@ def main(argv=None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    return _run(args)
 
 
 if __name__ == "__main__":

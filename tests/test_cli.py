@@ -86,3 +86,17 @@ def test_train_resume_needs_a_checkpoint_and_says_so_in_help(tmp_path, capsys):
     assert "--resume-if-present" in help and "else start at step 0" in help
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "checkpoint.pt")):
         cli.main(["train", "--resume", "--out-dir", str(tmp_path), "--steps", "1", "--no-progress"])
+
+
+def test_a_bad_value_is_one_line_not_a_traceback(capsys, monkeypatch):
+    """A typo'd mixer or task: `fastweight <command>: error: ...` naming it, exit status 2; FASTWEIGHT_TRACEBACK=1
+    raises instead."""
+    from fastweight import cli
+    assert cli.main(["train", "--mixer", "gdnx", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastweight train: error:") and "gdnx" in err and "Traceback" not in err
+    assert cli.main(["train", "--task", "mqarx", "--steps", "1"]) == 2
+    assert "mqarx" in capsys.readouterr().err
+    monkeypatch.setenv("FASTWEIGHT_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="gdnx"):
+        cli.main(["train", "--mixer", "gdnx", "--steps", "1"])
