@@ -176,15 +176,19 @@ def run(experiments: list[Experiment], *, log=sys.stderr, on_result=None) -> lis
     """Train and score every experiment; one result dict each (the trainer's, plus group and label).
     ``on_result(results)`` is called after each run (the suite saves what it has, so a run cut
     short by a time limit still leaves its table)."""
-    results = []
+    results, start, n = [], time.perf_counter(), len(experiments)
     for i, exp in enumerate(experiments):
         t0 = time.perf_counter()
+        name = f"{exp.group} / {exp.label} / {exp.config.task.split(':')[0]}"
+        print(f"[{i + 1}/{n}] {name}: training {exp.config.steps} steps ...", file=log, flush=True)
         res = train(exp.config)
         res.update(group=exp.group, label=exp.label)
         results.append(res)
         accs = ", ".join(f"{column(r['task'])}: {r['acc']:.2f}" for r in res["eval"])
-        print(f"[{i + 1}/{len(experiments)}] {exp.group} / {exp.label} / {exp.config.task.split(':')[0]} "
-              f"({time.perf_counter() - t0:.0f} s, loss {res['final_loss']:.3f}): {accs}", file=log, flush=True)
+        done = time.perf_counter() - start
+        eta = f", about {done / (i + 1) * (n - i - 1):.0f} s to go" if i + 1 < n else ""
+        print(f"[{i + 1}/{n}] {name} ({time.perf_counter() - t0:.0f} s, loss {res['final_loss']:.3f}): {accs}"
+              f"{eta}", file=log, flush=True)
         if on_result is not None:
             on_result(results)
     return results

@@ -448,11 +448,24 @@ def config_from_args(cls, args: argparse.Namespace):
     return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
+def chance(spec: str, examples: int = 256) -> float:
+    """The score of always answering the most frequent scored target: the yardstick below which
+    a run has learnt nothing (per token, or per example for the sequence-scored needle tasks)."""
+    task = from_spec(spec)
+    b = task.batch(examples, seed=(2 ** 31 - 1, 7))       # a stream no training or eval run draws
+    targets = b.targets[b.loss_mask]
+    top = torch.bincount(targets).argmax()
+    if task.metric == "token":
+        return float((targets == top).float().mean())
+    hit = ((b.targets == top) | ~b.loss_mask).all(dim=1)
+    return float(hit.float().mean())
+
+
 def _run(args: argparse.Namespace) -> int:
     results = train(config_from_args(TrainConfig, args))
     for r in results["eval"]:
         print(f"{r['task']}: acc {r['acc']:.3f} (token {r['token_acc']:.3f}, sequence {r['seq_acc']:.3f}), "
-              f"loss {r['loss']:.3f}")
+              f"loss {r['loss']:.3f}; chance {chance(r['task']):.3f}, solved 1.000")
     return 0
 
 

@@ -1,3 +1,4 @@
+import io
 import json
 
 import pytest
@@ -42,9 +43,13 @@ def test_eval_tiny_smoke(tmp_path, capsys):
 def test_partial_results_are_saved_after_each_run(monkeypatch):
     from fastweight import evaluate
     monkeypatch.setattr(evaluate, "train", lambda cfg: dict(final_loss=0.0, eval=[dict(task=cfg.task, acc=0.5)]))
-    seen = []
-    evaluate.run(suite("tiny", groups=("state tracking",))[:3], on_result=lambda r: seen.append(len(r)))
+    seen, log = [], io.StringIO()
+    evaluate.run(suite("tiny", groups=("state tracking",))[:3], on_result=lambda r: seen.append(len(r)), log=log)
     assert seen == [1, 2, 3]
+    # progress: a line as each run starts, its result and the time left as it ends
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 6 and lines[0].startswith("[1/3]") and "training" in lines[0]
+    assert "s to go" in lines[1] and "s to go" not in lines[5]
     assert report([dict(group="state tracking", label="x", eval=[dict(task="parity", acc=1.0)])], 5.0, "full",
                   planned=18).startswith("fastweight eval --full: 1 of 18 runs in 5 s")
 

@@ -195,3 +195,11 @@ def test_weight_decay_on_matrices_only(tmp_path):
             assert not torch.equal(p, before[n]), n
     default = make_optimizer(model, tiny(tmp_path, mixer="mamba2"))
     assert len(default.param_groups) == 1 and default.param_groups[0]["weight_decay"] == 0.1
+
+
+def test_chance_is_the_yardstick_train_prints():
+    """`fastweight train` ends with each task's chance level (the most frequent answer) beside its score."""
+    from fastweight.train import chance
+    assert 0.45 < chance("parity") < 0.55                   # two answers
+    assert chance("mqar") < 0.1 and chance("s5") < 0.05     # many answers
+    assert chance("s_niah_1") == 0.0                        # a whole needle per example
