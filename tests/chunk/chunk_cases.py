@@ -185,7 +185,10 @@ def check_public_op(op, T=40, H=2, K=8, V=8):
     """``fastweight.ops.chunk_<op>(backend="torch")`` is this implementation (same tensor names)."""
     x = {n: t.float() for n, t in sample(op, 1, T, H, K, V).items()}
     public = getattr(fastweight.ops, f"chunk_{op}")
-    kw = {"allow_neg_eigval": True} if "allow_neg_eigval" in inspect.signature(public).parameters else {}
+    params = inspect.signature(public).parameters
+    kw = {"allow_neg_eigval": True} if "allow_neg_eigval" in params else {}
+    if "normalize" in params:
+        kw["normalize"] = False     # the normaliser is applied by the op around the implementation
     o, S = public(**x, output_final_state=True, backend="torch", **kw)
     want_o, want_S = chunk_impl(op)(**x, scale=K ** -0.5, output_final_state=True)
     assert torch.equal(o, want_o) and torch.equal(S, want_S)

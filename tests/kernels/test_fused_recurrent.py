@@ -176,7 +176,7 @@ def test_gate_in_kernel(op):
     g = -A_log.double().exp().view(H, *[1] * (len(shape) - 1)) * torch.nn.functional.softplus(
         raw.double() + dt_bias.double().view(shape))
     ro, _ = getattr(ops, f"fused_recurrent_{op}")(x["q"].double(), x["k"].double(), x["v"].double(), g,
-                                                  x["beta"].double(), backend="reference")
+                                                  beta=x["beta"].double(), backend="reference")
     assert rel_err(o, ro) < TOL[torch.float32]
     do = torch.randn_like(ro)
     got = torch.autograd.grad((o.double() * do).sum(), [raw, A_log, dt_bias])
