@@ -538,15 +538,10 @@ def _is_float64_refusal(case: Case, e: BaseException) -> bool:
             and bool(frames) and f"{os.sep}triton{os.sep}" not in frames[-1].filename)
 
 
-@contextlib.contextmanager
 def poisoned_outputs():
-    """The Triton kernels' output buffers start as NaN (``kernels.common.POISON_OUTPUTS``)."""
+    """The Triton kernels' output buffers start as NaN (``kernels.common.poisoned_outputs``)."""
     from fastweight.kernels import common
-    before, common.POISON_OUTPUTS = common.POISON_OUTPUTS, True
-    try:
-        yield
-    finally:
-        common.POISON_OUTPUTS = before
+    return common.poisoned_outputs()
 
 
 def check(case: Case, device="cpu") -> Result:

@@ -205,25 +205,24 @@ def main():
         return False
 
     if not args.skip_check:
-        common.POISON_OUTPUTS = True
-        runs = [(o, vl, d, 128, 128) for vl, dts in CHECKS for o in ops for d in dts]
-        runs = [r for r in runs if not args.quick or r[2] == torch.bfloat16]
-        heads = [tuple(int(n) for n in kv.split("x")) for kv in args.heads.split(",") if kv]
-        runs += [(o, False, torch.bfloat16, K, V) for K, V in heads for o in ops if o in args.heads_ops.split(",")]
-        for op, varlen, dtype, K, V in runs:
-            if over_budget(f"check {op} K={K} V={V}"):
-                continue
-            t0 = time.time()
-            other = (K, V) != (128, 128)
-            try:
-                rows = check(op, dtype, device, varlen=varlen, K=K, V=V, T=300 if other else 1000)
-            except Exception as e:  # noqa: BLE001  (report and go on to the timings)
-                rows = {"error": dict(err=float("nan"), floor=0, tol=0, ok=False, what=repr(e)[:300])}
-            tag = f"{op}/{str(dtype)[6:]}/{'varlen' if varlen else 'uniform'}" + (f"/K{K}V{V}" if other else "")
-            result["check"][tag] = rows
-            lines.append(check_line(op, dtype, varlen, K, V, rows, time.time() - t0))
-            print(lines[-1], flush=True)
-        common.POISON_OUTPUTS = False
+        with common.poisoned_outputs():
+            runs = [(o, vl, d, 128, 128) for vl, dts in CHECKS for o in ops for d in dts]
+            runs = [r for r in runs if not args.quick or r[2] == torch.bfloat16]
+            heads = [tuple(int(n) for n in kv.split("x")) for kv in args.heads.split(",") if kv]
+            runs += [(o, False, torch.bfloat16, K, V) for K, V in heads for o in ops if o in args.heads_ops.split(",")]
+            for op, varlen, dtype, K, V in runs:
+                if over_budget(f"check {op} K={K} V={V}"):
+                    continue
+                t0 = time.time()
+                other = (K, V) != (128, 128)
+                try:
+                    rows = check(op, dtype, device, varlen=varlen, K=K, V=V, T=300 if other else 1000)
+                except Exception as e:  # noqa: BLE001  (report and go on to the timings)
+                    rows = {"error": dict(err=float("nan"), floor=0, tol=0, ok=False, what=repr(e)[:300])}
+                tag = f"{op}/{str(dtype)[6:]}/{'varlen' if varlen else 'uniform'}" + (f"/K{K}V{V}" if other else "")
+                result["check"][tag] = rows
+                lines.append(check_line(op, dtype, varlen, K, V, rows, time.time() - t0))
+                print(lines[-1], flush=True)
     for op, (B, T, H, K), fla_f, fla_fb in SPEED:
         if op not in ops or over_budget(f"speed {op}"):
             continue

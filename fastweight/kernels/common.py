@@ -11,6 +11,7 @@ per-chunk tensors (boundary states ``h``) are ``[NC, H, K, V]`` with ``NC`` chun
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,8 @@ import triton.language as tl
 from fastweight.checks import host_bounds
 
 
-# Tests set this: every buffer a kernel should fully write starts as NaN, so a missed element shows.
+# Inside ``poisoned_outputs()`` every buffer a kernel should fully write starts as NaN, so a missed
+# element shows (the tests and the fuzz); set only through that context manager.
 POISON_OUTPUTS = False
 
 # A block of rows whose log gates span less than this (largest minus smallest, per channel) is
@@ -28,6 +30,17 @@ POISON_OUTPUTS = False
 # exp(+-SAFE_SPAN / 2) around a midpoint), far inside fp32's range; a wider block takes a path
 # whose every exponent is <= 0. The intra-chunk kernels take it as their SPAN constexpr.
 SAFE_SPAN = 40.0
+
+
+@contextmanager
+def poisoned_outputs(enabled: bool = True):
+    """Within the block, :func:`alloc` fills every output buffer with NaN."""
+    global POISON_OUTPUTS
+    before, POISON_OUTPUTS = POISON_OUTPUTS, enabled
+    try:
+        yield
+    finally:
+        POISON_OUTPUTS = before
 
 
 def alloc(shape, *, dtype, device) -> torch.Tensor:

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from fastweight.dispatch import l2norm
+from fastweight.kernels.common import alloc
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -168,8 +169,8 @@ class Spec:
 
 
 def buffer(like: torch.Tensor, *shape, dtype=None) -> torch.Tensor:
-    """An uninitialised output buffer (the tests poison every one with NaN through this function)."""
-    return like.new_empty(*shape, dtype=dtype or like.dtype)
+    """An output buffer on ``like``'s device (NaN-filled inside ``common.poisoned_outputs()``)."""
+    return alloc(shape, dtype=dtype or like.dtype, device=like.device)
 
 
 def default_block_v(K: int, V: int, backward: bool = False) -> tuple[int, int]:

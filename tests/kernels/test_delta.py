@@ -25,8 +25,9 @@ TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
 
 
 @pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    monkeypatch.setattr(common, "POISON_OUTPUTS", True)
+def poison():
+    with common.poisoned_outputs():
+        yield
 
 
 def sample(op, B, T, H, K, V, G=1, seed=None):

@@ -21,8 +21,9 @@ T, H, K = 100, 2, 32
 
 
 @pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    monkeypatch.setattr(common, "POISON_OUTPUTS", True)
+def poison():
+    with common.poisoned_outputs():
+        yield
 
 
 def chunked(x):

@@ -11,9 +11,9 @@ import torch
 
 from fastweight import ops
 from fastweight.bench.gpu_decode import op_inputs as _inputs
-from fastweight.kernels import fused_recurrent as fr
+from fastweight.kernels import common, fused_recurrent as fr
 from fastweight.dispatch import mamba_gate
-from fastweight.testing import COTANGENTS, check_gradients, generator, nan_like, rel_err, strided
+from fastweight.testing import COTANGENTS, check_gradients, generator, rel_err, strided
 
 # measured: fp32 outputs, states and most gradients ~1e-7, gate gradients (the cumsum identity,
 # docs/fused_recurrent.md) 1e-7 to 1.3e-6 at gates -1 to -20 per token; fp16: the rounding of outputs
@@ -26,9 +26,9 @@ STATE_LOSS_GATE_TOL = {torch.float32: 5e-5, torch.float16: 4e-3}
 
 
 @pytest.fixture(autouse=True)
-def poisoned(monkeypatch):
-    monkeypatch.setattr(fr, "buffer", lambda like, *shape, dtype=None: nan_like(
-        like.new_empty(*shape, dtype=dtype or like.dtype)))
+def poisoned():
+    with common.poisoned_outputs():
+        yield
 
 
 @pytest.fixture
