@@ -97,6 +97,18 @@ def test_config_takes_transformers_names_and_refuses_unknown_ones(tmp_path):
     assert back.to_lm_config() == cfg.to_lm_config() and back.bos_token_id == 1
 
 
+def test_auto_classes_load_in_a_fresh_process(tmp_path):
+    """A saved model loads with transformers' Auto classes in a new process once `fastweight.models.hf` is
+    imported (the import registers "fastweight" with AutoConfig / AutoModelForCausalLM)."""
+    import subprocess
+    import sys
+    hf_model("gdn").save_pretrained(tmp_path)
+    load = f"from transformers import AutoModelForCausalLM; m = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})"
+    ok = subprocess.run([sys.executable, "-c", "import fastweight.models.hf; " + load + "; print(type(m).__name__)"],
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and "FastweightForCausalLM" in ok.stdout, ok.stderr[-2000:]
+
+
 def edited_checkpoint(tmp_path, **changes):
     """A saved gdn model whose config.json is then edited: the weights no longer fill its model."""
     import json
