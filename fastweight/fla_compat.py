@@ -4,7 +4,9 @@ The public ops take fla's parameters in fla's order with fla's defaults (checked
 ``tests/data/fla_0.6.0_ops.json``). Besides the recurrence's own inputs fla has options of
 three kinds, and each is handled here the same way for every op:
 
-- implemented: ``state_v_first`` (states as ``[N, H, V, K]``, fla's and vLLM's layout: the
+- implemented: ``reverse`` on the fused recurrent decay and DPLR ops (the recurrence runs from
+  each sequence's last token to its first: the per-token inputs are reversed in time, run, and
+  the output reversed back), ``state_v_first`` (states as ``[N, H, V, K]``, fla's and vLLM's layout: the
   initial state is read transposed and the final state returned transposed),
   ``use_beta_sigmoid_in_kernel`` (beta is the pre-activation: ``beta = sigmoid(beta)``, times 2
   with ``allow_neg_eigval``, as fla), ``cu_seqlens_cpu`` (the host copy of ``cu_seqlens``: the
@@ -14,7 +16,7 @@ three kinds, and each is handled here the same way for every op:
   memory/speed trade-off in fla's kernels), ``chunk_size`` of 64 (ours), the deprecated
   ``transpose_state_layout`` (``state_v_first``, with fla's DeprecationWarning);
 - refused with a ValueError naming the option unless left at its default: ``cp_context``
-  (context parallelism), ``reverse``, ``safe_gate``, ``lower_bound``, ``gv``, ``chunk_size``
+  (context parallelism), ``safe_gate``, ``lower_bound``, ``gv``, ``chunk_size``
   other than 64, ``return_intermediate_states``, ``use_graph``, ``max_num_seqs``; ``head_first``
   raises fla's own DeprecationWarning error. Any other keyword is a TypeError (fla ignores
   unknown keywords silently; a typo here must not be).
@@ -96,3 +98,23 @@ def beta_sigmoid(beta, on: bool, allow_neg_eigval: bool):
         raise ValueError("`use_beta_sigmoid_in_kernel=True` needs `beta` (its pre-activation)")
     up = torch.float64 if beta.dtype == torch.float64 else torch.float32
     return torch.sigmoid(beta.to(up)) * (2.0 if allow_neg_eigval else 1.0)
+
+
+def time_reversed(reverse: bool, cu_seqlens, per_token: dict):
+    """fla's ``reverse=True``: (``per_token`` reversed in time within each sequence, the function that
+    reverses an output back). ``per_token``: name -> [B, T, ...] tensor or None."""
+    if not reverse:
+        return per_token, lambda o: o
+    v = per_token["v"]
+    if not isinstance(v, torch.Tensor) or v.dim() < 3:
+        return per_token, lambda o: o          # the op's own checks name the bad argument
+    if cu_seqlens is None:
+        flip = lambda x: x.flip(1)  # noqa: E731
+    else:
+        checks.check_cu_seqlens(cu_seqlens, v.shape[0], v.shape[1])
+        bounds = checks.host_bounds(cu_seqlens)
+        idx = torch.cat([torch.arange(e - 1, b - 1, -1) for b, e in zip(bounds[:-1], bounds[1:])]).to(v.device)
+        flip = lambda x: x.index_select(1, idx)  # noqa: E731
+    out = {n: flip(x) if isinstance(x, torch.Tensor) and x.dim() >= 3 and x.shape[1] == v.shape[1] else x
+           for n, x in per_token.items()}
+    return out, flip

@@ -110,9 +110,12 @@ def fused_recurrent_linear_attn(q, k, v, scale=None, initial_state=None, output_
                                 reverse=False, normalize=False, cu_seqlens=None, *, backend=None):
     """Linear attention one token at a time; as ``chunk_linear_attn`` (``normalize`` defaults to
     False here, as in fla)."""
-    fla_compat.refuse("fused_recurrent_linear_attn", reverse=(reverse, False))
-    return _linear_attn("fused_recurrent", q, k, v, scale, initial_state, output_final_state, normalize,
-                        cu_seqlens, backend)
+    if reverse and normalize:
+        raise ValueError("`reverse=True` with `normalize=True` is not supported by fused_recurrent_linear_attn")
+    x, back = fla_compat.time_reversed(reverse, cu_seqlens, dict(q=q, k=k, v=v))
+    o, S = _linear_attn("fused_recurrent", x["q"], x["k"], x["v"], scale, initial_state, output_final_state,
+                        normalize, cu_seqlens, backend)
+    return back(o), S
 
 
 def _retention(mode, q, k, v, scale, initial_state, output_final_state, cu_seqlens, backend):
@@ -134,9 +137,10 @@ def fused_recurrent_retention(q, k, v, scale=None, initial_state=None, output_fi
                               state_v_first=False, cu_seqlens=None, *, backend=None, **kwargs):
     """RetNet one token at a time; as ``chunk_retention``."""
     _, v_first = fla_compat.extra_kwargs("fused_recurrent_retention", kwargs, state_v_first)
-    fla_compat.refuse("fused_recurrent_retention", reverse=(reverse, False))
-    return fla_compat.state_out(_retention("fused_recurrent", q, k, v, scale, fla_compat.state_in(
+    x, back = fla_compat.time_reversed(reverse, cu_seqlens, dict(q=q, k=k, v=v))
+    o, S = fla_compat.state_out(_retention("fused_recurrent", x["q"], x["k"], x["v"], scale, fla_compat.state_in(
         initial_state, v_first), output_final_state, cu_seqlens, backend), v_first)
+    return back(o), S
 
 
 def _simple_gla(mode, q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, backend):
@@ -165,9 +169,11 @@ def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initia
                                backend=None, **kwargs):
     """Scalar-gated linear attention one token at a time; as ``chunk_simple_gla``."""
     _, v_first = fla_compat.extra_kwargs("fused_recurrent_simple_gla", kwargs, state_v_first)
-    fla_compat.refuse("fused_recurrent_simple_gla", reverse=(reverse, False))
-    return fla_compat.state_out(_simple_gla("fused_recurrent", q, k, v, g, g_gamma, scale, fla_compat.state_in(
-        initial_state, v_first), output_final_state, cu_seqlens, backend), v_first)
+    x, back = fla_compat.time_reversed(reverse, cu_seqlens, dict(q=q, k=k, v=v, g=g))
+    o, S = fla_compat.state_out(_simple_gla("fused_recurrent", x["q"], x["k"], x["v"], x["g"], g_gamma, scale,
+                                            fla_compat.state_in(initial_state, v_first), output_final_state,
+                                            cu_seqlens, backend), v_first)
+    return back(o), S
 
 
 def _gla(mode, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, backend):
@@ -194,13 +200,15 @@ def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=Non
     """GLA one token at a time; as ``chunk_gla``, with fla's name ``gk`` for the gate (``g``, chunk_gla's
     name, is accepted as a keyword too). fla's value-side gate ``gv`` is not supported."""
     extra, v_first = fla_compat.extra_kwargs("fused_recurrent_gla", kwargs, state_v_first, allowed=("g",))
-    fla_compat.refuse("fused_recurrent_gla", gv=(gv, None), reverse=(reverse, False))
+    fla_compat.refuse("fused_recurrent_gla", gv=(gv, None))
     if extra.get("g") is not None:
         if gk is not None:
             raise TypeError("pass the GLA gate once: `gk` or `g`, not both")
         gk = extra["g"]
-    return fla_compat.state_out(_gla("fused_recurrent", q, k, v, gk, scale, fla_compat.state_in(
+    x, back = fla_compat.time_reversed(reverse, cu_seqlens, dict(q=q, k=k, v=v, gk=gk))
+    o, S = fla_compat.state_out(_gla("fused_recurrent", x["q"], x["k"], x["v"], x["gk"], scale, fla_compat.state_in(
         initial_state, v_first), output_final_state, cu_seqlens, backend), v_first)
+    return back(o), S
 
 
 def _rwkv6(mode, r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens, backend):
@@ -224,9 +232,10 @@ def chunk_rwkv6(r, k, v, w, u, scale=None, initial_state=None, output_final_stat
 def fused_recurrent_rwkv6(r, k, v, w, u, scale=None, initial_state=None, output_final_state=False, reverse=False,
                           cu_seqlens=None, *, backend=None):
     """RWKV-6 one token at a time; as ``chunk_rwkv6``."""
-    fla_compat.refuse("fused_recurrent_rwkv6", reverse=(reverse, False))
-    return _rwkv6("fused_recurrent", r, k, v, w, u, scale, initial_state, output_final_state, cu_seqlens,
-                  backend)
+    x, back = fla_compat.time_reversed(reverse, cu_seqlens, dict(r=r, k=k, v=v, w=w))
+    o, S = _rwkv6("fused_recurrent", x["r"], x["k"], x["v"], x["w"], u, scale, initial_state, output_final_state,
+                  cu_seqlens, backend)
+    return back(o), S
 
 
 def _hgrn2(mode, q, v, g, scale, initial_state, output_final_state, cu_seqlens, backend):
@@ -502,9 +511,10 @@ def chunk_dplr_delta_rule(q, k, v, a, b, gk, scale=None, initial_state=None, out
 def fused_recurrent_dplr_delta_rule(q, k, v, a, b, gk, scale=None, initial_state=None,
                                     output_final_state=False, reverse=False, cu_seqlens=None, *, backend=None):
     """Generic DPLR one token at a time; as ``chunk_dplr_delta_rule``."""
-    fla_compat.refuse("fused_recurrent_dplr_delta_rule", reverse=(reverse, False))
-    return _dplr("fused_recurrent", q, k, v, a, b, gk, scale, initial_state, output_final_state,
-                 cu_seqlens, backend)
+    x, back = fla_compat.time_reversed(reverse, cu_seqlens, dict(q=q, k=k, v=v, a=a, b=b, gk=gk))
+    o, S = _dplr("fused_recurrent", x["q"], x["k"], x["v"], x["a"], x["b"], x["gk"], scale, initial_state,
+                 output_final_state, cu_seqlens, backend)
+    return back(o), S
 
 
 def _rwkv7(mode, r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, backend):

@@ -125,7 +125,6 @@ def test_cu_seqlens_cpu_means_no_device_read(monkeypatch):
     (lambda x: ops.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cp_context=object()),
      "cp_context"),
     (lambda x: ops.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=32), "chunk_size"),
-    (lambda x: ops.fused_recurrent_gla(x["q"], x["k"], x["v"], x["gk"], reverse=True), "reverse"),
     (lambda x: ops.fused_recurrent_gla(x["q"], x["k"], x["v"], gv=x["v"]), "gv"),
     (lambda x: ops.chunk_rwkv7(x["q"], x["gk"], x["k"], x["v"], -x["k"], x["k"], lower_bound=-1.0), "lower_bound"),
 ])
@@ -144,3 +143,42 @@ def test_legacy_and_unknown_keywords():
         warnings.simplefilter("error")
         ops.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_indices=torch.zeros(1, 2),
                                    disable_recompute=True, chunk_size=64, backend="reference")
+
+
+def _reverse_loop(q, k, v, gk, h0, scale, lengths):
+    """S_t = Diag(exp gk_t) S_{t+1} + k_t v_t^T from each sequence's last token to its first, o_t = S_t^T (scale q_t)."""
+    o, finals, start = torch.zeros_like(v), [], 0
+    for n, L in enumerate(lengths):
+        S = h0[n].clone()
+        for t in reversed(range(start, start + L)):
+            S = gk[0, t].exp()[..., None] * S + k[0, t][..., None] * v[0, t][:, None, :]
+            o[0, t] = scale * torch.einsum("hk,hkv->hv", q[0, t], S)
+        finals.append(S)
+        start += L
+    return o, torch.stack(finals)
+
+
+@pytest.mark.parametrize("lengths", [[21], [5, 0, 16]], ids=["one", "varlen"])
+def test_reverse_runs_each_sequence_backwards(lengths):
+    x = _x()
+    cu = None if len(lengths) == 1 else torch.tensor([0] + lengths).cumsum(0)
+    h0 = torch.randn(len(lengths), H, K, V, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    want_o, want_S = _reverse_loop(x["q"], x["k"], x["v"], x["gk"], h0, K ** -0.5, lengths)
+    for backend in ("torch", "reference"):
+        o, S = ops.fused_recurrent_gla(x["q"], x["k"], x["v"], x["gk"], initial_state=h0, output_final_state=True,
+                                       reverse=True, cu_seqlens=cu, backend=backend)
+        assert rel_err(o, want_o) < 1e-12 and rel_err(S, want_S) < 1e-12
+        g = x["g"]
+        o, S = ops.fused_recurrent_simple_gla(x["q"], x["k"], x["v"], g, initial_state=h0, output_final_state=True,
+                                              reverse=True, cu_seqlens=cu, backend=backend)
+        want = _reverse_loop(x["q"], x["k"], x["v"], g[..., None].expand(B, T, H, K), h0, K ** -0.5, lengths)
+        assert rel_err(o, want[0]) < 1e-12 and rel_err(S, want[1]) < 1e-12
+    # the Triton kernels (interpreter on the CPU), fp32, and the gradient through the reversal
+    f = {n: x[n].float().requires_grad_() for n in ("q", "k", "v", "gk")}
+    o, S = ops.fused_recurrent_gla(f["q"], f["k"], f["v"], f["gk"], initial_state=h0.float(), output_final_state=True,
+                                   reverse=True, cu_seqlens=cu, backend="triton")
+    assert rel_err(o, want_o) < 1e-5 and rel_err(S, want_S) < 1e-5
+    o.sum().backward()
+    d = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v", "gk")}
+    _reverse_loop(d["q"], d["k"], d["v"], d["gk"], h0, K ** -0.5, lengths)[0].sum().backward()
+    assert all(rel_err(f[n].grad, d[n].grad) < 1e-4 for n in f)
