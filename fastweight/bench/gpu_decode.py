@@ -123,18 +123,15 @@ def backward_blocks(device, results, configs, shape=(8, 256, 16, 128)):
     x = {n: t.to(torch.bfloat16).requires_grad_() for n, t in
          op_inputs("gated_delta_rule", B, T, H, K, K, gen=generator(0, device), device=device).items()}
     do = torch.randn(B, T, H, K, device=device, dtype=torch.bfloat16)
-    default = fr.default_block_v
+    def fwd_bwd():
+        o, _ = ops.fused_recurrent_gated_delta_rule(**x)
+        o.backward(do)
     for block_v, warps in configs:
-        fr.default_block_v = lambda K, V, backward=False: (block_v, warps) if backward else default(K, V)
-
-        def fwd_bwd():
-            o, _ = ops.fused_recurrent_gated_delta_rule(**x)
-            o.backward(do)
-        ms = triton.testing.do_bench(fwd_bwd, warmup=25, rep=200, return_mode="median",
-                                     grad_to_none=list(x.values()))
+        with fr.forced_blocks(bwd=(block_v, warps)):
+            ms = triton.testing.do_bench(fwd_bwd, warmup=25, rep=200, return_mode="median",
+                                         grad_to_none=list(x.values()))
         results.append(dict(kind="short", what=f"gated_delta_rule {shape}, bwd BV={block_v} warps={warps}",
                             fwd_ms=float("nan"), fwd_bwd_ms=ms))
-    fr.default_block_v = default
 
 
 def forward_blocks(device, results, configs, shape=(8, 256, 16, 128)):

@@ -29,6 +29,7 @@ The public ops at the end of this file are thin maps from each op's arguments to
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -173,13 +174,32 @@ def buffer(like: torch.Tensor, *shape, dtype=None) -> torch.Tensor:
     return alloc(shape, dtype=dtype or like.dtype, device=like.device)
 
 
+_FORCED: dict = {}   # "fwd" / "bwd" -> (BV, num_warps), set only by forced_blocks()
+
+
+@contextmanager
+def forced_blocks(fwd: tuple[int, int] | None = None, bwd: tuple[int, int] | None = None):
+    """Within the block, the forward / backward kernels run with these (BV, num_warps) instead of
+    :func:`default_block_v`'s (tests: value blocks split across programs; benchmarks: a block sweep)."""
+    before = dict(_FORCED)
+    _FORCED.update({n: b for n, b in (("fwd", fwd), ("bwd", bwd)) if b is not None})
+    try:
+        yield
+    finally:
+        _FORCED.clear()
+        _FORCED.update(before)
+
+
 def default_block_v(K: int, V: int, backward: bool = False) -> tuple[int, int]:
-    """(BV, num_warps): a [K, BV] fp32 state block of 2048 elements per program.
+    """(BV, num_warps): a [K, BV] fp32 state block of 2048 elements per program (unless forced_blocks).
 
     Measured on the H200 (docs/bench/decode.md), K = V = 128: the decode step moved the state at
     84% of the copy rate with BV=16 in 1 warp (79% with BV=32 in 4 warps, 63% with BV=64 in 8);
     forward+backward at (8, 256, 16, 128) was fastest with the backward at BV=16 in 2 warps.
     """
+    forced = _FORCED.get("bwd" if backward else "fwd")
+    if forced is not None:
+        return forced
     BV = min(triton.next_power_of_2(V), max(8, 2048 // triton.next_power_of_2(K)))
     return BV, 2 if backward else 1
 

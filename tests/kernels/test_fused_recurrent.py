@@ -32,9 +32,12 @@ def poisoned():
 
 
 @pytest.fixture
-def narrow_blocks(monkeypatch):
+def narrow_blocks():
     """BV = 8: several programs split V, so the backward sums per-block partials."""
-    monkeypatch.setattr(fr, "default_block_v", lambda K, V, backward=False: (8, 1))
+    with fr.forced_blocks(fwd=(8, 1), bwd=(8, 1)):
+        assert fr.default_block_v(16, 24) == fr.default_block_v(16, 24, backward=True) == (8, 1)
+        yield
+    assert fr.default_block_v(16, 24) != (8, 1)
 
 
 def _check(op, inputs, *, dtype=torch.float32, initial_state=None, cu_seqlens=None, grads=True,
