@@ -53,8 +53,8 @@ from fastweight.kernels.dplr_wy import local_grads
 def launch_config(K: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """((BK, BV), (num_warps, num_stages)) of dplr_bwd_kernel at key size K: K <= 64 blocks 32 x 64
     with 4 warps, wider K 64 x 64 with 8 warps, one stage (the launcher narrows a block to a smaller
-    K or V): the fastest in H200 timings of RWKV-7 bf16 forward+backward at K = V = 64 and 128
-    (docs/bench/runs-2026-11-30-s4.md)."""
+    K or V): the fastest for RWKV-7 bf16 forward+backward at K = V = 64 and 128 on the H200
+    (docs/bench/decay_dplr.md)."""
     return ((32, 64), (4, 1)) if K <= 64 else ((64, 64), (8, 1))
 
 

@@ -155,8 +155,8 @@ def dplr_state_bwd_kernel(q, b, gc, w, Aqb, do, dh, du, dht, dh0, cu_seqlens, ch
 
 def launch_config(BK: int, backward: bool) -> tuple[int, int]:
     """(num_warps, num_stages) of the state passes at BV = 64: K <= 64 4 warps 2 stages; above,
-    8 warps, the forward 1 stage, the backward 2 (1 at K = 256). From H200 sweeps of RWKV-7 bf16
-    forward+backward (docs/bench/runs-2026-11-30-s4.md)."""
+    8 warps, the forward 1 stage, the backward 2 (1 at K = 256): the fastest for RWKV-7 bf16
+    forward+backward on the H200 (docs/bench/decay_dplr.md)."""
     if BK <= 64:
         return 4, 2
     # at K = 256 two stages of the backward need more shared memory than the H200 has
@@ -165,8 +165,8 @@ def launch_config(BK: int, backward: bool) -> tuple[int, int]:
 
 def _blocks(K, V, block_v=None):
     # all of K per program. BV = 64 (``block_v`` instead, narrowed to V): every V block reloads W,
-    # k, b and the gates of each chunk, so wide blocks win (H200 timings of BV 16 / 32 / 64:
-    # docs/bench/runs-2026-11-30-s4.md), and 16-bit dots narrower than 64 are what Triton 3.6
+    # k, b and the gates of each chunk, so wide blocks win (BV 16 / 32 / 64 timed on the H200:
+    # docs/bench/decay_dplr.md), and 16-bit dots narrower than 64 are what Triton 3.6
     # miscompiles on the H200 (docs/kernels.md)
     BK = max(16, triton.next_power_of_2(K))
     return BK, min(block_v or 64, max(16, triton.next_power_of_2(V)))

@@ -225,9 +225,8 @@ def _while_loop(chunks: Chunks) -> bool:
 def _bv(block_v=None):
     """The value block: 64 (a smaller V is padded, masked), on every path. Triton 3.6 on the H200
     addresses shared memory out of range in 16-bit dots over blocks narrower than 64
-    (compute-sanitizer, docs/bench/delta.md): BV = 32 faulted on the varlen loop and at K = 256,
-    and on the uniform loop at K = 128 gave DeltaNet and Longhorn a wrong d initial_state
-    (0.25-0.43) and an illegal address in the next launch (docs/bench/runs-2026-12-01-s6.md)."""
+    (compute-sanitizer): at BV = 32 the state passes fault or return wrong states and gradients,
+    on the varlen and the uniform loop, at K = 128 and 256 (docs/bench/delta.md)."""
     return block_v or 64
 
 
@@ -235,8 +234,7 @@ def launch_config(K, BV, itemsize, per_channel_bwd=False):
     """(num_warps, num_stages) of a state pass with value block BV and inputs of ``itemsize`` bytes.
 
     Warps: 8 for K = 256 (the [K, BV] fp32 state in registers) and for the per-channel (KDA) dh
-    pass at K = 128 (0.26 ms of KDA's 9.6 at (4, 8192, 16, 128): the session 3 sweep,
-    docs/bench/runs-2026-11-30-s3.md run 5), else 4. Stages: the pipelined for
+    pass at K = 128 (0.26 ms faster of KDA's 9.6 at (4, 8192, 16, 128), docs/bench/delta.md), else 4. Stages: the pipelined for
     loop keeps two copies of a chunk's q, k, w tiles ([64, K] each) in shared memory; past 256
     bytes a row (K = 256 in 16 bits, K >= 128 in fp32) that exceeds the H200's 227 KiB (K = 256
     bf16 asked for 248 KiB), so those run one stage (sm_90 compiles of every shape: docs/bench/delta.md)."""
