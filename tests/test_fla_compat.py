@@ -159,8 +159,10 @@ def _reverse_loop(q, k, v, gk, h0, scale, lengths):
 
 
 @pytest.mark.parametrize("lengths", [[21], [5, 0, 16]], ids=["one", "varlen"])
-def test_reverse_runs_each_sequence_backwards(lengths):
+def test_reverse_runs_each_sequence_backwards(lengths, monkeypatch):
     x = _x()
+    reads = []
+    monkeypatch.setattr(checks, "_read", lambda t: reads.append(t) or t.tolist())
     cu = None if len(lengths) == 1 else torch.tensor([0] + lengths).cumsum(0)
     h0 = torch.randn(len(lengths), H, K, V, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     want_o, want_S = _reverse_loop(x["q"], x["k"], x["v"], x["gk"], h0, K ** -0.5, lengths)
@@ -168,11 +170,15 @@ def test_reverse_runs_each_sequence_backwards(lengths):
         o, S = ops.fused_recurrent_gla(x["q"], x["k"], x["v"], x["gk"], initial_state=h0, output_final_state=True,
                                        reverse=True, cu_seqlens=cu, backend=backend)
         assert rel_err(o, want_o) < 1e-12 and rel_err(S, want_S) < 1e-12
+        assert len(reads) == (0 if cu is None else 1)      # one host copy of cu_seqlens per call
+        reads.clear()
         g = x["g"]
         o, S = ops.fused_recurrent_simple_gla(x["q"], x["k"], x["v"], g, initial_state=h0, output_final_state=True,
                                               reverse=True, cu_seqlens=cu, backend=backend)
         want = _reverse_loop(x["q"], x["k"], x["v"], g[..., None].expand(B, T, H, K), h0, K ** -0.5, lengths)
         assert rel_err(o, want[0]) < 1e-12 and rel_err(S, want[1]) < 1e-12
+        assert len(reads) == (0 if cu is None else 1)
+        reads.clear()
     # the Triton kernels (interpreter on the CPU), fp32, and the gradient through the reversal
     f = {n: x[n].float().requires_grad_() for n in ("q", "k", "v", "gk")}
     o, S = ops.fused_recurrent_gla(f["q"], f["k"], f["v"], f["gk"], initial_state=h0.float(), output_final_state=True,
