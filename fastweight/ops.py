@@ -70,6 +70,11 @@ def _beta_max(allow_neg_eigval):
     return 2.0 if allow_neg_eigval else 1.0
 
 
+def _default_beta(beta, v):
+    """beta None means 1 (fla's default where beta is optional)."""
+    return v.new_ones(v.shape[:3]) if beta is None and isinstance(v, torch.Tensor) else beta
+
+
 # Decay family: S_t = Diag(w_t) S_{t-1} + k_t v_t^T.
 
 def _normalize_output(q, k, o, scale, cu_seqlens):
@@ -263,8 +268,7 @@ def fused_recurrent_hgrn2(q, v, g, scale=None, initial_state=None, output_final_
 
 def _delta_rule(mode, q, k, v, beta, scale, initial_state, output_final_state, cu_seqlens,
                 use_qk_l2norm_in_kernel, allow_neg_eigval, backend):
-    if beta is None and isinstance(v, torch.Tensor):
-        beta = v.new_ones(v.shape[:3])
+    beta = _default_beta(beta, v)
     return _op("delta_rule", mode, backend, dict(q=q, k=k, v=v, beta=beta), scale=scale, head=("beta",),
                beta_max=_beta_max(allow_neg_eigval), use_qk_l2norm=use_qk_l2norm_in_kernel,
                initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
@@ -359,10 +363,8 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
     """
     _, v_first = fla_compat.extra_kwargs("fused_recurrent_gated_delta_rule", kwargs, state_v_first)
     fla_compat.refuse("fused_recurrent_gated_delta_rule", gv=(gv, None))
-    if beta is None and isinstance(v, torch.Tensor):
-        beta = v.new_ones(v.shape[:3])
-    else:
-        beta = fla_compat.beta_sigmoid(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    beta = _default_beta(beta, v) if beta is None else fla_compat.beta_sigmoid(
+        beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     h0 = fla_compat.state_in(initial_state, v_first)
     if gk is not None:
         if g is not None:
@@ -428,9 +430,7 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
 
 def _comba(mode, q, k, v, p, g, beta, scale, initial_state, output_final_state, cu_seqlens,
            use_qk_l2norm_in_kernel, allow_neg_eigval, backend):
-    p = k if p is None else p
-    if beta is None and isinstance(v, torch.Tensor):
-        beta = v.new_ones(v.shape[:3])
+    p, beta = (k if p is None else p), _default_beta(beta, v)
     return _op("comba", mode, backend, dict(q=q, k=k, v=v, p=p, g=g, beta=beta), scale=scale, key=("p",),
                head=("g", "beta"), log=("g",), beta_max=_beta_max(allow_neg_eigval),
                use_qk_l2norm=use_qk_l2norm_in_kernel, l2norm_tensors=("q", "k", "p"),
