@@ -14,7 +14,14 @@ readout is o_t = S_{t-1}^T (scale r_t) + (scale r_t . (u * k_t)) v_t). Stages, i
 Backward: h is kept from the forward (``DecayLaunch.recompute`` False, the default: K V / 64 values
 per token and head in the input dtype, 128 B at K = V = 64 and 512 B at 128 in bf16) or recomputed
 (True: one more state pass, less memory); dh[c] (state gradient after chunk c)
-comes from the same loop run in reverse, then dv, dA, dq, dk per chunk. Every cotangent is
+comes from the same loop run in reverse, then dv, dA, dq, dk per chunk. When a scalar gate's
+gradient is wanted, h and dh are kept in fp32 instead (twice the bytes), and the 16-bit dots of
+``bwd_dqk`` that read them are split in two (x = hi + lo, both 16-bit, two tensor-core dots): the
+gate's state term exp(G_C) sum_kv h dh and its k dk^inter term would otherwise carry one 16-bit
+rounding of each state, and with a loss on the final state alone nothing else dilutes them (fp16
+dg_gamma up to 1.95x the fuzz's tolerance with 16-bit states, at most 0.31x with both changes:
+tests/kernels/test_decay.py, state-only cases). A per-channel gate sums over V alone, and its
+16-bit states stay within 0.5 of the tolerance on the same cases. Every cotangent is
 made contiguous first (``S.sum()`` hands an expanded one, ``S.mT`` losses a transposed one).
 
 The gate gradient is formed per chunk: a token's gate acts only inside its chunk and on the
@@ -76,12 +83,16 @@ class ChunkDecayFunction(torch.autograd.Function):
             gc = gate_cumsum(g, g_gamma, chunks, H, T) if (g is not None or g_gamma is not None) else None
             gq = gc
         vector = gc is not None and gc.dim() == 4
-        h, ht = state_pass(k, v, gc, gc, chunks, initial_state, output_final_state, reverse=False)
+        # a scalar gate's gradient reads exp(G_C) sum_kv h dh per chunk (module docstring)
+        scalar_grad = gc is not None and not vector and (ctx.needs_input_grad[3] or ctx.needs_input_grad[5])
+        wide = torch.float32 if scalar_grad else None
+        h, ht = state_pass(k, v, gc, gc, chunks, initial_state, output_final_state, reverse=False,
+                           state_dtype=wide)
         A = intra_fwd(q, k, gq, gc, u, scale, chunks, exclusive, span=launch.span) if vector else None
         o = output_fwd(q, k, v, gq, gc, h, A, scale, chunks, exclusive)
         ctx.save_for_backward(q, k, v, g, u, gc, gq if exclusive else None, A, initial_state,
                               None if launch.recompute else h)
-        ctx.scale, ctx.chunks, ctx.exclusive, ctx.launch = scale, chunks, exclusive, launch
+        ctx.scale, ctx.chunks, ctx.exclusive, ctx.launch, ctx.wide = scale, chunks, exclusive, launch, wide
         return o, ht
 
     @staticmethod
@@ -93,8 +104,9 @@ class ChunkDecayFunction(torch.autograd.Function):
         if dht is not None:
             dht = dht.contiguous()
         if h is None:
-            h, _ = state_pass(k, v, gc, gc, chunks, initial_state, False, reverse=False)
-        dh, dh0 = state_pass(q, do, gq, gc, chunks, dht, initial_state is not None, reverse=True, scale=scale)
+            h, _ = state_pass(k, v, gc, gc, chunks, initial_state, False, reverse=False, state_dtype=ctx.wide)
+        dh, dh0 = state_pass(q, do, gq, gc, chunks, dht, initial_state is not None, reverse=True, scale=scale,
+                             state_dtype=ctx.wide)
         dv, dA = bwd_dv(q, k, v, gq, gc, A, dh, do, scale, chunks, exclusive)
         du = dg = dg_gamma = None
         if A is not None:

@@ -160,7 +160,7 @@ def decay_bwd_dv_kernel(q, k, v, gq, gc, A, dh, do, dv, dA, cu_seqlens, chunk_in
 def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, dh, do, dA, dq, dk, dg, cu_seqlens, chunk_indices, scale, T_all,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                          BV: tl.constexpr, GATE: tl.constexpr, EXCLUSIVE: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr):
     i_k, i_t, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -186,8 +186,13 @@ def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, dh, do, dA, dq, dk, dg, cu_seqlens,
         b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.)
         b_h = tl.load(h + p_h, mask=m_k[:, None] & m_v[None, :], other=0.)
         b_dh = tl.load(dh + p_h, mask=m_k[:, None] & m_v[None, :], other=0.)
-        b_dq += tl.dot(b_do, tl.trans(b_h.to(b_do.dtype)), input_precision=DOT_PRECISION)
-        b_dki += tl.dot(b_v, tl.trans(b_dh.to(b_v.dtype)), input_precision=DOT_PRECISION)
+        b_hi = b_h.to(b_do.dtype)
+        b_dhi = b_dh.to(b_v.dtype)
+        b_dq += tl.dot(b_do, tl.trans(b_hi), input_precision=DOT_PRECISION)
+        b_dki += tl.dot(b_v, tl.trans(b_dhi), input_precision=DOT_PRECISION)
+        if SPLIT:  # fp32 states, 16-bit inputs: the rounding of h, dh to 16 bits dotted too (decay.py)
+            b_dq += tl.dot(b_do, tl.trans((b_h - b_hi.to(tl.float32)).to(b_do.dtype)), input_precision=DOT_PRECISION)
+            b_dki += tl.dot(b_v, tl.trans((b_dh - b_dhi.to(tl.float32)).to(b_v.dtype)), input_precision=DOT_PRECISION)
         if GATE == 1:
             b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
     # the pairs s < t; the diagonal s = t (inclusive readout, decay exp(0)) is added on its own below
@@ -285,6 +290,8 @@ def bwd_dqk(q, k, v, gq, gc, h, dh, do, dA, scale: float, chunks: Chunks, exclus
                                              h, dh, do, dA, dq, dk, dg if dg is not None else dA,
                                              chunks.cu_seqlens, chunks.chunk_indices, scale, T, H=H, K=K, V=V,
                                              BT=chunks.BT, BK=BK, BV=BV, GATE=gate, EXCLUSIVE=exclusive,
-                                             DOT_PRECISION=dot_precision(q.dtype), num_warps=BWD_DQK_CONFIG[0],
+                                             DOT_PRECISION=dot_precision(q.dtype),
+                                             SPLIT=h.dtype == torch.float32 and q.dtype != torch.float32,
+                                             num_warps=BWD_DQK_CONFIG[0],
                                              num_stages=BWD_DQK_CONFIG[1])
     return dq, dk, (dg.sum(0, keepdim=True) if dg is not None else None)
