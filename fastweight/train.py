@@ -7,6 +7,8 @@ drawn from the seed ``(seed, 0, s)``, so a resumed run sees exactly the data it
 would have seen, and under ``torchrun`` each of ``world`` ranks draws its slice of
 the global batch (examples ``rank * B / world ...``) and DDP averages the
 gradients: two ranks with batch B/2 each take the same step as one process with B.
+``--parallel fsdp`` shards instead (FSDP2 ``fully_shard`` on each block, then the root:
+parameters, gradients and AdamW state split over the ranks; NCCL or gloo), the same steps.
 Several ``;``-separated task specs (one vocabulary) take turns, one per step; a
 ``curriculum`` (specs of the same vocabulary, e.g. the task at a shorter length) is
 trained on instead during the first ``curriculum_steps`` steps (the learning-rate
@@ -17,12 +19,15 @@ off the critical path.
 
     fastweight train --task mqar:seq_len=64,n_pairs=8 --mixer gdn --steps 300
     torchrun --nproc-per-node 2 -m fastweight.train --task s5:seq_len=32 --mixer rwkv7
+    torchrun --nproc-per-node 2 -m fastweight.train --task s5:seq_len=32 --parallel fsdp
 
 Writes ``out_dir/checkpoint.pt`` every ``checkpoint_every`` steps and at the end and
 ``out_dir/results.json``: the config, the loss curve, throughput and the held-out scores
 (:func:`score`) on ``eval_tasks``. The checkpoint holds tensors and plain containers only
 (model and optimizer state, step, loss curve, configs) and is read with ``weights_only=True``
-(:func:`load_checkpoint`), so a checkpoint from elsewhere cannot run code. ``--resume``
+(:func:`load_checkpoint`), so a checkpoint from elsewhere cannot run code. Under FSDP the full
+state is gathered to rank 0 and written in the same format, so a run resumes at any world size
+and with either ``parallel``. ``--resume``
 continues from it and is an error when there is none; ``--resume-if-present`` continues
 when there is one and starts at step 0 otherwise (a job restarted after preemption).
 """
@@ -46,6 +51,7 @@ import torch.nn.functional as F
 from fastweight.tasks import Batch, Task, from_spec
 
 TRAIN_STREAM, EVAL_STREAM = 0, 1
+PARALLEL = ("ddp", "fsdp")
 
 
 def arg(default, help: str):
@@ -76,6 +82,8 @@ class TrainConfig:
     device: str = arg("auto", "auto, cpu, cuda")
     amp: bool = arg(True, "bf16 autocast on CUDA")
     threads: int = arg(0, "torch CPU threads (0: leave as is)")
+    parallel: str = arg("ddp", "under torchrun: ddp (each rank holds the whole model) or fsdp (FSDP2: parameters, "
+                               "gradients and optimizer state sharded over the ranks); one process: neither")
     out_dir: str = arg("runs/train", "checkpoint and results.json go here")
     checkpoint_every: int = arg(100, "steps between checkpoints (0: only at the end)")
     resume: bool = arg(False, "continue from out_dir/checkpoint.pt; an error when there is none")
@@ -107,6 +115,8 @@ class TrainConfig:
         if self.resume and self.resume_if_present:
             raise ValueError("TrainConfig.resume (a checkpoint is required) and resume_if_present (it is optional) "
                              "exclude each other; give one")
+        if self.parallel not in PARALLEL:
+            raise ValueError(f"TrainConfig.parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"TrainConfig.device must be auto, cpu or cuda[:i], got {self.device!r}")
         sizes = {from_spec(s).vocab_size for s in self.train_specs}
@@ -301,6 +311,63 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
 
 
+def _shard(model: torch.nn.Module, device: torch.device, world: int) -> None:
+    """FSDP2 in place: each block its own unit (gathered for its forward and backward only), then
+    the root (embedding, final norm, head)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(device.type, (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """The names of each param group's parameters, in the optimizer's order (that of the ids of
+    ``optimizer.state_dict()``)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+
+
+def _full_state(model, optimizer, sharded: bool) -> tuple[dict, dict]:
+    """The model's and the optimizer's state dicts as one process's ``state_dict()`` would give
+    them (optimizer ids 0, 1, ...). Sharded: gathered (every rank must call it) to CPU on rank 0,
+    ``({}, {})`` on the others."""
+    if not sharded:
+        return model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    named = get_optimizer_state_dict(model, optimizer, options=options)      # keyed by parameter name
+    if not named:
+        return model_state, {}
+    ids = {n: i for i, n in enumerate(n for group in _param_names(model, optimizer) for n in group)}
+    return model_state, dict(state={ids[n]: v for n, v in named["state"].items()},
+                             param_groups=[{**g, "params": [ids[n] for n in g["params"]]}
+                                           for g in named["param_groups"]])
+
+
+def _load_optimizer(model, optimizer, state: dict, sharded: bool) -> None:
+    """Load a state dict in ``optimizer.state_dict()``'s format; sharded, each rank keeps its
+    shards of the full tensors (every rank holds ``state`` and must call it)."""
+    if not sharded:
+        return optimizer.load_state_dict(state)
+    names = _param_names(model, optimizer)
+    groups = state["param_groups"]
+    if [len(g["params"]) for g in groups] != [len(g) for g in names]:
+        raise ValueError(f"its param groups hold {[len(g['params']) for g in groups]} parameters, the optimizer's "
+                         f"{[len(g) for g in names]}")
+    by_id = {i: n for g, group_names in zip(groups, names) for i, n in zip(g["params"], group_names)}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(model, optimizer, dict(state={by_id[i]: v for i, v in state["state"].items()},
+                                                    param_groups=[{**g, "params": [by_id[i] for i in g["params"]]}
+                                                                  for g in groups]),
+                             options=StateDictOptions(full_state_dict=True))
+    for group, saved in zip(optimizer.param_groups, groups):  # as saved (the loader's round trip makes tuples lists)
+        group.update((k, v) for k, v in saved.items() if k != "params")
+
+
 def train(cfg: TrainConfig) -> dict:
     """Run ``cfg``; returns the results dict (also written to ``out_dir/results.json`` on rank 0)."""
     device = _device(cfg)
@@ -309,31 +376,41 @@ def train(cfg: TrainConfig) -> dict:
         raise ValueError(f"`batch_size` ({cfg.batch_size}) must be a multiple of the world size ({world})")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    sharded = world > 1 and cfg.parallel == "fsdp"
     vocab_size = from_spec(cfg.train_specs[0]).vocab_size
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, vocab_size).to(device)
     model_config = lm_config(cfg, vocab_size).to_dict()
-    optimizer = make_optimizer(model, cfg)
-    start_step, curve = 0, []
+    start_step, curve, state = 0, [], None
     path = _checkpoint_path(cfg)
     if cfg.resume and not os.path.exists(path):
         raise FileNotFoundError(f"`resume`: no checkpoint at {path} (out_dir {cfg.out_dir!r}); run without "
                                 "--resume to start at step 0, or with --resume-if-present to do so when there is none")
     if cfg.resume or (cfg.resume_if_present and os.path.exists(path)):
-        state = load_checkpoint(path, map_location=device)
+        state = load_checkpoint(path, map_location="cpu" if sharded else device)
         if state["model_config"] != model_config:
             raise ValueError(f"`resume`: {path} holds a different model; use another out_dir")
+        start_step, curve = state["step"], state["curve"]
+
+    def fit(load, *args):
         try:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
+            load(*args)
         except (RuntimeError, ValueError, KeyError) as e:
             raise ValueError(f"`resume`: the state in {path} does not fit this run's model and optimizer "
                              f"(e.g. another weight_decay_1d): {e}") from e
-        start_step, curve = state["step"], state["curve"]
+
+    if state is not None:
+        fit(model.load_state_dict, state["model"])               # whole, before any sharding
     net = model
-    if world > 1:
+    if sharded:
+        _shard(model, device, world)
+    elif world > 1:
         from torch.nn.parallel import DistributedDataParallel
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = make_optimizer(model, cfg)                       # after sharding: over the shards
+    if state is not None:
+        fit(_load_optimizer, model, optimizer, state["optimizer"], sharded)
+        del state
     local = cfg.batch_size // world
     use_amp = cfg.amp and device.type == "cuda"
     end_step = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
@@ -341,10 +418,10 @@ def train(cfg: TrainConfig) -> dict:
     t0, tokens, loss_value = time.perf_counter(), 0, float("nan")
 
     def checkpoint(step):
+        model_state, optimizer_state = _full_state(model, optimizer, sharded)
         if rank == 0:
-            _save(path, dict(model=model.state_dict(), optimizer=optimizer.state_dict(), step=step, curve=curve,
-                             config=dataclasses.asdict(cfg),
-                             model_config=model_config))
+            _save(path, dict(model=model_state, optimizer=optimizer_state, step=step, curve=curve,
+                             config=dataclasses.asdict(cfg), model_config=model_config))
 
     batches = _batches(cfg, start_step, end_step, rank, world)
     net.train()
@@ -374,9 +451,10 @@ def train(cfg: TrainConfig) -> dict:
     checkpoint(end_step)
     results = dict(config=dataclasses.asdict(cfg), model_config=model_config,
                    steps_done=end_step, final_loss=loss_value, curve=curve, world_size=world,
+                   parallel="fsdp" if sharded else "ddp" if world > 1 else "none",
                    seconds=seconds, tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
                    n_params=sum(p.numel() for p in model.parameters()), device=str(device), eval=[])
-    if end_step == cfg.steps and rank == 0:
+    if end_step == cfg.steps and (rank == 0 or sharded):          # sharded: every rank takes part
         results["eval"] = [score(model, from_spec(s), n_examples=cfg.eval_examples, batch_size=local,
                                  seed=cfg.seed, device=device) for s in cfg.eval_specs]
     if rank == 0:
