@@ -1,0 +1,281 @@
+"""Context parallelism: one token stream split across the ranks of a process group.
+
+Every op of :mod:`fastweight.ops` is a recurrence S_t = A_t S_{t-1} + k_t v_t^T whose transition
+A_t ([K, K]: diagonal for the decay family, diagonal plus low rank for the delta family and DPLR)
+never depends on v, so a segment's final state is affine in its initial state,
+
+    S_out = S_loc + P S_in        S_loc: the segment run from a zero state
+                                  P = A_T ... A_1: the same op run with v = 0 from S_in = I,
+
+and its outputs are o = o_loc + o_corr, o_corr the op run with v = 0 from S_in. Each rank holds a
+contiguous run of the stream (``[B, T_r, ...]``: every one of the B sequences crosses every rank;
+or packed, ``[1, T_r, ...]`` with the *global* ``cu_seqlens``, where sequences may start, end or
+straddle anywhere, empty ones included). A rank
+
+1. runs its segment from zero states (the true ``initial_state`` for the sequences that start
+   on it): o_loc, S_loc;
+2. runs, for a piece that enters from the previous rank and leaves to the next (a sequence
+   longer than the rank's segment), the op with v = 0 from the identity: P;
+3. all-gathers (S_loc, P) of its outgoing pieces; each rank then forms the true entering state
+   of its entering pieces by folding S <- S_loc + P S over the ranks the sequence crossed;
+4. runs its entering pieces with v = 0 from that state (o_corr and P S_in, added).
+
+The backward is autograd through the two collectives (the all-gather's backward returns each
+gathered state's gradient to its owner), so the state gradient travels the other way
+with no code of ours. Per layer and rank, the all-gather moves, per outgoing piece and value head,
+K V numbers (the state) plus K (the decay family: P is diagonal) or K^2 (the delta family and
+DPLR: P is dense) for the pieces that cross the whole rank; the final states, when asked for, one
+all-reduce of [N, HV, K, V] (the same on every rank, as the loss on it is taken to be: its
+backward reads each rank's own cotangent for the sequences that end on that rank). Cost: step 2
+runs only on the crossing pieces (K value columns), step 4 on the entering ones (V columns).
+
+Gradients of the replicated arguments (``initial_state``, ``g_gamma``, ``u``, ``A_log``,
+``dt_bias``) are each rank's share: their sum over the group is the gradient, as a data-parallel
+wrapper sums a parameter's across ranks.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+
+
+# arguments shared by every token (replicated on every rank); every other tensor is per token
+REPLICATED = ("initial_state", "g_gamma", "u", "A_log", "dt_bias")
+# the ops whose transition is diagonal (P travels as its diagonal)
+DIAGONAL = ("linear_attn", "retention", "simple_gla", "gla", "rwkv6", "hgrn2")
+# (``gv`` gates the value side of the state, where P does not act)
+REFUSED = {"reverse": False, "state_v_first": False, "gv": None, "cp_context": None, "chunk_indices": None,
+           "cu_seqlens_cpu": None}
+
+
+def _bind(op, args, kwargs) -> dict:
+    """The op's arguments by name (its defaults filled in, ``**kwargs`` flattened)."""
+    sig = inspect.signature(op)
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    out = {}
+    for name, value in bound.arguments.items():
+        if sig.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        else:
+            out[name] = value
+    return out
+
+
+def _layout(cu: list[int] | None, B: int, bounds: list[int], rank: int):
+    """This rank's pieces: (local cu_seqlens or None, global sequence ids, starts here, ends here),
+    and for every rank the sequence of its outgoing piece (None: none leaves it; packed only)."""
+    a, b = bounds[rank], bounds[rank + 1]
+    world = len(bounds) - 1
+    if cu is None:
+        ids = list(range(B))
+        return None, ids, [rank == 0] * B, [rank == world - 1] * B, None
+    lengths, ids, starts, ends = [], [], [], []
+    for n, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
+        owns_empty = s == e and (a <= s < b or (s == b == cu[-1] and rank == world - 1))
+        if (s < b and e > a) or owns_empty:
+            lengths.append(min(e, b) - max(s, a))
+            ids.append(n)
+            starts.append(s >= a)
+            ends.append(e <= b)
+    outgoing = []
+    for r in range(world):
+        n = next((n for n, (s, e) in enumerate(zip(cu[:-1], cu[1:])) if s < bounds[r + 1] < e), None)
+        outgoing.append(n)
+    local = torch.tensor([0] + lengths).cumsum(0)
+    return local, ids, starts, ends, outgoing
+
+
+def _segment_bounds(T_local: int, device, group) -> list[int]:
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor([T_local], dtype=torch.int64), group=group)
+    return [0] + torch.cat(sizes).cumsum(0).tolist()
+
+
+def context_parallel(op, *args, group=None, **kwargs):
+    """``op(*args, **kwargs)`` (any ``fastweight.ops`` function) on this rank's run of the token
+    stream; the same (o, final state) as one process running the whole stream, o for this rank's
+    tokens and the final state [N, HV, K, V] of every sequence on every rank.
+
+    Tensors per token are this rank's: [B, T_r, ...] (each of the B sequences crossing the ranks
+    in rank order), or [1, T_r, ...] with ``cu_seqlens`` the global packed boundaries (the same on
+    every rank, over sum_r T_r tokens). ``initial_state`` [N, HV, K, V] and the per-head
+    parameters are the same on every rank. ``group``: the process group (default: the world).
+    Every rank needs at least one token. Not supported: ``reverse``, ``state_v_first``, ``gv``,
+    fla's ``cp_context``/``chunk_indices`` (this is the context parallelism).
+
+    Example, under ``torchrun --nproc-per-node 4``: each rank passes its quarter of the tokens,
+    ``o, S = context_parallel(ops.chunk_gated_delta_rule, q, k, v, g, beta, output_final_state=True)``."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("context_parallel needs an initialised torch.distributed process group "
+                           "(torch.distributed.init_process_group)")
+    x = _bind(op, args, kwargs)
+    for name, default in REFUSED.items():
+        if name in x and x[name] is not default and not (name == "cu_seqlens_cpu" and x[name] is None):
+            raise ValueError(f"context_parallel does not support `{name}` (got {x[name]!r}); leave it at {default!r}")
+    x.pop("cu_seqlens_cpu", None)
+    if x.get("normalize"):
+        return _normalized(op, x, group)
+    return _run(op, x, group)
+
+
+def _normalized(op, x, group):
+    """linear attention's normaliser scale q_t . sum_{s <= t} k_s is linear attention with v = 1
+    from a zero state: one more value column (state column 0 at the start), one exchange, then
+    the division of ``ops._normalize_output``."""
+    v, h0 = x["v"], x.get("initial_state")
+    V = v.shape[-1]
+    wide = torch.cat([v, v.new_ones(*v.shape[:3], 1)], dim=-1)
+    if h0 is not None:
+        h0 = torch.cat([h0, h0.new_zeros(*h0.shape[:3], 1)], dim=-1)
+    o, S = _run(op, dict(x, v=wide, initial_state=h0, normalize=False), group)
+    dt = torch.float64 if o.dtype == torch.float64 else torch.float32
+    o = (o[..., :V].to(dt) / (o[..., V:].to(dt) + 1e-10)).to(o.dtype)
+    return o, None if S is None else S[..., :V]
+
+
+def _run(op, x, group):
+    v, h0 = x["v"], x.get("initial_state")
+    B, T_local, HV, V = v.shape
+    name = op.__name__.split("_", 1)[1] if "_" in op.__name__ else op.__name__
+    name = name[len("recurrent_"):] if name.startswith("recurrent_") else name
+    key = next(x[n] for n in ("k", "q", "r") if isinstance(x.get(n), torch.Tensor))
+    K = key.shape[-1]
+    cu = x.get("cu_seqlens")
+    if T_local < 1:
+        raise ValueError(f"context_parallel: this rank holds no token (v has {T_local}); every rank needs at least one")
+    if cu is not None and B != 1:
+        raise ValueError(f"context_parallel: with `cu_seqlens` the batch must be 1, got {B}")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    bounds = _segment_bounds(T_local, v.device, group)
+    cu_host = None if cu is None else [int(c) for c in cu.tolist()]
+    if cu_host is not None and (cu_host[0] != 0 or cu_host[-1] != bounds[-1]):
+        raise ValueError(f"context_parallel: `cu_seqlens` spans {cu_host[0]}..{cu_host[-1]} but the ranks hold "
+                         f"{bounds[-1]} tokens in all ({bounds})")
+    N = B if cu is None else len(cu_host) - 1
+    if h0 is not None and h0.shape[0] != N:
+        raise ValueError(f"`initial_state` has {h0.shape[0]} states for {N} sequences")
+    local_cu, ids, starts, ends, outgoing = _layout(cu_host, B, bounds, rank)
+    per_token = {n: t for n, t in x.items() if isinstance(t, torch.Tensor) and n not in REPLICATED
+                 and n != "cu_seqlens"}
+    want_final = bool(x.get("output_final_state"))
+
+    def call(tensors, init, cu_seqlens):
+        return op(**dict(x, **tensors, initial_state=init, output_final_state=True, cu_seqlens=cu_seqlens))
+
+    # 1. the segment from zero states (the given ones where a sequence starts here)
+    init = None
+    if h0 is not None:
+        first = torch.tensor(starts, dtype=h0.dtype, device=h0.device)[:, None, None, None]
+        init = h0[torch.tensor(ids, device=h0.device)] * first
+    o, S_loc = call({}, init, None if local_cu is None else local_cu.to(cu.device, cu.dtype))
+    # the entering pieces' tokens: every batch row (uniform) or the first piece (packed)
+    entering = [i for i, s in enumerate(starts) if not s]
+    span = None if cu is None else (0, int(local_cu[1]))
+
+    def piece_tokens(tensors):
+        return tensors if span is None else {n: t[:, span[0]:span[1]] for n, t in tensors.items()}
+
+    # 2. P of the pieces crossing the whole segment
+    crossing = [i for i in entering if not ends[i]]
+    eye = torch.eye(K, dtype=S_loc.dtype, device=S_loc.device)
+    P = None
+    if crossing:
+        zeros = piece_tokens(dict(per_token, v=v.new_zeros(B, T_local, HV, K)))
+        _, P = call(zeros, eye.expand(len(crossing), HV, K, K).contiguous(), None)
+    # 3. the outgoing pieces' (S_loc, P), gathered
+    slots = B if cu is None else 1
+    out_S = S_loc.new_zeros(slots, HV, K, V)
+    out_P = eye.expand(slots, HV, K, K)
+    leaving = [i for i, e in enumerate(ends) if not e]
+    if leaving:
+        out_S = S_loc if cu is None else S_loc[leaving[-1]:leaving[-1] + 1]
+        if P is not None:
+            out_P = P
+    diagonal = name in DIAGONAL
+    packed_P = out_P.diagonal(dim1=-2, dim2=-1) if diagonal else out_P
+    # one all-gather of both (one collective, so that every rank's backward runs the same ones)
+    sent = torch.cat([out_S.reshape(slots, -1), packed_P.reshape(slots, -1).to(out_S.dtype)], dim=1)
+    if S_loc.requires_grad and not sent.requires_grad:
+        # nothing leaves this rank: still in the graph, so that its backward joins the others'
+        sent = sent + S_loc.sum() * 0
+    got = _all_gather(sent, group)
+    # every rank's outputs depend on what it received (with weight 0 where nothing enters it), so
+    # that every rank's backward reaches the all-gather's and returns the others' gradients
+    anchor = sum(g.sum() for g in got) * 0
+    all_S = [g[:, :HV * K * V].reshape(slots, HV, K, V) for g in got]
+    all_P = [g[:, HV * K * V:].reshape((slots, HV, K) if diagonal else (slots, HV, K, K)) for g in got]
+    all_P = [torch.diag_embed(p) if diagonal else p for p in all_P]
+    if not entering:
+        S_in = None
+    elif cu is None:
+        S_in = all_S[0]
+        for r in range(1, rank):
+            S_in = all_S[r] + all_P[r] @ S_in
+    else:
+        n = ids[entering[0]]
+        crossed = [r for r in range(rank) if outgoing[r] == n]
+        S_in = all_S[crossed[0]]
+        for r in crossed[1:]:
+            S_in = all_S[r] + all_P[r] @ S_in
+    # 4. the entering pieces from their true state, with v = 0
+    if S_in is not None:
+        zeros = piece_tokens(dict(per_token, v=v.new_zeros(B, T_local, HV, V)))
+        o_corr, S_corr = call(zeros, S_in.to(S_loc.dtype), None)
+        o = o + o_corr if span is None else torch.cat([o[:, :span[1]] + o_corr, o[:, span[1]:]], dim=1)
+        fix = torch.zeros_like(S_loc)
+        fix = fix.index_copy(0, torch.tensor(entering, device=fix.device), S_corr)
+        S_loc = S_loc + fix
+    o = o + anchor.to(o.dtype)
+    if not want_final:
+        return o, None
+    done = [i for i, e in enumerate(ends) if e]
+    # (an index_add even when no sequence ends here: the result stays in the graph on every rank,
+    # so that every rank's backward joins the all-reduce's)
+    index = torch.tensor([ids[i] for i in done], dtype=torch.long, device=S_loc.device)
+    final = S_loc.new_zeros(N, HV, K, V).index_add(0, index, S_loc[torch.tensor(done, dtype=torch.long,
+                                                                                 device=S_loc.device)])
+    return o, _Assemble.apply(final + anchor, group)
+
+
+class _AllGather(torch.autograd.Function):
+    """Every rank's x stacked along dim 0; backward: the sum over ranks of the gradient of this
+    rank's copy (an all-reduce of the whole gradient, then this rank's block)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(dist.get_world_size(ctx.group))[dist.get_rank(ctx.group)], None
+
+
+class _Assemble(torch.autograd.Function):
+    """The sum over ranks of disjoint parts (each rank's sequences that end on it), the same tensor
+    on every rank afterwards. As for any gathered tensor, the computation on it is taken to be
+    the same on every rank, so each rank back-propagates its own cotangent into its own parts
+    (no communication; a sum would count a loss that every rank computes once per rank)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _all_gather(x: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's ``x`` (autograd: each copy's gradient returns to its owner)."""
+    return list(_AllGather.apply(x, group).chunk(dist.get_world_size(group)))
