@@ -95,6 +95,45 @@ def _segment_bounds(T_local: int, device, group) -> list[int]:
     return [0] + torch.cat(sizes).cumsum(0).tolist()
 
 
+class ContextGroup:
+    """A process group used for context parallelism, and the order of its collectives.
+
+    Every collective's input is tied (with weight 0) to the previous one's output, so that the
+    backward runs them in exactly the reverse order on every rank: the autograd engine would
+    otherwise order independent branches (a layer's three short convolutions) by each rank's own
+    graph, which differs between ranks, and two same-sized all-gathers swapped would exchange the
+    wrong gradients without an error. One instance per forward pass (the model makes one)."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self._last = None
+
+    def start(self, T_local: int) -> int:
+        """The index in the stream of this rank's first token (rotary positions start there)."""
+        return _segment_bounds(T_local, None, self.group)[self.rank]
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``x``, in rank order (autograd: each copy's gradient returns to its owner)."""
+        if self._last is not None and torch.is_grad_enabled():
+            x = x + (self._last.sum() * 0).to(x.dtype)
+        out = _AllGather.apply(x, self.group)
+        self._last = out
+        return list(out.chunk(self.world))
+
+
+def halo(x: torch.Tensor, n: int, ctx: ContextGroup) -> torch.Tensor:
+    """The previous rank's last ``n`` tokens of ``x`` [B, T_r, C] (zeros on the first rank): the
+    history a causal convolution of width n + 1, or a token shift (n = 1), reads across the
+    segment boundary."""
+    if x.shape[1] < n:
+        raise ValueError(f"context parallelism: each rank needs at least {n} tokens for this layer's history, "
+                         f"got {x.shape[1]}")
+    got = ctx.all_gather(x[:, x.shape[1] - n:].contiguous())
+    # the first rank reads zeros, still through the gather (its backward joins the others')
+    return got[ctx.rank - 1] if ctx.rank > 0 else got[0] * 0
+
+
 def context_parallel(op, *args, group=None, **kwargs):
     """``op(*args, **kwargs)`` (any ``fastweight.ops`` function) on this rank's run of the token
     stream; the same (o, final state) as one process running the whole stream, o for this rank's
@@ -103,7 +142,8 @@ def context_parallel(op, *args, group=None, **kwargs):
     Tensors per token are this rank's: [B, T_r, ...] (each of the B sequences crossing the ranks
     in rank order), or [1, T_r, ...] with ``cu_seqlens`` the global packed boundaries (the same on
     every rank, over sum_r T_r tokens). ``initial_state`` [N, HV, K, V] and the per-head
-    parameters are the same on every rank. ``group``: the process group (default: the world).
+    parameters are the same on every rank. ``group``: the process group (default: the world), or
+    a :class:`ContextGroup` shared by the calls of one forward pass.
     Every rank needs at least one token. Not supported: ``reverse``, ``state_v_first``, ``gv``,
     fla's ``cp_context``/``chunk_indices`` (this is the context parallelism).
 
@@ -112,17 +152,18 @@ def context_parallel(op, *args, group=None, **kwargs):
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("context_parallel needs an initialised torch.distributed process group "
                            "(torch.distributed.init_process_group)")
+    ctx = group if isinstance(group, ContextGroup) else ContextGroup(group)
     x = _bind(op, args, kwargs)
     for name, default in REFUSED.items():
         if name in x and x[name] is not default and not (name == "cu_seqlens_cpu" and x[name] is None):
             raise ValueError(f"context_parallel does not support `{name}` (got {x[name]!r}); leave it at {default!r}")
     x.pop("cu_seqlens_cpu", None)
     if x.get("normalize"):
-        return _normalized(op, x, group)
-    return _run(op, x, group)
+        return _normalized(op, x, ctx)
+    return _run(op, x, ctx)
 
 
-def _normalized(op, x, group):
+def _normalized(op, x, ctx):
     """linear attention's normaliser scale q_t . sum_{s <= t} k_s is linear attention with v = 1
     from a zero state: one more value column (state column 0 at the start), one exchange, then
     the division of ``ops._normalize_output``."""
@@ -131,13 +172,13 @@ def _normalized(op, x, group):
     wide = torch.cat([v, v.new_ones(*v.shape[:3], 1)], dim=-1)
     if h0 is not None:
         h0 = torch.cat([h0, h0.new_zeros(*h0.shape[:3], 1)], dim=-1)
-    o, S = _run(op, dict(x, v=wide, initial_state=h0, normalize=False), group)
+    o, S = _run(op, dict(x, v=wide, initial_state=h0, normalize=False), ctx)
     dt = torch.float64 if o.dtype == torch.float64 else torch.float32
     o = (o[..., :V].to(dt) / (o[..., V:].to(dt) + 1e-10)).to(o.dtype)
     return o, None if S is None else S[..., :V]
 
 
-def _run(op, x, group):
+def _run(op, x, ctx):
     v, h0 = x["v"], x.get("initial_state")
     B, T_local, HV, V = v.shape
     name = op.__name__.split("_", 1)[1] if "_" in op.__name__ else op.__name__
@@ -149,7 +190,7 @@ def _run(op, x, group):
         raise ValueError(f"context_parallel: this rank holds no token (v has {T_local}); every rank needs at least one")
     if cu is not None and B != 1:
         raise ValueError(f"context_parallel: with `cu_seqlens` the batch must be 1, got {B}")
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    group, rank, world = ctx.group, ctx.rank, ctx.world
     bounds = _segment_bounds(T_local, v.device, group)
     cu_host = None if cu is None else [int(c) for c in cu.tolist()]
     if cu_host is not None and (cu_host[0] != 0 or cu_host[-1] != bounds[-1]):
@@ -202,7 +243,7 @@ def _run(op, x, group):
     if S_loc.requires_grad and not sent.requires_grad:
         # nothing leaves this rank: still in the graph, so that its backward joins the others'
         sent = sent + S_loc.sum() * 0
-    got = _all_gather(sent, group)
+    got = ctx.all_gather(sent)
     # every rank's outputs depend on what it received (with weight 0 where nothing enters it), so
     # that every rank's backward reaches the all-gather's and returns the others' gradients
     anchor = sum(g.sum() for g in got) * 0
@@ -274,8 +315,3 @@ class _Assemble(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
-
-
-def _all_gather(x: torch.Tensor, group) -> list[torch.Tensor]:
-    """Every rank's ``x`` (autograd: each copy's gradient returns to its owner)."""
-    return list(_AllGather.apply(x, group).chunk(dist.get_world_size(group)))

@@ -9,6 +9,10 @@ the global batch (examples ``rank * B / world ...``) and DDP averages the
 gradients: two ranks with batch B/2 each take the same step as one process with B.
 ``--parallel fsdp`` shards instead (FSDP2 ``fully_shard`` on each block, then the root:
 parameters, gradients and AdamW state split over the ranks; NCCL or gloo), the same steps.
+``--context-parallel`` splits every sequence instead of the batch: each rank takes the whole
+batch's tokens ``rank * T / world ...`` and the layers pass the recurrence, short convolutions
+and token shift across ranks (``fastweight.context_parallel``, on a process group of its own;
+linear mixers only): long sequences, the same steps.
 Several ``;``-separated task specs (one vocabulary) take turns, one per step; a
 ``curriculum`` (specs of the same vocabulary, e.g. the task at a shorter length) is
 trained on instead during the first ``curriculum_steps`` steps (the learning-rate
@@ -84,6 +88,8 @@ class TrainConfig:
     threads: int = arg(0, "torch CPU threads (0: leave as is)")
     parallel: str = arg("ddp", "under torchrun: ddp (each rank holds the whole model) or fsdp (FSDP2: parameters, "
                                "gradients and optimizer state sharded over the ranks); one process: neither")
+    context_parallel: bool = arg(False, "under torchrun: split every sequence over the ranks (long sequences; "
+                                        "T a multiple of the world size; linear mixers only)")
     out_dir: str = arg("runs/train", "checkpoint and results.json go here")
     checkpoint_every: int = arg(100, "steps between checkpoints (0: only at the end)")
     resume: bool = arg(False, "continue from out_dir/checkpoint.pt; an error when there is none")
@@ -215,6 +221,19 @@ def score(model, task: Task, *, n_examples: int = 256, batch_size: int = 32, see
                   seq_acc=right_seqs / n_examples, n_examples=n_examples)
     result["acc"] = result["seq_acc"] if task.metric == "sequence" else result["token_acc"]
     return result
+
+
+def _context_parallel_loss(net, batch: Batch, group, rank: int, world: int) -> torch.Tensor:
+    """This rank's share of the batch's mean loss, times ``world`` (DDP averages the ranks'
+    gradients): its tokens' summed cross entropy over the count of scored tokens in the batch."""
+    T = batch.input_ids.shape[1]
+    if T % world:
+        raise ValueError(f"`context_parallel`: the sequence length ({T}) must be a multiple of the world size ({world})")
+    span = slice(rank * T // world, (rank + 1) * T // world)
+    out = net(batch.input_ids[:, span], context_parallel=group)
+    logits, mask = getattr(out, "logits", out), batch.loss_mask[:, span]
+    total = F.cross_entropy(logits[mask].float(), batch.targets[:, span][mask], reduction="sum")
+    return total * world / batch.loss_mask.sum().clamp_min(1)
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
@@ -372,7 +391,8 @@ def train(cfg: TrainConfig) -> dict:
     """Run ``cfg``; returns the results dict (also written to ``out_dir/results.json`` on rank 0)."""
     device = _device(cfg)
     rank, world = _distributed(device)
-    if cfg.batch_size % world:
+    cp = world > 1 and cfg.context_parallel
+    if cfg.batch_size % world and not cp:
         raise ValueError(f"`batch_size` ({cfg.batch_size}) must be a multiple of the world size ({world})")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -406,12 +426,16 @@ def train(cfg: TrainConfig) -> dict:
         _shard(model, device, world)
     elif world > 1:
         from torch.nn.parallel import DistributedDataParallel
-        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        # find_unused_parameters: a mixer may hold parameters its first layer does not use (RWKV-7's
+        # value-residual mix in layer 0), which DDP otherwise waits for forever at the next step
+        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                      find_unused_parameters=True)
     optimizer = make_optimizer(model, cfg)                       # after sharding: over the shards
     if state is not None:
         fit(_load_optimizer, model, optimizer, state["optimizer"], sharded)
         del state
-    local = cfg.batch_size // world
+    local = cfg.batch_size if cp else cfg.batch_size // world
+    cp_group = torch.distributed.new_group(list(range(world))) if cp else None
     use_amp = cfg.amp and device.type == "cuda"
     end_step = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
     bar = _progress(cfg, rank, start_step, end_step)
@@ -423,21 +447,24 @@ def train(cfg: TrainConfig) -> dict:
             _save(path, dict(model=model_state, optimizer=optimizer_state, step=step, curve=curve,
                              config=dataclasses.asdict(cfg), model_config=model_config))
 
-    batches = _batches(cfg, start_step, end_step, rank, world)
+    batches = _batches(cfg, start_step, end_step, 0, 1) if cp else _batches(cfg, start_step, end_step, rank, world)
     net.train()
     for step in range(start_step, end_step):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(cfg, step)
         batch = next(batches).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
-            loss = masked_loss(logits_of(net, batch.input_ids), batch)
+            if cp:
+                loss = _context_parallel_loss(net, batch, cp_group, rank, world)
+            else:
+                loss = masked_loss(logits_of(net, batch.input_ids), batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         loss_value = _global_mean(loss.detach(), world)
-        tokens += batch.input_ids.numel() * world
+        tokens += batch.input_ids.numel() * (1 if cp else world)
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             curve.append((step, loss_value))
         if bar is not None:
@@ -451,7 +478,7 @@ def train(cfg: TrainConfig) -> dict:
     checkpoint(end_step)
     results = dict(config=dataclasses.asdict(cfg), model_config=model_config,
                    steps_done=end_step, final_loss=loss_value, curve=curve, world_size=world,
-                   parallel="fsdp" if sharded else "ddp" if world > 1 else "none",
+                   parallel=("fsdp" if sharded else "ddp" if world > 1 else "none") + ("+cp" if cp else ""),
                    seconds=seconds, tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
                    n_params=sum(p.numel() for p in model.parameters()), device=str(device), eval=[])
     if end_step == cfg.steps and (rank == 0 or sharded):          # sharded: every rank takes part

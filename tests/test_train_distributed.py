@@ -129,3 +129,32 @@ def test_bad_parallel_is_an_error_naming_it():
     parser = argparse.ArgumentParser()
     train_module.add_config_arguments(parser, TrainConfig)
     assert train_module.config_from_args(TrainConfig, parser.parse_args(["--parallel", "fsdp"])).parallel == "fsdp"
+
+
+@pytest.mark.parametrize("mixer", ["gdn", "rwkv7"])
+def test_context_parallel_two_ranks_match_one_process(tmp_path, mixer):
+    """``context_parallel=True``: each rank takes half of every sequence (the short convolutions'
+    and token shift's history and the recurrence's state come from the other rank), DDP sums
+    the halves' gradients; the same losses and weights as one process."""
+    # lr 1e-3: at 1e-2 AdamW's per-coordinate normalisation turns the fp32 summation-order
+    # differences of coordinates with tiny gradients into weight differences of 1e-3 within 6 steps
+    # (RWKV-7; DDP's own 1.6e-4), which says nothing about the gradients (those are held to 1e-10 in
+    # float64 by tests/models/test_context_parallel_model.py). Measured at 1e-3: losses <= 1.7e-7,
+    # weights <= 7.8e-6 (RWKV-7's k_proj; DDP 5.4e-7).
+    kw = dict(mixer=mixer, task="parity:seq_len=32", lr=1e-3)
+    cp = run_ranks(tmp_path / "cp", context_parallel=True, **kw)
+    one = train(tiny(tmp_path / "one", **kw))
+    assert cp["parallel"] == "ddp+cp" and cp["world_size"] == 2
+    assert all(abs(a - b) <= TOL * abs(b) for a, b in zip(losses(cp), losses(one))), (losses(cp), losses(one))
+    assert len(losses(cp)) == len(losses(one)) == 6
+    a = load_checkpoint(str(tmp_path / "cp" / "checkpoint.pt"))
+    b = load_checkpoint(str(tmp_path / "one" / "checkpoint.pt"))
+    for name in b["model"]:
+        assert rel_err(a["model"][name], b["model"][name]) < TOL_MOMENTS, name
+
+
+@pytest.mark.parametrize("kw,message", [(dict(mixer="gdn,attn", task="parity:seq_len=32"), "ring attention"),
+                                        (dict(task="parity:seq_len=31"), "multiple of the world size")])
+def test_context_parallel_refusals(tmp_path, kw, message):
+    with pytest.raises(Exception, match=message):
+        run_ranks(tmp_path / "bad", context_parallel=True, **kw)

@@ -47,6 +47,9 @@ class Attention(Mixer):
         self.o_proj = nn.Linear(H * self.head_dim, D, bias=False)
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
+        if packed(shared, "context_parallel") is not None:
+            raise NotImplementedError("context parallelism covers the linear mixers; an attention layer (here "
+                                      f"{type(self).__name__}) would need ring attention, which fastweight lacks")
         pos, cu_seqlens = positions(shared), packed(shared, "cu_seqlens")
         q = rotary(split_heads(self.q_proj(x), self.n_heads), pos, self.rope_theta, shared)
         k = rotary(split_heads(self.k_proj(x), self.n_kv_heads), pos, self.rope_theta, shared)

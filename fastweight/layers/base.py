@@ -9,7 +9,9 @@ A mixer maps ``x [B, T, D] -> y [B, T, D]``. ``forward(x, cache=None, shared=Non
 - ``shared`` is a per-call dict the model passes through all layers: ``"offset"`` (tokens
   already in the cache, for rotary positions), for packed sequences (B = 1, no cache)
   ``"cu_seqlens"`` [N+1] and ``"positions"`` [T] (each token's index in its own sequence),
-  and values one layer hands to later ones (RWKV-7's value residual ``"v_first"``).
+  and values one layer hands to later ones (RWKV-7's value residual ``"v_first"``); under
+  context parallelism ``"context_parallel"`` (a :class:`fastweight.context_parallel.ContextGroup`:
+  the recurrence, the short convolutions and the token shift then reach across ranks).
 
 The recurrence runs in ``chunk`` mode (training, prefill) or ``fused_recurrent`` mode
 (decoding: not training and T <= ``cfg.recurrent_threshold``), chosen per call.
@@ -34,6 +36,16 @@ class Mixer(nn.Module):
     def recur(self, op: str, cache: dict | None, shared: dict | None, *, scale: float, **tensors) -> torch.Tensor:
         """Run the layer's recurrence from ``cache["state"]`` and store the final state back."""
         T = next(t for t in tensors.values() if isinstance(t, torch.Tensor)).shape[1]
+        ctx = packed(shared, "context_parallel")
+        if ctx is not None:
+            from fastweight.context_parallel import context_parallel
+            mode = self.mode(T)
+
+            def run(scale, initial_state=None, output_final_state=False, cu_seqlens=None, **tensors):
+                return linear_op(op, mode, scale=scale, initial_state=initial_state,
+                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, **tensors)
+            run.__name__ = f"{mode}_{op}"   # names the mechanism (its transition's structure)
+            return context_parallel(run, scale=scale, group=ctx, **tensors)[0]
         initial = None if cache is None else cache.get("state")
         o, final = linear_op(op, self.mode(T), scale=scale, initial_state=initial,
                              output_final_state=cache is not None, cu_seqlens=packed(shared, "cu_seqlens"),
@@ -44,7 +56,12 @@ class Mixer(nn.Module):
 
     @staticmethod
     def conv(conv: nn.Module, x: torch.Tensor, cache: dict | None, name: str, shared: dict | None) -> torch.Tensor:
-        """Apply a ShortConv, keeping its last inputs in ``cache[name]``."""
+        """Apply a ShortConv, keeping its last inputs in ``cache[name]``; under context parallelism
+        its history is the previous rank's last inputs."""
+        ctx = packed(shared, "context_parallel")
+        if ctx is not None and conv.kernel_size > 1:
+            from fastweight.context_parallel import halo
+            return conv(x, halo(x, conv.kernel_size - 1, ctx))[0]
         y, tail = conv(x, None if cache is None else cache.get(name), packed(shared, "positions"))
         if cache is not None:
             cache[name] = tail
@@ -53,7 +70,12 @@ class Mixer(nn.Module):
     @staticmethod
     def shift(shift: nn.Module, x: torch.Tensor, cache: dict | None, shared: dict | None,
               name: str = "shift") -> torch.Tensor:
-        """RWKV's token shift x_{t-1}, keeping the last token in ``cache[name]``."""
+        """RWKV's token shift x_{t-1}, keeping the last token in ``cache[name]`` (under context
+        parallelism the first token's predecessor is the previous rank's last)."""
+        ctx = packed(shared, "context_parallel")
+        if ctx is not None:
+            from fastweight.context_parallel import halo
+            return shift(x, halo(x, 1, ctx))[0]
         prev, last = shift(x, None if cache is None else cache.get(name), packed(shared, "positions"))
         if cache is not None:
             cache[name] = last

@@ -38,6 +38,11 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps).to(out_dtype(x))
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32, or float64 if it is (a float64 model's gates stay float64)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def out_dtype(x: torch.Tensor) -> torch.dtype:
     """x's dtype, or the autocast dtype for a fp32 x under autocast."""
     if x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
@@ -47,9 +52,10 @@ def out_dtype(x: torch.Tensor) -> torch.dtype:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """F.rms_norm with fp32 arithmetic, in one kernel on CUDA (which accumulates in fp32 for
-    16-bit inputs: no fp32 copy of x needed); in x's dtype for a weight of x's dtype, else fp32."""
-    if x.is_cuda and x.dtype == weight.dtype:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    16-bit inputs: no fp32 copy of x needed); in x's dtype for a weight of x's dtype, else fp32;
+    float64 stays float64 (a float64 model computes in float64 throughout)."""
+    if (x.is_cuda and x.dtype == weight.dtype) or x.dtype == torch.float64:
+        return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
     return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps)
 
 
@@ -75,7 +81,7 @@ class GatedRMSNorm(RMSNorm):
             return y
         if gate.dtype == y.dtype:  # 16-bit activations compute in fp32 inside their kernel
             return y * self.act(gate)
-        return y * self.act(gate.float()).to(y.dtype)
+        return y * self.act(at_least_fp32(gate)).to(y.dtype)
 
 
 class ShortConv(nn.Module):

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from fastweight.dispatch import l2norm
 from fastweight.layers.base import Mixer, split_heads
-from fastweight.layers.common import GatedRMSNorm, LowRank, ShortConv, mamba_decay_init
+from fastweight.layers.common import GatedRMSNorm, LowRank, ShortConv, at_least_fp32, mamba_decay_init
 from fastweight.layers.linear_op import generic_forced
 
 # ops whose kernels normalise q and k themselves (Comba's would normalise its read key p too)
@@ -94,10 +94,10 @@ class DeltaRuleMixer(Mixer):
             pre = self.a_proj(x) if self.decay == "head" else split_heads(self.f_proj(x), self.n_heads)
             out.update(g=pre, A_log=self.A_log, dt_bias=self.dt_bias, use_gate_in_kernel=True)
         elif self.decay == "head":
-            out["g"] = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
+            out["g"] = -at_least_fp32(self.A_log).exp() * F.softplus(at_least_fp32(self.a_proj(x)) + self.dt_bias)
         elif self.decay == "channel":
-            f = split_heads(self.f_proj(x).float() + self.dt_bias, self.n_heads)
-            out["g"] = -self.A_log.float().exp()[:, None] * F.softplus(f)
+            f = split_heads(at_least_fp32(self.f_proj(x)) + self.dt_bias, self.n_heads)
+            out["g"] = -at_least_fp32(self.A_log).exp()[:, None] * F.softplus(f)
         return out
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:

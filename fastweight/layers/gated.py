@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fastweight.layers.base import Mixer, positions, split_heads
-from fastweight.layers.common import GatedRMSNorm, LowRank, RMSNorm, ShortConv, mamba_decay_init, rotary
+from fastweight.layers.common import GatedRMSNorm, LowRank, RMSNorm, ShortConv, at_least_fp32, mamba_decay_init, rotary
 
 GATE_LOGIT_NORMALIZER = 16
 
@@ -57,10 +57,10 @@ class DecayMixer(Mixer):
             q, k = rotary(q, pos, self.rope_theta), rotary(k, pos, self.rope_theta)
             o = self.recur("retention", cache, shared, scale=scale, q=q, k=k, v=v)
         elif self.variant == "gla":
-            g = split_heads(F.logsigmoid(self.gk_proj(x).float()) / GATE_LOGIT_NORMALIZER, H)
+            g = split_heads(F.logsigmoid(at_least_fp32(self.gk_proj(x))) / GATE_LOGIT_NORMALIZER, H)
             o = self.recur("gla", cache, shared, scale=scale, q=q, k=k, v=v, g=g)
         else:  # hgrn2: W_k is the forget gate projection; its complement 1 - alpha is the key
-            g = split_heads(F.logsigmoid(k.flatten(-2).float()), H)
+            g = split_heads(F.logsigmoid(at_least_fp32(k.flatten(-2))), H)
             o = self.recur("hgrn2", cache, shared, scale=1.0, q=F.silu(q), v=v, g=g)
         gate = None if self.g_proj is None else split_heads(self.g_proj(x), H)
         return self.o_proj(self.o_norm(o, gate).flatten(-2))
@@ -93,8 +93,8 @@ class Mamba2Mixer(Mixer):
         H, N, E = self.n_heads, self.d_state, self.d_inner
         z, xbc, dt = self.in_proj(x).split([E, E + 2 * N, H], dim=-1)
         xs, b, c = self.conv(self.conv1d, xbc, cache, "conv", shared).split([E, N, N], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias)  # [B, T, H]
-        g = -self.A_log.float().exp() * dt
+        dt = F.softplus(at_least_fp32(dt) + self.dt_bias)  # [B, T, H]
+        g = -at_least_fp32(self.A_log).exp() * dt
         xs = split_heads(xs, H)
         q, k = (t[:, :, None].expand(B, T, H, N) for t in (c, b))
         v = xs * dt[..., None].to(xs.dtype)

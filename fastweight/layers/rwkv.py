@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from fastweight.layers.base import Mixer, split_heads
-from fastweight.layers.common import GatedRMSNorm, LowRank, TokenShift
+from fastweight.layers.common import GatedRMSNorm, LowRank, TokenShift, at_least_fp32
 from fastweight.mechanisms.rwkv7 import prepare
 
 EXP_MINUS_HALF = math.exp(-0.5)
@@ -68,7 +68,7 @@ class RWKV6TimeMix(Mixer):
         m = self.mix_lora(x + xx * self.mu_x).unflatten(-1, (5, -1))
         xw, xk, xv, xr, xg = (x[..., None, :] + xx[..., None, :] * (self.mu + m)).unbind(-2)
         r, k, v = split_heads(self.r_proj(xr), H), split_heads(self.k_proj(xk), H), split_heads(self.v_proj(xv), H)
-        w = split_heads(-torch.exp(self.w0 + self.w_lora(xw).float()), H)
+        w = split_heads(-torch.exp(self.w0 + at_least_fp32(self.w_lora(xw))), H)
         o = self.recur("rwkv6", cache, shared, scale=1.0, r=r, k=k, v=v, w=w, u=self.u.to(r.dtype))
         return self.o_proj(self.o_norm(o, split_heads(self.g_proj(xg), H)).flatten(-2))
 
@@ -104,7 +104,7 @@ class RWKV7TimeMix(Mixer):
         xx = self.shift(self.shift_x, x, cache, shared) - x
         xr, xw, xk, xv, xa, xg = (x[..., None, :] + xx[..., None, :] * self.mu).unbind(-2)
         r, k, v = split_heads(self.r_proj(xr), H), split_heads(self.k_proj(xk), H), split_heads(self.v_proj(xv), H)
-        w = split_heads(-EXP_MINUS_HALF * torch.sigmoid(self.w0 + self.w_lora(xw).float()), H)
+        w = split_heads(-EXP_MINUS_HALF * torch.sigmoid(self.w0 + at_least_fp32(self.w_lora(xw))), H)
         a = split_heads(torch.sigmoid(self.a0 + self.a_lora(xa)), H)
         shared = {} if shared is None else shared
         if "v_first" not in shared:

@@ -88,11 +88,15 @@ class LanguageModel(nn.Module):
         return Cache(len(self.blocks))
 
     def forward(self, input_ids: torch.Tensor, cache: Cache | None = None, logits_to_keep: int = 0,
-                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                cu_seqlens: torch.Tensor | None = None, context_parallel=None) -> torch.Tensor:
         """Logits ``[B, T, vocab]`` (only the last ``logits_to_keep`` positions when > 0). With
         ``cache`` the tokens continue the cached sequence and the cache is updated in place.
         ``cu_seqlens`` (int64 ``[N+1]``, B = 1, no cache) packs N sequences along T: each is
-        computed as if alone (recurrences, convolutions, token shift, attention, positions)."""
+        computed as if alone (recurrences, convolutions, token shift, attention, positions).
+        ``context_parallel`` (a torch.distributed process group, or True for the world): each
+        rank's ``input_ids`` are its run of the same B sequences (rank order; no cache, no
+        ``cu_seqlens``), and the logits are what one process would give for those tokens
+        (``fastweight.context_parallel``; linear mixers only)."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"`input_ids` must be an int64 tensor [B, T], got "
                             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
@@ -111,6 +115,12 @@ class LanguageModel(nn.Module):
             T = input_ids.shape[1]
             seq = torch.searchsorted(cu_seqlens[1:], torch.arange(T, device=cu_seqlens.device), right=True)
             shared.update(cu_seqlens=cu_seqlens, positions=torch.arange(T, device=cu_seqlens.device) - cu_seqlens[seq])
+        if context_parallel is not None and context_parallel is not False:
+            if cache is not None or cu_seqlens is not None:
+                raise ValueError("`context_parallel` cannot be combined with a `cache` or `cu_seqlens`")
+            from fastweight.context_parallel import ContextGroup
+            ctx = ContextGroup(None if context_parallel is True else context_parallel)
+            shared.update(context_parallel=ctx, offset=ctx.start(input_ids.shape[1]))
         x = self.embed(input_ids)
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache.layers[i], shared)
