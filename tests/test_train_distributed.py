@@ -158,3 +158,31 @@ def test_context_parallel_two_ranks_match_one_process(tmp_path, mixer):
 def test_context_parallel_refusals(tmp_path, kw, message):
     with pytest.raises(Exception, match=message):
         run_ranks(tmp_path / "bad", context_parallel=True, **kw)
+
+
+def test_fsdp_with_context_parallel_matches_one_process(tmp_path):
+    """FSDP2 (parameter collectives on the default group) and context parallelism (its own group)
+    together: one process's losses."""
+    kw = dict(task="parity:seq_len=32", lr=1e-3)
+    both = run_ranks(tmp_path / "both", parallel="fsdp", context_parallel=True, **kw)
+    one = train(tiny(tmp_path / "one", **kw))
+    assert both["parallel"] == "fsdp+cp"
+    assert all(abs(a - b) <= TOL * abs(b) for a, b in zip(losses(both), losses(one))), (losses(both), losses(one))
+
+
+def test_under_torchrun(tmp_path):
+    """The command line itself under ``torchrun`` (torch.distributed.run), two CPU processes."""
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+           "-m", "fastweight.train", "--task", "parity:seq_len=32", "--mixer", "gdn", "--d-model", "32",
+           "--n-layers", "1", "--n-heads", "2", "--steps", "3", "--batch-size", "4", "--device", "cpu",
+           "--threads", "1", "--eval-examples", "8", "--no-progress", "--context-parallel", "--parallel", "fsdp",
+           "--out-dir", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.load(open(tmp_path / "results.json"))
+    assert results["world_size"] == 2 and results["parallel"] == "fsdp+cp" and results["steps_done"] == 3
