@@ -15,7 +15,11 @@ duration of the ``with`` block (or until ``undo()``), the names those modules ca
 ``[B, T, H, D]`` with more value heads than key heads (GVA), ``use_qk_l2norm_in_kernel=True``,
 ``cu_seqlens`` for packed sequences, the ``[N, HV, K, V]`` fp32 state of their caches. Arguments
 the op does not take are dropped, as transformers' own wrapper drops them. Prefill takes the chunk
-op, decode (one token from a cached state) the fused recurrent one, as in those models.
+op, decode (one token from a cached state) the fused recurrent one, as in those models. A packed
+batch (B = 1, ``position_ids`` restarting at each sequence and ``cu_seq_lens_q`` among the model's
+kwargs, as transformers' ``DataCollatorWithFlattening`` gives them) reaches the recurrence as
+``cu_seqlens``, and their ``causal_conv1d_fn`` is bound to one whose taps stop at each sequence's
+start (transformers' PyTorch fallback convolves across the boundary).
 """
 
 from __future__ import annotations
@@ -23,15 +27,20 @@ from __future__ import annotations
 import importlib
 import inspect
 
+import torch
+import torch.nn.functional as F
+
 from fastweight import ops
 
-# modeling module -> {name it calls: fastweight op}
+# modeling module -> {name it calls: fastweight op, or None: its short convolution, made packed-aware}
 TARGETS = {
     **{f"transformers.models.{m}.modeling_{m}": {"torch_chunk_gated_delta_rule": "chunk_gated_delta_rule",
-                                               "torch_recurrent_gated_delta_rule": "fused_recurrent_gated_delta_rule"}
+                                               "torch_recurrent_gated_delta_rule": "fused_recurrent_gated_delta_rule",
+                                               "causal_conv1d_fn": None}
        for m in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")},
     "transformers.models.kimi_linear.modeling_kimi_linear": {"chunk_kimi_delta_attention": "chunk_kda",
-                                                            "recurrent_kimi_delta_attention": "fused_recurrent_kda"},
+                                                            "recurrent_kimi_delta_attention": "fused_recurrent_kda",
+                                                            "causal_conv1d_fn": None},
 }
 
 
@@ -46,12 +55,43 @@ def _bridge(original, op_name: str):
         named.update(named.pop("kwargs", {}))
         named = {("q" if n == "query" else "k" if n == "key" else "v" if n == "value" else n): x
                  for n, x in named.items()}
+        if named.get("cu_seqlens") is None and named.get("cu_seq_lens_q") is not None:
+            # a packed batch's boundaries as transformers' attention kwargs carry them (Kimi-Linear
+            # hands its kwargs on without naming them)
+            named["cu_seqlens"] = named["cu_seq_lens_q"]
         if "allow_neg_eigval" in ours:
             # these models form beta themselves (OLMo-Hybrid's may be 2 sigmoid): the op's range check is theirs
             named.setdefault("allow_neg_eigval", True)
         return fn(**{n: x for n, x in named.items() if n in ours and n != "backend"})
 
     call.__name__, call.__doc__ = original.__name__, f"fastweight.ops.{op_name} in place of {original.__name__}"
+    call.__wrapped_fastweight__ = original
+    return call
+
+
+def _packed_conv(original):
+    """``causal_conv1d_fn`` that, for a packed batch (``cu_seq_lens_q`` among its kwargs, B = 1),
+    lets no tap reach into the previous sequence; otherwise transformers' own."""
+
+    def call(hidden_states, weight, bias=None, activation=None, **kwargs):
+        cu = kwargs.get("cu_seq_lens_q")
+        if cu is None or hidden_states.shape[0] != 1:
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        from transformers.activations import ACT2FN
+        x = hidden_states.to(weight.dtype)                       # [1, C, T]
+        T, W = x.shape[-1], weight.shape[-1]
+        t = torch.arange(T, device=x.device)
+        pos = t - cu.to(x.device)[torch.searchsorted(cu[1:].to(x.device), t, right=True)]
+        y = x * weight[:, W - 1, None]
+        for lag in range(1, min(W, T)):
+            y = y + F.pad(x[..., :T - lag], (lag, 0)) * (pos >= lag).to(x.dtype) * weight[:, W - 1 - lag, None]
+        if bias is not None:
+            y = y + bias[:, None]
+        if activation is not None:
+            y = ACT2FN[activation](y)
+        return y.to(hidden_states.dtype)
+
+    call.__name__, call.__doc__ = original.__name__, f"a packed-batch-aware {original.__name__}"
     call.__wrapped_fastweight__ = original
     return call
 
@@ -108,6 +148,6 @@ def use_fastweight_kernels(models=None) -> Patch:
                                  "nothing was patched")
             if hasattr(original, "__wrapped_fastweight__"):
                 continue   # already bound
-            setattr(module, name, _bridge(original, op_name))
+            setattr(module, name, _packed_conv(original) if op_name is None else _bridge(original, op_name))
             replaced.append((module, name, original))
     return Patch(replaced)
