@@ -20,9 +20,11 @@ straddle anywhere, empty ones included). A rank
    of its entering pieces by folding S <- S_loc + P S over the ranks the sequence crossed;
 4. runs its entering pieces with v = 0 from that state (o_corr and P S_in, added).
 
-The backward is autograd through the two collectives (the all-gather's backward returns each
-gathered state's gradient to its owner), so the state gradient travels the other way
-with no code of ours. Per layer and rank, the all-gather moves, per outgoing piece and value head,
+The backward is autograd through the ops and two small collectives (the all-gather's backward
+returns each gathered state's gradient to its owner), so the state gradient travels the other way
+with no hand-written backward of the recurrence; :class:`ContextGroup` keeps the collectives in one
+order on every rank. Layers reach across ranks the same way for their short convolutions and token
+shift (:func:`halo`). Per layer and rank, the all-gather moves, per outgoing piece and value head,
 K V numbers (the state) plus K (the decay family: P is diagonal) or K^2 (the delta family and
 DPLR: P is dense) for the pieces that cross the whole rank; the final states, when asked for, one
 all-reduce of [N, HV, K, V] (the same on every rank, as the loss on it is taken to be: its
