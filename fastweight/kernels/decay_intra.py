@@ -336,7 +336,7 @@ def intra_fwd(q, k, gq, gc, u, scale: float, chunks: Chunks, exclusive: bool, *,
                                  chunks.chunk_indices, scale, H=H, K=K, BT=BT, BC=BC, BK=BK, EXCLUSIVE=exclusive,
                                  USE_U=u is not None, DOT_PRECISION=dot_precision(q.dtype),
                                  DIAG_PRECISION=diag_precision(q.dtype), SPAN=span,
-                                 num_stages=1)  # the session 3 sweep: 0.27 ms of GLA's 37.7 (s3 run 3)
+                                 num_stages=1)  # 1 stage: 0.27 ms off GLA's 37.7 fwd+bwd against 3 (H200 sweep)
     return A
 
 

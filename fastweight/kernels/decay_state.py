@@ -112,11 +112,12 @@ def while_loops() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# the key block is 64 and the V block never narrower, a smaller K or V padded (masked): the
-# narrow 16-bit blocks that went wrong on the H200 (decay_output.BK_OUT) are not used.
+# the key block is 64 and the V block never narrower, a smaller K or V padded (masked): 16-bit dots
+# over narrower blocks are what Triton 3.6 miscompiles on the H200 (decay_output.BK_OUT).
 # The V block of the state pass: a sequential loop per program, so more, smaller programs hide
 # its latency; larger blocks read the gates fewer times. 64 measured faster on the H200
-# (docs/bench/decay_dplr.md). 8 warps, 3 stages: the session 3 sweep (docs/bench/runs-2026-11-30-s3.md).
+# (docs/bench/decay_dplr.md). 8 warps, 3 stages: the fastest of the H200 sweep
+# (fastweight.bench.gpu_sweep; figures in docs/bench/runs-2026-11-30-s3.md).
 STATE_BV = 64
 
 

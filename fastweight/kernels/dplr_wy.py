@@ -80,7 +80,8 @@ def local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
     m_strict = m_all & (o_t[:, None] > o_t[None, :])
     last = bos + tl.minimum(T, i_c * BT + BT) - 1
     p_A = ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
-    # held through both loops (loading them where used instead measured 0.2-11% slower, session 4)
+    # held through both loops: loading them where used is 0.2-11% slower on the H200
+    # (docs/bench/runs-2026-11-30-s4.md, the fused backward's variants)
     b_T = tl.load(Ai + p_A, mask=m_incl, other=0.)
     b_Aqk = tl.load(Aqk + p_A, mask=m_incl, other=0.)
     b_Aak = tl.load(Aak + p_A, mask=m_strict, other=0.)
@@ -178,5 +179,5 @@ def dplr_wy_fwd(a, v, gp, Ai, Aak, chunks: Chunks):
     ut = torch.empty(1, T, H, V, dtype=a.dtype, device=a.device)
     dplr_wy_fwd_kernel[(chunks.NC, H)](a, v, gp, Ai, Aak, w, ut, chunks.cu_seqlens, chunks.chunk_indices, H=H, K=K,
                                        V=V, BT=chunks.BT, BK=BK, BV=BV, DOT_PRECISION=dot_precision(a.dtype),
-                                       num_warps=4, num_stages=1)  # H200 sweep, session 4: 4 warps -0.16 ms
+                                       num_warps=4, num_stages=1)  # 4 warps: 0.16 ms faster than 8 (H200 sweep)
     return w, ut

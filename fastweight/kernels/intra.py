@@ -33,9 +33,9 @@ from fastweight.kernels.common import SAFE_SPAN, Chunks, alloc, mm
 
 # SPAN (``common.SAFE_SPAN``): a diagonal block whose decay over its 16 rows stays under exp(SPAN) in
 # every channel is factored through its first row like the off-diagonal ones (operands up to
-# e^40, in fp32 for every input dtype: with bf16 operands KDA's bf16 dg was 4.3x its rounding
-# floor on the H200, 2.2x with the exact form; fp16 interpreter proxy: 6.5x -> 2.7x); beyond it
-# the exact pairwise form runs.
+# e^40, in fp32 for every input dtype: with bf16 operands KDA's bf16 dg is 4.3x its rounding
+# floor on the H200, against 2.2x with the exact form; fp16 interpreter proxy: 6.5x with fp16
+# operands, 2.7x with fp32: docs/bench/delta.md, KDA bf16 dg); beyond it the exact pairwise form runs.
 
 
 @triton.jit
@@ -213,7 +213,8 @@ def intra_bwd(q, k, g_cum, dAqk, dAkk, dq, dk, dg, chunks: Chunks):
     """Adds the intra-chunk parts into dq, dk, dg (float32 [1, T, H, K], in place)."""
     _, T, HK, K = k.shape
     H = g_cum.shape[2]
-    # 2 stages: 2.4 ms of KDA's 12.2 (s3 sweep)
+    # 2 stages: 2.4 ms off KDA's 12.2 fwd+bwd at (4, 8192, 16, 128) against 3 (H200 sweep,
+    # docs/bench/runs-2026-11-30-s3.md)
     intra_bwd_kernel[(chunks.NC, H)](q, k, g_cum, dAqk, dAkk, dq, dk, dg, chunks.cu_seqlens, chunks.chunk_indices,
                                      H=H, HK=HK, K=K, BT=chunks.BT, BK=min(32, triton.next_power_of_2(K)),
                                      SPAN=SAFE_SPAN, num_warps=4, num_stages=2)

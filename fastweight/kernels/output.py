@@ -15,7 +15,7 @@ chunk-local cumsum.) One program holds a chunk's whole key dimension and loops o
 The terms whose exponent is 0 (the diagonal i = j of the scores, the last row's own dK_state)
 enter dg with + and - at the same row and cancel exactly: they are left out. The caller's reverse
 cumsum turns dg into the gradient of the raw gate, which a strong decay makes O(exp(g)) small; those
-terms are O(1), and their rounding alone (1e-7 in fp32) had been 1e-2 of it at g = -6 per token.
+terms are O(1), and their rounding alone (1e-7 in fp32) would be 1e-2 of it at g = -6 per token.
 """
 
 from __future__ import annotations
@@ -121,11 +121,12 @@ SHARED_BUDGET = 200 * 1024
 def launch_config(K, V, itemsize, BT=64):
     """(BV, num_warps, num_stages) of the output backward.
 
-    8 warps past K = 64, but 4 whenever BV < 32 (Triton 3.6 miscompiled a bf16 kernel with
-    16-wide V blocks at 8 warps on the H200: docs/bench/runs-2026-11-30-s2.md run 5). Each stage
-    of the loop over V holds the [BV, K] tiles of h and dh and the [BT, BV] tiles of v_tilde, dO,
-    dv_tilde; as many stages (up to 3) as fit SHARED_BUDGET: 3 for 16-bit K <= 128, 2 at K = 256
-    (3 asked for 264 KiB there), 1 for fp32 from K = 128 (sm_90 compiles: docs/bench/delta.md)."""
+    8 warps past K = 64, but 4 whenever BV < 32 (Triton 3.6 miscompiles bf16 kernels with 16-wide
+    V blocks at 8 warps on the H200, an illegal memory access: docs/bench/runs-2026-11-30-s2.md).
+    Each stage of the loop over V holds the [BV, K] tiles of h and dh and the [BT, BV] tiles of
+    v_tilde, dO, dv_tilde; as many stages (up to 3) as fit SHARED_BUDGET: 3 for 16-bit K <= 128,
+    2 at K = 256 (3 would take 264 KiB there), 1 for fp32 from K = 128 (sm_90 compiles:
+    docs/bench/delta.md)."""
     BV = min(64, triton.next_power_of_2(V))
     warps = 4 if K <= 64 or BV < 32 else 8
     per_stage = (2 * BV * triton.next_power_of_2(K) + 3 * BT * BV) * itemsize
@@ -141,7 +142,8 @@ def output_bwd(q, k, g_cum, h, dh, v_new, do, dv, scale: float, chunks: Chunks, 
     part of dq, dk, dg is left to ``intra.intra_bwd`` through dAqk (None otherwise)."""
     _, T, HK, K = k.shape
     H, V = do.shape[2], do.shape[-1]
-    # K under 64 padded (masked): at K = 16, V = 64 the bf16 kernel gave wrong dq, dk on the H200
+    # K under 64 padded (masked): a 16-wide key block (K = 16, V = 64) gives wrong bf16 dq, dk on the
+    # H200 (Triton 3.6, docs/kernels.md: narrow blocks)
     BK = max(64, triton.next_power_of_2(K))
     BV, warps, stages = launch_config(K, V, k.element_size())
     f32 = dict(device=q.device, dtype=torch.float32)

@@ -36,8 +36,8 @@ def _chunk_gates(g, bos, T, i_t, H: tl.constexpr, i_h, BT: tl.constexpr):
 
     Rows past the end (a partial last chunk) repeat g_C: every exponent a padded lane then forms
     (g_i - g_j, g_C - g_i, g_i) equals one a valid lane forms, so none can overflow. With 0 there,
-    exp(0 - g_j) passed e^88 once the chunk had decayed that much, and inf times the lane's zero
-    operand put NaN into the valid rows' sums."""
+    exp(0 - g_j) would pass e^88 once the chunk decays that much, and inf times the lane's zero
+    operand would put NaN into the valid rows' sums."""
     o_t = i_t * BT + tl.arange(0, BT)
     b_glast = tl.load(g + (bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h)
     b_g = tl.load(g + (bos + o_t) * H + i_h, mask=o_t < T, other=b_glast)
@@ -234,10 +234,11 @@ def launch_config(K, BV, itemsize, per_channel_bwd=False):
     """(num_warps, num_stages) of a state pass with value block BV and inputs of ``itemsize`` bytes.
 
     Warps: 8 for K = 256 (the [K, BV] fp32 state in registers) and for the per-channel (KDA) dh
-    pass at K = 128 (0.26 ms faster of KDA's 9.6 at (4, 8192, 16, 128), docs/bench/delta.md), else 4. Stages: the pipelined for
-    loop keeps two copies of a chunk's q, k, w tiles ([64, K] each) in shared memory; past 256
-    bytes a row (K = 256 in 16 bits, K >= 128 in fp32) that exceeds the H200's 227 KiB (K = 256
-    bf16 asked for 248 KiB), so those run one stage (sm_90 compiles of every shape: docs/bench/delta.md)."""
+    pass at K = 128 (0.26 ms faster of KDA's 9.6 at (4, 8192, 16, 128), docs/bench/delta.md),
+    else 4. Stages: the pipelined for loop keeps two copies of a chunk's q, k, w tiles ([64, K]
+    each) in shared memory; past 256 bytes a row (K = 256 in 16 bits, K >= 128 in fp32) that
+    exceeds the H200's 227 KiB (K = 256 bf16 with 2 stages takes 248 KiB), so those run one stage
+    (sm_90 compiles of every shape: docs/bench/delta.md)."""
     warps = 8 if K > 128 or (per_channel_bwd and K == 128) else 4
     stages = 2 if triton.next_power_of_2(K) * itemsize <= 256 else 1
     return warps, stages

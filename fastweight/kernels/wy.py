@@ -208,9 +208,9 @@ def wy_bwd_kernel(k, p, v, beta, g, gr, Ai, Akk, dw, du, dk, dk_out, dp, dv, dbe
 
 
 def _blocks(K, V):
-    """(BK, BV): 64 each, padded (masked) below 64. Narrower blocks in 16 bits went wrong on the H200
-    (triton 3.6): W/U and their backward at K = 64 with V = 16 or 32 (bf16 and fp16, fp32 right;
-    docs/bench/runs-2026-11-30-s3.md run 1), where b_Ai feeds dots of two widths."""
+    """(BK, BV): 64 each, padded (masked) below 64. Triton 3.6 on the H200 miscompiles narrower 16-bit
+    blocks here: W/U and their backward at K = 64 with V = 16 or 32 come out wrong in bf16 and fp16
+    (fp32 is right), where b_Ai feeds dots of two widths (docs/kernels.md, narrow blocks)."""
     return 64, 64
 
 
