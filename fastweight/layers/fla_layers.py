@@ -1,0 +1,117 @@
+"""fla's layer classes, on fastweight's mixers: the same constructor arguments, the same
+``forward(hidden_states, attention_mask=None, past_key_values=None, use_cache=False, ...)``
+returning ``(o, None, past_key_values)``, and the same parameter names, so that code written
+against ``fla.layers`` and the state dicts of fla checkpoints carry over.
+
+    from fastweight.layers import GatedDeltaNet          # in place of: from fla.layers import GatedDeltaNet
+    layer = GatedDeltaNet(hidden_size=1024, head_dim=128, num_heads=8, expand_v=2)
+    o, _, _ = layer(x)                                    # x [B, T, hidden_size]
+
+Padding: ``attention_mask`` [B, T] (1 = token, 0 = padding, on either side) packs the tokens into
+one varlen batch, as fla does, and the output is zero at padded positions. Packed input:
+``cu_seqlens`` [N+1] with B = 1. Caching: ``past_key_values`` is this library's per-layer dict
+(``fastweight.layers.base``: the state and the convolutions' tails); fla's ``Cache`` objects are
+refused by name. What fla has and this does not (``num_v_heads`` other than ``num_heads``,
+``use_gate=False``, ``use_short_conv=False``, a conv bias, an output gate other than swish) raises
+an error naming it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastweight.layers.delta import DeltaRuleMixer
+
+# our submodule name -> fla's, in the state dict
+FLA_NAMES = {"q_conv.": "q_conv1d.", "k_conv.": "k_conv1d.", "v_conv.": "v_conv1d."}
+
+
+class GatedDeltaNet(DeltaRuleMixer):
+    """fla's ``GatedDeltaNet`` layer (Yang et al., 2024):
+
+        q, k = L2(SiLU(conv(W_q x))), L2(SiLU(conv(W_k x)));  v = SiLU(conv(W_v x))
+        beta = sigmoid(W_b x) (x2 with allow_neg_eigval);  g = -exp(A_log) softplus(W_a x + dt_bias)
+        S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,  o_t = S_t^T q_t / sqrt(d_k)
+        y = W_o (RMSNorm(o) * SiLU(W_g x))
+
+    with fla's arguments: key heads ``num_heads`` of ``head_dim``, value heads of
+    ``head_dim * expand_v``."""
+
+    def __init__(self, hidden_size: int = 2048, expand_v: float = 2, head_dim: int = 256, num_heads: int = 6,
+                 num_v_heads: int | None = None, mode: str = "chunk", use_gate: bool = True,
+                 use_short_conv: bool = True, allow_neg_eigval: bool = False, conv_size: int = 4,
+                 conv_bias: bool = False, layer_idx: int | None = None, norm_eps: float = 1e-5,
+                 output_gate_activation: str = "swish", **kwargs):
+        if num_v_heads not in (None, num_heads):
+            raise NotImplementedError(f"GatedDeltaNet: `num_v_heads` ({num_v_heads}) other than `num_heads` "
+                                      f"({num_heads}) is not supported by fastweight's layer (the ops take it)")
+        for name, value, ours in (("use_gate", use_gate, True), ("use_short_conv", use_short_conv, True),
+                                  ("conv_bias", conv_bias, False),
+                                  ("output_gate_activation", output_gate_activation, "swish")):
+            if value != ours:
+                raise NotImplementedError(f"GatedDeltaNet: `{name}={value!r}` is not supported (only {ours!r})")
+        if mode not in ("chunk", "fused_recurrent"):
+            raise ValueError(f"GatedDeltaNet: `mode` must be 'chunk' or 'fused_recurrent', got {mode!r}")
+        unknown = sorted(set(kwargs) - {"use_output_gate"})
+        if unknown:
+            raise TypeError(f"GatedDeltaNet got unexpected keyword argument(s) {unknown}")
+        from fastweight.models.config import LMConfig
+        cfg = LMConfig(vocab_size=1, d_model=hidden_size, n_layers=1, n_heads=num_heads, mixer="gdn",
+                       head_dim=head_dim, expand_v=expand_v, allow_neg_eigval=allow_neg_eigval,
+                       use_short_conv=use_short_conv, conv_size=conv_size, norm_eps=norm_eps)
+        super().__init__(cfg, "gdn")
+        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.head_v_dim, self.layer_idx, self.fla_mode = cfg.head_v_dim, layer_idx, mode
+        self.register_state_dict_post_hook(_to_fla_names)
+        self.register_load_state_dict_pre_hook(_from_fla_names)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                past_key_values: dict | None = None, use_cache: bool | None = False,
+                output_attentions: bool | None = False, cu_seqlens: torch.Tensor | None = None, **kwargs):
+        if past_key_values is not None and not isinstance(past_key_values, dict):
+            raise TypeError(f"GatedDeltaNet: `past_key_values` must be fastweight's per-layer dict (or None), got "
+                            f"{type(past_key_values).__name__} (fla's Cache is not supported)")
+        cache = past_key_values if past_key_values is not None else ({} if use_cache else None)
+        x, B, T = hidden_states, hidden_states.shape[0], hidden_states.shape[1]
+        keep = None
+        if attention_mask is not None:
+            if attention_mask.shape != (B, T):
+                raise ValueError(f"`attention_mask` must be [batch, seq_len] = {(B, T)}, got {tuple(attention_mask.shape)}")
+            if cu_seqlens is not None:
+                raise ValueError("`attention_mask` and `cu_seqlens` cannot be combined")
+            if not bool(attention_mask.bool().all()):
+                if cache is not None:
+                    raise ValueError("GatedDeltaNet: a padding `attention_mask` with a cache is not supported")
+                keep = attention_mask.bool().flatten()
+                lengths = attention_mask.bool().sum(1)
+                cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+                x = x.flatten(0, 1)[keep][None]
+        shared = None
+        if cu_seqlens is not None:
+            if cache is not None:
+                raise ValueError("GatedDeltaNet: `cu_seqlens` (packed sequences) with a cache is not supported")
+            t = torch.arange(x.shape[1], device=x.device)
+            seq = torch.searchsorted(cu_seqlens[1:].to(x.device), t, right=True)
+            shared = dict(cu_seqlens=cu_seqlens, positions=t - cu_seqlens.to(x.device)[seq])
+        o = super().forward(x, cache, shared)
+        if keep is not None:
+            o = o.new_zeros(B * T, o.shape[-1]).index_copy(0, keep.nonzero().squeeze(1), o[0]).view(B, T, -1)
+        return o, None, cache
+
+    def mode(self, T: int) -> str:
+        return "fused_recurrent" if (self.fla_mode == "fused_recurrent" or (not self.training and T <= 64)) \
+            else "chunk"
+
+
+def _to_fla_names(module, state_dict, prefix, local_metadata):
+    for key in list(state_dict):
+        for ours, theirs in FLA_NAMES.items():
+            if key.startswith(prefix + ours):
+                state_dict[prefix + theirs + key[len(prefix + ours):]] = state_dict.pop(key)
+
+
+def _from_fla_names(module, state_dict, prefix, *args):
+    for key in list(state_dict):
+        for ours, theirs in FLA_NAMES.items():
+            if key.startswith(prefix + theirs):
+                state_dict[prefix + ours + key[len(prefix + theirs):]] = state_dict.pop(key)

@@ -1,0 +1,107 @@
+"""fla's layer classes on fastweight (``fastweight.layers.fla_layers``): fla's constructor, call and
+return convention and parameter names, checked against the layer's formula written out here in
+float64 from the parameters alone (short convolutions by F.conv1d, the recurrence by the per-token
+reference), padding masks, packed input, the cache, and the refusals."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastweight import ops
+from fastweight.layers import GatedDeltaNet
+from fastweight.testing import generator, rel_err
+
+# fla 0.6.0's GatedDeltaNet (use_gate, short convs without bias): its parameters by name
+FLA_KEYS = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "a_proj.weight", "b_proj.weight", "A_log", "dt_bias",
+            "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "g_proj.weight", "o_norm.weight", "o_proj.weight"}
+
+
+def _layer(**kw):
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(**{**dict(hidden_size=32, head_dim=8, num_heads=2, expand_v=2), **kw}).double()
+    for p in layer.parameters():   # away from the initialisation's symmetric values
+        p.data.add_(0.1 * torch.randn_like(p))
+    return layer
+
+
+def _formula(p: dict, x, H, K, allow_neg_eigval=False, eps=1e-5):
+    """The layer written out from its state dict (fla's names), float64."""
+    T = x.shape[1]
+
+    def conv(name, y):
+        w = p[f"{name}_conv1d.weight"]
+        return F.silu(F.conv1d(y.transpose(1, 2), w, padding=w.shape[-1] - 1, groups=w.shape[0])[..., :T]
+                      .transpose(1, 2))
+
+    q = conv("q", x @ p["q_proj.weight"].T).unflatten(-1, (H, K))
+    k = conv("k", x @ p["k_proj.weight"].T).unflatten(-1, (H, K))
+    v = conv("v", x @ p["v_proj.weight"].T).unflatten(-1, (H, -1))
+    q, k = (t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + 1e-6) for t in (q, k))   # fla's l2norm
+    beta = torch.sigmoid(x @ p["b_proj.weight"].T) * (2 if allow_neg_eigval else 1)
+    g = -p["A_log"].exp() * F.softplus(x @ p["a_proj.weight"].T + p["dt_bias"])
+    o, _ = ops.chunk_gated_delta_rule(q, k, v, g, beta, scale=K ** -0.5, allow_neg_eigval=allow_neg_eigval,
+                                      backend="reference")
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * p["o_norm.weight"]
+    o = o * F.silu(x @ p["g_proj.weight"].T).unflatten(-1, (H, -1))
+    return o.flatten(-2) @ p["o_proj.weight"].T
+
+
+@pytest.mark.parametrize("allow_neg_eigval", [False, True])
+def test_fla_names_and_formula(allow_neg_eigval):
+    layer = _layer(allow_neg_eigval=allow_neg_eigval).train()
+    assert set(layer.state_dict()) == FLA_KEYS
+    x = torch.randn(2, 70, 32, dtype=torch.float64, generator=generator())
+    o, attentions, cache = layer(x)
+    assert attentions is None and cache is None and o.shape == x.shape
+    want = _formula(layer.state_dict(), x, 2, 8, allow_neg_eigval)
+    assert rel_err(o, want) < 1e-12
+    # an fla-named state dict loads into a fresh layer and gives the same outputs
+    fresh = GatedDeltaNet(hidden_size=32, head_dim=8, num_heads=2, expand_v=2,
+                          allow_neg_eigval=allow_neg_eigval).double().train()
+    fresh.load_state_dict(layer.state_dict())
+    assert torch.equal(fresh(x)[0], o)
+
+
+def test_padding_mask_and_packed_input():
+    """attention_mask (left and right padding) and cu_seqlens: each sequence as if alone, zeros at pads."""
+    layer = _layer().train()
+    gen = generator()
+    a, b = (torch.randn(1, n, 32, dtype=torch.float64, generator=gen) for n in (9, 5))
+    x = torch.zeros(2, 9, 32, dtype=torch.float64)
+    x[0], x[1, 4:] = a[0], b[0]                       # row 1 left-padded by 4
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :4] = 0
+    o, _, _ = layer(x, attention_mask=mask)
+    alone_a, alone_b = layer(a)[0], layer(b)[0]
+    assert rel_err(o[0], alone_a[0]) < 1e-12 and rel_err(o[1, 4:], alone_b[0]) < 1e-12
+    assert o[1, :4].abs().max() == 0
+    packed, _, _ = layer(torch.cat([a, b], 1), cu_seqlens=torch.tensor([0, 9, 14]))
+    assert rel_err(packed, torch.cat([alone_a, alone_b], 1)) < 1e-12
+
+
+def test_cache_prefill_then_decode():
+    layer = _layer().eval()
+    x = torch.randn(1, 12, 32, dtype=torch.float64, generator=generator())
+    full = layer(x)[0]
+    o1, _, cache = layer(x[:, :9], use_cache=True)
+    o2, _, cache = layer(x[:, 9:10], past_key_values=cache, use_cache=True)
+    o3, _, _ = layer(x[:, 10:], past_key_values=cache, use_cache=True)
+    assert rel_err(torch.cat([o1, o2, o3], 1), full) < 1e-12
+
+
+@pytest.mark.parametrize("kw,error,message", [
+    (dict(num_v_heads=4), NotImplementedError, "num_v_heads"),
+    (dict(use_gate=False), NotImplementedError, "use_gate"),
+    (dict(conv_bias=True), NotImplementedError, "conv_bias"),
+    (dict(mode="parallel"), ValueError, "mode"),
+    (dict(bogus=1), TypeError, "bogus"),
+])
+def test_refusals_name_the_argument(kw, error, message):
+    with pytest.raises(error, match=message):
+        GatedDeltaNet(hidden_size=32, head_dim=8, num_heads=2, **kw)
+
+
+def test_foreign_cache_is_refused():
+    layer = _layer()
+    with pytest.raises(TypeError, match="past_key_values"):
+        layer(torch.randn(1, 4, 32, dtype=torch.float64), past_key_values=object())
