@@ -8,7 +8,7 @@ from fastweight.layers.attention import Attention
 from fastweight.layers.base import Mixer
 from fastweight.layers.common import GatedRMSNorm, LowRank, RMSNorm, ShortConv, SwiGLU, TokenShift
 from fastweight.layers.delta import DeltaRuleMixer
-from fastweight.layers.fla_layers import GatedDeltaNet
+from fastweight.layers.fla_layers import GatedDeltaNet, KimiDeltaAttention
 from fastweight.layers.gated import DecayMixer, Mamba2Mixer
 from fastweight.layers.linear_op import force_generic, linear_op, use_backend
 
@@ -31,5 +31,5 @@ def build_mixer(name: str, cfg) -> Mixer:
     raise ValueError(f"unknown mixer {name!r}")
 
 
-__all__ = ["Attention", "DecayMixer", "DeltaRuleMixer", "GatedDeltaNet", "GatedRMSNorm", "LowRank", "Mamba2Mixer", "Mixer",
+__all__ = ["Attention", "DecayMixer", "DeltaRuleMixer", "GatedDeltaNet", "GatedRMSNorm", "KimiDeltaAttention", "LowRank", "Mamba2Mixer", "Mixer",
            "RMSNorm", "ShortConv", "SwiGLU", "TokenShift", "build_mixer", "force_generic", "linear_op", "use_backend"]

@@ -4,6 +4,7 @@ returning ``(o, None, past_key_values)``, and the same parameter names, so that 
 against ``fla.layers`` and the state dicts of fla checkpoints carry over.
 
     from fastweight.layers import GatedDeltaNet          # in place of: from fla.layers import GatedDeltaNet
+                                                          # (and KimiDeltaAttention)
     layer = GatedDeltaNet(hidden_size=1024, head_dim=128, num_heads=8, expand_v=2)
     o, _, _ = layer(x)                                    # x [B, T, hidden_size]
 
@@ -23,10 +24,75 @@ import torch
 from fastweight.layers.delta import DeltaRuleMixer
 
 # our submodule name -> fla's, in the state dict
-FLA_NAMES = {"q_conv.": "q_conv1d.", "k_conv.": "k_conv1d.", "v_conv.": "v_conv1d."}
+CONVS = {"q_conv.": "q_conv1d.", "k_conv.": "k_conv1d.", "v_conv.": "v_conv1d."}
 
 
-class GatedDeltaNet(DeltaRuleMixer):
+def _refuse(layer: str, **given):
+    """NotImplementedError naming the first fla argument (name=(value, the one supported)) that differs."""
+    for name, (value, ours) in given.items():
+        if value != ours:
+            raise NotImplementedError(f"{layer}: `{name}={value!r}` is not supported (only {ours!r})")
+
+
+class _FlaDeltaLayer(DeltaRuleMixer):
+    """fla's call convention over a delta-rule mixer (module docstring); ``FLA_NAMES`` renames the
+    state dict's keys to fla's and back."""
+
+    FLA_NAMES: dict = CONVS
+
+    def _fla_setup(self, cfg, variant: str, mode: str, layer_idx, unknown: dict):
+        if mode not in ("chunk", "fused_recurrent"):
+            raise ValueError(f"{type(self).__name__}: `mode` must be 'chunk' or 'fused_recurrent', got {mode!r}")
+        unknown = sorted(set(unknown) - {"use_output_gate"})
+        if unknown:
+            raise TypeError(f"{type(self).__name__} got unexpected keyword argument(s) {unknown}")
+        DeltaRuleMixer.__init__(self, cfg, variant)
+        self.hidden_size, self.num_heads, self.head_dim = cfg.d_model, cfg.n_heads, cfg.head_dim
+        self.head_v_dim, self.layer_idx, self.fla_mode = cfg.head_v_dim, layer_idx, mode
+        self.register_state_dict_post_hook(_to_fla_names)
+        self.register_load_state_dict_pre_hook(_from_fla_names)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                past_key_values: dict | None = None, use_cache: bool | None = False,
+                output_attentions: bool | None = False, cu_seqlens: torch.Tensor | None = None, **kwargs):
+        name = type(self).__name__
+        if past_key_values is not None and not isinstance(past_key_values, dict):
+            raise TypeError(f"{name}: `past_key_values` must be fastweight's per-layer dict (or None), got "
+                            f"{type(past_key_values).__name__} (fla's Cache is not supported)")
+        cache = past_key_values if past_key_values is not None else ({} if use_cache else None)
+        x, B, T = hidden_states, hidden_states.shape[0], hidden_states.shape[1]
+        keep = None
+        if attention_mask is not None:
+            if attention_mask.shape != (B, T):
+                raise ValueError(f"`attention_mask` must be [batch, seq_len] = {(B, T)}, "
+                                 f"got {tuple(attention_mask.shape)}")
+            if cu_seqlens is not None:
+                raise ValueError("`attention_mask` and `cu_seqlens` cannot be combined")
+            if not bool(attention_mask.bool().all()):
+                if cache is not None:
+                    raise ValueError(f"{name}: a padding `attention_mask` with a cache is not supported")
+                keep = attention_mask.bool().flatten()
+                lengths = attention_mask.bool().sum(1)
+                cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+                x = x.flatten(0, 1)[keep][None]
+        shared = None
+        if cu_seqlens is not None:
+            if cache is not None:
+                raise ValueError(f"{name}: `cu_seqlens` (packed sequences) with a cache is not supported")
+            t = torch.arange(x.shape[1], device=x.device)
+            seq = torch.searchsorted(cu_seqlens[1:].to(x.device), t, right=True)
+            shared = dict(cu_seqlens=cu_seqlens, positions=t - cu_seqlens.to(x.device)[seq])
+        o = super().forward(x, cache, shared)
+        if keep is not None:
+            o = o.new_zeros(B * T, o.shape[-1]).index_copy(0, keep.nonzero().squeeze(1), o[0]).view(B, T, -1)
+        return o, None, cache
+
+    def mode(self, T: int) -> str:
+        return "fused_recurrent" if (self.fla_mode == "fused_recurrent" or (not self.training and T <= 64)) \
+            else "chunk"
+
+
+class GatedDeltaNet(_FlaDeltaLayer):
     """fla's ``GatedDeltaNet`` layer (Yang et al., 2024):
 
         q, k = L2(SiLU(conv(W_q x))), L2(SiLU(conv(W_k x)));  v = SiLU(conv(W_v x))
@@ -45,73 +111,55 @@ class GatedDeltaNet(DeltaRuleMixer):
         if num_v_heads not in (None, num_heads):
             raise NotImplementedError(f"GatedDeltaNet: `num_v_heads` ({num_v_heads}) other than `num_heads` "
                                       f"({num_heads}) is not supported by fastweight's layer (the ops take it)")
-        for name, value, ours in (("use_gate", use_gate, True), ("use_short_conv", use_short_conv, True),
-                                  ("conv_bias", conv_bias, False),
-                                  ("output_gate_activation", output_gate_activation, "swish")):
-            if value != ours:
-                raise NotImplementedError(f"GatedDeltaNet: `{name}={value!r}` is not supported (only {ours!r})")
-        if mode not in ("chunk", "fused_recurrent"):
-            raise ValueError(f"GatedDeltaNet: `mode` must be 'chunk' or 'fused_recurrent', got {mode!r}")
-        unknown = sorted(set(kwargs) - {"use_output_gate"})
-        if unknown:
-            raise TypeError(f"GatedDeltaNet got unexpected keyword argument(s) {unknown}")
+        _refuse("GatedDeltaNet", use_gate=(use_gate, True), use_short_conv=(use_short_conv, True),
+                conv_bias=(conv_bias, False), output_gate_activation=(output_gate_activation, "swish"))
         from fastweight.models.config import LMConfig
         cfg = LMConfig(vocab_size=1, d_model=hidden_size, n_layers=1, n_heads=num_heads, mixer="gdn",
                        head_dim=head_dim, expand_v=expand_v, allow_neg_eigval=allow_neg_eigval,
                        use_short_conv=use_short_conv, conv_size=conv_size, norm_eps=norm_eps)
-        super().__init__(cfg, "gdn")
-        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
-        self.head_v_dim, self.layer_idx, self.fla_mode = cfg.head_v_dim, layer_idx, mode
-        self.register_state_dict_post_hook(_to_fla_names)
-        self.register_load_state_dict_pre_hook(_from_fla_names)
+        self._fla_setup(cfg, "gdn", mode, layer_idx, kwargs)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                past_key_values: dict | None = None, use_cache: bool | None = False,
-                output_attentions: bool | None = False, cu_seqlens: torch.Tensor | None = None, **kwargs):
-        if past_key_values is not None and not isinstance(past_key_values, dict):
-            raise TypeError(f"GatedDeltaNet: `past_key_values` must be fastweight's per-layer dict (or None), got "
-                            f"{type(past_key_values).__name__} (fla's Cache is not supported)")
-        cache = past_key_values if past_key_values is not None else ({} if use_cache else None)
-        x, B, T = hidden_states, hidden_states.shape[0], hidden_states.shape[1]
-        keep = None
-        if attention_mask is not None:
-            if attention_mask.shape != (B, T):
-                raise ValueError(f"`attention_mask` must be [batch, seq_len] = {(B, T)}, got {tuple(attention_mask.shape)}")
-            if cu_seqlens is not None:
-                raise ValueError("`attention_mask` and `cu_seqlens` cannot be combined")
-            if not bool(attention_mask.bool().all()):
-                if cache is not None:
-                    raise ValueError("GatedDeltaNet: a padding `attention_mask` with a cache is not supported")
-                keep = attention_mask.bool().flatten()
-                lengths = attention_mask.bool().sum(1)
-                cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-                x = x.flatten(0, 1)[keep][None]
-        shared = None
-        if cu_seqlens is not None:
-            if cache is not None:
-                raise ValueError("GatedDeltaNet: `cu_seqlens` (packed sequences) with a cache is not supported")
-            t = torch.arange(x.shape[1], device=x.device)
-            seq = torch.searchsorted(cu_seqlens[1:].to(x.device), t, right=True)
-            shared = dict(cu_seqlens=cu_seqlens, positions=t - cu_seqlens.to(x.device)[seq])
-        o = super().forward(x, cache, shared)
-        if keep is not None:
-            o = o.new_zeros(B * T, o.shape[-1]).index_copy(0, keep.nonzero().squeeze(1), o[0]).view(B, T, -1)
-        return o, None, cache
 
-    def mode(self, T: int) -> str:
-        return "fused_recurrent" if (self.fla_mode == "fused_recurrent" or (not self.training and T <= 64)) \
-            else "chunk"
+class KimiDeltaAttention(_FlaDeltaLayer):
+    """fla's ``KimiDeltaAttention`` layer (KDA, Kimi Linear):
+
+        q, k, v as GatedDeltaNet's;  beta = sigmoid(W_b x) (x2 with allow_neg_eigval)
+        g = -exp(A_log) softplus(W_f2 W_f1 x + dt_bias)  (one per key channel; A_log per head)
+        S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T,  o_t = S_t^T q_t / sqrt(d_k)
+        y = W_o (RMSNorm(o) * sigmoid(W_g2 W_g1 x + b_g))
+
+    with fla's arguments and parameter names (``f_proj.0/1``, ``g_proj.0/1``: the low-rank maps)."""
+
+    FLA_NAMES = {**CONVS, "f_proj.down.": "f_proj.0.", "f_proj.up.": "f_proj.1.", "g_proj.down.": "g_proj.0.",
+                 "g_proj.up.": "g_proj.1."}
+
+    def __init__(self, hidden_size: int = 2048, expand_v: float = 1, head_dim: int = 128, num_heads: int = 16,
+                 num_v_heads: int | None = None, mode: str = "chunk", use_short_conv: bool = True,
+                 allow_neg_eigval: bool = False, safe_gate: bool = False, lower_bound: float | None = None,
+                 conv_size: int = 4, conv_bias: bool = False, layer_idx: int | None = None, norm_eps: float = 1e-5,
+                 **kwargs):
+        if num_v_heads not in (None, num_heads):
+            raise NotImplementedError(f"KimiDeltaAttention: `num_v_heads` ({num_v_heads}) other than `num_heads` "
+                                      f"({num_heads}) is not supported by fastweight's layer (the ops take it)")
+        # expand_v: fla's low-rank maps have rank head_v_dim, fastweight's head_dim (equal at 1)
+        _refuse("KimiDeltaAttention", expand_v=(expand_v, 1), use_short_conv=(use_short_conv, True),
+                safe_gate=(safe_gate, False), lower_bound=(lower_bound, None), conv_bias=(conv_bias, False))
+        from fastweight.models.config import LMConfig
+        cfg = LMConfig(vocab_size=1, d_model=hidden_size, n_layers=1, n_heads=num_heads, mixer="kda",
+                       head_dim=head_dim, expand_v=expand_v, allow_neg_eigval=allow_neg_eigval,
+                       use_short_conv=use_short_conv, conv_size=conv_size, norm_eps=norm_eps)
+        self._fla_setup(cfg, "kda", mode, layer_idx, kwargs)
 
 
 def _to_fla_names(module, state_dict, prefix, local_metadata):
     for key in list(state_dict):
-        for ours, theirs in FLA_NAMES.items():
+        for ours, theirs in module.FLA_NAMES.items():
             if key.startswith(prefix + ours):
                 state_dict[prefix + theirs + key[len(prefix + ours):]] = state_dict.pop(key)
 
 
 def _from_fla_names(module, state_dict, prefix, *args):
     for key in list(state_dict):
-        for ours, theirs in FLA_NAMES.items():
+        for ours, theirs in module.FLA_NAMES.items():
             if key.startswith(prefix + theirs):
                 state_dict[prefix + ours + key[len(prefix + theirs):]] = state_dict.pop(key)

@@ -8,23 +8,27 @@ import torch
 import torch.nn.functional as F
 
 from fastweight import ops
-from fastweight.layers import GatedDeltaNet
+from fastweight.layers import GatedDeltaNet, KimiDeltaAttention
 from fastweight.testing import generator, rel_err
 
-# fla 0.6.0's GatedDeltaNet (use_gate, short convs without bias): its parameters by name
-FLA_KEYS = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "a_proj.weight", "b_proj.weight", "A_log", "dt_bias",
-            "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "g_proj.weight", "o_norm.weight", "o_proj.weight"}
+# fla 0.6.0's layers (short convs without bias; GDN with its output gate): their parameters by name
+COMMON = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "b_proj.weight", "A_log", "dt_bias", "q_conv1d.weight",
+          "k_conv1d.weight", "v_conv1d.weight", "o_norm.weight", "o_proj.weight"}
+FLA_KEYS = {"gdn": COMMON | {"a_proj.weight", "g_proj.weight"},
+            "kda": COMMON | {"f_proj.0.weight", "f_proj.1.weight", "g_proj.0.weight", "g_proj.1.weight", "g_proj.1.bias"}}
+LAYERS = {"gdn": (GatedDeltaNet, dict(expand_v=2)), "kda": (KimiDeltaAttention, dict(expand_v=1))}
 
 
-def _layer(**kw):
+def _layer(kind="gdn", **kw):
     torch.manual_seed(0)
-    layer = GatedDeltaNet(**{**dict(hidden_size=32, head_dim=8, num_heads=2, expand_v=2), **kw}).double()
+    cls, extra = LAYERS[kind]
+    layer = cls(**{**dict(hidden_size=32, head_dim=8, num_heads=2), **extra, **kw}).double()
     for p in layer.parameters():   # away from the initialisation's symmetric values
         p.data.add_(0.1 * torch.randn_like(p))
     return layer
 
 
-def _formula(p: dict, x, H, K, allow_neg_eigval=False, eps=1e-5):
+def _formula(kind, p: dict, x, H, K, allow_neg_eigval=False, eps=1e-5):
     """The layer written out from its state dict (fla's names), float64."""
     T = x.shape[1]
 
@@ -38,33 +42,42 @@ def _formula(p: dict, x, H, K, allow_neg_eigval=False, eps=1e-5):
     v = conv("v", x @ p["v_proj.weight"].T).unflatten(-1, (H, -1))
     q, k = (t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + 1e-6) for t in (q, k))   # fla's l2norm
     beta = torch.sigmoid(x @ p["b_proj.weight"].T) * (2 if allow_neg_eigval else 1)
-    g = -p["A_log"].exp() * F.softplus(x @ p["a_proj.weight"].T + p["dt_bias"])
-    o, _ = ops.chunk_gated_delta_rule(q, k, v, g, beta, scale=K ** -0.5, allow_neg_eigval=allow_neg_eigval,
-                                      backend="reference")
+    if kind == "gdn":
+        g = -p["A_log"].exp() * F.softplus(x @ p["a_proj.weight"].T + p["dt_bias"])
+        o, _ = ops.chunk_gated_delta_rule(q, k, v, g, beta, scale=K ** -0.5, allow_neg_eigval=allow_neg_eigval,
+                                          backend="reference")
+        gate = F.silu(x @ p["g_proj.weight"].T)
+    else:
+        f = (x @ p["f_proj.0.weight"].T @ p["f_proj.1.weight"].T + p["dt_bias"]).unflatten(-1, (H, K))
+        g = -p["A_log"].exp()[:, None] * F.softplus(f)
+        o, _ = ops.chunk_kda(q, k, v, g, beta, scale=K ** -0.5, allow_neg_eigval=allow_neg_eigval,
+                             backend="reference")
+        gate = torch.sigmoid(x @ p["g_proj.0.weight"].T @ p["g_proj.1.weight"].T + p["g_proj.1.bias"])
     o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * p["o_norm.weight"]
-    o = o * F.silu(x @ p["g_proj.weight"].T).unflatten(-1, (H, -1))
-    return o.flatten(-2) @ p["o_proj.weight"].T
+    return (o * gate.unflatten(-1, (H, -1))).flatten(-2) @ p["o_proj.weight"].T
 
 
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
 @pytest.mark.parametrize("allow_neg_eigval", [False, True])
-def test_fla_names_and_formula(allow_neg_eigval):
-    layer = _layer(allow_neg_eigval=allow_neg_eigval).train()
-    assert set(layer.state_dict()) == FLA_KEYS
+def test_fla_names_and_formula(kind, allow_neg_eigval):
+    layer = _layer(kind, allow_neg_eigval=allow_neg_eigval).train()
+    assert set(layer.state_dict()) == FLA_KEYS[kind]
     x = torch.randn(2, 70, 32, dtype=torch.float64, generator=generator())
     o, attentions, cache = layer(x)
     assert attentions is None and cache is None and o.shape == x.shape
-    want = _formula(layer.state_dict(), x, 2, 8, allow_neg_eigval)
+    want = _formula(kind, layer.state_dict(), x, 2, 8, allow_neg_eigval)
     assert rel_err(o, want) < 1e-12
     # an fla-named state dict loads into a fresh layer and gives the same outputs
-    fresh = GatedDeltaNet(hidden_size=32, head_dim=8, num_heads=2, expand_v=2,
-                          allow_neg_eigval=allow_neg_eigval).double().train()
+    cls, extra = LAYERS[kind]
+    fresh = cls(hidden_size=32, head_dim=8, num_heads=2, allow_neg_eigval=allow_neg_eigval, **extra).double().train()
     fresh.load_state_dict(layer.state_dict())
     assert torch.equal(fresh(x)[0], o)
 
 
-def test_padding_mask_and_packed_input():
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_padding_mask_and_packed_input(kind):
     """attention_mask (left and right padding) and cu_seqlens: each sequence as if alone, zeros at pads."""
-    layer = _layer().train()
+    layer = _layer(kind).train()
     gen = generator()
     a, b = (torch.randn(1, n, 32, dtype=torch.float64, generator=gen) for n in (9, 5))
     x = torch.zeros(2, 9, 32, dtype=torch.float64)
@@ -79,8 +92,9 @@ def test_padding_mask_and_packed_input():
     assert rel_err(packed, torch.cat([alone_a, alone_b], 1)) < 1e-12
 
 
-def test_cache_prefill_then_decode():
-    layer = _layer().eval()
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_cache_prefill_then_decode(kind):
+    layer = _layer(kind).eval()
     x = torch.randn(1, 12, 32, dtype=torch.float64, generator=generator())
     full = layer(x)[0]
     o1, _, cache = layer(x[:, :9], use_cache=True)
@@ -99,6 +113,13 @@ def test_cache_prefill_then_decode():
 def test_refusals_name_the_argument(kw, error, message):
     with pytest.raises(error, match=message):
         GatedDeltaNet(hidden_size=32, head_dim=8, num_heads=2, **kw)
+
+
+@pytest.mark.parametrize("kw,message", [(dict(expand_v=2), "expand_v"), (dict(safe_gate=True), "safe_gate"),
+                                        (dict(lower_bound=-5.0), "lower_bound"), (dict(num_v_heads=4), "num_v_heads")])
+def test_kda_refusals_name_the_argument(kw, message):
+    with pytest.raises(NotImplementedError, match=message):
+        KimiDeltaAttention(hidden_size=32, head_dim=8, num_heads=2, **kw)
 
 
 def test_foreign_cache_is_refused():
