@@ -14,7 +14,6 @@ from fastweight.testing import generator, rel_err
 # fla 0.6.0's layers (short convs without bias; GDN with its output gate): their parameters by name
 COMMON = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "b_proj.weight", "A_log", "dt_bias", "q_conv1d.weight",
           "k_conv1d.weight", "v_conv1d.weight", "o_norm.weight", "o_proj.weight"}
-FLA_KEYS = {"gdn": COMMON | {"a_proj.weight", "g_proj.weight"},
 FLA_KEYS = {"gdn": COMMON | {"a_proj.weight", "g_proj.weight"}, "kda": COMMON | {
     "f_proj.0.weight", "f_proj.1.weight", "g_proj.0.weight", "g_proj.1.weight", "g_proj.1.bias"}}
 LAYERS = {"gdn": (GatedDeltaNet, dict(expand_v=2)), "kda": (KimiDeltaAttention, dict(expand_v=1))}
