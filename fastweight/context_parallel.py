@@ -107,6 +107,9 @@ class ContextGroup:
     wrong gradients without an error. One instance per forward pass (the model makes one)."""
 
     def __init__(self, group=None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("context parallelism needs an initialised torch.distributed process group "
+                               "(torch.distributed.init_process_group, or torchrun)")
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self._last = None
@@ -151,9 +154,6 @@ def context_parallel(op, *args, group=None, **kwargs):
 
     Example, under ``torchrun --nproc-per-node 4``: each rank passes its quarter of the tokens,
     ``o, S = context_parallel(ops.chunk_gated_delta_rule, q, k, v, g, beta, output_final_state=True)``."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("context_parallel needs an initialised torch.distributed process group "
-                           "(torch.distributed.init_process_group)")
     ctx = group if isinstance(group, ContextGroup) else ContextGroup(group)
     x = _bind(op, args, kwargs)
     for name, default in REFUSED.items():
