@@ -229,11 +229,11 @@ def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, dh, do, dA, dq, dk, dg, cu_seqlens,
 # The key and value blocks of the three kernels: 64, a smaller K or V padded (masked). Triton 3.6 on
 # the H200 miscompiles narrower 16-bit blocks: the bf16 backward dv kernel at V = 16 with 8 warps
 # makes illegal memory accesses, and simple_gla at K = 64, V = 16 gives NaN outputs in bf16
-# (docs/kernels.md, narrow blocks; figures in docs/bench/runs-2026-11-30-s2.md and -s3.md). The
+# (docs/kernels.md, narrow blocks). The
 # output kernel's value block: 128 would read q and k once at V = 128; 64 gives more programs.
 BK_OUT = BV_OUT = 64
-# (num_warps, num_stages) of each kernel: the fastest of the H200 sweep (fastweight.bench.gpu_sweep;
-# figures in docs/bench/runs-2026-11-30-s3.md). 4 warps for the output and dv kernels take 0.11 / 0.34 ms
+# (num_warps, num_stages) of each kernel: the fastest of `python -m fastweight.bench.gpu_sweep` on
+# the H200. 4 warps for the output and dv kernels take 0.11 / 0.34 ms
 # off simple_gla's 2.29 ms fwd+bwd at (4, 8192, 16, 128) and 0.88 / 2.44 ms off GLA's 37.7 at
 # (8, 16384, 64, 64), against 8 warps and 2 stages; the dq/dk kernel runs 8 warps with one stage.
 OUTPUT_FWD_CONFIG, BWD_DV_CONFIG, BWD_DQK_CONFIG = (4, 3), (4, 3), (8, 1)

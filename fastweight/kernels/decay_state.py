@@ -116,8 +116,8 @@ def while_loops() -> bool:
 # over narrower blocks are what Triton 3.6 miscompiles on the H200 (decay_output.BK_OUT).
 # The V block of the state pass: a sequential loop per program, so more, smaller programs hide
 # its latency; larger blocks read the gates fewer times. 64 measured faster on the H200
-# (docs/bench/decay_dplr.md). 8 warps, 3 stages: the fastest of the H200 sweep
-# (fastweight.bench.gpu_sweep; figures in docs/bench/runs-2026-11-30-s3.md).
+# (docs/bench/decay_dplr.md). 8 warps, 3 stages: the fastest configuration of
+# `python -m fastweight.bench.gpu_sweep` on the H200.
 STATE_BV = 64
 
 

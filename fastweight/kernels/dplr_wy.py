@@ -80,8 +80,8 @@ def local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
     m_strict = m_all & (o_t[:, None] > o_t[None, :])
     last = bos + tl.minimum(T, i_c * BT + BT) - 1
     p_A = ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
-    # held through both loops: loading them where used is 0.2-11% slower on the H200
-    # (docs/bench/runs-2026-11-30-s4.md, the fused backward's variants)
+    # held through both loops: loading them where used is slower on the H200
+    # (`python -m fastweight.bench.gpu_decay_dplr variants`)
     b_T = tl.load(Ai + p_A, mask=m_incl, other=0.)
     b_Aqk = tl.load(Aqk + p_A, mask=m_incl, other=0.)
     b_Aak = tl.load(Aak + p_A, mask=m_strict, other=0.)

@@ -213,8 +213,8 @@ def intra_bwd(q, k, g_cum, dAqk, dAkk, dq, dk, dg, chunks: Chunks):
     """Adds the intra-chunk parts into dq, dk, dg (float32 [1, T, H, K], in place)."""
     _, T, HK, K = k.shape
     H = g_cum.shape[2]
-    # 2 stages: 2.4 ms off KDA's 12.2 fwd+bwd at (4, 8192, 16, 128) against 3 (H200 sweep,
-    # docs/bench/runs-2026-11-30-s3.md)
+    # 2 stages: 2.4 ms off KDA's 12.2 fwd+bwd at (4, 8192, 16, 128) against 3 on the H200
+    # (`python -m fastweight.bench.gpu_sweep`)
     intra_bwd_kernel[(chunks.NC, H)](q, k, g_cum, dAqk, dAkk, dq, dk, dg, chunks.cu_seqlens, chunks.chunk_indices,
                                      H=H, HK=HK, K=K, BT=chunks.BT, BK=min(32, triton.next_power_of_2(K)),
                                      SPAN=SAFE_SPAN, num_warps=4, num_stages=2)

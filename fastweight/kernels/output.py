@@ -122,7 +122,7 @@ def launch_config(K, V, itemsize, BT=64):
     """(BV, num_warps, num_stages) of the output backward.
 
     8 warps past K = 64, but 4 whenever BV < 32 (Triton 3.6 miscompiles bf16 kernels with 16-wide
-    V blocks at 8 warps on the H200, an illegal memory access: docs/bench/runs-2026-11-30-s2.md).
+    V blocks at 8 warps on the H200, an illegal memory access: docs/kernels.md, narrow blocks).
     Each stage of the loop over V holds the [BV, K] tiles of h and dh and the [BT, BV] tiles of
     v_tilde, dO, dv_tilde; as many stages (up to 3) as fit SHARED_BUDGET: 3 for 16-bit K <= 128,
     2 at K = 256 (3 would take 264 KiB there), 1 for fp32 from K = 128 (sm_90 compiles:
