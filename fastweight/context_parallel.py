@@ -91,7 +91,8 @@ def _layout(cu: list[int] | None, B: int, bounds: list[int], rank: int):
     return local, ids, starts, ends, outgoing
 
 
-def _segment_bounds(T_local: int, device, group) -> list[int]:
+def _segment_bounds(T_local: int, group) -> list[int]:
+    """Every rank's first token index, and the total: [0, T_0, T_0 + T_1, ...] (one small all-gather)."""
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
     dist.all_gather(sizes, torch.tensor([T_local], dtype=torch.int64), group=group)
     return [0] + torch.cat(sizes).cumsum(0).tolist()
@@ -112,11 +113,18 @@ class ContextGroup:
                                "(torch.distributed.init_process_group, or torchrun)")
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self._last = None
+        self._last, self._bounds = None, {}
+
+    def bounds(self, T_local: int) -> list[int]:
+        """The ranks' segment bounds, gathered once per segment length (every layer of a forward
+        pass holds the same tokens)."""
+        if T_local not in self._bounds:
+            self._bounds[T_local] = _segment_bounds(T_local, self.group)
+        return self._bounds[T_local]
 
     def start(self, T_local: int) -> int:
         """The index in the stream of this rank's first token (rotary positions start there)."""
-        return _segment_bounds(T_local, None, self.group)[self.rank]
+        return self.bounds(T_local)[self.rank]
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``x``, in rank order (autograd: each copy's gradient returns to its owner)."""
@@ -157,7 +165,7 @@ def context_parallel(op, *args, group=None, **kwargs):
     ctx = group if isinstance(group, ContextGroup) else ContextGroup(group)
     x = _bind(op, args, kwargs)
     for name, default in REFUSED.items():
-        if name in x and x[name] is not default and not (name == "cu_seqlens_cpu" and x[name] is None):
+        if name in x and x[name] is not default:
             raise ValueError(f"context_parallel does not support `{name}` (got {x[name]!r}); leave it at {default!r}")
     x.pop("cu_seqlens_cpu", None)
     if x.get("normalize"):
@@ -193,7 +201,7 @@ def _run(op, x, ctx):
     if cu is not None and B != 1:
         raise ValueError(f"context_parallel: with `cu_seqlens` the batch must be 1, got {B}")
     group, rank, world = ctx.group, ctx.rank, ctx.world
-    bounds = _segment_bounds(T_local, v.device, group)
+    bounds = ctx.bounds(T_local)
     cu_host = None if cu is None else [int(c) for c in cu.tolist()]
     if cu_host is not None and (cu_host[0] != 0 or cu_host[-1] != bounds[-1]):
         raise ValueError(f"context_parallel: `cu_seqlens` spans {cu_host[0]}..{cu_host[-1]} but the ranks hold "
