@@ -31,5 +31,5 @@ def build_mixer(name: str, cfg) -> Mixer:
     raise ValueError(f"unknown mixer {name!r}")
 
 
-__all__ = ["Attention", "DecayMixer", "DeltaRuleMixer", "GatedDeltaNet", "GatedRMSNorm", "KimiDeltaAttention", "LowRank", "Mamba2Mixer", "Mixer",
-           "RMSNorm", "ShortConv", "SwiGLU", "TokenShift", "build_mixer", "force_generic", "linear_op", "use_backend"]
+__all__ = ["Attention", "DecayMixer", "DeltaRuleMixer", "GatedDeltaNet", "GatedRMSNorm", "KimiDeltaAttention",
+           "LowRank", "Mamba2Mixer", "Mixer", "RMSNorm", "ShortConv", "SwiGLU", "TokenShift", "build_mixer", "force_generic", "linear_op", "use_backend"]

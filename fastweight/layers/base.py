@@ -82,6 +82,13 @@ class Mixer(nn.Module):
         return prev
 
 
+def sequence_positions(cu_seqlens: torch.Tensor, T: int, device) -> torch.Tensor:
+    """Each of T packed tokens' index in its own sequence ([T], int64)."""
+    cu = cu_seqlens.to(device)
+    t = torch.arange(T, device=device)
+    return t - cu[torch.searchsorted(cu[1:], t, right=True)]
+
+
 def packed(shared: dict | None, name: str):
     """``shared[name]`` for packed sequences (``"cu_seqlens"``, ``"positions"``), else None."""
     return None if shared is None else shared.get(name)

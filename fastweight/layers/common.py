@@ -138,14 +138,19 @@ class ShortConv(nn.Module):
         return self.act(y), (tail if T == 1 else tail.clone())  # a view would keep all of xx alive
 
     def _packed(self, x, weight, bias, positions):
-        """Packed sequences (``positions`` [T]: index of each token in its own sequence): a tap
-        that would reach back past the start of the token's sequence reads zero."""
-        W, T = self.kernel_size, x.shape[1]
-        y = x * weight[:, 0, W - 1]
-        for lag in range(1, min(W, T)):
-            shifted = F.pad(x[:, :T - lag], (0, 0, lag, 0)) * (positions >= lag)[None, :, None].to(x.dtype)
-            y = y + shifted * weight[:, 0, W - 1 - lag]
-        return y if bias is None else y + bias
+        return packed_conv(x, weight, bias, positions)
+
+
+def packed_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor):
+    """ShortConv's convolution (no activation) over packed sequences: x [B, T, C], weight [C, 1, W],
+    ``positions`` [T] (each token's index in its own sequence); a tap that would reach back past
+    the start of the token's sequence reads zero."""
+    W, T = weight.shape[-1], x.shape[1]
+    y = x * weight[:, 0, W - 1]
+    for lag in range(1, min(W, T)):
+        shifted = F.pad(x[:, :T - lag], (0, 0, lag, 0)) * (positions >= lag)[None, :, None].to(x.dtype)
+        y = y + shifted * weight[:, 0, W - 1 - lag]
+    return y if bias is None else y + bias
 
 
 def _fused_conv_usable(x: torch.Tensor) -> bool:

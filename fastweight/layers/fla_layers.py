@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from fastweight.layers.base import sequence_positions
 from fastweight.layers.delta import DeltaRuleMixer
 
 # our submodule name -> fla's, in the state dict
@@ -79,9 +80,7 @@ class _FlaDeltaLayer(DeltaRuleMixer):
         if cu_seqlens is not None:
             if cache is not None:
                 raise ValueError(f"{name}: `cu_seqlens` (packed sequences) with a cache is not supported")
-            t = torch.arange(x.shape[1], device=x.device)
-            seq = torch.searchsorted(cu_seqlens[1:].to(x.device), t, right=True)
-            shared = dict(cu_seqlens=cu_seqlens, positions=t - cu_seqlens.to(x.device)[seq])
+            shared = dict(cu_seqlens=cu_seqlens, positions=sequence_positions(cu_seqlens, x.shape[1], x.device))
         o = super().forward(x, cache, shared)
         if keep is not None:
             o = o.new_zeros(B * T, o.shape[-1]).index_copy(0, keep.nonzero().squeeze(1), o[0]).view(B, T, -1)

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from fastweight import checks
 from fastweight.layers import RMSNorm, SwiGLU, build_mixer
+from fastweight.layers.base import sequence_positions
 from fastweight.models.config import LMConfig
 
 
@@ -112,9 +113,8 @@ class LanguageModel(nn.Module):
             if cache is not None:
                 raise ValueError("`cu_seqlens` (packed sequences) cannot be combined with a `cache`")
             checks.check_cu_seqlens(cu_seqlens, input_ids.shape[0], input_ids.shape[1])
-            T = input_ids.shape[1]
-            seq = torch.searchsorted(cu_seqlens[1:], torch.arange(T, device=cu_seqlens.device), right=True)
-            shared.update(cu_seqlens=cu_seqlens, positions=torch.arange(T, device=cu_seqlens.device) - cu_seqlens[seq])
+            shared.update(cu_seqlens=cu_seqlens,
+                          positions=sequence_positions(cu_seqlens, input_ids.shape[1], cu_seqlens.device))
         if context_parallel is not None and context_parallel is not False:
             if cache is not None or cu_seqlens is not None:
                 raise ValueError("`context_parallel` cannot be combined with a `cache` or `cu_seqlens`")

@@ -27,9 +27,6 @@ from __future__ import annotations
 import importlib
 import inspect
 
-import torch
-import torch.nn.functional as F
-
 from fastweight import ops
 
 # modeling module -> {name it calls: fastweight op, or None: its short convolution, made packed-aware}
@@ -78,15 +75,11 @@ def _packed_conv(original):
         if cu is None or hidden_states.shape[0] != 1:
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
         from transformers.activations import ACT2FN
-        x = hidden_states.to(weight.dtype)                       # [1, C, T]
-        T, W = x.shape[-1], weight.shape[-1]
-        t = torch.arange(T, device=x.device)
-        pos = t - cu.to(x.device)[torch.searchsorted(cu[1:].to(x.device), t, right=True)]
-        y = x * weight[:, W - 1, None]
-        for lag in range(1, min(W, T)):
-            y = y + F.pad(x[..., :T - lag], (lag, 0)) * (pos >= lag).to(x.dtype) * weight[:, W - 1 - lag, None]
-        if bias is not None:
-            y = y + bias[:, None]
+
+        from fastweight.layers.base import sequence_positions
+        from fastweight.layers.common import packed_conv
+        x = hidden_states.to(weight.dtype).transpose(1, 2)       # [1, T, C]
+        y = packed_conv(x, weight[:, None], bias, sequence_positions(cu, x.shape[1], x.device)).transpose(1, 2)
         if activation is not None:
             y = ACT2FN[activation](y)
         return y.to(hidden_states.dtype)
