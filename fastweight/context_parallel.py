@@ -200,7 +200,7 @@ def _run(op, x, ctx):
         raise ValueError(f"context_parallel: this rank holds no token (v has {T_local}); every rank needs at least one")
     if cu is not None and B != 1:
         raise ValueError(f"context_parallel: with `cu_seqlens` the batch must be 1, got {B}")
-    group, rank, world = ctx.group, ctx.rank, ctx.world
+    group, rank = ctx.group, ctx.rank
     bounds = ctx.bounds(T_local)
     cu_host = None if cu is None else [int(c) for c in cu.tolist()]
     if cu_host is not None and (cu_host[0] != 0 or cu_host[-1] != bounds[-1]):

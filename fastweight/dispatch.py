@@ -9,7 +9,8 @@ and live by naming convention:
 
 - ``"triton"``:    ``fastweight.kernels.<mode>_<op>``   (CUDA tensors, or TRITON_INTERPRET=1)
 - ``"torch"``:     ``fastweight.chunk.<mode>_<op>``     (PyTorch chunkwise; any device)
-- ``"reference"``: ``fastweight.reference.ops.<op>``    (the per-token definition)
+- ``"reference"``: the op's ``reference`` in its mechanism file (``fastweight.mechanisms.get_op``:
+  the per-token definition)
 
 ``mode`` is ``chunk`` or ``fused_recurrent``. With ``backend=None`` the first that exists
 wins: triton on CUDA, then torch, then reference. float64 inputs never go to triton (the
@@ -29,16 +30,18 @@ import torch
 
 BACKENDS = ("triton", "torch", "reference")
 _WARNED: set = set()
-_MODULES = {"triton": "fastweight.kernels", "torch": "fastweight.chunk", "reference": "fastweight.reference.ops"}
+_MODULES = {"triton": "fastweight.kernels", "torch": "fastweight.chunk"}
 
 
 def _lookup(backend: str, mode: str, op: str):
+    if backend == "reference":
+        from fastweight.mechanisms import get_op
+        return get_op(op).reference
     try:
         module = importlib.import_module(_MODULES[backend])
     except ImportError:
         return None
-    name = op if backend == "reference" else f"{mode}_{op}"
-    return getattr(module, name, None)
+    return getattr(module, f"{mode}_{op}", None)
 
 
 def triton_usable(device: torch.device) -> bool:

@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from fastweight import ops
+from fastweight.mechanisms import OPS
 from fastweight.dispatch import mamba_gate
 from fastweight.fuzz_cases import (  # noqa: F401  (the case API, re-exported: fuzz.draw, fuzz.Case, ...)
     CHUNK, COTANGENTS, DTYPES, GATE_IN_KERNEL, GATE_STRENGTHS, GATES, MODES, NEG_EIGVAL, SAME_HEADS, SPACES, Case,
@@ -75,7 +76,7 @@ FLOOR_FACTOR = 3.0
 # U~ (16-bit tensor-core operands, as fla's do): more roundings than the PyTorch path, which
 # accumulates in float32; up to 7.7x the fp16 floor measured on the "ci" space (DeltaNet dh0), 4.3x
 # on the "gpu" space for DPLR (db). fp32 is held to FP32_RTOL as every op.
-WY_OPS = ("delta_rule", "gated_delta_rule", "kda", "comba", "longhorn", "dplr_delta_rule", "rwkv7")
+WY_OPS = tuple(name for name, op in OPS.items() if op.wy)
 WY_FLOOR_FACTOR = 10.0
 
 

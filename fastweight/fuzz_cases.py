@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastweight import ops
+from fastweight.mechanisms import OPS
 from fastweight.mechanisms.base import l2norm
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -24,12 +25,10 @@ GATE_STRENGTHS = ("mild", "mixed", "strong", "strong_tail")
 COTANGENTS = ("dense", "expanded", "ones", "transposed", "sliced", "permuted", "heads_first", "none")
 
 # the per-token log gates of each op (name -> per key channel or one per value head)
-GATES = {"simple_gla": {"g": False}, "gla": {"g": True}, "rwkv6": {"w": True}, "hgrn2": {"g": True},
-         "gated_delta_rule": {"g": False}, "kda": {"g": True}, "comba": {"g": False},
-         "dplr_delta_rule": {"gk": True}, "rwkv7": {"w": True}}
+GATES = {name: {n: kind == "channel" for n, kind in op.gates.items()} for name, op in OPS.items() if op.gates}
 # L2-normalised keys, and the options allow_neg_eigval and use_qk_l2norm_in_kernel
-NEG_EIGVAL = ("delta_rule", "gated_delta_rule", "kda", "comba")
-GATE_IN_KERNEL = ("gated_delta_rule", "kda")                        # where the op's signature has it
+NEG_EIGVAL = tuple(name for name, op in OPS.items() if op.neg_eigval)
+GATE_IN_KERNEL = tuple(name for name, op in OPS.items() if op.gate_in_kernel)  # where the op's signature has it
 SAME_HEADS = ("rwkv6",)                                             # raise for HV != H (ops.py)
 
 
@@ -240,7 +239,7 @@ def draw_inputs(case: Case) -> dict:
         del x["k"]
     if op in NEG_EIGVAL:
         x["beta"] = u(B, T, HV) * (2.0 if opt["allow_neg_eigval"] else 1.0)
-    if op == "longhorn":
+    if OPS[op].beta == "positive":
         x["beta"] = 0.1 + 2 * u(B, T, HV)
     if op == "comba":
         base = x["k"] if not opt["use_qk_l2norm_in_kernel"] else l2norm(x["k"])

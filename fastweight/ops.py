@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from fastweight import checks, fla_compat
+from fastweight import checks, fla_compat, mechanisms
 from fastweight.dispatch import call
 
 _NEG_EIGVAL_HINT = " (pass allow_neg_eigval=True for beta in [0, 2])"
@@ -548,5 +548,4 @@ def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=None, initial_state=None, outp
                   backend)
 
 
-OPS = ("linear_attn", "retention", "simple_gla", "gla", "rwkv6", "hgrn2", "delta_rule", "gated_delta_rule",
-       "kda", "comba", "longhorn", "dplr_delta_rule", "rwkv7")
+OPS = tuple(mechanisms.OPS)   # every op above, in the registry's order

@@ -11,7 +11,6 @@ recurrence and are skipped.
 
 from __future__ import annotations
 
-import importlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ import torch
 
 from fastweight.chunk.parallel import dplr_attention_map
 from fastweight.layers import base as layer_base
+from fastweight.layers.linear_op import generic_factors
 
 
 @dataclass
@@ -54,28 +54,15 @@ def recurrence_dplr(record: Recurrence) -> dict:
     """The DPLR form of one recorded call, in the core's names (``a`` write direction, ``b`` read):
     ``dict(q, k, a, b, gk, u)`` with ``S_t = (Diag(exp gk_t) + a_t b_t^T) S_{t-1} + k_t v_t^T``.
 
-    The layer's op is mapped onto the DPLR op by the layer package's own generic forms
-    (``fastweight.layers.linear_op.GENERIC``, fla's names: read ``a``, write ``b``), so every mixer
-    is covered the way it runs; RWKV-6 (diagonal, with the bonus ``u``) is read off directly.
+    The layer's op is mapped onto the DPLR op by its own generic form
+    (:func:`fastweight.layers.linear_op.generic_factors`, fla's names: read ``a``, write ``b``), so
+    every mixer is covered the way it runs; RWKV-6 (diagonal, with the bonus ``u``) is read off directly.
     """
-    lo = importlib.import_module("fastweight.layers.linear_op")
     tensors = dict(record.tensors)
     if record.op == "rwkv6":
         return dict(q=tensors["r"], k=tensors["k"], a=None, b=None, gk=tensors["w"], u=tensors["u"])
-    captured = {}
-
-    def capture(mode, q, k, v, a, b, gk, **kw):
-        captured.update(q=q, k=k, a=b, b=a, gk=gk, u=None)
-        return v, None
-
-    original = lo._dplr
-    lo._dplr = capture
-    try:
-        with lo.force_generic():
-            lo.linear_op(record.op, "chunk", scale=record.scale, **tensors)
-    finally:
-        lo._dplr = original
-    return captured
+    f = generic_factors(record.op, tensors)
+    return dict(q=f["q"], k=f["k"], a=f["b"], b=f["a"], gk=f["gk"], u=None)
 
 
 def recurrence_attention_map(record: Recurrence) -> torch.Tensor:

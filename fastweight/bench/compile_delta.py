@@ -24,6 +24,8 @@ from triton.compiler import ASTSource
 from triton.backends.nvidia.compiler import CUDABackend
 from triton.runtime.jit import JITFunction, native_specialize_impl
 
+from fastweight.mechanisms import OPS
+
 TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = CUDABackend(TARGET)
 SHARED_LIMIT = 232448  # bytes of shared memory a block may have on an H100/H200
@@ -79,7 +81,7 @@ def _compile_instead(self, *args, grid, warmup, **kwargs):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ops", default="gated_delta_rule,delta_rule,kda,comba,longhorn")
+    ap.add_argument("--ops", default=",".join(n for n, op in OPS.items() if op.family == "delta"))
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--heads", default="128x128,256x512,256x16,64x16,16x16", help="KxV head sizes")
     args = ap.parse_args()

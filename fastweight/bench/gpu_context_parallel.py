@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from fastweight import ops
+from fastweight.mechanisms import OPS
 from fastweight.bench import gpu_decay_dplr, gpu_delta
 from fastweight.context_parallel import DIAGONAL, context_parallel
 from fastweight.testing import rel_err
@@ -41,7 +42,7 @@ def inputs(op, B, T, H, K, dtype, device, seed=0):
     torch.manual_seed(seed)
     if op in gpu_delta.MECHANISM:
         x = gpu_delta.inputs(op, B, T, H, K, K, dtype, device)
-        return x, dict(allow_neg_eigval=True) if op != "longhorn" else {}
+        return x, dict(allow_neg_eigval=True) if OPS[op].neg_eigval else {}
     return gpu_decay_dplr.inputs(op, B, T, H, K, dtype, device=device), {}
 
 
@@ -139,8 +140,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     rows = [run(op, args, device, rank, world) for op in args.ops.split(",")]
     if rank == 0:
-        print(f"| op | world | (B, T, H, K) | cp fwd ms | cp fwd+bwd ms | T/world alone fwd+bwd ms | gather B/rank "
-              f"| worst err |")
+        print("| op | world | (B, T, H, K) | cp fwd ms | cp fwd+bwd ms | T/world alone fwd+bwd ms | gather B/rank "
+              "| worst err |")
         print("|---|---|---|---|---|---|---|---|")
         for r in rows:
             worst = max(r["errors"].items(), key=lambda kv: kv[1])

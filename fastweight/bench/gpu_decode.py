@@ -24,6 +24,7 @@ import torch
 
 from fastweight import ops
 from fastweight.kernels import common, fused_recurrent as fr
+from fastweight.mechanisms import OPS
 from fastweight.testing import generator, rel_err
 
 FLA_DECODE_MS = 0.188
@@ -48,7 +49,7 @@ def op_inputs(op, B, T, H, K, V, HV=None, gen=None, device="cpu"):
     if op == "hgrn2":
         return dict(q=q, v=v, g=log_decay(B, T, H, K))
     k = unit(r(B, T, H, K))
-    if op in ("delta_rule", "longhorn"):
+    if OPS[op].args == ("q", "k", "v", "beta"):   # the delta rule, explicit or implicit step
         return dict(q=q, k=k, v=v, beta=u(B, T, HV))
     if op == "gated_delta_rule":
         return dict(q=q, k=k, v=v, g=log_decay(B, T, HV), beta=u(B, T, HV))
@@ -240,7 +241,7 @@ def main():
     print(f"{env}")
     copy = env["copy_TBps"] * 1e3
     print(f"\ndecode step, gated delta rule, T=1 (256, 16, 128), bf16, fp32 state; copy rate {copy:.0f} GB/s")
-    print(f"| variant | ms | state GB/s | % of copy | fla 0.188 ms / ours |")
+    print("| variant | ms | state GB/s | % of copy | fla 0.188 ms / ours |")
     for r in results:
         if r["kind"] == "decode":
             print(f"| {r['what']} | {r['ms']:.4f} | {r['GBps']:.0f} | {100 * r['GBps'] / copy:.0f}% "

@@ -34,11 +34,11 @@ import triton
 import fastweight.kernels as kernels
 import fastweight.reference.ops as reference
 from fastweight.kernels import common
-from fastweight.mechanisms import get
+from fastweight.mechanisms import OPS, get
 from fastweight.testing import generator, rel_err
 
-MECHANISM = {"delta_rule": "deltanet", "gated_delta_rule": "gated_deltanet", "longhorn": "longhorn",
-             "kda": "kda", "comba": "comba"}
+# the delta family's ops -> the mechanism whose ``sample`` draws their inputs
+MECHANISM = {name: op.mechanism for name, op in OPS.items() if op.family == "delta"}
 # (op, shape (B, T, H, K=V), fla fwd ms, fla fwd+bwd ms): ../shared/anchors/README.md
 SPEED = [
     ("gated_delta_rule", (4, 8192, 16, 128), 0.879, 3.638),

@@ -34,11 +34,12 @@ import sys
 import time
 
 from fastweight import fuzz
+from fastweight.mechanisms import get_op
 from fastweight.ops import OPS
 
 
 # ops whose chunk kernels (WY / DPLR stages) compile slowest: their children start first
-HEAVY = ("delta_rule", "gated_delta_rule", "kda", "comba", "longhorn", "dplr_delta_rule", "rwkv7")
+HEAVY = tuple(name for name in OPS if get_op(name).wy)
 
 
 def plan(op: str, dtype: str, mode: str, cases: int, base_seed: int, float64: bool, backend="triton") -> list:

@@ -24,9 +24,10 @@ import triton
 
 import fastweight.kernels  # noqa: F401  (registers every kernel module)
 from fastweight import ops
+from fastweight.mechanisms import OPS
 from fastweight.bench.gpu_decay_dplr import SHAPES, inputs as decay_inputs
 
-DELTA = ("delta_rule", "gated_delta_rule", "kda", "comba", "longhorn")
+DELTA = tuple(name for name, op in OPS.items() if op.family == "delta")
 
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"   # cpu: the interpreter smoke test (tests/bench)

@@ -129,7 +129,6 @@ def main(argv=None):
             ref = y if ref is None else ref
         except Exception as e:  # noqa: BLE001
             rows[name] = dict(error=_short(e))
-    del layer, x, xg
 
     # the decode step of the recurrence alone, one token from a state
     from fastweight import ops

@@ -11,24 +11,27 @@ from fastweight.layers.delta import DeltaRuleMixer
 from fastweight.layers.fla_layers import GatedDeltaNet, KimiDeltaAttention
 from fastweight.layers.gated import DecayMixer, Mamba2Mixer
 from fastweight.layers.linear_op import force_generic, linear_op, use_backend
+from fastweight.mechanisms import MIXERS
 
 
 def build_mixer(name: str, cfg) -> Mixer:
-    """The token mixer called ``name`` (one of ``fastweight.models.config.MIXERS``)."""
-    if name in ("deltanet", "gdn", "kda", "comba", "longhorn"):
-        return DeltaRuleMixer(cfg, name)
-    if name in ("la", "retnet", "gla", "hgrn2"):
-        return DecayMixer(cfg, name)
-    if name == "mamba2":
-        return Mamba2Mixer(cfg)
+    """The token mixer called ``name`` (one of ``fastweight.models.config.MIXERS``): attention, or
+    the layer class its mechanism file names (``fastweight.mechanisms.MIXERS``)."""
     if name == "attn":
         return Attention(cfg)
     if name == "swa":
         return Attention(cfg, window=cfg.window_size)
-    if name in ("rwkv6", "rwkv7"):
-        from fastweight.layers.rwkv import RWKV6TimeMix, RWKV7TimeMix
-        return (RWKV6TimeMix if name == "rwkv6" else RWKV7TimeMix)(cfg)
-    raise ValueError(f"unknown mixer {name!r}")
+    spec = MIXERS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown mixer {name!r}")
+    if spec.layer == "delta":
+        return DeltaRuleMixer(cfg, name)
+    if spec.layer == "decay":
+        return DecayMixer(cfg, name)
+    if spec.layer == "mamba2":
+        return Mamba2Mixer(cfg)
+    from fastweight.layers.rwkv import RWKV6TimeMix, RWKV7TimeMix
+    return {"rwkv6": RWKV6TimeMix, "rwkv7": RWKV7TimeMix}[spec.layer](cfg)
 
 
 __all__ = ["Attention", "DecayMixer", "DeltaRuleMixer", "GatedDeltaNet", "GatedRMSNorm", "KimiDeltaAttention",

@@ -6,17 +6,16 @@
         g = -exp(A_log) * softplus(W_a x + dt_bias)  <= 0
     o = recurrence(q, k, v, g, beta);   y = W_o (RMSNorm(o) * act(W_g x))
 
-| mixer    | recurrence                                             | decay    | output gate |
-|----------|--------------------------------------------------------|----------|-------------|
-| deltanet | (I - beta k k^T) S + beta k v^T                        | none     | none        |
-| gdn      | exp(g) (I - beta k k^T) S + beta k v^T                 | per head | SiLU        |
-| kda      | (I - beta k k^T) Diag(exp g) S + beta k v^T            | per key channel (low-rank) | sigmoid |
-| comba    | (exp(g) I - beta k p^T) S + beta k v^T, p = d * k      | per head | SiLU        |
-| longhorn | (I - eps k k^T) S + eps k v^T, eps = beta/(1 + beta k^T k) | none | none        |
+Each mixer of this layer (``Mixer.layer == "delta"`` in its mechanism file) sets the options:
 
-Comba reads the prediction error with its own key p = d_h k (d_h = sigmoid of a per-head
-parameter, in (0, 1)). Longhorn's step is the implicit (proximal) step on the delta rule's
-loss, so its key is not normalised: ``1 - eps k^T k = 1 / (1 + beta k^T k)`` keeps the
+| option    | values                                                                                 |
+|-----------|----------------------------------------------------------------------------------------|
+| decay     | None; ``"head"``: exp(g) (I - beta k k^T) S (GDN); ``"channel"``: (I - beta k k^T) Diag(exp g) S (KDA, low-rank g) |
+| gate      | the output gate: None, ``"silu"``, ``"sigmoid"``                                          |
+| read_key  | the prediction error read with its own key p = d_h k, d_h = sigmoid of a per-head parameter in (0, 1) (Comba) |
+| implicit  | the implicit (proximal) step on the delta rule's loss, eps = beta / (1 + beta k^T k) (Longhorn) |
+
+An implicit step's key is not normalised: ``1 - eps k^T k = 1 / (1 + beta k^T k)`` keeps the
 transition stable for any key (``allow_neg_eigval`` does not apply to it).
 """
 
@@ -30,17 +29,11 @@ from fastweight.dispatch import l2norm
 from fastweight.layers.base import Mixer, split_heads
 from fastweight.layers.common import GatedRMSNorm, LowRank, ShortConv, at_least_fp32, mamba_decay_init
 from fastweight.layers.linear_op import generic_forced
+from fastweight.mechanisms import MIXERS, OPS
 
 # ops whose kernels normalise q and k themselves (Comba's would normalise its read key p too)
 FUSED_L2NORM = ("delta_rule", "gated_delta_rule", "kda")
 
-VARIANTS = {
-    "deltanet": dict(op="delta_rule", decay=None, gate=None),
-    "gdn": dict(op="gated_delta_rule", decay="head", gate="silu"),
-    "kda": dict(op="kda", decay="channel", gate="sigmoid"),
-    "comba": dict(op="comba", decay="head", gate="silu"),
-    "longhorn": dict(op="longhorn", decay=None, gate=None, implicit=True),
-}
 
 
 class DeltaRuleMixer(Mixer):
@@ -48,9 +41,11 @@ class DeltaRuleMixer(Mixer):
 
     def __init__(self, cfg, variant: str = "gdn"):
         super().__init__()
-        spec = VARIANTS[variant]
-        self.variant, self.op, self.decay = variant, spec["op"], spec["decay"]
-        self.implicit = spec.get("implicit", False)
+        mixer = MIXERS[variant]
+        spec = {"decay": None, "gate": None, "read_key": False, "implicit": False, **mixer.options}
+        self.variant, self.op, self.decay = variant, mixer.op, spec["decay"]
+        self.implicit, self.read_key = spec["implicit"], spec["read_key"]
+        self.gate_in_kernel = OPS[mixer.op].gate_in_kernel
         self.recurrent_threshold = cfg.recurrent_threshold
         self.allow_neg_eigval = cfg.allow_neg_eigval and not self.implicit
         D, H, K, V = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.head_v_dim
@@ -70,7 +65,7 @@ class DeltaRuleMixer(Mixer):
             self.f_proj = LowRank(D, K, H * K, activation=None)
             self.A_log, _ = mamba_decay_init(H)
             _, self.dt_bias = mamba_decay_init(H * K)
-        if variant == "comba":
+        if self.read_key:
             self.d_logit = nn.Parameter(torch.zeros(H))
         self.g_proj = None
         if spec["gate"] == "silu":
@@ -106,7 +101,7 @@ class DeltaRuleMixer(Mixer):
         k = split_heads(self.conv(self.k_conv, self.k_proj(x), cache, "conv_k", shared), H)
         v = split_heads(self.conv(self.v_conv, self.v_proj(x), cache, "conv_v", shared), H)
         # the chunk ops of GDN and KDA form the gate in the kernel (the decode ops take the decay)
-        in_kernel = self.variant in ("gdn", "kda") and self.mode(x.shape[1]) == "chunk" and not generic_forced()
+        in_kernel = self.gate_in_kernel and self.mode(x.shape[1]) == "chunk" and not generic_forced()
         extra = {n: t.to(v.dtype) if n == "beta" else t for n, t in self.gates(x, in_kernel).items()}
         if self.implicit:
             q = l2norm(q)
@@ -114,7 +109,7 @@ class DeltaRuleMixer(Mixer):
             extra["use_qk_l2norm_in_kernel"] = True
         else:
             q, k = l2norm(q), l2norm(k)
-        if self.variant == "comba":
+        if self.read_key:
             extra["p"] = k * torch.sigmoid(self.d_logit).to(k.dtype)[:, None]
         if self.allow_neg_eigval:
             extra["allow_neg_eigval"] = True

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import torch
 
 from fastweight import ops
+from fastweight.mechanisms import OPS, get_op
 
 MODES = ("chunk", "fused_recurrent")
 # cast to v's dtype before the op; the log decays (g, w, gk) keep theirs (fp32 from the layers)
@@ -61,88 +62,51 @@ def force_generic(enabled: bool = True):
         _FORCE_GENERIC = old
 
 
-def _dplr(mode, q, k, v, a, b, gk, **kw):
-    return getattr(ops, f"{mode}_dplr_delta_rule")(q, k, v, a, b, gk, **kw)
+def generic_factors(op: str, tensors: dict) -> dict:
+    """``op``'s arguments (fla's names, as a layer passes them) as the generic DPLR op's:
+    ``dict(q, k, v, a, b, gk, u)``, fla's meaning (``a`` read against the state, ``b`` the rank-one
+    direction), each of a, b, gk [B, T, H, K] (zeros where the op has none); ``u`` is RWKV-6's
+    bonus (the DPLR op has none: that form runs the definition), else None. The form is the op's
+    own (``Op.dplr`` in its mechanism file); the layer-level options (Mamba-2's in-kernel gate,
+    the q/k L2 norm) are applied first."""
+    spec = get_op(op)
+    if spec.dplr is None:
+        raise NotImplementedError(f"{op} has no generic DPLR form")
+    tensors = dict(tensors)
+    tensors.pop("allow_neg_eigval", None)
+    if tensors.pop("use_gate_in_kernel", False):  # Mamba-2's gate from its pre-activation g
+        from fastweight.dispatch import mamba_gate
+        tensors["g"] = mamba_gate(tensors["g"].float(), tensors.pop("A_log"), tensors.pop("dt_bias"))
+    if tensors.pop("use_qk_l2norm_in_kernel", False):
+        from fastweight.dispatch import l2norm
+        tensors["q"], tensors["k"] = l2norm(tensors["q"]), l2norm(tensors["k"])
+    tensors = {n: (t.contiguous() if isinstance(t, torch.Tensor) else t) for n, t in tensors.items()}
+    f = spec.dplr(**tensors)
+    q = f["q"]
+    gk = f.get("gk")
+    if gk is None:
+        gk = torch.zeros_like(q)
+    elif gk.dim() == q.dim() - 1:   # one decay per head, the same on every key channel
+        gk = gk[..., None].expand_as(q).contiguous()
+    return dict(q=q, k=f["k"], v=f["v"], gk=gk, u=f.get("u"),
+                **{n: torch.zeros_like(q) if f.get(n) is None else f[n] for n in ("a", "b")})
 
 
-def _zeros(q):
-    return torch.zeros_like(q)
+def _generic(op, mode, tensors, scale, initial_state, output_final_state, cu_seqlens, **kw):
+    f = generic_factors(op, tensors)
+    if f["u"] is not None:
+        # the DPLR op has no bonus readout: RWKV-6's DPLR form is the definition with ``u``
+        from fastweight.reference import dplr_recurrent
+        return dplr_recurrent(f["q"], f["k"], f["v"], gk=f["gk"], u=f["u"], scale=scale,
+                              initial_state=initial_state, output_final_state=output_final_state,
+                              cu_seqlens=cu_seqlens)
+    return getattr(ops, f"{mode}_dplr_delta_rule")(f["q"], f["k"], f["v"], f["a"], f["b"], f["gk"], scale=scale,
+                                                   initial_state=initial_state,
+                                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens, **kw)
 
 
-def _linear_attn(mode, q, k, v, normalize=False, **kw):
-    if normalize:
-        raise NotImplementedError("the generic DPLR form of linear attention has no normaliser")
-    return _dplr(mode, q, k, v, _zeros(q), _zeros(q), _zeros(q), **kw)
-
-
-def _simple_gla(mode, q, k, v, g, **kw):
-    return _dplr(mode, q, k, v, _zeros(q), _zeros(q), g[..., None].expand_as(q).contiguous(), **kw)
-
-
-def _retention(mode, q, k, v, **kw):
-    H = q.shape[2]
-    log_gamma = torch.log1p(-torch.exp2(-5.0 - torch.arange(H, dtype=torch.float32, device=q.device)))
-    return _simple_gla(mode, q, k, v, log_gamma.expand(*q.shape[:2], H), **kw)
-
-
-def _gla(mode, q, k, v, g, **kw):
-    return _dplr(mode, q, k, v, _zeros(q), _zeros(q), g, **kw)
-
-
-def _delta_rule(mode, q, k, v, beta, **kw):
-    b = beta[..., None] * k
-    return _dplr(mode, q, b, v, k, -b, _zeros(q), **kw)
-
-
-def _gated_delta_rule(mode, q, k, v, g, beta, **kw):
-    b = beta[..., None] * k
-    return _dplr(mode, q, b, v, g.exp()[..., None] * k, -b, g[..., None].expand_as(q).contiguous(), **kw)
-
-
-def _longhorn(mode, q, k, v, beta, **kw):
-    eps = beta / (1 + beta * (k.float() * k.float()).sum(-1)).to(beta.dtype)
-    return _delta_rule(mode, q, k, v, eps, **kw)
-
-
-def _comba(mode, q, k, v, p, g, beta, **kw):
-    b = beta[..., None] * k
-    return _dplr(mode, q, b, v, p, -b, g[..., None].expand_as(q).contiguous(), **kw)
-
-
-def _hgrn2(mode, q, v, g, **kw):
-    return _gla(mode, q, (1 - g.exp()).to(q.dtype), v, g, **kw)
-
-
-def _kda(mode, q, k, v, g, beta, **kw):
-    b = beta[..., None] * k
-    return _dplr(mode, q, b, v, g.exp() * k, -b, g, **kw)
-
-
-def _rwkv7(mode, r, w, k, v, a, b, **kw):
-    return _dplr(mode, r, k, v, a, b, w, **kw)
-
-
-def _rwkv6(mode, r, k, v, w, u, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
-    # the DPLR op has no bonus readout: RWKV-6's DPLR form is the definition with ``u``
-    from fastweight.reference import dplr_recurrent
-    return dplr_recurrent(r, k, v, gk=w, u=u, scale=scale, initial_state=initial_state,
-                          output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-
-
-GENERIC = {
-    "linear_attn": _linear_attn,
-    "retention": _retention,
-    "simple_gla": _simple_gla,
-    "gla": _gla,
-    "rwkv6": _rwkv6,
-    "delta_rule": _delta_rule,
-    "gated_delta_rule": _gated_delta_rule,
-    "kda": _kda,
-    "longhorn": _longhorn,
-    "comba": _comba,
-    "hgrn2": _hgrn2,
-    "rwkv7": _rwkv7,
-}
+# the ops a layer can also run as the generic DPLR op (every op but that op itself)
+GENERIC = tuple(n for n, spec in OPS.items() if spec.dplr is not None)
 
 
 def specialised(op: str, mode: str):
@@ -173,14 +137,4 @@ def _linear_op(op, mode, fn, scale, initial_state, output_final_state, cu_seqlen
         kw["backend"] = _BACKEND
     if fn is not None:
         return fn(**tensors, **kw)
-    if op not in GENERIC:
-        raise NotImplementedError(f"no implementation of {mode}_{op}")
-    tensors.pop("allow_neg_eigval", None)
-    if tensors.pop("use_gate_in_kernel", False):  # Mamba-2's gate from its pre-activation g
-        from fastweight.dispatch import mamba_gate
-        tensors["g"] = mamba_gate(tensors["g"].float(), tensors.pop("A_log"), tensors.pop("dt_bias"))
-    if tensors.pop("use_qk_l2norm_in_kernel", False):
-        from fastweight.dispatch import l2norm
-        tensors["q"], tensors["k"] = l2norm(tensors["q"]), l2norm(tensors["k"])
-    tensors = {n: (t.contiguous() if isinstance(t, torch.Tensor) else t) for n, t in tensors.items()}
-    return GENERIC[op](mode, **tensors, **kw)
+    return _generic(op, mode, tensors, **kw)

@@ -18,6 +18,12 @@ A mechanism file defines, for its own paper's recurrence:
   (keys normalised where the mechanism expects it, gates in range).
 - ``op``: the public op of ``fastweight.ops`` that serves it (``chunk_<op>``), with
   ``to_op(inputs) -> kwargs`` mapping the mechanism's inputs onto that op's arguments.
+
+A mechanism file also declares the public op it owns (:class:`Op`, fla's name; RetNet owns
+``retention``, Mamba-2 ``simple_gla``) and the layer mixer built on it (:class:`Mixer`).
+Everything that lists ops or mixers (``ops.OPS``, ``models.MIXERS``, ``build_mixer``, the
+references, the generic DPLR route of the layers, the fuzz and the benchmarks) reads these
+two tables: :data:`OPS` and :data:`MIXERS`, in registration order.
 """
 
 from __future__ import annotations
@@ -72,7 +78,61 @@ class Preconditioner:
         return torch.einsum("bhij,bhjv->bhiv", self.matrix, grad)
 
 
+@dataclass(frozen=True)
+class Op:
+    """A public op (``fastweight.ops.chunk_<name>`` / ``fused_recurrent_<name>``) as the rest of
+    the package needs to know it.
+
+    ``args``: its tensor arguments in fla's order. ``family``: the kernel family that serves it,
+    ``"decay"`` (no transition beyond a diagonal), ``"delta"`` or ``"dplr"`` (both solve a WY
+    system per chunk). ``gates``: its log-decay arguments, name -> ``"head"`` ([B, T, HV]) or
+    ``"channel"`` ([B, T, H, K]; KDA's are per value head). ``beta``: its learning rate's range,
+    ``"unit"`` (in (0, 1], (0, 2) with ``allow_neg_eigval``, which the op then takes) or
+    ``"positive"`` (any beta > 0). ``gate_in_kernel``: the op forms Mamba-2's gate from
+    ``A_log``, ``dt_bias``. ``reference(**tensors, scale, initial_state, output_final_state,
+    cu_seqlens) -> (o, S)``: the per-token definition (``backend="reference"``), float64-exact.
+    ``dplr(**tensors) -> dict(q, k, v, a, b, gk[, u])``: the same recurrence as the generic DPLR
+    op's arguments, fla's meaning (``a`` read against the state; ``u``: RWKV-6's bonus, which
+    the DPLR op lacks), or None where there is no such form.
+    """
+    name: str
+    mechanism: str
+    args: tuple
+    family: str
+    reference: Callable
+    dplr: Callable | None = None
+    gates: dict = field(default_factory=dict)
+    beta: str | None = None
+    gate_in_kernel: bool = False
+
+    @property
+    def wy(self) -> bool:
+        """Whether its chunk kernels solve a WY system (the delta and DPLR families)."""
+        return self.family in ("delta", "dplr")
+
+    @property
+    def neg_eigval(self) -> bool:
+        """Whether it takes ``allow_neg_eigval`` (beta in (0, 2))."""
+        return self.beta == "unit"
+
+
+@dataclass(frozen=True)
+class Mixer:
+    """A token mixer of ``fastweight.layers`` (``LMConfig.mixer``) built on one op.
+
+    ``layer``: which layer class builds it (``"delta"``, ``"decay"``, ``"mamba2"``, ``"rwkv6"``,
+    ``"rwkv7"``); ``options``: that class's per-mixer settings.
+    """
+    name: str
+    op: str
+    layer: str
+    options: dict = field(default_factory=dict)
+
+
 REGISTRY: dict[str, Mechanism] = {}
+OPS: dict[str, Op] = {}
+MIXERS: dict[str, Mixer] = {}
+FAMILIES = ("decay", "delta", "dplr")
 
 
 def register(mechanism: Mechanism) -> Mechanism:
@@ -80,6 +140,40 @@ def register(mechanism: Mechanism) -> Mechanism:
         raise ValueError(f"mechanism {mechanism.name!r} registered twice")
     REGISTRY[mechanism.name] = mechanism
     return mechanism
+
+
+def register_op(op: Op) -> Op:
+    if op.name in OPS:
+        raise ValueError(f"op {op.name!r} registered twice")
+    if op.family not in FAMILIES:
+        raise ValueError(f"Op.family must be one of {FAMILIES}, got {op.family!r}")
+    OPS[op.name] = op
+    return op
+
+
+def register_mixer(mixer: Mixer) -> Mixer:
+    if mixer.name in MIXERS:
+        raise ValueError(f"mixer {mixer.name!r} registered twice")
+    MIXERS[mixer.name] = mixer
+    return mixer
+
+
+def get_op(name: str) -> Op:
+    try:
+        return OPS[name]
+    except KeyError:
+        raise ValueError(f"unknown op {name!r}; known: {', '.join(OPS)}") from None
+
+
+def reference_op(mechanism: Mechanism, inputs: Callable) -> Callable:
+    """The op's reference: its tensors mapped by ``inputs(**tensors) -> mechanism inputs``, then
+    ``mechanism``'s own recurrence; the op's other options (``allow_neg_eigval``, ...) are already
+    folded into the tensors by then."""
+    def reference(*, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **tensors):
+        x = inputs(**{n: t for n, t in tensors.items() if isinstance(t, torch.Tensor) or t is None})
+        return mechanism.recurrent(x, scale=scale, initial_state=initial_state,
+                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    return reference
 
 
 def get(name: str) -> Mechanism:

@@ -11,8 +11,10 @@ no scalar objective has this step as its gradient (docs/objectives.md).
 DPLR: w = alpha_t (scalar), a = -beta k, b = p, write (beta k, v).
 """
 
-from fastweight.mechanisms.base import (Mechanism, Preconditioner, kT_S, l2norm, outer, rand, randn,
-                                        register, regression, sample_log_decay, weight_decay)
+from fastweight.mechanisms.base import (Mechanism, Mixer, Op, Preconditioner, kT_S, l2norm, outer, rand,
+                                        randn, reference_op, register, register_mixer, register_op,
+                                        regression, sample_log_decay, weight_decay)
+from fastweight.mechanisms.deltanet import delta_dplr
 
 
 def sample(B, T, H, K, V, *, dtype, device, generator):
@@ -54,3 +56,14 @@ MECHANISM = register(Mechanism(
     op="comba",
     to_op=lambda x: dict(q=x["q"], k=x["k"], v=x["v"], p=x["p"], g=x["g"], beta=x["beta"]),
 ))
+
+
+def _dplr(q, k, v, p, g, beta, **_):
+    return delta_dplr(q, k, v, beta, gk=g[..., None].expand_as(q).contiguous(), a=p)
+
+
+OP = register_op(Op(name="comba", mechanism="comba", args=("q", "k", "v", "p", "g", "beta"), family="delta",
+                    dplr=_dplr, gates={"g": "head"}, beta="unit",
+                    reference=reference_op(MECHANISM, lambda q, k, v, p, g, beta, **_: dict(q=q, k=k, v=v, p=p, g=g,
+                                                                                          beta=beta))))
+register_mixer(Mixer(name="comba", op="comba", layer="delta", options=dict(decay="head", gate="silu", read_key=True)))

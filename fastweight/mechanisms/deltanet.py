@@ -8,7 +8,8 @@ With ``allow_neg_eigval`` beta_t lies in (0, 2): the transition's eigenvalue alo
 1 - beta_t < 0 (state tracking; Grazzi et al. 2024). DPLR: w = 1, a = -beta k, b = k, write (beta k, v).
 """
 
-from fastweight.mechanisms.base import Mechanism, kT_S, l2norm, outer, rand, randn, register, regression
+from fastweight.mechanisms.base import (Mechanism, Mixer, Op, kT_S, l2norm, outer, rand, randn, reference_op,
+                                        register, register_mixer, register_op, regression)
 
 
 def sample(B, T, H, K, V, *, dtype, device, generator, allow_neg_eigval=True):
@@ -48,3 +49,16 @@ MECHANISM = register(Mechanism(
     op="delta_rule",
     to_op=lambda x: dict(q=x["q"], k=x["k"], v=x["v"], beta=x["beta"], allow_neg_eigval=True),
 ))
+
+
+def delta_dplr(q, k, v, beta, gk=None, a=None):
+    """The delta step's DPLR arguments, fla's meaning: write (beta k, v), read ``a`` (k by
+    default) against the state, b = -beta k."""
+    b = beta[..., None] * k
+    return dict(q=q, k=b, v=v, a=k if a is None else a, b=-b, gk=gk)
+
+
+OP = register_op(Op(name="delta_rule", mechanism="deltanet", args=("q", "k", "v", "beta"), family="delta",
+                    reference=reference_op(MECHANISM, lambda q, k, v, beta, **_: dict(q=q, k=k, v=v, beta=beta)),
+                    dplr=lambda q, k, v, beta, **_: delta_dplr(q, k, v, beta), beta="unit"))
+register_mixer(Mixer(name="deltanet", op="delta_rule", layer="delta", options=dict(decay=None, gate=None)))

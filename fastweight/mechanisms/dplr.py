@@ -11,9 +11,9 @@ unless a is a negative multiple of b (docs/objectives.md).
 
 import torch
 
-from fastweight.mechanisms.base import (Mechanism, Preconditioner, hebbian, l2norm, outer, rand, randn,
-                                        register, regression, sample_log_decay, weight_decay)
-from fastweight.reference.recurrence import dplr_step
+from fastweight.mechanisms.base import (Mechanism, Op, Preconditioner, hebbian, l2norm, outer, rand, randn,
+                                        register, register_op, regression, sample_log_decay, weight_decay)
+from fastweight.reference.recurrence import dplr_recurrent, dplr_step
 
 
 def sample(B, T, H, K, V, *, dtype, device, generator):
@@ -50,3 +50,13 @@ MECHANISM = register(Mechanism(
     op="dplr_delta_rule",
     to_op=lambda x: dict(q=x["q"], k=x["k"], v=x["v"], a=x["b"], b=x["a"], gk=x["gk"]),
 ))
+
+
+def _reference(q, k, v, a, b, gk, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
+    """fla's meaning: S_t = (Diag(exp gk) + b a^T) S + k v^T (fla's ``a`` is read against S)."""
+    return dplr_recurrent(q, k, v, a=b, b=a, gk=gk, scale=scale, initial_state=initial_state,
+                          output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+OP = register_op(Op(name="dplr_delta_rule", mechanism="dplr", args=("q", "k", "v", "a", "b", "gk"), family="dplr",
+                    reference=_reference, gates={"gk": "channel"}))

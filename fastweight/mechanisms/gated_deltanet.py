@@ -7,7 +7,9 @@ Online learning: decay first, then one SGD step with learning rate beta_t on
 DPLR: w = alpha_t, a = -beta k, b = alpha_t k, write (beta k, v).
 """
 
-from fastweight.mechanisms.base import Mechanism, kT_S, l2norm, outer, rand, randn, register, regression
+from fastweight.mechanisms.base import (Mechanism, Mixer, Op, kT_S, l2norm, outer, rand, randn, reference_op,
+                                        register, register_mixer, register_op, regression)
+from fastweight.mechanisms.deltanet import delta_dplr
 
 
 def sample(B, T, H, K, V, *, dtype, device, generator):
@@ -51,3 +53,14 @@ MECHANISM = register(Mechanism(
     op="gated_delta_rule",
     to_op=lambda x: dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"]),
 ))
+
+
+def _dplr(q, k, v, g, beta, **_):
+    return delta_dplr(q, k, v, beta, gk=g[..., None].expand_as(q).contiguous(), a=g.exp()[..., None] * k)
+
+
+OP = register_op(Op(name="gated_delta_rule", mechanism="gated_deltanet", args=("q", "k", "v", "g", "beta"),
+                    family="delta", dplr=_dplr, gates={"g": "head"}, beta="unit", gate_in_kernel=True,
+                    reference=reference_op(MECHANISM, lambda q, k, v, g, beta, **_: dict(q=q, k=k, v=v, g=g,
+                                                                                       beta=beta))))
+register_mixer(Mixer(name="gdn", op="gated_delta_rule", layer="delta", options=dict(decay="head", gate="silu")))

@@ -7,8 +7,8 @@ row-wise weight decay ``1/2 ||sqrt(Diag(1 - alpha_t)) S||_F^2``. DPLR: w = alpha
 a = b = 0, write (k, v).
 """
 
-from fastweight.mechanisms.base import (Mechanism, hebbian, outer, randn, register, sample_log_decay,
-                                        weight_decay)
+from fastweight.mechanisms.base import (Mechanism, Mixer, Op, hebbian, outer, randn, reference_op, register,
+                                        register_mixer, register_op, sample_log_decay, weight_decay)
 
 
 def sample(B, T, H, K, V, *, dtype, device, generator):
@@ -43,3 +43,9 @@ MECHANISM = register(Mechanism(
     op="gla",
     to_op=lambda x: dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"]),
 ))
+
+
+OP = register_op(Op(name="gla", mechanism="gla", args=("q", "k", "v", "g"), family="decay",
+                    reference=reference_op(MECHANISM, lambda q, k, v, g, **_: dict(q=q, k=k, v=v, g=g)),
+                    dplr=lambda q, k, v, g, **_: dict(q=q, k=k, v=v, a=None, b=None, gk=g), gates={"g": "channel"}))
+register_mixer(Mixer(name="gla", op="gla", layer="decay"))

@@ -9,8 +9,8 @@ a = b = 0, write (1 - alpha_t, v).
 
 import torch
 
-from fastweight.mechanisms.base import (Mechanism, hebbian, outer, randn, register, sample_log_decay,
-                                        weight_decay)
+from fastweight.mechanisms.base import (Mechanism, Mixer, Op, hebbian, outer, randn, reference_op, register,
+                                        register_mixer, register_op, sample_log_decay, weight_decay)
 
 
 def sample(B, T, H, K, V, *, dtype, device, generator):
@@ -47,3 +47,10 @@ MECHANISM = register(Mechanism(
     op="hgrn2",
     to_op=lambda x: dict(q=x["q"], v=x["v"], g=x["g"]),
 ))
+
+
+OP = register_op(Op(name="hgrn2", mechanism="hgrn2", args=("q", "v", "g"), family="decay",
+                    reference=reference_op(MECHANISM, lambda q, v, g, **_: dict(q=q, v=v, g=g)),
+                    dplr=lambda q, v, g, **_: dict(q=q, k=(1 - g.exp()).to(q.dtype), v=v, a=None, b=None, gk=g),
+                    gates={"g": "channel"}))
+register_mixer(Mixer(name="hgrn2", op="hgrn2", layer="decay"))

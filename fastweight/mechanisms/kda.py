@@ -7,8 +7,9 @@ step with learning rate beta_t on ``1/2 ||S~^T k_t - v_t||^2`` at ``S~ = Diag(al
 DPLR: w = alpha_t (vector), a = -beta k, b = alpha_t * k, write (beta k, v).
 """
 
-from fastweight.mechanisms.base import (Mechanism, kT_S, l2norm, outer, rand, randn, register, regression,
-                                        sample_log_decay)
+from fastweight.mechanisms.base import (Mechanism, Mixer, Op, kT_S, l2norm, outer, rand, randn, reference_op,
+                                        register, register_mixer, register_op, regression, sample_log_decay)
+from fastweight.mechanisms.deltanet import delta_dplr
 
 
 def sample(B, T, H, K, V, *, dtype, device, generator):
@@ -48,3 +49,11 @@ MECHANISM = register(Mechanism(
     op="kda",
     to_op=lambda x: dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"]),
 ))
+
+
+OP = register_op(Op(name="kda", mechanism="kda", args=("q", "k", "v", "g", "beta"), family="delta",
+                    dplr=lambda q, k, v, g, beta, **_: delta_dplr(q, k, v, beta, gk=g, a=g.exp() * k),
+                    gates={"g": "channel"}, beta="unit", gate_in_kernel=True,
+                    reference=reference_op(MECHANISM, lambda q, k, v, g, beta, **_: dict(q=q, k=k, v=v, g=g,
+                                                                                       beta=beta))))
+register_mixer(Mixer(name="kda", op="kda", layer="delta", options=dict(decay="channel", gate="sigmoid")))

@@ -6,7 +6,7 @@ Online learning: one unit gradient step on the Hebbian loss ``-<S^T k_t, v_t>`` 
 accumulation, no error correction). DPLR: w = 1, a = b = 0, write (k, v).
 """
 
-from fastweight.mechanisms.base import Mechanism, hebbian, outer, randn, register
+from fastweight.mechanisms.base import Mechanism, Mixer, Op, hebbian, outer, randn, reference_op, register, register_mixer, register_op
 
 
 def sample(B, T, H, K, V, *, dtype, device, generator):
@@ -41,3 +41,14 @@ MECHANISM = register(Mechanism(
     op="linear_attn",
     to_op=lambda x: dict(q=x["q"], k=x["k"], v=x["v"], normalize=False),
 ))
+
+
+def _dplr(q, k, v, normalize=False, **_):
+    if normalize:
+        raise NotImplementedError("the generic DPLR form of linear attention has no normaliser")
+    return dict(q=q, k=k, v=v, a=None, b=None, gk=None)
+
+
+OP = register_op(Op(name="linear_attn", mechanism="linear_attention", args=("q", "k", "v"), family="decay",
+                    reference=reference_op(MECHANISM, lambda q, k, v, **_: dict(q=q, k=k, v=v)), dplr=_dplr))
+register_mixer(Mixer(name="la", op="linear_attn", layer="decay"))

@@ -9,7 +9,9 @@ one learning rate per head (the paper's per-value-channel beta would give each c
 its own transition: not one DPLR). DPLR: w = 1, a = -eps k, b = k, write (eps k, v).
 """
 
-from fastweight.mechanisms.base import Mechanism, kT_S, outer, rand, randn, register, regression
+from fastweight.mechanisms.base import (Mechanism, Mixer, Op, kT_S, outer, rand, randn, reference_op,
+                                        register, register_mixer, register_op, regression)
+from fastweight.mechanisms.deltanet import delta_dplr
 
 
 def sample(B, T, H, K, V, *, dtype, device, generator):
@@ -53,3 +55,15 @@ MECHANISM = register(Mechanism(
     op="longhorn",
     to_op=lambda x: dict(q=x["q"], k=x["k"], v=x["v"], beta=x["beta"]),
 ))
+
+
+def _dplr(q, k, v, beta, **_):
+    eps = beta / (1 + beta * (k.float() * k.float()).sum(-1)).to(beta.dtype)
+    return delta_dplr(q, k, v, eps)
+
+
+OP = register_op(Op(name="longhorn", mechanism="longhorn", args=("q", "k", "v", "beta"), family="delta",
+                    reference=reference_op(MECHANISM, lambda q, k, v, beta, **_: dict(q=q, k=k, v=v, beta=beta)),
+                    dplr=_dplr, beta="positive"))
+register_mixer(Mixer(name="longhorn", op="longhorn", layer="delta", options=dict(decay=None, gate=None,
+                                                                               implicit=True)))

@@ -10,7 +10,7 @@ a = b = 0, write (dt k, v).
 
 import torch
 
-from fastweight.mechanisms.base import Mechanism, hebbian, outer, rand, randn, register, weight_decay
+from fastweight.mechanisms.base import Mechanism, Mixer, Op, get, hebbian, outer, rand, randn, register, register_mixer, register_op, weight_decay
 
 
 def sample(B, T, H, K, V, *, dtype, device, generator):
@@ -52,3 +52,33 @@ MECHANISM = register(Mechanism(
     op="simple_gla",
     to_op=lambda x: dict(q=x["q"], k=x["dt"][..., None] * x["k"], v=x["v"], g=x["dt"] * x["_A"]),
 ))
+
+
+def _gk(q, v, g, g_gamma):
+    """g + g_gamma as one log decay per head [B, T, H] (fp32; float64 for float64 inputs)."""
+    B, T, H = q.shape[:3]
+    gk = torch.zeros(B, T, H, dtype=torch.float64 if v.dtype == torch.float64 else torch.float32, device=v.device)
+    if g is not None:
+        gk = gk + g
+    if g_gamma is not None:
+        gk = gk + g_gamma
+    return gk
+
+
+def _reference(q, k, v, g=None, g_gamma=None, *, scale, initial_state=None, output_final_state=False,
+               cu_seqlens=None, **_):
+    """A scalar gate per head is GLA's vector gate, constant across the key channels."""
+    gk = _gk(q, v, g, g_gamma)
+    return get("gla").recurrent(dict(q=q, k=k, v=v, g=gk[..., None].expand(*gk.shape, q.shape[-1])), scale=scale,
+                                initial_state=initial_state, output_final_state=output_final_state,
+                                cu_seqlens=cu_seqlens)
+
+
+def _dplr(q, k, v, g=None, g_gamma=None, **_):
+    gk = g if g_gamma is None else _gk(q, v, g, g_gamma)
+    return dict(q=q, k=k, v=v, a=None, b=None, gk=gk)
+
+
+OP = register_op(Op(name="simple_gla", mechanism="mamba2", args=("q", "k", "v", "g", "g_gamma"), family="decay",
+                    reference=_reference, dplr=_dplr, gates={"g": "head"}))
+register_mixer(Mixer(name="mamba2", op="simple_gla", layer="mamba2"))

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from fastweight.mechanisms.base import Mechanism, hebbian, outer, randn, register, weight_decay
+from fastweight.mechanisms.base import Mechanism, Mixer, Op, hebbian, outer, randn, reference_op, register, register_mixer, register_op, weight_decay
 
 
 def retnet_log_gamma(H: int, dtype=torch.float32, device=None) -> torch.Tensor:
@@ -55,3 +55,17 @@ MECHANISM = register(Mechanism(
     op="simple_gla",
     to_op=lambda x: dict(q=x["q"], k=x["k"], v=x["v"], g_gamma=x["_log_gamma"]),
 ))
+
+
+def _reference_inputs(q, k, v, **_):
+    return dict(q=q, k=k, v=v, _log_gamma=retnet_log_gamma(v.shape[2], dtype=torch.float64, device=v.device))
+
+
+def _dplr(q, k, v, **_):
+    B, T, H = q.shape[:3]
+    return dict(q=q, k=k, v=v, a=None, b=None, gk=retnet_log_gamma(H, device=q.device).expand(B, T, H))
+
+
+OP = register_op(Op(name="retention", mechanism="retnet", args=("q", "k", "v"), family="decay",
+                    reference=reference_op(MECHANISM, _reference_inputs), dplr=_dplr))
+register_mixer(Mixer(name="retnet", op="retention", layer="decay"))

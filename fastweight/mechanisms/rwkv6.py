@@ -8,8 +8,8 @@ The state update is GLA's (same objective: Hebbian plus row-wise weight decay); 
 only changes the readout. DPLR: w = exp(w_t) (vector), a = b = 0, write (k, v), readout with u.
 """
 
-from fastweight.mechanisms.base import (Mechanism, hebbian, outer, randn, register, sample_log_decay,
-                                        weight_decay)
+from fastweight.mechanisms.base import (Mechanism, Mixer, Op, hebbian, outer, randn, reference_op, register,
+                                        register_mixer, register_op, sample_log_decay, weight_decay)
 from fastweight.reference.recurrence import bonus_readout
 
 
@@ -47,3 +47,10 @@ MECHANISM = register(Mechanism(
     op="rwkv6",
     to_op=lambda x: dict(r=x["q"], k=x["k"], v=x["v"], w=x["w"], u=x["_u"]),
 ))
+
+
+OP = register_op(Op(name="rwkv6", mechanism="rwkv6", args=("r", "k", "v", "w", "u"), family="decay",
+                    reference=reference_op(MECHANISM, lambda r, k, v, w, u, **_: dict(q=r, k=k, v=v, w=w, _u=u)),
+                    dplr=lambda r, k, v, w, u, **_: dict(q=r, k=k, v=v, a=None, b=None, gk=w, u=u),
+                    gates={"w": "channel"}))
+register_mixer(Mixer(name="rwkv6", op="rwkv6", layer="rwkv6"))

@@ -24,8 +24,9 @@ fla's ``chunk_rwkv7(r, w, k~, v, a=-kappa^, b=kappa^ * a_t)``.
 
 import torch
 
-from fastweight.mechanisms.base import (Mechanism, hebbian, l2norm, rand, randn, register, regression,
-                                        weight_decay)
+from fastweight.mechanisms.base import (Mechanism, Mixer, Op, hebbian, l2norm, rand, randn, register,
+                                        register_mixer, register_op, regression, weight_decay)
+from fastweight.reference.recurrence import dplr_recurrent
 
 
 def prepare(inputs):
@@ -85,3 +86,15 @@ MECHANISM = register(Mechanism(
     op="rwkv7",
     to_op=to_op,
 ))
+
+
+def _reference(r, w, k, v, a, b, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
+    """fla's chunk_rwkv7 meaning: S_t = (Diag(exp w) + b a^T) S + k v^T, o_t = S_t^T (scale r_t)."""
+    return dplr_recurrent(r, k, v, a=b, b=a, gk=w, scale=scale, initial_state=initial_state,
+                          output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+OP = register_op(Op(name="rwkv7", mechanism="rwkv7", args=("r", "w", "k", "v", "a", "b"), family="dplr",
+                    reference=_reference, dplr=lambda r, w, k, v, a, b, **_: dict(q=r, k=k, v=v, a=a, b=b, gk=w),
+                    gates={"w": "channel"}))
+register_mixer(Mixer(name="rwkv7", op="rwkv7", layer="rwkv7"))

@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-MIXERS = ("la", "retnet", "mamba2", "gla", "rwkv6", "hgrn2", "deltanet", "gdn", "kda", "comba",
-          "longhorn", "rwkv7", "attn", "swa")
+from fastweight.mechanisms import MIXERS as _LINEAR
+
+# the linear mixers (each declared by its mechanism file), then softmax attention and its sliding window
+MIXERS = (*_LINEAR, "attn", "swa")
 
 
 @dataclass(frozen=True)
