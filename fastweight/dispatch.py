@@ -5,43 +5,39 @@ Three implementations of each op share one signature (after validation):
     impl(<tensors by name>, *, scale: float, initial_state, output_final_state: bool,
          cu_seqlens, **options) -> (o, final_state_or_None)
 
-and live by naming convention:
+and each op's mechanism file declares them (``fastweight.mechanisms.Op``), by direct reference:
 
-- ``"triton"``:    ``fastweight.kernels.<mode>_<op>``   (CUDA tensors, or TRITON_INTERPRET=1)
-- ``"torch"``:     ``fastweight.chunk.<mode>_<op>``     (PyTorch chunkwise; any device)
-- ``"reference"``: the op's ``reference`` in its mechanism file (``fastweight.mechanisms.get_op``:
-  the per-token definition)
+- ``"triton"``:    ``Op.triton_chunk`` / ``Op.triton_fused_recurrent``  (CUDA tensors, or TRITON_INTERPRET=1)
+- ``"torch"``:     ``Op.torch``      (PyTorch chunkwise; any device; serves both modes)
+- ``"reference"``: ``Op.reference``  (the per-token definition)
 
 ``mode`` is ``chunk`` or ``fused_recurrent``. With ``backend=None`` the first that exists
 wins: triton on CUDA, then torch, then reference. float64 inputs never go to triton (the
 kernels compute in fp32 and have no float64 path): ``backend=None`` serves them with the
-PyTorch chunk path on every device, ``backend="triton"`` refuses them. An implementation that handles grouped
-value heads (HV > H) itself sets ``impl.grouped_heads = True``; one that fuses the q/k L2
-norm sets ``impl.fused_l2norm = True``; otherwise the dispatcher does both in PyTorch first.
+PyTorch chunk path on every device, ``backend="triton"`` refuses them. An implementation that
+handles grouped value heads (HV > H) itself says so (``Impl.grouped_heads``), as does one that
+fuses the q/k L2 norm (``Impl.fused_l2norm``) or Mamba-2's gate (``Impl.fused_gate``);
+otherwise the dispatcher does these in PyTorch first.
 """
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import os
 import warnings
 
 import torch
 
+from fastweight.mechanisms import Impl, get_op
+
 BACKENDS = ("triton", "torch", "reference")
 _WARNED: set = set()
-_MODULES = {"triton": "fastweight.kernels", "torch": "fastweight.chunk"}
 
 
-def _lookup(backend: str, mode: str, op: str):
-    if backend == "reference":
-        from fastweight.mechanisms import get_op
-        return get_op(op).reference
-    try:
-        module = importlib.import_module(_MODULES[backend])
-    except ImportError:
+def _lookup(backend: str, mode: str, op: str) -> Impl | None:
+    if backend == "triton" and importlib.util.find_spec("triton") is None:
         return None
-    return getattr(module, f"{mode}_{op}", None)
+    return get_op(op).impl(backend, mode)
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -50,7 +46,8 @@ def triton_usable(device: torch.device) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and device.type == "cpu"
 
 
-def resolve(op: str, mode: str, backend: str | None, device: torch.device, dtype: torch.dtype = torch.float32):
+def resolve(op: str, mode: str, backend: str | None, device: torch.device,
+            dtype: torch.dtype = torch.float32) -> Impl:
     """The implementation of ``op`` in ``mode`` for ``backend`` (None = best available) and
     inputs of ``dtype`` on ``device``."""
     if backend is not None and backend not in BACKENDS:
@@ -66,8 +63,6 @@ def resolve(op: str, mode: str, backend: str | None, device: torch.device, dtype
                              "float32), got torch.float64 inputs: use backend='torch' (exact in float64) or "
                              "backend=None")
         impl = _lookup(b, mode, op)
-        if impl is None and b == "torch" and mode == "fused_recurrent":
-            impl = _lookup(b, "chunk", op)
         if impl is not None:
             return impl
     raise NotImplementedError(f"no {backend or 'available'} implementation of {mode}_{op}")
@@ -104,8 +99,7 @@ def call(op: str, mode: str, backend: str | None, tensors: dict, *, key_tensors=
     device = next(t.device for t in tensors.values() if isinstance(t, torch.Tensor))
     dtype = tensors[key_tensors[0]].dtype
     impl = resolve(op, mode, backend, device, dtype)
-    unverified = getattr(impl, "gpu_unverified", None)
-    why = unverified(device, tensors["k"].shape[-1], tensors["v"].shape[-1]) if unverified else None
+    why = impl.unverified(device, tensors["k"].shape[-1], tensors["v"].shape[-1]) if impl.unverified else None
     if why:
         if backend == "triton":
             raise ValueError(f"backend='triton' cannot run {mode}_{op} at {why}; use backend='torch'")
@@ -118,19 +112,19 @@ def call(op: str, mode: str, backend: str | None, tensors: dict, *, key_tensors=
     if tensors.get("A_log") is not None:
         # Mamba-2's gate, requested to be formed by the op: in the kernel, or here for the others
         A_log, dt_bias = tensors.pop("A_log"), tensors.pop("dt_bias")
-        if getattr(impl, "fused_gate", False):
+        if impl.fused_gate:
             kwargs.update(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
         else:
             tensors["g"] = mamba_gate(tensors["g"], A_log, dt_bias)
     if use_qk_l2norm:
-        if getattr(impl, "fused_l2norm", False):
+        if impl.fused_l2norm:
             kwargs["use_qk_l2norm_in_kernel"] = True
         else:
             for n in l2norm_tensors:
                 tensors[n] = l2norm(tensors[n])
     v = tensors["v"]
     H = tensors[key_tensors[0]].shape[2]
-    if v.shape[2] != H and not getattr(impl, "grouped_heads", False):
+    if v.shape[2] != H and not impl.grouped_heads:
         group = v.shape[2] // H
         for n in key_tensors:
             if tensors.get(n) is not None:
@@ -139,5 +133,5 @@ def call(op: str, mode: str, backend: str | None, tensors: dict, *, key_tensors=
     # products one by one and mix dtypes inside it (the kernels ignore it anyway)
     if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
         with torch.autocast(device_type=device.type, enabled=False):
-            return impl(**tensors, **kwargs)
-    return impl(**tensors, **kwargs)
+            return impl.fn(**tensors, **kwargs)
+    return impl.fn(**tensors, **kwargs)

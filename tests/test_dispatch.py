@@ -1,19 +1,20 @@
-"""The dispatcher's guard for kernel shapes that fail on the GPU (``impl.gpu_unverified``, docs/kernels.md)."""
+"""The dispatcher: the guard for kernel shapes that fail on the GPU (``Impl.unverified``,
+docs/kernels.md), the float64 route, and its PyTorch helpers."""
+
+import dataclasses
 
 import pytest
 import torch
 
-from fastweight import dispatch, ops
-from fastweight.kernels import delta
+from fastweight import dispatch, mechanisms, ops
 
 
 def test_no_shape_is_fenced_now():
     """The shapes fenced in session 2 (K = 256, V < 32 on CUDA) pass on the H200 since the kernels'
     narrow blocks were padded (docs/bench/runs-2026-11-30-s3.md): no registered kernel declares one."""
-    from fastweight.kernels import decay
-    for impl in (delta.chunk_gated_delta_rule, delta.chunk_delta_rule, delta.chunk_kda, decay.chunk_simple_gla,
-                 decay.chunk_linear_attn, decay.chunk_retention):
-        assert getattr(impl, "gpu_unverified", None) is None
+    for op in mechanisms.OPS.values():
+        for impl in (op.triton_chunk, op.triton_fused_recurrent, op.torch):
+            assert impl is not None and impl.unverified is None, op.name
 
 
 def _inputs(K=8, V=8):
@@ -22,10 +23,16 @@ def _inputs(K=8, V=8):
     return q, k, torch.randn(1, 20, 2, V, generator=g), torch.rand(1, 20, 2, generator=g)
 
 
+def _fence(monkeypatch, why):
+    """chunk_delta_rule's Triton kernel declares every shape unverified, for the test's duration."""
+    op = mechanisms.OPS["delta_rule"]
+    fenced = dataclasses.replace(op.triton_chunk, unverified=why)
+    monkeypatch.setitem(mechanisms.OPS, "delta_rule", dataclasses.replace(op, triton_chunk=fenced))
+
+
 def test_explicit_triton_is_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(delta.chunk_delta_rule, "gpu_unverified", lambda device, K, V: f"K = {K} (test)",
-                        raising=False)
+    _fence(monkeypatch, lambda device, K, V: f"K = {K} (test)")
     with pytest.raises(ValueError, match="backend='triton'.*K = 8 \\(test\\).*backend='torch'"):
         ops.chunk_delta_rule(*_inputs(), backend="triton")
 
@@ -36,8 +43,7 @@ def test_auto_falls_back_to_torch_with_one_warning(monkeypatch):
     monkeypatch.setattr(dispatch, "resolve", lambda op, mode, backend, device, dtype: resolve(
         op, mode, "triton" if backend is None else backend, device, dtype))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(delta.chunk_delta_rule, "gpu_unverified", lambda device, K, V: "V = 8 (test)",
-                        raising=False)
+    _fence(monkeypatch, lambda device, K, V: "V = 8 (test)")
     monkeypatch.setattr(dispatch, "_WARNED", set())
     x = _inputs()
     with pytest.warns(UserWarning, match="V = 8 \\(test\\).*PyTorch chunk path"):
@@ -55,9 +61,10 @@ def test_float64_takes_the_torch_path_on_every_device(mode):
     cuda = torch.device("cuda")
     for op in ops.OPS:
         torch_impl = getattr(fastweight.chunk, f"chunk_{op}")
-        assert dispatch.resolve(op, mode, None, cuda, torch.float64) is torch_impl
-        assert dispatch.resolve(op, mode, None, torch.device("cpu"), torch.float64) is torch_impl
-        assert dispatch.resolve(op, mode, None, cuda, torch.bfloat16) is getattr(fastweight.kernels, f"{mode}_{op}")
+        assert dispatch.resolve(op, mode, None, cuda, torch.float64).fn is torch_impl
+        assert dispatch.resolve(op, mode, None, torch.device("cpu"), torch.float64).fn is torch_impl
+        assert dispatch.resolve(op, mode, None, cuda, torch.bfloat16).fn is getattr(fastweight.kernels,
+                                                                                    f"{mode}_{op}")
 
 
 @pytest.mark.parametrize("op", ["chunk_gated_delta_rule", "chunk_kda", "fused_recurrent_gated_delta_rule"])

@@ -15,17 +15,15 @@ query sees (``G_r``, or ``G_{r-1}`` for RWKV-6 which reads the state before the 
 ``M`` is the causal mask (strict for RWKV-6, whose own token enters through the bonus).
 The delta family (``delta.py``) is this with V replaced by the pseudo values ``v_tilde``.
 
-All public functions: ``impl(<tensors>, *, scale, initial_state=None, output_final_state=False,
-cu_seqlens=None, chunk_size=64)`` -> ``(o [B, T, H, V], final state [N, H, K, V] or None)``.
+Each op of the family maps its arguments onto :func:`decay_chunk` in its mechanism file
+(``fastweight.mechanisms``): ``(o [B, T, H, V], final state [N, H, K, V] or None)``.
 q, k, per-channel gates: [B, T, H, K]; v: [B, T, H, V]; scalar gates [B, T, H]; per-head
 constants [H]. ``initial_state``: [N, H, K, V]; ``cu_seqlens`` ([N+1], B = 1) packs N sequences.
 """
 
 from __future__ import annotations
 
-import math
 
-import torch
 
 from fastweight.checks import check_chunk_size
 from fastweight.chunk.common import (chunk_layout, compute_dtype, decayed_scores, finish, initial,
@@ -61,60 +59,3 @@ def decay_chunk(q, k, v, g=None, u=None, *, scale, initial_state=None, output_fi
     if u is not None:
         o = o + scale * (q * u.to(dt)[None, :, None, None, :] * k).sum(-1, keepdim=True) * v
     return finish(o, S, layout, out_dtype, output_final_state)
-
-
-def chunk_linear_attn(q, k, v, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-                      chunk_size=64, **options):
-    """Linear attention: S_t = S_{t-1} + k_t v_t^T."""
-    return decay_chunk(q, k, v, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                       cu_seqlens=cu_seqlens, chunk_size=chunk_size)
-
-
-def retention_log_decay(H: int) -> list[float]:
-    """RetNet's fixed per-head decay, as fla: log(1 - 2^(-5 - h)) for head h."""
-    return [math.log(1 - 2.0 ** (-5 - h)) for h in range(H)]
-
-
-def chunk_retention(q, k, v, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-                    chunk_size=64, **options):
-    """RetNet: S_t = gamma_h S_{t-1} + k_t v_t^T, gamma_h = 1 - 2^(-5 - h) fixed per head."""
-    g_gamma = torch.tensor(retention_log_decay(q.shape[2]), dtype=compute_dtype(q, k, v), device=q.device)
-    return chunk_simple_gla(q, k, v, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
-                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
-
-
-def chunk_simple_gla(q, k, v, g=None, g_gamma=None, *, scale, initial_state=None, output_final_state=False,
-                     cu_seqlens=None, chunk_size=64, **options):
-    """Scalar decay (Mamba-2 style): S_t = exp(g_t + g_gamma) S_{t-1} + k_t v_t^T.
-    g: [B, T, H] data-dependent log decay and/or g_gamma: [H] a fixed one per head."""
-    if g_gamma is not None:
-        # the sum in the compute dtype: in a 16-bit gate's dtype it would round the decay
-        dt = compute_dtype(q, k, v, g, g_gamma)
-        g_gamma = g_gamma.to(dt).expand(*q.shape[:2], q.shape[2])
-        g = g_gamma if g is None else g.to(dt) + g_gamma
-    return decay_chunk(q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                       cu_seqlens=cu_seqlens, chunk_size=chunk_size)
-
-
-def chunk_gla(q, k, v, g, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-              chunk_size=64, **options):
-    """GLA: S_t = Diag(exp g_t) S_{t-1} + k_t v_t^T, g: [B, T, H, K]."""
-    return decay_chunk(q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                       cu_seqlens=cu_seqlens, chunk_size=chunk_size)
-
-
-def chunk_rwkv6(r, k, v, w, u, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-                chunk_size=64, **options):
-    """RWKV-6 (fla's meaning): S_t = Diag(exp w_t) S_{t-1} + k_t v_t^T,
-    o_t = S_{t-1}^T (scale r_t) + (scale r_t . (u * k_t)) v_t. w: [B, T, H, K] log decay; u: [H, K]."""
-    return decay_chunk(r, k, v, w, u, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
-
-
-def chunk_hgrn2(q, v, g, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-                chunk_size=64, **options):
-    """HGRN2: S_t = Diag(alpha_t) S_{t-1} + (1 - alpha_t) v_t^T, alpha_t = exp g_t: [B, T, H, K].
-    The key 1 - alpha_t is formed in the compute dtype (fp32, fp64 for fp64), not the gate's."""
-    k = -torch.expm1(g.to(compute_dtype(q, v, g)))
-    return decay_chunk(q, k, v, g, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)

@@ -22,8 +22,8 @@ so with the UT transform ``T = (I + strictLower(...))^{-1} diag(beta)``:
     O = scale ((Q * exp G) S + ((Q K^T * Gamma) * M) v_tilde)          Gamma_ri = exp(G_r - G_i)
     S <- exp(G_C) S + (K * exp(G_C - G))^T v_tilde
 
-All public functions: ``impl(<tensors>, *, scale, initial_state=None, output_final_state=False,
-cu_seqlens=None, chunk_size=64)`` -> ``(o [B, T, H, V], final state [N, H, K, V] or None)``.
+:func:`delta_chunk` (each op of the family maps onto it in its mechanism file) returns
+``(o [B, T, H, V], final state [N, H, K, V] or None)``.
 q, k (and p, per-channel g): [B, T, H, K]; v: [B, T, H, V]; beta, scalar g: [B, T, H].
 ``initial_state``: [N, H, K, V]; ``cu_seqlens`` ([N+1], B = 1) packs N sequences along T.
 Gradients flow to every input (autograd through the chunk loop; the solve and the pairwise
@@ -74,44 +74,3 @@ def delta_chunk(q, k, v, beta, g=None, read_key=None, read_after_decay=True, *, 
     # 4. output: O = scale ((Q * gamma) S + (Q K^T * Gamma * M) v_tilde)
     o = scaled_sum(q * exp_to(G, dt), states, A_qk, v_tilde, scale)
     return finish(o, S, layout, out_dtype, output_final_state)
-
-
-def chunk_delta_rule(q, k, v, beta, *, scale, initial_state=None, output_final_state=False,
-                     cu_seqlens=None, chunk_size=64, **options):
-    """DeltaNet: S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T."""
-    return delta_chunk(q, k, v, beta, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
-
-
-def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False,
-                           cu_seqlens=None, chunk_size=64, **options):
-    """Gated DeltaNet: S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, g: [B, T, H]."""
-    return delta_chunk(q, k, v, beta, g, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
-
-
-def chunk_kda(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False,
-              cu_seqlens=None, chunk_size=64, **options):
-    """KDA: S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T, g: [B, T, H, K]."""
-    return delta_chunk(q, k, v, beta, g, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
-
-
-def chunk_comba(q, k, v, p, g, beta, *, scale, initial_state=None, output_final_state=False,
-                cu_seqlens=None, chunk_size=64, **options):
-    """Comba: S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - p_t^T S_{t-1})^T: the read key p meets the
-    undecayed state (``fastweight.mechanisms.comba``; fla's naive Comba reads the decayed one).
-    p: [B, T, H, K]; g: [B, T, H]."""
-    return delta_chunk(q, k, v, beta, g, read_key=p, read_after_decay=False, scale=scale,
-                       initial_state=initial_state, output_final_state=output_final_state,
-                       cu_seqlens=cu_seqlens, chunk_size=chunk_size)
-
-
-def chunk_longhorn(q, k, v, beta, *, scale, initial_state=None, output_final_state=False,
-                   cu_seqlens=None, chunk_size=64, **options):
-    """Longhorn's closed-form implicit step: S_t = (I - eps_t k_t k_t^T) S_{t-1} + eps_t k_t v_t^T,
-    eps_t = beta_t / (1 + beta_t k_t^T k_t)."""
-    dt = compute_dtype(k, beta)
-    beta, kk = beta.to(dt), (k.to(dt) ** 2).sum(-1)
-    return delta_chunk(q, k, v, beta / (1 + beta * kk), scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)

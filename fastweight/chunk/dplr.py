@@ -4,8 +4,8 @@
 
 Core names (DESIGN.md): ``a`` is the low-rank write direction, ``b`` is read against
 the *undecayed* state. fla's ``chunk_dplr_delta_rule(q, k, v, a, b, gk)`` and
-``chunk_rwkv7(r, w, k, v, a, b)`` name them the other way round; the two functions with
-fla's names at the end of this file keep fla's meaning and swap.
+``chunk_rwkv7(r, w, k, v, a, b)`` name them the other way round; their mechanism files
+(``mechanisms/dplr.py``, ``rwkv7.py``) keep fla's meaning and swap.
 
 Inside a chunk of C tokens starting from the state S (G = cumulative log decay from the
 chunk start, G^- the same one step earlier; derivation in docs/dplr_chunk.md):
@@ -176,26 +176,3 @@ def dplr_chunk(q, k, v, a=None, b=None, gk=None, *, scale: float, u=None, initia
             S_next = S_next + a_end[n] @ (W[n] @ S + U_tilde[n])
         S = S_next
     return finish(torch.stack(o, dim=2), S, layout, out_dtype, output_final_state)
-
-
-def chunk_dplr_delta_rule(q, k, v, a, b, gk, *, scale, initial_state=None, output_final_state=False,
-                          cu_seqlens=None, chunk_size=64, **_):
-    """fla's meaning: S_t = (Diag(exp gk_t) + b_t a_t^T) S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t).
-
-    fla's ``a`` is read against the state and ``b`` is the write direction (the core's b, a).
-    q, k, a, b, gk: [B, T, H, K]; v: [B, T, H, V]. Returns (o, final state or None).
-    """
-    return dplr_chunk(q, k, v, a=b, b=a, gk=gk, scale=scale, initial_state=initial_state,
-                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
-
-
-def chunk_rwkv7(r, w, k, v, a, b, *, scale, initial_state=None, output_final_state=False,
-                cu_seqlens=None, chunk_size=64, **_):
-    """RWKV-7 with fla's arguments: ``chunk_dplr_delta_rule(q=r, k, v, a, b, gk=w)``.
-
-    w: log decay [B, T, H, K] (RWKV-7's w_t = exp(-exp(-0.5) sigmoid(.)) gives w in [-0.607, 0]);
-    a = -kappa-hat (read against S), b = kappa-hat * iclr (write direction), as fla passes them.
-    """
-    return chunk_dplr_delta_rule(r, k, v, a, b, w, scale=scale, initial_state=initial_state,
-                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                 chunk_size=chunk_size)

@@ -1,26 +1,20 @@
-from fastweight.kernels.fused_recurrent import fused_recurrent_linear_attn  # noqa: F401
-from fastweight.kernels.fused_recurrent import fused_recurrent_retention  # noqa: F401
-from fastweight.kernels.fused_recurrent import fused_recurrent_simple_gla  # noqa: F401
-from fastweight.kernels.fused_recurrent import fused_recurrent_gla  # noqa: F401
-from fastweight.kernels.fused_recurrent import fused_recurrent_rwkv6  # noqa: F401
-from fastweight.kernels.fused_recurrent import fused_recurrent_hgrn2  # noqa: F401
-from fastweight.kernels.fused_recurrent import fused_recurrent_delta_rule  # noqa: F401
-from fastweight.kernels.fused_recurrent import fused_recurrent_gated_delta_rule  # noqa: F401
-from fastweight.kernels.fused_recurrent import fused_recurrent_kda  # noqa: F401
-from fastweight.kernels.fused_recurrent import fused_recurrent_comba  # noqa: F401
-from fastweight.kernels.fused_recurrent import fused_recurrent_longhorn  # noqa: F401
-from fastweight.kernels.fused_recurrent import fused_recurrent_dplr_delta_rule  # noqa: F401
-from fastweight.kernels.fused_recurrent import fused_recurrent_rwkv7  # noqa: F401
-from fastweight.kernels.decay import chunk_linear_attn  # noqa: F401
-from fastweight.kernels.decay import chunk_retention  # noqa: F401
-from fastweight.kernels.decay import chunk_simple_gla  # noqa: F401
-from fastweight.kernels.decay import chunk_gla  # noqa: F401
-from fastweight.kernels.decay import chunk_rwkv6  # noqa: F401
-from fastweight.kernels.decay import chunk_hgrn2  # noqa: F401
-from fastweight.kernels.delta import chunk_delta_rule  # noqa: F401
-from fastweight.kernels.delta import chunk_gated_delta_rule  # noqa: F401
-from fastweight.kernels.delta import chunk_longhorn  # noqa: F401
-from fastweight.kernels.delta import chunk_kda  # noqa: F401
-from fastweight.kernels.dplr import chunk_dplr_delta_rule  # noqa: F401
-from fastweight.kernels.dplr import chunk_rwkv7  # noqa: F401
-from fastweight.kernels.delta import chunk_comba  # noqa: F401
+"""Triton kernels, by stage (cumsum, intra-chunk, solve, WY, state, output) and family (``decay*``,
+the delta family unprefixed, ``dplr*``), with one generic fused recurrent kernel; the generic
+entry points are ``decay.chunk_decay``, ``delta.chunk_delta``, ``dplr.chunk_dplr`` and
+``fused_recurrent.fused_recurrent``. Each op's mechanism file maps its arguments onto them.
+
+``fastweight.kernels.chunk_<op>`` / ``fused_recurrent_<op>`` is that op's Triton implementation
+(``fastweight.mechanisms.get_op(op).triton_chunk.fn``), for callers that skip ``fastweight.ops``'
+validation and dispatch (tests, benchmarks).
+"""
+
+
+def __getattr__(name: str):
+    from fastweight.mechanisms import OPS
+    for mode in ("chunk", "fused_recurrent"):
+        op = OPS.get(name[len(mode) + 1:]) if name.startswith(mode + "_") else None
+        if op is not None:
+            impl = op.triton_chunk if mode == "chunk" else op.triton_fused_recurrent
+            if impl is not None:
+                return impl.fn
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

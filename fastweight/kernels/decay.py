@@ -132,8 +132,8 @@ def chunk_decay(q, k, v, g=None, *, u=None, g_gamma=None, scale: float, initial_
                 launch: DecayLaunch = DecayLaunch()):
     """The generic entry: g scalar [B, T, H] or vector [B, T, H, K] or None; g_gamma [H] (a log decay
     per head, added to every token's g; its gradient is the sum of theirs); u [H, K] with
-    ``exclusive`` (RWKV-6 readout, per-channel g); ``launch`` the kernels' variant (every op
-    below passes it on). Returns (o [B, T, H, V], final state or None)."""
+    ``exclusive`` (RWKV-6 readout, per-channel g); ``launch`` the kernels' variant (every op's
+    mechanism file passes it on). Returns (o [B, T, H, V], final state or None)."""
     B, T, H, _ = q.shape
     V = v.shape[-1]
     if exclusive and (g is None or g.dim() != 4 or g_gamma is not None):
@@ -152,50 +152,3 @@ def chunk_decay(q, k, v, g=None, *, u=None, g_gamma=None, scale: float, initial_
     o, ht = ChunkDecayFunction.apply(pack(q), pack(k), pack(v), pack(g), u, g_gamma, initial_state, scale,
                                      output_final_state, chunks, exclusive, launch)
     return o.reshape(B, T, H, V), ht
-
-
-def chunk_linear_attn(q, k, v, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-                      launch: DecayLaunch = DecayLaunch(), **_):
-    """Linear attention: S_t = S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t)."""
-    return chunk_decay(q, k, v, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                       cu_seqlens=cu_seqlens, launch=launch)
-
-
-def chunk_simple_gla(q, k, v, g=None, g_gamma=None, *, scale, initial_state=None, output_final_state=False,
-                     cu_seqlens=None, launch: DecayLaunch = DecayLaunch(), **_):
-    """Scalar decay (Mamba-2 style): S_t = exp(g_t + g_gamma) S_{t-1} + k_t v_t^T; g [B, T, H], g_gamma [H]."""
-    return chunk_decay(q, k, v, g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, launch=launch)
-
-
-def chunk_retention(q, k, v, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-                    launch: DecayLaunch = DecayLaunch(), **_):
-    """RetNet: scalar decay fixed per head, gamma_h = 1 - 2^(-5-h)."""
-    from fastweight.mechanisms.retnet import retnet_log_gamma
-    return chunk_decay(q, k, v, g_gamma=retnet_log_gamma(q.shape[2], device=q.device), scale=scale,
-                       initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                       launch=launch)
-
-
-def chunk_gla(q, k, v, g, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-              launch: DecayLaunch = DecayLaunch(), **_):
-    """GLA: S_t = Diag(exp g_t) S_{t-1} + k_t v_t^T; g [B, T, H, K] (log decay, <= 0)."""
-    return chunk_decay(q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                       cu_seqlens=cu_seqlens, launch=launch)
-
-
-def chunk_rwkv6(r, k, v, w, u, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-                launch: DecayLaunch = DecayLaunch(), **_):
-    """RWKV-6: S_t = Diag(exp w_t) S_{t-1} + k_t v_t^T, o_t = S_{t-1}^T (scale r_t) + (scale r_t . (u * k_t)) v_t.
-
-    w [B, T, H, K] (log decay), u [H, K] (the bonus)."""
-    return chunk_decay(r, k, v, w, u=u, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, exclusive=True, launch=launch)
-
-
-def chunk_hgrn2(q, v, g, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-                launch: DecayLaunch = DecayLaunch(), **_):
-    """HGRN2: S_t = Diag(exp g_t) S_{t-1} + (1 - exp g_t) v_t^T; GLA with k = 1 - exp(g)."""
-    k = (-torch.expm1(g.float())).to(q.dtype)
-    return chunk_decay(q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                       cu_seqlens=cu_seqlens, launch=launch)

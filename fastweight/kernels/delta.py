@@ -161,68 +161,10 @@ def chunk_delta(q, k, v, g, beta, *, scale, initial_state=None, output_final_sta
     return o, (ht if output_final_state else None)
 
 
-def _gate_params(use_gate_in_kernel, A_log, dt_bias):
+def gate_params(use_gate_in_kernel, A_log, dt_bias):
+    """``chunk_delta``'s A_log, dt_bias for the in-kernel gate (None, None without it)."""
     if not use_gate_in_kernel:
         return dict(A_log=None, dt_bias=None)
     if A_log is None or dt_bias is None:
         raise ValueError("`use_gate_in_kernel=True` needs `A_log` and `dt_bias`")
     return dict(A_log=A_log.contiguous(), dt_bias=dt_bias.contiguous())
-
-
-def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False,
-                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
-                           use_gate_in_kernel=False, **_):
-    """Gated DeltaNet: S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T (scale q_t).
-
-    use_gate_in_kernel: ``g`` is the pre-activation and the kernel forms the log gate
-    ``-exp(A_log) softplus(g + dt_bias)`` (A_log, dt_bias: [HV]), with gradients for all three."""
-    return chunk_delta(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                       **_gate_params(use_gate_in_kernel, A_log, dt_bias))
-
-
-def chunk_delta_rule(q, k, v, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-                     use_qk_l2norm_in_kernel=False, **_):
-    """DeltaNet: S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T (scale q_t)."""
-    return chunk_delta(q, k, v, None, beta, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-
-
-def chunk_kda(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-              use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, use_gate_in_kernel=False, **_):
-    """KDA: S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T, g: [B, T, HV, K].
-
-    use_gate_in_kernel: ``g`` is the pre-activation and the kernel forms the log gate
-    ``-exp(A_log) softplus(g + dt_bias)`` (A_log: [HV], dt_bias: [HV * K]), as fla's chunk_kda."""
-    return chunk_delta(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                       **_gate_params(use_gate_in_kernel, A_log, dt_bias))
-
-
-def chunk_comba(q, k, v, p, g, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-                use_qk_l2norm_in_kernel=False, **_):
-    """Comba: S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - S_{t-1}^T p_t)^T: the read key p [B, T, H, K]
-    reads the undecayed state (fastweight.mechanisms.comba)."""
-    return chunk_delta(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, p=p)
-
-
-def chunk_longhorn(q, k, v, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
-    """Longhorn: the delta rule with step eps_t = beta_t / (1 + beta_t k_t^T k_t) (its gradient by autograd)."""
-    kk = (k.float() * k.float()).sum(-1)
-    if v.shape[2] != k.shape[2]:
-        kk = kk.repeat_interleave(v.shape[2] // k.shape[2], dim=2)
-    eps = (beta.float() / (1 + beta.float() * kk)).to(beta.dtype)
-    return chunk_delta(q, k, v, None, eps, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-
-
-for _impl in (chunk_gated_delta_rule, chunk_delta_rule, chunk_kda, chunk_comba, chunk_longhorn):
-    _impl.grouped_heads = True
-for _impl in (chunk_gated_delta_rule, chunk_delta_rule, chunk_kda, chunk_comba):
-    _impl.fused_l2norm = True
-chunk_gated_delta_rule.fused_gate = chunk_kda.fused_gate = True

@@ -117,7 +117,7 @@ class ChunkDplrFunction(torch.autograd.Function):
         return dq, dk, dv, da, db, dg, dh0, None, None, None, None
 
 
-def chunk_dplr_delta_rule(q, k, v, a, b, gk, *, scale, initial_state=None, output_final_state=False,
+def chunk_dplr(q, k, v, a, b, gk, *, scale, initial_state=None, output_final_state=False,
                           cu_seqlens=None, launch: DplrLaunch = DplrLaunch(), **_):
     """Generic DPLR, fla's meaning: S_t = (Diag(exp gk_t) + b_t a_t^T) S_{t-1} + k_t v_t^T,
     o_t = S_t^T (scale q_t); ``launch`` the kernels' variant. Returns (o [B, T, H, V], final state
@@ -134,11 +134,3 @@ def chunk_dplr_delta_rule(q, k, v, a, b, gk, *, scale, initial_state=None, outpu
     o, ht = ChunkDplrFunction.apply(pack(q), pack(k), pack(v), pack(a), pack(b), pack(gk), initial_state, scale,
                                     output_final_state, chunks, launch)
     return o.reshape(B, T, H, V), ht
-
-
-def chunk_rwkv7(r, w, k, v, a, b, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-                launch: DplrLaunch = DplrLaunch(), **_):
-    """RWKV-7 with fla's arguments: ``chunk_dplr_delta_rule(q=r, k, v, a, b, gk=w)``, w the log decay,
-    a = -kappa^ (read), b = kappa^ * iclr (write)."""
-    return chunk_dplr_delta_rule(r, k, v, a, b, w, scale=scale, initial_state=initial_state,
-                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, launch=launch)

@@ -16,7 +16,7 @@ state once. Constexpr flags pick the pieces of the step:
 - low rank: ``LOW_RANK = 0`` none; ``1`` the delta rule with tied keys, ``a = -beta k``,
   write ``beta k``, ``b = k`` (or the separate key ``p`` with ``USE_P``), ``b`` multiplied by
   the decay with ``B_DECAYED`` (Gated DeltaNet, KDA: the rule acts on the decayed state),
-  ``beta`` replaced by Longhorn's ``eps = beta / (1 + beta k^T k)`` with ``USE_LONGHORN``;
+  ``beta`` replaced by the implicit step's ``eps = beta / (1 + beta k^T k)`` with ``IMPLICIT``;
   ``2`` free ``a``, ``b`` (generic DPLR, RWKV-7).
 - readout: ``USE_BONUS`` is RWKV-6's, ``o_t = S_{t-1}^T (scale q) + (scale q . (u * k_t)) v_t``.
 - ``USE_QK_L2NORM``: q and k (and p) divided by ``sqrt(sum x^2 + 1e-6)`` in the kernel.
@@ -24,7 +24,7 @@ state once. Constexpr flags pick the pieces of the step:
 
 With ``STORE_R`` the kernel also writes ``r_t = b_t^T S_{t-1}`` (``[B, T, HV, V]`` fp32), which
 the backward needs (``fused_recurrent_bwd.py``; the derivation is in ``docs/fused_recurrent.md``).
-The public ops at the end of this file are thin maps from each op's arguments to these flags.
+Each op's mechanism file (``fastweight.mechanisms``) maps the op's arguments onto these flags.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def fused_recurrent_fwd_kernel(
     BK: tl.constexpr, BV: tl.constexpr,
     USE_G: tl.constexpr, USE_G_GAMMA: tl.constexpr, USE_GK: tl.constexpr,
     USE_GATE_IN_KERNEL: tl.constexpr, LOW_RANK: tl.constexpr, USE_P: tl.constexpr,
-    B_DECAYED: tl.constexpr, USE_LONGHORN: tl.constexpr, USE_BONUS: tl.constexpr,
+    B_DECAYED: tl.constexpr, IMPLICIT: tl.constexpr, USE_BONUS: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     STORE_R: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
@@ -128,7 +128,7 @@ def fused_recurrent_fwd_kernel(
             else:
                 b_b = b_k
             b_beta = tl.load(beta + i_tok * HV + i_hv).to(tl.float32)
-            if USE_LONGHORN:
+            if IMPLICIT:
                 b_beta = b_beta / (1. + b_beta * tl.sum(b_k * b_k))
             if B_DECAYED:
                 b_h = b_h * b_w[:, None]
@@ -163,7 +163,7 @@ class Spec:
     low_rank: int = 0
     use_p: bool = False
     b_decayed: bool = False
-    longhorn: bool = False
+    implicit: bool = False
     bonus: bool = False
     qk_l2norm: bool = False
     gate_in_kernel: bool = False
@@ -232,7 +232,7 @@ def fused_recurrent_fwd(spec: Spec, q, k, v, *, g=None, g_gamma=None, gk=None, b
         scale, T, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         USE_G=g is not None, USE_G_GAMMA=g_gamma is not None, USE_GK=gk is not None,
         USE_GATE_IN_KERNEL=spec.gate_in_kernel, LOW_RANK=spec.low_rank, USE_P=spec.use_p,
-        B_DECAYED=spec.b_decayed, USE_LONGHORN=spec.longhorn, USE_BONUS=spec.bonus,
+        B_DECAYED=spec.b_decayed, IMPLICIT=spec.implicit, USE_BONUS=spec.bonus,
         USE_QK_L2NORM=spec.qk_l2norm, USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=output_final_state, STORE_R=r is not None, IS_VARLEN=cu_seqlens is not None,
         num_warps=warps,
@@ -277,7 +277,7 @@ def generic_inputs(spec: Spec, x: dict, scale: float):
         if spec.use_p:
             b = heads(l2norm(x["p"].float()) if spec.qk_l2norm else x["p"].float())
         beta = x["beta"].float()[..., None]
-        if spec.longhorn:
+        if spec.implicit:
             beta = beta / (1 + beta * (k * k).sum(-1, keepdim=True))
         if spec.b_decayed and decay is not None:
             b = b * (decay.exp() if decay.dim() == 4 else decay.exp()[..., None])
@@ -352,17 +352,7 @@ def fused_recurrent(q, k, v, *, spec: Spec, scale: float, initial_state=None, ou
                                         *(x.get(n) for n in TENSORS))
 
 
-# The ops: each maps its arguments (fastweight.ops names, validated, see fastweight.dispatch)
-# onto the generic step. Common keywords: scale, initial_state, output_final_state, cu_seqlens.
-
-def _grouped(fn):
-    """Marks an op whose kernel reads q, k at H heads and the rest at HV (no expansion needed)."""
-    fn.grouped_heads = True
-    fn.fused_l2norm = True
-    return fn
-
-
-def _gate_spec(A_log, dt_bias, heads: int, channels: int) -> bool:
+def gate_spec(A_log, dt_bias, heads: int, channels: int) -> bool:
     """Whether the gate is computed in the kernel; checks ``A_log`` [HV] and ``dt_bias`` [HV * channels]."""
     from fastweight import checks
     if (A_log is None) != (dt_bias is None):
@@ -372,93 +362,3 @@ def _gate_spec(A_log, dt_bias, heads: int, channels: int) -> bool:
     checks.check_tensor("A_log", A_log, ndim=1, shape=(heads,))
     checks.check_tensor("dt_bias", dt_bias, ndim=1, shape=(heads * channels,))
     return True
-
-
-def fused_recurrent_linear_attn(q, k, v, **kw):
-    """S_t = S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t)."""
-    return fused_recurrent(q, k, v, spec=Spec(), **kw)
-
-
-def fused_recurrent_retention(q, k, v, **kw):
-    """S_t = gamma_h S_{t-1} + k_t v_t^T, gamma_h = 1 - 2^(-5-h) per value head."""
-    from fastweight.mechanisms.retnet import retnet_log_gamma
-    return fused_recurrent(q, k, v, spec=Spec(), g_gamma=retnet_log_gamma(v.shape[2], device=v.device), **kw)
-
-
-def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, **kw):
-    """S_t = exp(g_t + g_gamma) S_{t-1} + k_t v_t^T; g: [B, T, HV], g_gamma: [HV] (either may be None)."""
-    return fused_recurrent(q, k, v, spec=Spec(), g=g, g_gamma=g_gamma, **kw)
-
-
-def fused_recurrent_gla(q, k, v, g, **kw):
-    """S_t = Diag(exp g_t) S_{t-1} + k_t v_t^T; g: [B, T, H, K]."""
-    return fused_recurrent(q, k, v, spec=Spec(), gk=g, **kw)
-
-
-def fused_recurrent_rwkv6(r, k, v, w, u, **kw):
-    """S_t = Diag(exp w_t) S_{t-1} + k_t v_t^T, o_t = S_{t-1}^T (scale r_t) + (scale r_t . (u * k_t)) v_t."""
-    return fused_recurrent(r, k, v, spec=Spec(bonus=True), gk=w, u=u, **kw)
-
-
-def fused_recurrent_hgrn2(q, v, g, **kw):
-    """S_t = Diag(exp g_t) S_{t-1} + (1 - exp g_t) v_t^T: GLA with the key 1 - exp(g)."""
-    # the key and the gate from one fp32 copy of g: the two gradients (which cancel in part) add in
-    # fp32 before the one cast to g's dtype. The key's value from expm1, its gradient -exp(g) from
-    # exp: expm1's backward uses 1 + expm1(g), which is 0 in fp32 for g below about -17
-    g32 = g.float()
-    decay = g32.exp()
-    key = -torch.expm1(g32).detach() + (decay.detach() - decay)
-    return fused_recurrent(q, key, v, spec=Spec(), gk=g32, **kw)
-
-
-@_grouped
-def fused_recurrent_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=False, **kw):
-    """S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T; beta: [B, T, HV]."""
-    return fused_recurrent(q, k, v, spec=Spec(low_rank=1, qk_l2norm=use_qk_l2norm_in_kernel), beta=beta, **kw)
-
-
-@_grouped
-def fused_recurrent_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=False, A_log=None,
-                                     dt_bias=None, **kw):
-    """S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T; g, beta: [B, T, HV].
-
-    With ``A_log``, ``dt_bias`` ([HV]) the gate is ``-exp(A_log) * softplus(g + dt_bias)``, in the kernel.
-    """
-    spec = Spec(low_rank=1, b_decayed=True, qk_l2norm=use_qk_l2norm_in_kernel,
-                gate_in_kernel=_gate_spec(A_log, dt_bias, v.shape[2], 1))
-    return fused_recurrent(q, k, v, spec=spec, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, **kw)
-
-
-@_grouped
-def fused_recurrent_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, **kw):
-    """S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T; g: [B, T, HV, K].
-
-    With ``A_log`` ([HV]), ``dt_bias`` ([HV * K]) the gate is ``-exp(A_log) * softplus(g + dt_bias)``.
-    """
-    spec = Spec(low_rank=1, b_decayed=True, qk_l2norm=use_qk_l2norm_in_kernel,
-                gate_in_kernel=_gate_spec(A_log, dt_bias, v.shape[2], q.shape[-1]))
-    return fused_recurrent(q, k, v, spec=spec, gk=g, beta=beta, A_log=A_log, dt_bias=dt_bias, **kw)
-
-
-@_grouped
-def fused_recurrent_comba(q, k, v, p, g, beta, use_qk_l2norm_in_kernel=False, **kw):
-    """S_t = (exp(g_t) I - beta_t k_t p_t^T) S_{t-1} + beta_t k_t v_t^T (p reads the undecayed state)."""
-    spec = Spec(low_rank=1, use_p=True, qk_l2norm=use_qk_l2norm_in_kernel)
-    return fused_recurrent(q, k, v, spec=spec, p=p, g=g, beta=beta, **kw)
-
-
-@_grouped
-def fused_recurrent_longhorn(q, k, v, beta, use_qk_l2norm_in_kernel=False, **kw):
-    """S_t = (I - eps_t k_t k_t^T) S_{t-1} + eps_t k_t v_t^T, eps_t = beta_t / (1 + beta_t k_t^T k_t)."""
-    spec = Spec(low_rank=1, longhorn=True, qk_l2norm=use_qk_l2norm_in_kernel)
-    return fused_recurrent(q, k, v, spec=spec, beta=beta, **kw)
-
-
-def fused_recurrent_dplr_delta_rule(q, k, v, a, b, gk, **kw):
-    """fla's meaning: S_t = (Diag(exp gk_t) + b_t a_t^T) S_{t-1} + k_t v_t^T (fla's a reads the state)."""
-    return fused_recurrent(q, k, v, spec=Spec(low_rank=2), a=b, b=a, gk=gk, **kw)
-
-
-def fused_recurrent_rwkv7(r, w, k, v, a, b, **kw):
-    """fla's chunk_rwkv7 meaning: S_t = (Diag(exp w_t) + b_t a_t^T) S_{t-1} + k_t v_t^T, o_t = S_t^T (scale r_t)."""
-    return fused_recurrent(r, k, v, spec=Spec(low_rank=2), a=b, b=a, gk=w, **kw)

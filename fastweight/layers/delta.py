@@ -31,10 +31,6 @@ from fastweight.layers.common import GatedRMSNorm, LowRank, ShortConv, at_least_
 from fastweight.layers.linear_op import generic_forced
 from fastweight.mechanisms import MIXERS, OPS
 
-# ops whose kernels normalise q and k themselves (Comba's would normalise its read key p too)
-FUSED_L2NORM = ("delta_rule", "gated_delta_rule", "kda")
-
-
 
 class DeltaRuleMixer(Mixer):
     """Gated DeltaNet (Fig. 1) and its relatives, by ``variant`` (see the module docstring)."""
@@ -105,7 +101,7 @@ class DeltaRuleMixer(Mixer):
         extra = {n: t.to(v.dtype) if n == "beta" else t for n, t in self.gates(x, in_kernel).items()}
         if self.implicit:
             q = l2norm(q)
-        elif self.op in FUSED_L2NORM:
+        elif not self.read_key:   # the op normalises q and k (in its kernel where it can); p is made from k here
             extra["use_qk_l2norm_in_kernel"] = True
         else:
             q, k = l2norm(q), l2norm(k)

@@ -1,8 +1,8 @@
 """The mechanism registry: one short file per mechanism (see ``base.py`` for the spec), and the
 ops and mixers those files declare (``OPS``, ``MIXERS``: what every list of ops or mixers reads)."""
 
-from fastweight.mechanisms.base import (MIXERS, OPS, REGISTRY, Mechanism, Mixer, Op, Preconditioner, get, get_op,
-                                        register)
+from fastweight.mechanisms.base import (MIXERS, OPS, REGISTRY, Impl, Mechanism, Mixer, Op, Preconditioner, get,
+                                        get_op, register)
 from fastweight.mechanisms import (  # noqa: F401  (each registers itself, in this order)
     linear_attention,
     retnet,
@@ -19,4 +19,5 @@ from fastweight.mechanisms import (  # noqa: F401  (each registers itself, in th
     dplr,
 )
 
-__all__ = ["MIXERS", "OPS", "REGISTRY", "Mechanism", "Mixer", "Op", "Preconditioner", "get", "get_op", "register"]
+__all__ = ["MIXERS", "OPS", "REGISTRY", "Impl", "Mechanism", "Mixer", "Op", "Preconditioner", "get", "get_op",
+           "register"]

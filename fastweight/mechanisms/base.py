@@ -79,6 +79,22 @@ class Preconditioner:
 
 
 @dataclass(frozen=True)
+class Impl:
+    """One implementation of an op: ``fn(**tensors, scale, initial_state, output_final_state,
+    cu_seqlens, **options) -> (o, final state or None)`` (``fastweight.dispatch``), and what it
+    does itself that the dispatcher would otherwise do first: read q, k at H heads and the rest
+    at HV (``grouped_heads``), take ``use_qk_l2norm_in_kernel`` (``fused_l2norm``), take
+    ``use_gate_in_kernel``, ``A_log``, ``dt_bias`` (``fused_gate``). ``unverified(device, K, V)``:
+    why the kernel must not run at those head sizes on that device (a shape known to fail on some
+    GPU), else None; the dispatcher then serves the PyTorch path with a warning."""
+    fn: Callable
+    grouped_heads: bool = False
+    fused_l2norm: bool = False
+    fused_gate: bool = False
+    unverified: Callable | None = None
+
+
+@dataclass(frozen=True)
 class Op:
     """A public op (``fastweight.ops.chunk_<name>`` / ``fused_recurrent_<name>``) as the rest of
     the package needs to know it.
@@ -89,17 +105,24 @@ class Op:
     ``"channel"`` ([B, T, H, K]; KDA's are per value head). ``beta``: its learning rate's range,
     ``"unit"`` (in (0, 1], (0, 2) with ``allow_neg_eigval``, which the op then takes) or
     ``"positive"`` (any beta > 0). ``gate_in_kernel``: the op forms Mamba-2's gate from
-    ``A_log``, ``dt_bias``. ``reference(**tensors, scale, initial_state, output_final_state,
-    cu_seqlens) -> (o, S)``: the per-token definition (``backend="reference"``), float64-exact.
-    ``dplr(**tensors) -> dict(q, k, v, a, b, gk[, u])``: the same recurrence as the generic DPLR
-    op's arguments, fla's meaning (``a`` read against the state; ``u``: RWKV-6's bonus, which
-    the DPLR op lacks), or None where there is no such form.
+    ``A_log``, ``dt_bias``.
+
+    Its implementations, by direct reference: ``reference`` (the per-token definition,
+    float64-exact: ``backend="reference"``), ``torch`` (the PyTorch chunk algorithm, any device;
+    it also serves ``fused_recurrent_<name>`` on ``backend="torch"``), ``triton_chunk`` and
+    ``triton_fused_recurrent`` (the Triton kernels; their wrappers import Triton only when
+    called). ``dplr(**tensors) -> dict(q, k, v, a, b, gk[, u])``: the same recurrence as the
+    generic DPLR op's arguments, fla's meaning (``a`` read against the state; ``u``: RWKV-6's
+    bonus, which the DPLR op lacks), or None where there is no such form.
     """
     name: str
     mechanism: str
     args: tuple
     family: str
     reference: Callable
+    torch: Impl | None = None
+    triton_chunk: Impl | None = None
+    triton_fused_recurrent: Impl | None = None
     dplr: Callable | None = None
     gates: dict = field(default_factory=dict)
     beta: str | None = None
@@ -114,6 +137,14 @@ class Op:
     def neg_eigval(self) -> bool:
         """Whether it takes ``allow_neg_eigval`` (beta in (0, 2))."""
         return self.beta == "unit"
+
+    def impl(self, backend: str, mode: str) -> Impl | None:
+        """Its implementation on ``backend`` ("triton", "torch", "reference") in ``mode``."""
+        if backend == "reference":
+            return Impl(self.reference)
+        if backend == "torch":
+            return self.torch
+        return self.triton_chunk if mode == "chunk" else self.triton_fused_recurrent
 
 
 @dataclass(frozen=True)
@@ -165,12 +196,14 @@ def get_op(name: str) -> Op:
         raise ValueError(f"unknown op {name!r}; known: {', '.join(OPS)}") from None
 
 
-def reference_op(mechanism: Mechanism, inputs: Callable) -> Callable:
-    """The op's reference: its tensors mapped by ``inputs(**tensors) -> mechanism inputs``, then
-    ``mechanism``'s own recurrence; the op's other options (``allow_neg_eigval``, ...) are already
-    folded into the tensors by then."""
+def reference_op(mechanism: Mechanism, inputs: Callable | None = None) -> Callable:
+    """The op's reference: its tensors mapped by ``inputs(**tensors) -> mechanism inputs`` (None:
+    the op's tensors are the mechanism's inputs, by the same names), then ``mechanism``'s own
+    recurrence; the op's other options (``allow_neg_eigval``, ...) are already folded into the
+    tensors by then."""
     def reference(*, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **tensors):
-        x = inputs(**{n: t for n, t in tensors.items() if isinstance(t, torch.Tensor) or t is None})
+        tensors = {n: t for n, t in tensors.items() if isinstance(t, torch.Tensor) or t is None}
+        x = {n: tensors[n] for n in mechanism.input_names} if inputs is None else inputs(**tensors)
         return mechanism.recurrent(x, scale=scale, initial_state=initial_state,
                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     return reference

@@ -11,7 +11,7 @@ no scalar objective has this step as its gradient (docs/objectives.md).
 DPLR: w = alpha_t (scalar), a = -beta k, b = p, write (beta k, v).
 """
 
-from fastweight.mechanisms.base import (Mechanism, Mixer, Op, Preconditioner, kT_S, l2norm, outer, rand,
+from fastweight.mechanisms.base import (Impl, Mechanism, Mixer, Op, Preconditioner, kT_S, l2norm, outer, rand,
                                         randn, reference_op, register, register_mixer, register_op,
                                         regression, sample_log_decay, weight_decay)
 from fastweight.mechanisms.deltanet import delta_dplr
@@ -62,8 +62,31 @@ def _dplr(q, k, v, p, g, beta, **_):
     return delta_dplr(q, k, v, beta, gk=g[..., None].expand_as(q).contiguous(), a=p)
 
 
+def _torch(q, k, v, p, g, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+           chunk_size=64, **_):
+    """The read key p meets the undecayed state (fla's naive Comba reads the decayed one)."""
+    from fastweight.chunk.delta import delta_chunk
+    return delta_chunk(q, k, v, beta, g, read_key=p, read_after_decay=False, scale=scale,
+                       initial_state=initial_state, output_final_state=output_final_state,
+                       cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def _triton_chunk(q, k, v, p, g, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                  use_qk_l2norm_in_kernel=False, **_):
+    from fastweight.kernels.delta import chunk_delta
+    return chunk_delta(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, p=p)
+
+
+def _triton_fused_recurrent(q, k, v, p, g, beta, use_qk_l2norm_in_kernel=False, **kw):
+    from fastweight.kernels.fused_recurrent import Spec, fused_recurrent
+    spec = Spec(low_rank=1, use_p=True, qk_l2norm=use_qk_l2norm_in_kernel)
+    return fused_recurrent(q, k, v, spec=spec, p=p, g=g, beta=beta, **kw)
+
+
 OP = register_op(Op(name="comba", mechanism="comba", args=("q", "k", "v", "p", "g", "beta"), family="delta",
-                    dplr=_dplr, gates={"g": "head"}, beta="unit",
-                    reference=reference_op(MECHANISM, lambda q, k, v, p, g, beta, **_: dict(q=q, k=k, v=v, p=p, g=g,
-                                                                                          beta=beta))))
+                    gates={"g": "head"}, beta="unit", reference=reference_op(MECHANISM), dplr=_dplr,
+                    torch=Impl(_torch), triton_chunk=Impl(_triton_chunk, grouped_heads=True, fused_l2norm=True),
+                    triton_fused_recurrent=Impl(_triton_fused_recurrent, grouped_heads=True, fused_l2norm=True)))
 register_mixer(Mixer(name="comba", op="comba", layer="delta", options=dict(decay="head", gate="silu", read_key=True)))

@@ -8,8 +8,8 @@ With ``allow_neg_eigval`` beta_t lies in (0, 2): the transition's eigenvalue alo
 1 - beta_t < 0 (state tracking; Grazzi et al. 2024). DPLR: w = 1, a = -beta k, b = k, write (beta k, v).
 """
 
-from fastweight.mechanisms.base import (Mechanism, Mixer, Op, kT_S, l2norm, outer, rand, randn, reference_op,
-                                        register, register_mixer, register_op, regression)
+from fastweight.mechanisms.base import (Impl, Mechanism, Mixer, Op, kT_S, l2norm, outer, rand, randn,
+                                        reference_op, register, register_mixer, register_op, regression)
 
 
 def sample(B, T, H, K, V, *, dtype, device, generator, allow_neg_eigval=True):
@@ -58,7 +58,32 @@ def delta_dplr(q, k, v, beta, gk=None, a=None):
     return dict(q=q, k=b, v=v, a=k if a is None else a, b=-b, gk=gk)
 
 
+def _torch(q, k, v, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=64,
+           **_):
+    from fastweight.chunk.delta import delta_chunk
+    return delta_chunk(q, k, v, beta, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def _triton_chunk(q, k, v, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                  use_qk_l2norm_in_kernel=False, **_):
+    from fastweight.kernels.delta import chunk_delta
+    return chunk_delta(q, k, v, None, beta, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def _triton_fused_recurrent(q, k, v, beta, use_qk_l2norm_in_kernel=False, **kw):
+    from fastweight.kernels.fused_recurrent import Spec, fused_recurrent
+    return fused_recurrent(q, k, v, spec=Spec(low_rank=1, qk_l2norm=use_qk_l2norm_in_kernel), beta=beta, **kw)
+
+
+def _dplr(q, k, v, beta, **_):
+    return delta_dplr(q, k, v, beta)
+
+
 OP = register_op(Op(name="delta_rule", mechanism="deltanet", args=("q", "k", "v", "beta"), family="delta",
-                    reference=reference_op(MECHANISM, lambda q, k, v, beta, **_: dict(q=q, k=k, v=v, beta=beta)),
-                    dplr=lambda q, k, v, beta, **_: delta_dplr(q, k, v, beta), beta="unit"))
+                    beta="unit", reference=reference_op(MECHANISM), dplr=_dplr, torch=Impl(_torch),
+                    triton_chunk=Impl(_triton_chunk, grouped_heads=True, fused_l2norm=True),
+                    triton_fused_recurrent=Impl(_triton_fused_recurrent, grouped_heads=True, fused_l2norm=True)))
 register_mixer(Mixer(name="deltanet", op="delta_rule", layer="delta", options=dict(decay=None, gate=None)))

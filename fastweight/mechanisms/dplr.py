@@ -11,8 +11,9 @@ unless a is a negative multiple of b (docs/objectives.md).
 
 import torch
 
-from fastweight.mechanisms.base import (Mechanism, Op, Preconditioner, hebbian, l2norm, outer, rand, randn,
-                                        register, register_op, regression, sample_log_decay, weight_decay)
+from fastweight.mechanisms.base import (Impl, Mechanism, Op, Preconditioner, hebbian, l2norm, outer, rand,
+                                        randn, register, register_op, regression, sample_log_decay,
+                                        weight_decay)
 from fastweight.reference.recurrence import dplr_recurrent, dplr_step
 
 
@@ -58,5 +59,26 @@ def _reference(q, k, v, a, b, gk, *, scale, initial_state=None, output_final_sta
                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
+def _torch(q, k, v, a, b, gk, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+           chunk_size=64, **_):
+    """fla's ``a`` is read against the state and ``b`` is the write direction (the core's b, a)."""
+    from fastweight.chunk.dplr import dplr_chunk
+    return dplr_chunk(q, k, v, a=b, b=a, gk=gk, scale=scale, initial_state=initial_state,
+                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def _triton_chunk(q, k, v, a, b, gk, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                  launch=None, **_):
+    from fastweight.kernels.dplr import DplrLaunch, chunk_dplr
+    return chunk_dplr(q, k, v, a, b, gk, scale=scale, initial_state=initial_state,
+                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, launch=launch or DplrLaunch())
+
+
+def _triton_fused_recurrent(q, k, v, a, b, gk, **kw):
+    from fastweight.kernels.fused_recurrent import Spec, fused_recurrent
+    return fused_recurrent(q, k, v, spec=Spec(low_rank=2), a=b, b=a, gk=gk, **kw)
+
+
 OP = register_op(Op(name="dplr_delta_rule", mechanism="dplr", args=("q", "k", "v", "a", "b", "gk"), family="dplr",
-                    reference=_reference, gates={"gk": "channel"}))
+                    gates={"gk": "channel"}, reference=_reference, torch=Impl(_torch),
+                    triton_chunk=Impl(_triton_chunk), triton_fused_recurrent=Impl(_triton_fused_recurrent)))

@@ -7,8 +7,8 @@ row-wise weight decay ``1/2 ||sqrt(Diag(1 - alpha_t)) S||_F^2``. DPLR: w = alpha
 a = b = 0, write (k, v).
 """
 
-from fastweight.mechanisms.base import (Mechanism, Mixer, Op, hebbian, outer, randn, reference_op, register,
-                                        register_mixer, register_op, sample_log_decay, weight_decay)
+from fastweight.mechanisms.base import (Impl, Mechanism, Mixer, Op, hebbian, outer, randn, reference_op,
+                                        register, register_mixer, register_op, sample_log_decay, weight_decay)
 
 
 def sample(B, T, H, K, V, *, dtype, device, generator):
@@ -45,7 +45,29 @@ MECHANISM = register(Mechanism(
 ))
 
 
-OP = register_op(Op(name="gla", mechanism="gla", args=("q", "k", "v", "g"), family="decay",
-                    reference=reference_op(MECHANISM, lambda q, k, v, g, **_: dict(q=q, k=k, v=v, g=g)),
-                    dplr=lambda q, k, v, g, **_: dict(q=q, k=k, v=v, a=None, b=None, gk=g), gates={"g": "channel"}))
+def _torch(q, k, v, g, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=64, **_):
+    from fastweight.chunk.decay import decay_chunk
+    return decay_chunk(q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                       cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def _triton_chunk(q, k, v, g, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                  launch=None, **_):
+    from fastweight.kernels.decay import DecayLaunch, chunk_decay
+    return chunk_decay(q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                       cu_seqlens=cu_seqlens, launch=launch or DecayLaunch())
+
+
+def _triton_fused_recurrent(q, k, v, g, **kw):
+    from fastweight.kernels.fused_recurrent import Spec, fused_recurrent
+    return fused_recurrent(q, k, v, spec=Spec(), gk=g, **kw)
+
+
+def _dplr(q, k, v, g, **_):
+    return dict(q=q, k=k, v=v, a=None, b=None, gk=g)
+
+
+OP = register_op(Op(name="gla", mechanism="gla", args=("q", "k", "v", "g"), family="decay", gates={"g": "channel"},
+                    reference=reference_op(MECHANISM), dplr=_dplr, torch=Impl(_torch),
+                    triton_chunk=Impl(_triton_chunk), triton_fused_recurrent=Impl(_triton_fused_recurrent)))
 register_mixer(Mixer(name="gla", op="gla", layer="decay"))

@@ -7,8 +7,9 @@ step with learning rate beta_t on ``1/2 ||S~^T k_t - v_t||^2`` at ``S~ = Diag(al
 DPLR: w = alpha_t (vector), a = -beta k, b = alpha_t * k, write (beta k, v).
 """
 
-from fastweight.mechanisms.base import (Mechanism, Mixer, Op, kT_S, l2norm, outer, rand, randn, reference_op,
-                                        register, register_mixer, register_op, regression, sample_log_decay)
+from fastweight.mechanisms.base import (Impl, Mechanism, Mixer, Op, kT_S, l2norm, outer, rand, randn,
+                                        reference_op, register, register_mixer, register_op, regression,
+                                        sample_log_decay)
 from fastweight.mechanisms.deltanet import delta_dplr
 
 
@@ -51,9 +52,39 @@ MECHANISM = register(Mechanism(
 ))
 
 
+def _torch(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+           chunk_size=64, **_):
+    from fastweight.chunk.delta import delta_chunk
+    return delta_chunk(q, k, v, beta, g, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def _triton_chunk(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                  use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, use_gate_in_kernel=False, **_):
+    """use_gate_in_kernel: ``g`` is the pre-activation and the kernel forms the log gate
+    ``-exp(A_log) softplus(g + dt_bias)`` (A_log: [HV], dt_bias: [HV * K]), as fla's chunk_kda."""
+    from fastweight.kernels.delta import chunk_delta, gate_params
+    return chunk_delta(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                       **gate_params(use_gate_in_kernel, A_log, dt_bias))
+
+
+def _triton_fused_recurrent(q, k, v, g, beta, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, **kw):
+    """With ``A_log`` ([HV]), ``dt_bias`` ([HV * K]) the gate is ``-exp(A_log) * softplus(g + dt_bias)``."""
+    from fastweight.kernels.fused_recurrent import Spec, fused_recurrent, gate_spec
+    spec = Spec(low_rank=1, b_decayed=True, qk_l2norm=use_qk_l2norm_in_kernel,
+                gate_in_kernel=gate_spec(A_log, dt_bias, v.shape[2], q.shape[-1]))
+    return fused_recurrent(q, k, v, spec=spec, gk=g, beta=beta, A_log=A_log, dt_bias=dt_bias, **kw)
+
+
+def _dplr(q, k, v, g, beta, **_):
+    return delta_dplr(q, k, v, beta, gk=g, a=g.exp() * k)
+
+
 OP = register_op(Op(name="kda", mechanism="kda", args=("q", "k", "v", "g", "beta"), family="delta",
-                    dplr=lambda q, k, v, g, beta, **_: delta_dplr(q, k, v, beta, gk=g, a=g.exp() * k),
-                    gates={"g": "channel"}, beta="unit", gate_in_kernel=True,
-                    reference=reference_op(MECHANISM, lambda q, k, v, g, beta, **_: dict(q=q, k=k, v=v, g=g,
-                                                                                       beta=beta))))
+                    gates={"g": "channel"}, beta="unit", gate_in_kernel=True, reference=reference_op(MECHANISM),
+                    dplr=_dplr, torch=Impl(_torch),
+                    triton_chunk=Impl(_triton_chunk, grouped_heads=True, fused_l2norm=True, fused_gate=True),
+                    triton_fused_recurrent=Impl(_triton_fused_recurrent, grouped_heads=True, fused_l2norm=True)))
 register_mixer(Mixer(name="kda", op="kda", layer="delta", options=dict(decay="channel", gate="sigmoid")))

@@ -6,7 +6,8 @@ Online learning: one unit gradient step on the Hebbian loss ``-<S^T k_t, v_t>`` 
 accumulation, no error correction). DPLR: w = 1, a = b = 0, write (k, v).
 """
 
-from fastweight.mechanisms.base import Mechanism, Mixer, Op, hebbian, outer, randn, reference_op, register, register_mixer, register_op
+from fastweight.mechanisms.base import (Impl, Mechanism, Mixer, Op, hebbian, outer, randn, reference_op,
+                                        register, register_mixer, register_op)
 
 
 def sample(B, T, H, K, V, *, dtype, device, generator):
@@ -49,6 +50,25 @@ def _dplr(q, k, v, normalize=False, **_):
     return dict(q=q, k=k, v=v, a=None, b=None, gk=None)
 
 
+def _torch(q, k, v, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=64, **_):
+    from fastweight.chunk.decay import decay_chunk
+    return decay_chunk(q, k, v, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                       cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def _triton_chunk(q, k, v, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, launch=None,
+                  **_):
+    from fastweight.kernels.decay import DecayLaunch, chunk_decay
+    return chunk_decay(q, k, v, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                       cu_seqlens=cu_seqlens, launch=launch or DecayLaunch())
+
+
+def _triton_fused_recurrent(q, k, v, **kw):
+    from fastweight.kernels.fused_recurrent import Spec, fused_recurrent
+    return fused_recurrent(q, k, v, spec=Spec(), **kw)
+
+
 OP = register_op(Op(name="linear_attn", mechanism="linear_attention", args=("q", "k", "v"), family="decay",
-                    reference=reference_op(MECHANISM, lambda q, k, v, **_: dict(q=q, k=k, v=v)), dplr=_dplr))
+                    reference=reference_op(MECHANISM), dplr=_dplr, torch=Impl(_torch),
+                    triton_chunk=Impl(_triton_chunk), triton_fused_recurrent=Impl(_triton_fused_recurrent)))
 register_mixer(Mixer(name="la", op="linear_attn", layer="decay"))

@@ -9,7 +9,7 @@ one learning rate per head (the paper's per-value-channel beta would give each c
 its own transition: not one DPLR). DPLR: w = 1, a = -eps k, b = k, write (eps k, v).
 """
 
-from fastweight.mechanisms.base import (Mechanism, Mixer, Op, kT_S, outer, rand, randn, reference_op,
+from fastweight.mechanisms.base import (Impl, Mechanism, Mixer, Op, kT_S, outer, rand, randn, reference_op,
                                         register, register_mixer, register_op, regression)
 from fastweight.mechanisms.deltanet import delta_dplr
 
@@ -62,8 +62,35 @@ def _dplr(q, k, v, beta, **_):
     return delta_dplr(q, k, v, eps)
 
 
+def _torch(q, k, v, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=64,
+           **_):
+    from fastweight.chunk.common import compute_dtype
+    from fastweight.chunk.delta import delta_chunk
+    dt = compute_dtype(k, beta)
+    return delta_chunk(q, k, v, step_size(k.to(dt), beta.to(dt)), scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def _triton_chunk(q, k, v, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
+    """The delta rule's kernels with the step eps (its gradient by autograd); k at H heads, beta at HV."""
+    from fastweight.kernels.delta import chunk_delta
+    kk = (k.float() * k.float()).sum(-1)
+    if v.shape[2] != k.shape[2]:
+        kk = kk.repeat_interleave(v.shape[2] // k.shape[2], dim=2)
+    eps = (beta.float() / (1 + beta.float() * kk)).to(beta.dtype)
+    return chunk_delta(q, k, v, None, eps, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def _triton_fused_recurrent(q, k, v, beta, use_qk_l2norm_in_kernel=False, **kw):
+    from fastweight.kernels.fused_recurrent import Spec, fused_recurrent
+    spec = Spec(low_rank=1, implicit=True, qk_l2norm=use_qk_l2norm_in_kernel)
+    return fused_recurrent(q, k, v, spec=spec, beta=beta, **kw)
+
+
 OP = register_op(Op(name="longhorn", mechanism="longhorn", args=("q", "k", "v", "beta"), family="delta",
-                    reference=reference_op(MECHANISM, lambda q, k, v, beta, **_: dict(q=q, k=k, v=v, beta=beta)),
-                    dplr=_dplr, beta="positive"))
+                    beta="positive", reference=reference_op(MECHANISM), dplr=_dplr, torch=Impl(_torch),
+                    triton_chunk=Impl(_triton_chunk, grouped_heads=True),
+                    triton_fused_recurrent=Impl(_triton_fused_recurrent, grouped_heads=True, fused_l2norm=True)))
 register_mixer(Mixer(name="longhorn", op="longhorn", layer="delta", options=dict(decay=None, gate=None,
                                                                                implicit=True)))

@@ -10,7 +10,8 @@ a = b = 0, write (dt k, v).
 
 import torch
 
-from fastweight.mechanisms.base import Mechanism, Mixer, Op, get, hebbian, outer, rand, randn, register, register_mixer, register_op, weight_decay
+from fastweight.mechanisms.base import (Impl, Mechanism, Mixer, Op, get, hebbian, outer, rand, randn,
+                                        register, register_mixer, register_op, weight_decay)
 
 
 def sample(B, T, H, K, V, *, dtype, device, generator):
@@ -79,6 +80,32 @@ def _dplr(q, k, v, g=None, g_gamma=None, **_):
     return dict(q=q, k=k, v=v, a=None, b=None, gk=gk)
 
 
+def _torch(q, k, v, g=None, g_gamma=None, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+           chunk_size=64, **_):
+    from fastweight.chunk.common import compute_dtype
+    from fastweight.chunk.decay import decay_chunk
+    if g_gamma is not None:
+        # the sum in the compute dtype: in a 16-bit gate's dtype it would round the decay
+        dt = compute_dtype(q, k, v, g, g_gamma)
+        g_gamma = g_gamma.to(dt).expand(*q.shape[:2], q.shape[2])
+        g = g_gamma if g is None else g.to(dt) + g_gamma
+    return decay_chunk(q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                       cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def _triton_chunk(q, k, v, g=None, g_gamma=None, *, scale, initial_state=None, output_final_state=False,
+                  cu_seqlens=None, launch=None, **_):
+    from fastweight.kernels.decay import DecayLaunch, chunk_decay
+    return chunk_decay(q, k, v, g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, launch=launch or DecayLaunch())
+
+
+def _triton_fused_recurrent(q, k, v, g=None, g_gamma=None, **kw):
+    from fastweight.kernels.fused_recurrent import Spec, fused_recurrent
+    return fused_recurrent(q, k, v, spec=Spec(), g=g, g_gamma=g_gamma, **kw)
+
+
 OP = register_op(Op(name="simple_gla", mechanism="mamba2", args=("q", "k", "v", "g", "g_gamma"), family="decay",
-                    reference=_reference, dplr=_dplr, gates={"g": "head"}))
+                    gates={"g": "head"}, reference=_reference, dplr=_dplr, torch=Impl(_torch),
+                    triton_chunk=Impl(_triton_chunk), triton_fused_recurrent=Impl(_triton_fused_recurrent)))
 register_mixer(Mixer(name="mamba2", op="simple_gla", layer="mamba2"))

@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from fastweight.mechanisms.base import Mechanism, Mixer, Op, hebbian, outer, randn, reference_op, register, register_mixer, register_op, weight_decay
+from fastweight.mechanisms.base import (Impl, Mechanism, Mixer, Op, get_op, hebbian, outer, randn,
+                                        reference_op, register, register_mixer, register_op, weight_decay)
 
 
 def retnet_log_gamma(H: int, dtype=torch.float32, device=None) -> torch.Tensor:
@@ -66,6 +67,28 @@ def _dplr(q, k, v, **_):
     return dict(q=q, k=k, v=v, a=None, b=None, gk=retnet_log_gamma(H, device=q.device).expand(B, T, H))
 
 
+def _torch(q, k, v, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=64, **_):
+    from fastweight.chunk.common import compute_dtype
+    g_gamma = retnet_log_gamma(q.shape[2], dtype=compute_dtype(q, k, v), device=q.device)
+    return get_op("simple_gla").torch.fn(q, k, v, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+                                         output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                         chunk_size=chunk_size)
+
+
+def _triton_chunk(q, k, v, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, launch=None,
+                  **_):
+    from fastweight.kernels.decay import DecayLaunch, chunk_decay
+    return chunk_decay(q, k, v, g_gamma=retnet_log_gamma(q.shape[2], device=q.device), scale=scale,
+                       initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                       launch=launch or DecayLaunch())
+
+
+def _triton_fused_recurrent(q, k, v, **kw):
+    from fastweight.kernels.fused_recurrent import Spec, fused_recurrent
+    return fused_recurrent(q, k, v, spec=Spec(), g_gamma=retnet_log_gamma(v.shape[2], device=v.device), **kw)
+
+
 OP = register_op(Op(name="retention", mechanism="retnet", args=("q", "k", "v"), family="decay",
-                    reference=reference_op(MECHANISM, _reference_inputs), dplr=_dplr))
+                    reference=reference_op(MECHANISM, _reference_inputs), dplr=_dplr, torch=Impl(_torch),
+                    triton_chunk=Impl(_triton_chunk), triton_fused_recurrent=Impl(_triton_fused_recurrent)))
 register_mixer(Mixer(name="retnet", op="retention", layer="decay"))

@@ -8,8 +8,8 @@ The state update is GLA's (same objective: Hebbian plus row-wise weight decay); 
 only changes the readout. DPLR: w = exp(w_t) (vector), a = b = 0, write (k, v), readout with u.
 """
 
-from fastweight.mechanisms.base import (Mechanism, Mixer, Op, hebbian, outer, randn, reference_op, register,
-                                        register_mixer, register_op, sample_log_decay, weight_decay)
+from fastweight.mechanisms.base import (Impl, Mechanism, Mixer, Op, hebbian, outer, randn, reference_op,
+                                        register, register_mixer, register_op, sample_log_decay, weight_decay)
 from fastweight.reference.recurrence import bonus_readout
 
 
@@ -49,8 +49,33 @@ MECHANISM = register(Mechanism(
 ))
 
 
+def _torch(r, k, v, w, u, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=64,
+           **_):
+    from fastweight.chunk.decay import decay_chunk
+    return decay_chunk(r, k, v, w, u, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def _triton_chunk(r, k, v, w, u, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                  launch=None, **_):
+    from fastweight.kernels.decay import DecayLaunch, chunk_decay
+    return chunk_decay(r, k, v, w, u=u, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, exclusive=True,
+                       launch=launch or DecayLaunch())
+
+
+def _triton_fused_recurrent(r, k, v, w, u, **kw):
+    from fastweight.kernels.fused_recurrent import Spec, fused_recurrent
+    return fused_recurrent(r, k, v, spec=Spec(bonus=True), gk=w, u=u, **kw)
+
+
+def _dplr(r, k, v, w, u, **_):
+    return dict(q=r, k=k, v=v, a=None, b=None, gk=w, u=u)
+
+
 OP = register_op(Op(name="rwkv6", mechanism="rwkv6", args=("r", "k", "v", "w", "u"), family="decay",
+                    gates={"w": "channel"},
                     reference=reference_op(MECHANISM, lambda r, k, v, w, u, **_: dict(q=r, k=k, v=v, w=w, _u=u)),
-                    dplr=lambda r, k, v, w, u, **_: dict(q=r, k=k, v=v, a=None, b=None, gk=w, u=u),
-                    gates={"w": "channel"}))
+                    dplr=_dplr, torch=Impl(_torch), triton_chunk=Impl(_triton_chunk),
+                    triton_fused_recurrent=Impl(_triton_fused_recurrent)))
 register_mixer(Mixer(name="rwkv6", op="rwkv6", layer="rwkv6"))

@@ -24,7 +24,7 @@ fla's ``chunk_rwkv7(r, w, k~, v, a=-kappa^, b=kappa^ * a_t)``.
 
 import torch
 
-from fastweight.mechanisms.base import (Mechanism, Mixer, Op, hebbian, l2norm, rand, randn, register,
+from fastweight.mechanisms.base import (Impl, Mechanism, Mixer, Op, hebbian, l2norm, rand, randn, register,
                                         register_mixer, register_op, regression, weight_decay)
 from fastweight.reference.recurrence import dplr_recurrent
 
@@ -94,7 +94,30 @@ def _reference(r, w, k, v, a, b, *, scale, initial_state=None, output_final_stat
                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
+def _torch(r, w, k, v, a, b, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+           chunk_size=64, **_):
+    from fastweight.chunk.dplr import dplr_chunk
+    return dplr_chunk(r, k, v, a=b, b=a, gk=w, scale=scale, initial_state=initial_state,
+                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def _triton_chunk(r, w, k, v, a, b, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                  launch=None, **_):
+    from fastweight.kernels.dplr import DplrLaunch, chunk_dplr
+    return chunk_dplr(r, k, v, a, b, w, scale=scale, initial_state=initial_state,
+                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, launch=launch or DplrLaunch())
+
+
+def _triton_fused_recurrent(r, w, k, v, a, b, **kw):
+    from fastweight.kernels.fused_recurrent import Spec, fused_recurrent
+    return fused_recurrent(r, k, v, spec=Spec(low_rank=2), a=b, b=a, gk=w, **kw)
+
+
+def _dplr(r, w, k, v, a, b, **_):
+    return dict(q=r, k=k, v=v, a=a, b=b, gk=w)
+
+
 OP = register_op(Op(name="rwkv7", mechanism="rwkv7", args=("r", "w", "k", "v", "a", "b"), family="dplr",
-                    reference=_reference, dplr=lambda r, w, k, v, a, b, **_: dict(q=r, k=k, v=v, a=a, b=b, gk=w),
-                    gates={"w": "channel"}))
+                    gates={"w": "channel"}, reference=_reference, dplr=_dplr, torch=Impl(_torch),
+                    triton_chunk=Impl(_triton_chunk), triton_fused_recurrent=Impl(_triton_fused_recurrent)))
 register_mixer(Mixer(name="rwkv7", op="rwkv7", layer="rwkv7"))

@@ -4,7 +4,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from fastweight.chunk.decay import chunk_gla, chunk_simple_gla, decay_chunk
+from fastweight.chunk import chunk_gla, chunk_simple_gla
+from fastweight.chunk.decay import decay_chunk
 from fastweight.mechanisms.retnet import retnet_log_gamma
 from fastweight.reference import dplr_recurrent
 from fastweight.testing import generator, rel_err

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from fastweight import ops
-from fastweight.chunk.dplr import chunk_dplr_delta_rule, chunk_rwkv7, dplr_chunk
+from fastweight.chunk import chunk_dplr_delta_rule, chunk_rwkv7
+from fastweight.chunk.dplr import dplr_chunk
 from fastweight.mechanisms import get
 from fastweight.reference import dplr_recurrent
 from fastweight.testing import generator, rel_err

@@ -4,7 +4,7 @@ float64 definitions.
 Runs on CPU under TRITON_INTERPRET=1 (fp32, fp16). Every floating buffer allocated with
 ``torch.empty``/``torch.empty_like`` during a call is poisoned with NaN, so an element the
 kernels fail to write fails the check. Each test calls the public op with ``backend="triton"``
-(a kernel variant: ``fastweight.kernels.decay.chunk_<op>`` with its ``launch``) and the same op
+(a kernel variant: ``fastweight.kernels.chunk_<op>`` with its ``launch``) and the same op
 with ``backend="reference"`` on float64 copies of the inputs, and compares the output, the final
 state and the gradient of every input.
 """
@@ -14,8 +14,9 @@ import functools
 import pytest
 import torch
 
+import fastweight.kernels as kernels
 from fastweight import ops
-from fastweight.kernels import decay, decay_intra
+from fastweight.kernels import decay_intra
 from fastweight.kernels.decay import DecayLaunch
 from fastweight.testing import generator, rel_err
 
@@ -80,7 +81,7 @@ def _check(op, inputs, dtype=torch.float32, initial_state=True, cu_seqlens=None,
     """Run ``chunk_<op>`` on the kernels and on the float64 definition; compare o, final state and
     the gradient of every input. ``cotangents(dtype, state_dtype)``: the (do, dS) to pull back,
     either None (no loss on it), built in the dtypes given (any strides); default random.
-    ``launch``: the kernels run as ``decay.chunk_<op>`` with that ``DecayLaunch`` (default: the op)."""
+    ``launch``: the kernels run as ``kernels.chunk_<op>`` with that ``DecayLaunch`` (default: the op)."""
     name = "chunk_simple_gla" if op == "simple_gla_gamma" else f"chunk_{op}"
     fn = getattr(ops, name)
     H, V = inputs["v"].shape[2], inputs["v"].shape[3]
@@ -88,7 +89,7 @@ def _check(op, inputs, dtype=torch.float32, initial_state=True, cu_seqlens=None,
     if launch is None:
         kernel = functools.partial(fn, backend="triton")
     else:
-        kernel = functools.partial(getattr(decay, name), scale=K ** -0.5, launch=launch)
+        kernel = functools.partial(getattr(kernels, name), scale=K ** -0.5, launch=launch)
     N = 1 if cu_seqlens is None else len(cu_seqlens) - 1
     h0 = torch.randn(N, H, K, V, generator=gen) if initial_state else None
     leaves = dict(inputs, initial_state=h0) if initial_state else dict(inputs)

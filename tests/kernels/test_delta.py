@@ -294,7 +294,10 @@ def test_key_dim_limit():
 
 
 def test_flags():
-    assert kernels.chunk_gated_delta_rule.grouped_heads and kernels.chunk_gated_delta_rule.fused_l2norm
-    assert kernels.chunk_delta_rule.fused_l2norm and kernels.chunk_longhorn.grouped_heads
-    assert kernels.chunk_kda.grouped_heads and kernels.chunk_kda.fused_l2norm
-    assert kernels.chunk_comba.grouped_heads and kernels.chunk_comba.fused_l2norm
+    """The delta family's chunk kernels read q, k at H heads and (but Longhorn's) fuse the q/k L2 norm."""
+    from fastweight.mechanisms import OPS
+    delta = [op for op in OPS.values() if op.family == "delta"]
+    assert [op.name for op in delta] == ["delta_rule", "gated_delta_rule", "kda", "comba", "longhorn"]
+    for op in delta:
+        assert op.triton_chunk.grouped_heads and op.triton_chunk.fused_l2norm == (op.beta != "positive"), op.name
+        assert op.triton_chunk.fused_gate == op.gate_in_kernel, op.name

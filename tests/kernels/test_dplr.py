@@ -3,7 +3,7 @@
 
 Runs on CPU under TRITON_INTERPRET=1 (fp32, fp16). Every floating ``torch.empty`` buffer is
 poisoned with NaN. Each test compares the public op with ``backend="triton"`` (a kernel variant:
-``fastweight.kernels.dplr.chunk_<op>`` with its ``launch``) to the same op with
+``fastweight.kernels.chunk_<op>`` with its ``launch``) to the same op with
 ``backend="reference"`` on float64 copies: output, final state, gradient of every input.
 """
 
@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import fastweight.kernels as kernels
 from fastweight import ops
-from fastweight.kernels import decay_intra, dplr, dplr_intra
+from fastweight.kernels import decay_intra, dplr_intra
 from fastweight.kernels.dplr import DplrLaunch
 from fastweight.testing import generator, rel_err, strided
 
@@ -47,12 +48,12 @@ def _inputs(op, T, H=1, K=16, V=32, gen=None, w_scale=1.0, at_bound=False):
 
 
 def _check(op, inputs, dtype=torch.float32, initial_state=True, cu_seqlens=None, gen=None, launch=None):
-    """``launch``: the Triton side runs ``dplr.chunk_<op>`` with that ``DplrLaunch`` (default: the op)."""
+    """``launch``: the Triton side runs ``kernels.chunk_<op>`` with that ``DplrLaunch`` (default: the op)."""
     fn = getattr(ops, f"chunk_{op}")
     if launch is None:
         kernel = functools.partial(fn, backend="triton")
     else:
-        kernel = functools.partial(getattr(dplr, f"chunk_{op}"), launch=launch)
+        kernel = functools.partial(getattr(kernels, f"chunk_{op}"), launch=launch)
     H, V = inputs["v"].shape[2], inputs["v"].shape[3]
     K = inputs["k"].shape[-1]
     N = 1 if cu_seqlens is None else len(cu_seqlens) - 1

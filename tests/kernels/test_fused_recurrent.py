@@ -11,7 +11,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from fastweight import ops
+import fastweight.kernels as kernels
+from fastweight import mechanisms, ops
 from fastweight.bench.gpu_decode import op_inputs as _inputs
 from fastweight.kernels import common, fused_recurrent as fr
 from fastweight.dispatch import mamba_gate
@@ -307,8 +308,8 @@ def test_grouped_heads_and_fused_l2norm(op):
     B, T, H, HV, K, V = 1, 20, 1, 2, 16, 16
     x = _inputs(op, B, T, H, K, V, HV=HV, gen=gen)
     x["k"] = torch.randn(B, T, H, K, generator=gen)
-    kernel = getattr(fr, f"fused_recurrent_{op}")
-    assert kernel.grouped_heads and kernel.fused_l2norm
+    impl = mechanisms.OPS[op].triton_fused_recurrent
+    assert impl.grouped_heads and impl.fused_l2norm
     _check(op, x, initial_state=torch.randn(B, HV, K, V, generator=gen), use_qk_l2norm_in_kernel=True)
 
 
@@ -329,7 +330,7 @@ def test_gate_in_kernel(op):
     raw = torch.randn(x["g"].shape, generator=gen).requires_grad_()
     A_log = torch.randn(H, generator=gen).mul(0.5).requires_grad_()
     dt_bias = torch.randn(H if op == "gated_delta_rule" else H * K, generator=gen).requires_grad_()
-    fn = getattr(fr, f"fused_recurrent_{op}")
+    fn = getattr(kernels, f"fused_recurrent_{op}")
     o, _ = fn(x["q"], x["k"], x["v"], raw, x["beta"], A_log=A_log, dt_bias=dt_bias, scale=K ** -0.5)
     shape = (H,) if op == "gated_delta_rule" else (H, K)
     g = -A_log.double().exp().view(H, *[1] * (len(shape) - 1)) * torch.nn.functional.softplus(
@@ -368,7 +369,7 @@ def test_cotangent_layouts(op, gate_in_kernel):
     g_ref = None
     if gate_in_kernel:
         # the in-kernel gate is the kernels' option (fastweight.ops forms it in PyTorch for fused_recurrent)
-        outs = getattr(fr, f"fused_recurrent_{op}")(**tri, **kw)
+        outs = getattr(kernels, f"fused_recurrent_{op}")(**tri, **kw)
         rest = {n: t for n, t in ref.items() if n not in ("g", "A_log", "dt_bias")}
         g_ref = mamba_gate(ref["g"], ref["A_log"], ref["dt_bias"])
         ref_outs = getattr(ops, f"fused_recurrent_{op}")(**rest, g=g_ref, **kw, backend="reference")
@@ -490,7 +491,7 @@ def test_strong_gate_in_kernel(op, dtype, gate):
     tri = {n: t.clone().requires_grad_() for n, t in low.items()}
     ref = {n: t.double().requires_grad_() for n, t in low.items()}
     with _generic_calls() as calls:
-        outs = getattr(fr, f"fused_recurrent_{op}")(**tri, scale=K ** -0.5, output_final_state=True)
+        outs = getattr(kernels, f"fused_recurrent_{op}")(**tri, scale=K ** -0.5, output_final_state=True)
     rest = {n: t for n, t in ref.items() if n not in ("g", "A_log", "dt_bias")}
     g_ref = mamba_gate(ref["g"], ref["A_log"], ref["dt_bias"])
     ref_outs = getattr(ops, f"fused_recurrent_{op}")(**rest, g=g_ref, scale=K ** -0.5, output_final_state=True,
@@ -545,6 +546,6 @@ def test_gate_parameters_are_checked():
     x = _inputs("gated_delta_rule", 1, 3, 2, 16, 16, gen=generator())
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     with pytest.raises(ValueError, match="dt_bias"):
-        fr.fused_recurrent_gated_delta_rule(*args, A_log=torch.zeros(2), scale=0.25)
+        kernels.fused_recurrent_gated_delta_rule(*args, A_log=torch.zeros(2), scale=0.25)
     with pytest.raises(ValueError, match="dt_bias"):
-        fr.fused_recurrent_gated_delta_rule(*args, A_log=torch.zeros(2), dt_bias=torch.zeros(3), scale=0.25)
+        kernels.fused_recurrent_gated_delta_rule(*args, A_log=torch.zeros(2), dt_bias=torch.zeros(3), scale=0.25)
