@@ -408,7 +408,9 @@ def train(cfg: TrainConfig) -> dict:
                                 "--resume to start at step 0, or with --resume-if-present to do so when there is none")
     if cfg.resume or (cfg.resume_if_present and os.path.exists(path)):
         state = load_checkpoint(path, map_location="cpu" if sharded else device)
-        if state["model_config"] != model_config:
+        # compared as configs: a field added since the checkpoint was written takes its default there
+        from fastweight.models import LMConfig
+        if LMConfig.from_dict(state["model_config"]) != LMConfig.from_dict(model_config):
             raise ValueError(f"`resume`: {path} holds a different model; use another out_dir")
         start_step, curve = state["step"], state["curve"]
 

@@ -6,6 +6,10 @@
         g = -exp(A_log) * softplus(W_a x + dt_bias)  <= 0
     o = recurrence(q, k, v, g, beta);   y = W_o (RMSNorm(o) * act(W_g x))
 
+q and k have ``n_heads`` heads; v, beta, the decay, the state and the output gate have
+``cfg.v_heads`` (grouped value heads, ``LMConfig.n_v_heads``: value head j reads key head
+j // (n_v_heads / n_heads), as fla and Qwen3-Next group them).
+
 Each mixer of this layer (``Mixer.layer == "delta"`` in its mechanism file) sets the options:
 
 | option    | values                                                                                 |
@@ -44,35 +48,35 @@ class DeltaRuleMixer(Mixer):
         self.gate_in_kernel = OPS[mixer.op].gate_in_kernel
         self.recurrent_threshold = cfg.recurrent_threshold
         self.allow_neg_eigval = cfg.allow_neg_eigval and not self.implicit
-        D, H, K, V = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.head_v_dim
-        self.n_heads, self.head_k, self.head_v = H, K, V
+        D, H, HV, K, V = cfg.d_model, cfg.n_heads, cfg.v_heads, cfg.head_dim, cfg.head_v_dim
+        self.n_heads, self.n_v_heads, self.head_k, self.head_v = H, HV, K, V
         self.q_proj = nn.Linear(D, H * K, bias=False)
         self.k_proj = nn.Linear(D, H * K, bias=False)
-        self.v_proj = nn.Linear(D, H * V, bias=False)
-        self.b_proj = nn.Linear(D, H, bias=False)
+        self.v_proj = nn.Linear(D, HV * V, bias=False)
+        self.b_proj = nn.Linear(D, HV, bias=False)
         conv = cfg.conv_size if cfg.use_short_conv else 1
         self.q_conv = ShortConv(H * K, conv, "silu")
         self.k_conv = ShortConv(H * K, conv, "silu")
-        self.v_conv = ShortConv(H * V, conv, "silu")
+        self.v_conv = ShortConv(HV * V, conv, "silu")
         if self.decay == "head":
-            self.a_proj = nn.Linear(D, H, bias=False)
-            self.A_log, self.dt_bias = mamba_decay_init(H)
+            self.a_proj = nn.Linear(D, HV, bias=False)
+            self.A_log, self.dt_bias = mamba_decay_init(HV)
         elif self.decay == "channel":
-            self.f_proj = LowRank(D, K, H * K, activation=None)
-            self.A_log, _ = mamba_decay_init(H)
-            _, self.dt_bias = mamba_decay_init(H * K)
+            self.f_proj = LowRank(D, K, HV * K, activation=None)
+            self.A_log, _ = mamba_decay_init(HV)
+            _, self.dt_bias = mamba_decay_init(HV * K)
         if self.read_key:
             self.d_logit = nn.Parameter(torch.zeros(H))
         self.g_proj = None
         if spec["gate"] == "silu":
-            self.g_proj = nn.Linear(D, H * V, bias=False)
+            self.g_proj = nn.Linear(D, HV * V, bias=False)
         elif spec["gate"] == "sigmoid":
-            self.g_proj = LowRank(D, K, H * V, activation=None, bias=True)
+            self.g_proj = LowRank(D, K, HV * V, activation=None, bias=True)
         self.o_norm = GatedRMSNorm(V, cfg.norm_eps, spec["gate"] or "identity")
-        self.o_proj = nn.Linear(H * V, D, bias=False)
+        self.o_proj = nn.Linear(HV * V, D, bias=False)
 
     def gates(self, x: torch.Tensor, in_kernel: bool = False) -> dict:
-        """beta [B, T, H] and the log decay g ([B, T, H] per head, [B, T, H, K] per channel).
+        """beta [B, T, HV] and the log decay g ([B, T, HV] per head, [B, T, HV, K] per channel).
 
         ``in_kernel``: g is the gate's pre-activation ``W_a x`` and the op forms the decay from it
         with ``A_log``, ``dt_bias`` (``use_gate_in_kernel``: no elementwise passes here, in either
@@ -82,20 +86,20 @@ class DeltaRuleMixer(Mixer):
             beta = 2 * beta
         out = dict(beta=beta)
         if self.decay is not None and in_kernel:
-            pre = self.a_proj(x) if self.decay == "head" else split_heads(self.f_proj(x), self.n_heads)
+            pre = self.a_proj(x) if self.decay == "head" else split_heads(self.f_proj(x), self.n_v_heads)
             out.update(g=pre, A_log=self.A_log, dt_bias=self.dt_bias, use_gate_in_kernel=True)
         elif self.decay == "head":
             out["g"] = -at_least_fp32(self.A_log).exp() * F.softplus(at_least_fp32(self.a_proj(x)) + self.dt_bias)
         elif self.decay == "channel":
-            f = split_heads(at_least_fp32(self.f_proj(x)) + self.dt_bias, self.n_heads)
+            f = split_heads(at_least_fp32(self.f_proj(x)) + self.dt_bias, self.n_v_heads)
             out["g"] = -at_least_fp32(self.A_log).exp()[:, None] * F.softplus(f)
         return out
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
-        H = self.n_heads
+        H, HV = self.n_heads, self.n_v_heads
         q = split_heads(self.conv(self.q_conv, self.q_proj(x), cache, "conv_q", shared), H)
         k = split_heads(self.conv(self.k_conv, self.k_proj(x), cache, "conv_k", shared), H)
-        v = split_heads(self.conv(self.v_conv, self.v_proj(x), cache, "conv_v", shared), H)
+        v = split_heads(self.conv(self.v_conv, self.v_proj(x), cache, "conv_v", shared), HV)
         # the chunk ops of GDN and KDA form the gate in the kernel (the decode ops take the decay)
         in_kernel = self.gate_in_kernel and self.mode(x.shape[1]) == "chunk" and not generic_forced()
         extra = {n: t.to(v.dtype) if n == "beta" else t for n, t in self.gates(x, in_kernel).items()}
@@ -110,5 +114,5 @@ class DeltaRuleMixer(Mixer):
         if self.allow_neg_eigval:
             extra["allow_neg_eigval"] = True
         o = self.recur(self.op, cache, shared, scale=self.head_k ** -0.5, q=q, k=k, v=v, **extra)
-        gate = None if self.g_proj is None else split_heads(self.g_proj(x), H)
+        gate = None if self.g_proj is None else split_heads(self.g_proj(x), HV)
         return self.o_proj(self.o_norm(o, gate).flatten(-2))

@@ -12,7 +12,7 @@ Padding: ``attention_mask`` [B, T] (1 = token, 0 = padding, on either side) pack
 one varlen batch, as fla does, and the output is zero at padded positions. Packed input:
 ``cu_seqlens`` [N+1] with B = 1. Caching: ``past_key_values`` is this library's per-layer dict
 (``fastweight.layers.base``: the state and the convolutions' tails); fla's ``Cache`` objects are
-refused by name. What fla has and this does not (``num_v_heads`` other than ``num_heads``,
+refused by name. What fla has and this does not (KDA's ``num_v_heads`` other than ``num_heads``,
 ``use_gate=False``, ``use_short_conv=False``, a conv bias, an output gate other than swish) raises
 an error naming it.
 """
@@ -49,6 +49,7 @@ class _FlaDeltaLayer(DeltaRuleMixer):
             raise TypeError(f"{type(self).__name__} got unexpected keyword argument(s) {unknown}")
         DeltaRuleMixer.__init__(self, cfg, variant)
         self.hidden_size, self.num_heads, self.head_dim = cfg.d_model, cfg.n_heads, cfg.head_dim
+        self.num_v_heads = cfg.v_heads
         self.head_v_dim, self.layer_idx, self.fla_mode = cfg.head_v_dim, layer_idx, mode
         self.register_state_dict_post_hook(_to_fla_names)
         self.register_load_state_dict_pre_hook(_from_fla_names)
@@ -100,21 +101,22 @@ class GatedDeltaNet(_FlaDeltaLayer):
         y = W_o (RMSNorm(o) * SiLU(W_g x))
 
     with fla's arguments: key heads ``num_heads`` of ``head_dim``, value heads of
-    ``head_dim * expand_v``."""
+    ``head_dim * expand_v``, ``num_v_heads`` of them (grouped value heads: each run of
+    ``num_v_heads / num_heads`` value heads shares one query/key head; default ``num_heads``)."""
 
     def __init__(self, hidden_size: int = 2048, expand_v: float = 2, head_dim: int = 256, num_heads: int = 6,
                  num_v_heads: int | None = None, mode: str = "chunk", use_gate: bool = True,
                  use_short_conv: bool = True, allow_neg_eigval: bool = False, conv_size: int = 4,
                  conv_bias: bool = False, layer_idx: int | None = None, norm_eps: float = 1e-5,
                  output_gate_activation: str = "swish", **kwargs):
-        if num_v_heads not in (None, num_heads):
-            raise NotImplementedError(f"GatedDeltaNet: `num_v_heads` ({num_v_heads}) other than `num_heads` "
-                                      f"({num_heads}) is not supported by fastweight's layer (the ops take it)")
+        if num_v_heads is not None and (num_v_heads < num_heads or num_v_heads % num_heads):
+            raise ValueError(f"GatedDeltaNet: `num_v_heads` ({num_v_heads}) must be a multiple of `num_heads` "
+                             f"({num_heads})")
         _refuse("GatedDeltaNet", use_gate=(use_gate, True), use_short_conv=(use_short_conv, True),
                 conv_bias=(conv_bias, False), output_gate_activation=(output_gate_activation, "swish"))
         from fastweight.models.config import LMConfig
-        cfg = LMConfig(vocab_size=1, d_model=hidden_size, n_layers=1, n_heads=num_heads, mixer="gdn",
-                       head_dim=head_dim, expand_v=expand_v, allow_neg_eigval=allow_neg_eigval,
+        cfg = LMConfig(vocab_size=1, d_model=hidden_size, n_layers=1, n_heads=num_heads, n_v_heads=num_v_heads,
+                       mixer="gdn", head_dim=head_dim, expand_v=expand_v, allow_neg_eigval=allow_neg_eigval,
                        use_short_conv=use_short_conv, conv_size=conv_size, norm_eps=norm_eps)
         self._fla_setup(cfg, "gdn", mode, layer_idx, kwargs)
 

@@ -10,17 +10,19 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fastweight.mechanisms import MIXERS as _LINEAR
+from fastweight.mechanisms import MIXERS as MIXER_SPECS
 
 # the linear mixers (each declared by its mechanism file), then softmax attention and its sliding window
-MIXERS = (*_LINEAR, "attn", "swa")
+MIXERS = (*MIXER_SPECS, "attn", "swa")
 
 
 @dataclass(frozen=True)
 class LMConfig:
     """Every field of the model. ``head_dim`` is the key dim per head of the linear mixers (and
     Mamba-2's state size); values have ``expand_v * head_dim`` per head; attention heads have
-    ``d_model // n_heads``."""
+    ``d_model // n_heads``. ``n_v_heads``: the delta-rule mixers' value heads (grouped value
+    attention, as Qwen3-Next's Gated DeltaNet: ``n_v_heads / n_heads`` value heads share each
+    query/key head, each with its own state, beta, decay and output gate); None = ``n_heads``."""
 
     vocab_size: int = 32000
     d_model: int = 1024
@@ -34,6 +36,7 @@ class LMConfig:
     conv_size: int = 4
     window_size: int = 2048
     n_kv_heads: int | None = None
+    n_v_heads: int | None = None
     intermediate_size: int | None = None
     mamba_expand: int = 2
     mamba_head_dim: int = 64
@@ -50,7 +53,7 @@ class LMConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"LMConfig.{name} must be a positive int, got {value!r}")
-        for name in ("head_dim", "n_kv_heads", "intermediate_size"):
+        for name in ("head_dim", "n_kv_heads", "n_v_heads", "intermediate_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"LMConfig.{name} must be None or a positive int, got {value!r}")
@@ -73,6 +76,12 @@ class LMConfig:
                              "for attention layers (head dim d_model / n_heads)")
         if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
             raise ValueError(f"LMConfig.n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
+        if self.n_v_heads is not None and self.n_v_heads % self.n_heads:
+            raise ValueError(f"LMConfig.n_v_heads ({self.n_v_heads}) must be a multiple of n_heads ({self.n_heads})")
+        grouped = [m for m in self.pattern if m not in ("attn", "swa") and MIXER_SPECS[m].layer != "delta"]
+        if self.v_heads != self.n_heads and grouped:
+            raise ValueError(f"LMConfig.n_v_heads: grouped value heads are for the delta-rule mixers; "
+                             f"{grouped} take n_heads value heads")
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         if self.head_dim < 1 or self.head_dim % 2:
@@ -91,6 +100,11 @@ class LMConfig:
         """The mixer of every layer: the pattern repeated to ``n_layers``."""
         p = self.pattern
         return tuple(p[i % len(p)] for i in range(self.n_layers))
+
+    @property
+    def v_heads(self) -> int:
+        """The delta-rule mixers' value heads: ``n_v_heads``, else ``n_heads``."""
+        return self.n_heads if self.n_v_heads is None else self.n_v_heads
 
     @property
     def head_v_dim(self) -> int:

@@ -28,9 +28,10 @@ def _layer(kind="gdn", **kw):
     return layer
 
 
-def _formula(kind, p: dict, x, H, K, allow_neg_eigval=False, eps=1e-5):
-    """The layer written out from its state dict (fla's names), float64."""
-    T = x.shape[1]
+def _formula(kind, p: dict, x, H, K, allow_neg_eigval=False, eps=1e-5, HV=None):
+    """The layer written out from its state dict (fla's names), float64; ``HV`` value heads (GVA:
+    the op reads key head j // (HV / H) for value head j, as fla's layer repeats q and k)."""
+    T, HV = x.shape[1], HV or H
 
     def conv(name, y):
         w = p[f"{name}_conv1d.weight"]
@@ -39,7 +40,7 @@ def _formula(kind, p: dict, x, H, K, allow_neg_eigval=False, eps=1e-5):
 
     q = conv("q", x @ p["q_proj.weight"].T).unflatten(-1, (H, K))
     k = conv("k", x @ p["k_proj.weight"].T).unflatten(-1, (H, K))
-    v = conv("v", x @ p["v_proj.weight"].T).unflatten(-1, (H, -1))
+    v = conv("v", x @ p["v_proj.weight"].T).unflatten(-1, (HV, -1))
     q, k = (t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + 1e-6) for t in (q, k))   # fla's l2norm
     beta = torch.sigmoid(x @ p["b_proj.weight"].T) * (2 if allow_neg_eigval else 1)
     if kind == "gdn":
@@ -54,7 +55,7 @@ def _formula(kind, p: dict, x, H, K, allow_neg_eigval=False, eps=1e-5):
                              backend="reference")
         gate = torch.sigmoid(x @ p["g_proj.0.weight"].T @ p["g_proj.1.weight"].T + p["g_proj.1.bias"])
     o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * p["o_norm.weight"]
-    return (o * gate.unflatten(-1, (H, -1))).flatten(-2) @ p["o_proj.weight"].T
+    return (o * gate.unflatten(-1, (HV, -1))).flatten(-2) @ p["o_proj.weight"].T
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
@@ -72,6 +73,19 @@ def test_fla_names_and_formula(kind, allow_neg_eigval):
     fresh = cls(hidden_size=32, head_dim=8, num_heads=2, allow_neg_eigval=allow_neg_eigval, **extra).double().train()
     fresh.load_state_dict(layer.state_dict())
     assert torch.equal(fresh(x)[0], o)
+
+
+def test_gated_deltanet_grouped_value_heads():
+    """fla's ``num_v_heads`` (Qwen3-Next's GVA): 4 value heads over 2 key heads, fla's shapes and formula."""
+    layer = _layer("gdn", num_v_heads=4).train()
+    sd = layer.state_dict()
+    assert set(sd) == FLA_KEYS["gdn"] and layer.num_v_heads == 4
+    assert sd["v_proj.weight"].shape == (4 * 16, 32) and sd["b_proj.weight"].shape == (4, 32)
+    assert sd["A_log"].shape == sd["dt_bias"].shape == (4,) and sd["q_proj.weight"].shape == (2 * 8, 32)
+    x = torch.randn(2, 70, 32, dtype=torch.float64, generator=generator())
+    assert rel_err(layer(x)[0], _formula("gdn", sd, x, 2, 8, HV=4)) < 1e-12
+    with pytest.raises(ValueError, match="`num_v_heads` \\(3\\) must be a multiple of `num_heads` \\(2\\)"):
+        GatedDeltaNet(hidden_size=32, head_dim=8, num_heads=2, num_v_heads=3)
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
@@ -104,7 +118,7 @@ def test_cache_prefill_then_decode(kind):
 
 
 @pytest.mark.parametrize("kw,error,message", [
-    (dict(num_v_heads=4), NotImplementedError, "num_v_heads"),
+    (dict(num_v_heads=3), ValueError, "num_v_heads"),
     (dict(use_gate=False), NotImplementedError, "use_gate"),
     (dict(conv_bias=True), NotImplementedError, "conv_bias"),
     (dict(mode="parallel"), ValueError, "mode"),
