@@ -48,6 +48,18 @@ def test_checkpoint_holds_only_tensors_and_plain_containers(tmp_path):
     assert state["optimizer"]["state"] and all(isinstance(t, torch.Tensor) for t in state["model"].values())
 
 
+def test_resume_a_checkpoint_written_before_a_model_field_existed(tmp_path):
+    """A checkpoint whose model_config lacks a field added later (``n_v_heads``) resumes when the
+    field has its default; a different model is still refused."""
+    train(tiny(tmp_path, steps=2))
+    state = load_checkpoint(tmp_path / "checkpoint.pt")
+    del state["model_config"]["n_v_heads"]
+    torch.save(state, tmp_path / "checkpoint.pt")
+    assert train(tiny(tmp_path, steps=3, resume=True))["curve"][:len(state["curve"])] == state["curve"]
+    with pytest.raises(ValueError, match="holds a different model"):
+        train(tiny(tmp_path, steps=4, resume=True, n_layers=2))
+
+
 def test_resume_without_a_checkpoint_is_an_error_naming_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "none" / "checkpoint.pt")):
         train(tiny(tmp_path / "none", resume=True))

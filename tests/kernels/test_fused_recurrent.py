@@ -503,26 +503,36 @@ def test_strong_gate_in_kernel(op, dtype, gate):
     # the initial state's gradient through 43 strong decays: 2x the reference's in dtype (see _check);
     # the contracted inputs' (q, k, v, beta) to their condition as well (_rounding_tolerances)
     names = [n for n in ref if n not in ("g", "A_log", "dt_bias")]
+    gate_names = ("g", "A_log", "dt_bias")
     h0 = low["initial_state"].clone().requires_grad_()
+    low_gate = {n: low[n].clone().requires_grad_() for n in gate_names}
     low_outs = getattr(ops, f"fused_recurrent_{op}")(
         **{n: t for n, t in low.items() if n not in ("g", "A_log", "dt_bias", "initial_state")}, initial_state=h0,
-        g=mamba_gate(low["g"], low["A_log"], low["dt_bias"]), scale=K ** -0.5, output_final_state=True,
-        backend="reference")
+        g=mamba_gate(low_gate["g"], low_gate["A_log"], low_gate["dt_bias"]), scale=K ** -0.5,
+        output_final_state=True, backend="reference")
     for what, cotangents in (("o: ", (do.to(dtype), None)), ("S.sum(): ", (None, torch.ones(()).expand(dht.shape))),
                              ("both: ", (do.to(dtype), dht))):
         used = [i for i, c in enumerate(cotangents) if c is not None]
         want = torch.autograd.grad([ref_outs[i] for i in used], [ref[n] for n in names],
                                    [cotangents[i].double() for i in used], retain_graph=True, allow_unused=True)
         want = {n: torch.zeros_like(ref[n]) if w is None else w for n, w in zip(names, want)}
-        low_dh0, = torch.autograd.grad([low_outs[i] for i in used], h0,
-                                       [cotangents[i].to(low_outs[i].dtype) for i in used], retain_graph=True)
+        low_dh0, *low_dgate = torch.autograd.grad([low_outs[i] for i in used], [h0, *low_gate.values()],
+                                                  [cotangents[i].to(low_outs[i].dtype) for i in used],
+                                                  retain_graph=True)
         tols = _rounding_tolerances(calls[0], tri, *cotangents, want, tol)
         tols["initial_state"] = max(tol, 2 * rel_err(low_dh0, want["initial_state"]))
         if cotangents[0] is None:
             # the loss on the state alone: the gate's gradient (and A_log's, dt_bias's through it)
             # by the cancelling identity, as in _check (STATE_LOSS_GATE_TOL); 2 of 200 fresh seeds
-            # gave dg 1.04e-5 and 1.27e-5 for KDA at -6 against the 1e-5 of the other losses
-            tols.update({n: max(tols.get(n, 0.0), STATE_LOSS_GATE_TOL[dtype]) for n in ("g", "A_log", "dt_bias")})
+            # gave dg 1.04e-5 and 1.27e-5 for KDA at -6 against the 1e-5 of the other losses. In
+            # fp16 the identity cancels below the inputs' rounding: held to twice the error of the
+            # reference run on the same fp16 values, as the initial state is (KDA fp16 at -6, seed
+            # 9883283515801996655: dg 4.98e-3, that reference's own 4.99e-3)
+            want_gate = torch.autograd.grad([ref_outs[i] for i in used], [ref[n] for n in gate_names],
+                                            [cotangents[i].double() for i in used], retain_graph=True)
+            floors = {n: 2 * rel_err(d, w) if dtype != torch.float32 else 0.0
+                      for n, d, w in zip(gate_names, low_dgate, want_gate)}
+            tols.update({n: max(tols.get(n, 0.0), STATE_LOSS_GATE_TOL[dtype], floors[n]) for n in gate_names})
         check_gradients(*pair, cotangents, tol, what, tols=tols)
 
 
