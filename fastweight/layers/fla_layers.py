@@ -4,7 +4,7 @@ returning ``(o, None, past_key_values)``, and the same parameter names, so that 
 against ``fla.layers`` and the state dicts of fla checkpoints carry over.
 
     from fastweight.layers import GatedDeltaNet          # in place of: from fla.layers import GatedDeltaNet
-                                                          # (and KimiDeltaAttention)
+                                                          # (and DeltaNet, KimiDeltaAttention)
     layer = GatedDeltaNet(hidden_size=1024, head_dim=128, num_heads=8, expand_v=2)
     o, _, _ = layer(x)                                    # x [B, T, hidden_size]
 
@@ -90,6 +90,40 @@ class _FlaDeltaLayer(DeltaRuleMixer):
     def mode(self, T: int) -> str:
         return "fused_recurrent" if (self.fla_mode == "fused_recurrent" or (not self.training and T <= 64)) \
             else "chunk"
+
+
+class DeltaNet(_FlaDeltaLayer):
+    """fla's ``DeltaNet`` layer (Yang et al., 2024):
+
+        q, k = L2(SiLU(conv(W_q x))), L2(SiLU(conv(W_k x)));  v = SiLU(conv(W_v x))
+        beta = sigmoid(W_b x) (x2 with allow_neg_eigval)
+        S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,  o_t = S_t^T q_t / sqrt(d_k)
+        y = W_o RMSNorm(o)
+
+    with fla's arguments: key and value widths ``hidden_size * expand_k`` and ``hidden_size *
+    expand_v``, split into ``num_heads`` heads; ``d_model`` is an alias of ``hidden_size``."""
+
+    def __init__(self, mode: str = "chunk", d_model: int | None = None, hidden_size: int = 1024,
+                 expand_k: float = 1.0, expand_v: float = 1.0, num_heads: int = 4, use_beta: bool = True,
+                 use_gate: bool = False, use_short_conv: bool = True, conv_size: int = 4, conv_bias: bool = False,
+                 allow_neg_eigval: bool = False, layer_idx: int | None = None, qk_activation: str = "silu",
+                 qk_norm: str = "l2", norm_eps: float = 1e-5, **kwargs):
+        hidden_size = hidden_size if d_model is None else d_model
+        _refuse("DeltaNet", use_beta=(use_beta, True), use_gate=(use_gate, False),
+                use_short_conv=(use_short_conv, True), conv_bias=(conv_bias, False),
+                qk_activation=(qk_activation, "silu"), qk_norm=(qk_norm, "l2"))
+        key_dim, value_dim = hidden_size * expand_k, hidden_size * expand_v
+        for name, dim in (("expand_k", key_dim), ("expand_v", value_dim)):
+            if dim != round(dim) or round(dim) % num_heads:
+                raise ValueError(f"DeltaNet: `hidden_size * {name}` ({dim}) must be an integer multiple of "
+                                 f"`num_heads` ({num_heads})")
+        head_k, head_v = round(key_dim) // num_heads, round(value_dim) // num_heads
+        from fastweight.models.config import LMConfig
+        cfg = LMConfig(vocab_size=1, d_model=hidden_size, n_layers=1, n_heads=num_heads, mixer="deltanet",
+                       head_dim=head_k, expand_v=head_v / head_k, allow_neg_eigval=allow_neg_eigval,
+                       use_short_conv=use_short_conv, conv_size=conv_size, norm_eps=norm_eps)
+        self._fla_setup(cfg, "deltanet", mode, layer_idx, kwargs)
+        self.expand_k, self.expand_v, self.key_dim, self.value_dim = expand_k, expand_v, round(key_dim), round(value_dim)
 
 
 class GatedDeltaNet(_FlaDeltaLayer):

@@ -8,21 +8,26 @@ import torch
 import torch.nn.functional as F
 
 from fastweight import ops
-from fastweight.layers import GatedDeltaNet, KimiDeltaAttention
+from fastweight.layers import DeltaNet, GatedDeltaNet, KimiDeltaAttention
 from fastweight.testing import generator, rel_err
 
 # fla 0.6.0's layers (short convs without bias; GDN with its output gate): their parameters by name
 COMMON = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "b_proj.weight", "A_log", "dt_bias", "q_conv1d.weight",
           "k_conv1d.weight", "v_conv1d.weight", "o_norm.weight", "o_proj.weight"}
 FLA_KEYS = {"gdn": COMMON | {"a_proj.weight", "g_proj.weight"}, "kda": COMMON | {
-    "f_proj.0.weight", "f_proj.1.weight", "g_proj.0.weight", "g_proj.1.weight", "g_proj.1.bias"}}
-LAYERS = {"gdn": (GatedDeltaNet, dict(expand_v=2)), "kda": (KimiDeltaAttention, dict(expand_v=1))}
+    "f_proj.0.weight", "f_proj.1.weight", "g_proj.0.weight", "g_proj.1.weight", "g_proj.1.bias"},
+    "deltanet": COMMON - {"A_log", "dt_bias"}}
+# each at key heads of 8 (DeltaNet's from hidden_size * expand_k / num_heads, as fla sizes it)
+LAYERS = {"gdn": (GatedDeltaNet, dict(head_dim=8, expand_v=2)),
+          "kda": (KimiDeltaAttention, dict(head_dim=8, expand_v=1)),
+          "deltanet": (DeltaNet, dict(expand_k=0.5, expand_v=1))}
+KINDS = list(LAYERS)
 
 
 def _layer(kind="gdn", **kw):
     torch.manual_seed(0)
     cls, extra = LAYERS[kind]
-    layer = cls(**{**dict(hidden_size=32, head_dim=8, num_heads=2), **extra, **kw}).double()
+    layer = cls(**{**dict(hidden_size=32, num_heads=2), **extra, **kw}).double()
     for p in layer.parameters():   # away from the initialisation's symmetric values
         p.data.add_(0.1 * torch.randn_like(p))
     return layer
@@ -43,7 +48,11 @@ def _formula(kind, p: dict, x, H, K, allow_neg_eigval=False, eps=1e-5, HV=None):
     v = conv("v", x @ p["v_proj.weight"].T).unflatten(-1, (HV, -1))
     q, k = (t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + 1e-6) for t in (q, k))   # fla's l2norm
     beta = torch.sigmoid(x @ p["b_proj.weight"].T) * (2 if allow_neg_eigval else 1)
-    if kind == "gdn":
+    if kind == "deltanet":
+        o, _ = ops.chunk_delta_rule(q, k, v, beta, scale=K ** -0.5, allow_neg_eigval=allow_neg_eigval,
+                                    backend="reference")
+        gate = None
+    elif kind == "gdn":
         g = -p["A_log"].exp() * F.softplus(x @ p["a_proj.weight"].T + p["dt_bias"])
         o, _ = ops.chunk_gated_delta_rule(q, k, v, g, beta, scale=K ** -0.5, allow_neg_eigval=allow_neg_eigval,
                                           backend="reference")
@@ -55,10 +64,12 @@ def _formula(kind, p: dict, x, H, K, allow_neg_eigval=False, eps=1e-5, HV=None):
                              backend="reference")
         gate = torch.sigmoid(x @ p["g_proj.0.weight"].T @ p["g_proj.1.weight"].T + p["g_proj.1.bias"])
     o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * p["o_norm.weight"]
-    return (o * gate.unflatten(-1, (HV, -1))).flatten(-2) @ p["o_proj.weight"].T
+    if gate is not None:
+        o = o * gate.unflatten(-1, (HV, -1))
+    return o.flatten(-2) @ p["o_proj.weight"].T
 
 
-@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("allow_neg_eigval", [False, True])
 def test_fla_names_and_formula(kind, allow_neg_eigval):
     layer = _layer(kind, allow_neg_eigval=allow_neg_eigval).train()
@@ -70,7 +81,7 @@ def test_fla_names_and_formula(kind, allow_neg_eigval):
     assert rel_err(o, want) < 1e-12
     # an fla-named state dict loads into a fresh layer and gives the same outputs
     cls, extra = LAYERS[kind]
-    fresh = cls(hidden_size=32, head_dim=8, num_heads=2, allow_neg_eigval=allow_neg_eigval, **extra).double().train()
+    fresh = cls(hidden_size=32, num_heads=2, allow_neg_eigval=allow_neg_eigval, **extra).double().train()
     fresh.load_state_dict(layer.state_dict())
     assert torch.equal(fresh(x)[0], o)
 
@@ -88,7 +99,7 @@ def test_gated_deltanet_grouped_value_heads():
         GatedDeltaNet(hidden_size=32, head_dim=8, num_heads=2, num_v_heads=3)
 
 
-@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_padding_mask_and_packed_input(kind):
     """attention_mask (left and right padding) and cu_seqlens: each sequence as if alone, zeros at pads."""
     layer = _layer(kind).train()
@@ -106,7 +117,7 @@ def test_padding_mask_and_packed_input(kind):
     assert rel_err(packed, torch.cat([alone_a, alone_b], 1)) < 1e-12
 
 
-@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_cache_prefill_then_decode(kind):
     layer = _layer(kind).eval()
     x = torch.randn(1, 12, 32, dtype=torch.float64, generator=generator())
@@ -134,6 +145,23 @@ def test_refusals_name_the_argument(kw, error, message):
 def test_kda_refusals_name_the_argument(kw, message):
     with pytest.raises(NotImplementedError, match=message):
         KimiDeltaAttention(hidden_size=32, head_dim=8, num_heads=2, **kw)
+
+
+@pytest.mark.parametrize("kw,error,message", [
+    (dict(use_gate=True), NotImplementedError, "use_gate"), (dict(qk_norm="sum"), NotImplementedError, "qk_norm"),
+    (dict(qk_activation="relu"), NotImplementedError, "qk_activation"),
+    (dict(expand_k=0.3), ValueError, "expand_k"), (dict(head_dim=8), TypeError, "head_dim"),
+])
+def test_deltanet_refusals_name_the_argument(kw, error, message):
+    with pytest.raises(error, match=message):
+        DeltaNet(hidden_size=32, num_heads=2, **kw)
+
+
+def test_deltanet_sizes_as_fla_does():
+    """Key and value widths hidden_size * expand_k / expand_v split into num_heads; d_model aliases hidden_size."""
+    layer = DeltaNet(d_model=64, num_heads=4, expand_k=0.5, expand_v=2)
+    assert (layer.hidden_size, layer.key_dim, layer.value_dim, layer.head_dim, layer.head_v_dim) == (64, 32, 128, 8, 32)
+    assert layer.state_dict()["q_proj.weight"].shape == (32, 64) and layer.state_dict()["o_norm.weight"].shape == (32,)
 
 
 def test_foreign_cache_is_refused():
