@@ -4,7 +4,8 @@ returning ``(o, None, past_key_values)``, and the same parameter names, so that 
 against ``fla.layers`` and the state dicts of fla checkpoints carry over.
 
     from fastweight.layers import GatedDeltaNet          # in place of: from fla.layers import GatedDeltaNet
-                                                          # (and DeltaNet, KimiDeltaAttention)
+                                                          # (and DeltaNet, GatedLinearAttention,
+                                                          #  KimiDeltaAttention)
     layer = GatedDeltaNet(hidden_size=1024, head_dim=128, num_heads=8, expand_v=2)
     o, _, _ = layer(x)                                    # x [B, T, hidden_size]
 
@@ -23,6 +24,7 @@ import torch
 
 from fastweight.layers.base import sequence_positions
 from fastweight.layers.delta import DeltaRuleMixer
+from fastweight.layers.gated import DecayMixer
 
 # our submodule name -> fla's, in the state dict
 CONVS = {"q_conv.": "q_conv1d.", "k_conv.": "k_conv1d.", "v_conv.": "v_conv1d."}
@@ -35,9 +37,20 @@ def _refuse(layer: str, **given):
             raise NotImplementedError(f"{layer}: `{name}={value!r}` is not supported (only {ours!r})")
 
 
-class _FlaDeltaLayer(DeltaRuleMixer):
-    """fla's call convention over a delta-rule mixer (module docstring); ``FLA_NAMES`` renames the
-    state dict's keys to fla's and back."""
+def _head_dims(layer: str, hidden_size: int, expand_k: float, expand_v: float, num_heads: int) -> tuple[int, int]:
+    """fla's sizing: key and value widths ``hidden_size * expand_k / expand_v`` split into heads."""
+    dims = []
+    for name, width in (("expand_k", hidden_size * expand_k), ("expand_v", hidden_size * expand_v)):
+        if width != round(width) or round(width) % num_heads:
+            raise ValueError(f"{layer}: `hidden_size * {name}` ({width}) must be an integer multiple of "
+                             f"`num_heads` ({num_heads})")
+        dims.append(round(width) // num_heads)
+    return dims[0], dims[1]
+
+
+class _FlaLayer:
+    """fla's call convention over one of our mixers (module docstring; mixed in before the mixer's
+    class); ``FLA_NAMES`` renames the state dict's keys to fla's and back."""
 
     FLA_NAMES: dict = CONVS
 
@@ -47,7 +60,7 @@ class _FlaDeltaLayer(DeltaRuleMixer):
         unknown = sorted(set(unknown) - {"use_output_gate"})
         if unknown:
             raise TypeError(f"{type(self).__name__} got unexpected keyword argument(s) {unknown}")
-        DeltaRuleMixer.__init__(self, cfg, variant)
+        self.MIXER.__init__(self, cfg, variant)
         self.hidden_size, self.num_heads, self.head_dim = cfg.d_model, cfg.n_heads, cfg.head_dim
         self.num_v_heads = cfg.v_heads
         self.head_v_dim, self.layer_idx, self.fla_mode = cfg.head_v_dim, layer_idx, mode
@@ -92,6 +105,10 @@ class _FlaDeltaLayer(DeltaRuleMixer):
             else "chunk"
 
 
+class _FlaDeltaLayer(_FlaLayer, DeltaRuleMixer):
+    MIXER = DeltaRuleMixer
+
+
 class DeltaNet(_FlaDeltaLayer):
     """fla's ``DeltaNet`` layer (Yang et al., 2024):
 
@@ -112,18 +129,14 @@ class DeltaNet(_FlaDeltaLayer):
         _refuse("DeltaNet", use_beta=(use_beta, True), use_gate=(use_gate, False),
                 use_short_conv=(use_short_conv, True), conv_bias=(conv_bias, False),
                 qk_activation=(qk_activation, "silu"), qk_norm=(qk_norm, "l2"))
-        key_dim, value_dim = hidden_size * expand_k, hidden_size * expand_v
-        for name, dim in (("expand_k", key_dim), ("expand_v", value_dim)):
-            if dim != round(dim) or round(dim) % num_heads:
-                raise ValueError(f"DeltaNet: `hidden_size * {name}` ({dim}) must be an integer multiple of "
-                                 f"`num_heads` ({num_heads})")
-        head_k, head_v = round(key_dim) // num_heads, round(value_dim) // num_heads
+        head_k, head_v = _head_dims("DeltaNet", hidden_size, expand_k, expand_v, num_heads)
         from fastweight.models.config import LMConfig
         cfg = LMConfig(vocab_size=1, d_model=hidden_size, n_layers=1, n_heads=num_heads, mixer="deltanet",
                        head_dim=head_k, expand_v=head_v / head_k, allow_neg_eigval=allow_neg_eigval,
                        use_short_conv=use_short_conv, conv_size=conv_size, norm_eps=norm_eps)
         self._fla_setup(cfg, "deltanet", mode, layer_idx, kwargs)
-        self.expand_k, self.expand_v, self.key_dim, self.value_dim = expand_k, expand_v, round(key_dim), round(value_dim)
+        self.expand_k, self.expand_v = expand_k, expand_v
+        self.key_dim, self.value_dim = head_k * num_heads, head_v * num_heads
 
 
 class GatedDeltaNet(_FlaDeltaLayer):
@@ -198,3 +211,41 @@ def _from_fla_names(module, state_dict, prefix, *args):
         for ours, theirs in module.FLA_NAMES.items():
             if key.startswith(prefix + theirs):
                 state_dict[prefix + ours + key[len(prefix + theirs):]] = state_dict.pop(key)
+
+
+class GatedLinearAttention(_FlaLayer, DecayMixer):
+    """fla's ``GatedLinearAttention`` layer (Yang et al., 2023), in fla's default form:
+
+        q, k, v = W_q x, W_k x, W_v x;  g = logsigmoid(W_1 W_0 x + b) / 16  (one per key channel)
+        S_t = Diag(exp g_t) S_{t-1} + k_t v_t^T,  o_t = S_t^T q_t / sqrt(d_k)
+        y = W_o (RMSNorm(o) * SiLU(W_g x))
+
+    with fla's arguments (key and value widths ``hidden_size * expand_k`` and ``hidden_size *
+    expand_v``, split into ``num_heads`` heads) and parameter names (``gk_proj.0/1``,
+    ``g_norm_swish_gate``). The other forms fla offers (short convolutions, grouped key heads,
+    a feature map, a clamp, another gate or gate rank) are refused by name."""
+
+    MIXER = DecayMixer
+    FLA_NAMES = {"gk_proj.down.": "gk_proj.0.", "gk_proj.up.": "gk_proj.1.", "o_norm.": "g_norm_swish_gate."}
+
+    def __init__(self, mode: str = "chunk", hidden_size: int = 1024, expand_k: float = 0.5, expand_v: float = 1.0,
+                 num_heads: int = 4, num_kv_heads: int | None = None, feature_map: str | None = None,
+                 use_short_conv: bool = False, conv_size: int = 4, conv_bias: bool = False,
+                 use_output_gate: bool = True, gate_fn: str = "swish", elementwise_affine: bool | None = True,
+                 norm_eps: float = 1e-5, gate_logit_normalizer: int = 16, gate_low_rank_dim: int = 16,
+                 clamp_min: float | None = None, fuse_norm: bool = True, layer_idx: int | None = None, **kwargs):
+        from fastweight.layers.gated import GATE_LOGIT_NORMALIZER, GATE_RANK
+        _refuse("GatedLinearAttention", num_kv_heads=(num_kv_heads if num_kv_heads != num_heads else None, None),
+                feature_map=(feature_map, None), use_short_conv=(use_short_conv, False),
+                use_output_gate=(use_output_gate, True), gate_fn=(gate_fn, "swish"),
+                elementwise_affine=(elementwise_affine, True), gate_logit_normalizer=(gate_logit_normalizer,
+                                                                                    GATE_LOGIT_NORMALIZER),
+                gate_low_rank_dim=(gate_low_rank_dim, GATE_RANK), clamp_min=(clamp_min, None),
+                fuse_norm=(fuse_norm, True))
+        head_k, head_v = _head_dims("GatedLinearAttention", hidden_size, expand_k, expand_v, num_heads)
+        from fastweight.models.config import LMConfig
+        cfg = LMConfig(vocab_size=1, d_model=hidden_size, n_layers=1, n_heads=num_heads, mixer="gla", head_dim=head_k,
+                       expand_v=head_v / head_k, conv_size=conv_size, norm_eps=norm_eps)
+        self._fla_setup(cfg, "gla", mode, layer_idx, kwargs)
+        self.expand_k, self.expand_v = expand_k, expand_v
+        self.key_dim, self.value_dim = head_k * num_heads, head_v * num_heads

@@ -25,6 +25,7 @@ from fastweight.layers.base import Mixer, positions, split_heads
 from fastweight.layers.common import GatedRMSNorm, LowRank, RMSNorm, ShortConv, at_least_fp32, mamba_decay_init, rotary
 
 GATE_LOGIT_NORMALIZER = 16
+GATE_RANK = 16   # GLA's low-rank decay projection (fla's gate_low_rank_dim)
 
 
 class DecayMixer(Mixer):
@@ -41,7 +42,7 @@ class DecayMixer(Mixer):
         self.v_proj = nn.Linear(D, H * V, bias=False)
         self.g_proj = nn.Linear(D, H * V, bias=False) if variant in ("gla", "retnet") else None
         if variant == "gla":
-            self.gk_proj = LowRank(D, 16, H * K, activation=None, bias=True)
+            self.gk_proj = LowRank(D, GATE_RANK, H * K, activation=None, bias=True)
         self.o_norm = GatedRMSNorm(V, cfg.norm_eps, "silu")
         self.o_proj = nn.Linear(H * V, D, bias=False)
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fastweight import ops
-from fastweight.layers import DeltaNet, GatedDeltaNet, KimiDeltaAttention
+from fastweight.layers import DeltaNet, GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention
 from fastweight.testing import generator, rel_err
 
 # fla 0.6.0's layers (short convs without bias; GDN with its output gate): their parameters by name
@@ -16,11 +16,14 @@ COMMON = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "b_proj.weight", "A
           "k_conv1d.weight", "v_conv1d.weight", "o_norm.weight", "o_proj.weight"}
 FLA_KEYS = {"gdn": COMMON | {"a_proj.weight", "g_proj.weight"}, "kda": COMMON | {
     "f_proj.0.weight", "f_proj.1.weight", "g_proj.0.weight", "g_proj.1.weight", "g_proj.1.bias"},
-    "deltanet": COMMON - {"A_log", "dt_bias"}}
+    "deltanet": COMMON - {"A_log", "dt_bias"},
+    "gla": {"q_proj.weight", "k_proj.weight", "v_proj.weight", "g_proj.weight", "gk_proj.0.weight", "gk_proj.1.weight",
+            "gk_proj.1.bias", "g_norm_swish_gate.weight", "o_proj.weight"}}
 # each at key heads of 8 (DeltaNet's from hidden_size * expand_k / num_heads, as fla sizes it)
 LAYERS = {"gdn": (GatedDeltaNet, dict(head_dim=8, expand_v=2)),
           "kda": (KimiDeltaAttention, dict(head_dim=8, expand_v=1)),
-          "deltanet": (DeltaNet, dict(expand_k=0.5, expand_v=1))}
+          "deltanet": (DeltaNet, dict(expand_k=0.5, expand_v=1)),
+          "gla": (GatedLinearAttention, dict(expand_k=0.5, expand_v=1))}
 KINDS = list(LAYERS)
 
 
@@ -37,6 +40,12 @@ def _formula(kind, p: dict, x, H, K, allow_neg_eigval=False, eps=1e-5, HV=None):
     """The layer written out from its state dict (fla's names), float64; ``HV`` value heads (GVA:
     the op reads key head j // (HV / H) for value head j, as fla's layer repeats q and k)."""
     T, HV = x.shape[1], HV or H
+    if kind == "gla":   # no short convolutions, no key norm; the decay from its low-rank map
+        q, k, v = (x @ p[f"{n}_proj.weight"].T for n in "qkv")
+        g = F.logsigmoid(x @ p["gk_proj.0.weight"].T @ p["gk_proj.1.weight"].T + p["gk_proj.1.bias"]) / 16
+        o, _ = ops.chunk_gla(*(t.unflatten(-1, (H, -1)) for t in (q, k, v, g)), scale=K ** -0.5, backend="reference")
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * p["g_norm_swish_gate.weight"]
+        return (o * F.silu(x @ p["g_proj.weight"].T).unflatten(-1, (H, -1))).flatten(-2) @ p["o_proj.weight"].T
 
     def conv(name, y):
         w = p[f"{name}_conv1d.weight"]
@@ -69,10 +78,10 @@ def _formula(kind, p: dict, x, H, K, allow_neg_eigval=False, eps=1e-5, HV=None):
     return o.flatten(-2) @ p["o_proj.weight"].T
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("allow_neg_eigval", [False, True])
+@pytest.mark.parametrize("kind,allow_neg_eigval", [(k, neg) for k in KINDS for neg in (False, True)
+                                                     if not (neg and k == "gla")])   # GLA has no beta
 def test_fla_names_and_formula(kind, allow_neg_eigval):
-    layer = _layer(kind, allow_neg_eigval=allow_neg_eigval).train()
+    layer = _layer(kind, **(dict(allow_neg_eigval=True) if allow_neg_eigval else {})).train()
     assert set(layer.state_dict()) == FLA_KEYS[kind]
     x = torch.randn(2, 70, 32, dtype=torch.float64, generator=generator())
     o, attentions, cache = layer(x)
@@ -81,7 +90,8 @@ def test_fla_names_and_formula(kind, allow_neg_eigval):
     assert rel_err(o, want) < 1e-12
     # an fla-named state dict loads into a fresh layer and gives the same outputs
     cls, extra = LAYERS[kind]
-    fresh = cls(hidden_size=32, num_heads=2, allow_neg_eigval=allow_neg_eigval, **extra).double().train()
+    fresh = cls(hidden_size=32, num_heads=2, **extra, **(dict(allow_neg_eigval=True) if allow_neg_eigval else {}))
+    fresh = fresh.double().train()
     fresh.load_state_dict(layer.state_dict())
     assert torch.equal(fresh(x)[0], o)
 
@@ -155,6 +165,14 @@ def test_kda_refusals_name_the_argument(kw, message):
 def test_deltanet_refusals_name_the_argument(kw, error, message):
     with pytest.raises(error, match=message):
         DeltaNet(hidden_size=32, num_heads=2, **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(use_short_conv=True), dict(num_kv_heads=1), dict(feature_map="relu"),
+                                dict(gate_fn="sigmoid"), dict(gate_low_rank_dim=8), dict(clamp_min=-1.0),
+                                dict(fuse_norm=False), dict(use_output_gate=False), dict(gate_logit_normalizer=8)])
+def test_gla_refusals_name_the_argument(kw):
+    with pytest.raises(NotImplementedError, match=next(iter(kw))):
+        GatedLinearAttention(hidden_size=32, num_heads=2, **kw)
 
 
 def test_deltanet_sizes_as_fla_does():
