@@ -13,9 +13,9 @@ Padding: ``attention_mask`` [B, T] (1 = token, 0 = padding, on either side) pack
 one varlen batch, as fla does, and the output is zero at padded positions. Packed input:
 ``cu_seqlens`` [N+1] with B = 1. Caching: ``past_key_values`` is this library's per-layer dict
 (``fastweight.layers.base``: the state and the convolutions' tails); fla's ``Cache`` objects are
-refused by name. What fla has and this does not (KDA's ``num_v_heads`` other than ``num_heads``,
-``use_gate=False``, ``use_short_conv=False``, a conv bias, an output gate other than swish) raises
-an error naming it.
+refused by name. An fla option a class does not implement (its docstring lists them: KDA's
+``num_v_heads``, GatedDeltaNet's ``use_gate=False``, GLA's short convolutions, ...) raises an
+error naming it, and so does an unknown keyword (fla's layers ignore those).
 """
 
 from __future__ import annotations
