@@ -58,19 +58,26 @@ def delta_dplr(q, k, v, beta, gk=None, a=None):
     return dict(q=q, k=b, v=v, a=k if a is None else a, b=-b, gk=gk)
 
 
-def _torch(q, k, v, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=64,
-           **_):
+def delta_torch(q, k, v, beta, g=None, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                chunk_size=64, **_):
+    """The delta rule's PyTorch chunk path, with the decay ``g`` (None; per head [B, T, HV]; per key
+    channel [B, T, HV, K]) applied before the step: DeltaNet, Gated DeltaNet, KDA."""
     from fastweight.chunk.delta import delta_chunk
-    return delta_chunk(q, k, v, beta, scale=scale, initial_state=initial_state,
+    return delta_chunk(q, k, v, beta, g, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
 
 
-def _triton_chunk(q, k, v, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-                  use_qk_l2norm_in_kernel=False, **_):
-    from fastweight.kernels.delta import chunk_delta
-    return chunk_delta(q, k, v, None, beta, scale=scale, initial_state=initial_state,
+def delta_triton_chunk(q, k, v, beta, g=None, *, scale, initial_state=None, output_final_state=False,
+                       cu_seqlens=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None,
+                       use_gate_in_kernel=False, **_):
+    """The same on the Triton kernels. use_gate_in_kernel: ``g`` is the pre-activation and the kernel
+    forms the log gate ``-exp(A_log) softplus(g + dt_bias)`` (A_log [HV]; dt_bias [HV], or [HV * K]
+    for a per-channel gate, as fla's chunk_kda), with gradients for all three."""
+    from fastweight.kernels.delta import chunk_delta, gate_params
+    return chunk_delta(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                       **gate_params(use_gate_in_kernel, A_log, dt_bias))
 
 
 def _triton_fused_recurrent(q, k, v, beta, use_qk_l2norm_in_kernel=False, **kw):
@@ -83,7 +90,7 @@ def _dplr(q, k, v, beta, **_):
 
 
 OP = register_op(Op(name="delta_rule", mechanism="deltanet", args=("q", "k", "v", "beta"), family="delta",
-                    beta="unit", reference=reference_op(MECHANISM), dplr=_dplr, torch=Impl(_torch),
-                    triton_chunk=Impl(_triton_chunk, grouped_heads=True, fused_l2norm=True),
+                    beta="unit", reference=reference_op(MECHANISM), dplr=_dplr, torch=Impl(delta_torch),
+                    triton_chunk=Impl(delta_triton_chunk, grouped_heads=True, fused_l2norm=True),
                     triton_fused_recurrent=Impl(_triton_fused_recurrent, grouped_heads=True, fused_l2norm=True)))
 register_mixer(Mixer(name="deltanet", op="delta_rule", layer="delta", options=dict(decay=None, gate=None)))

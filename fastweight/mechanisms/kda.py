@@ -10,7 +10,7 @@ DPLR: w = alpha_t (vector), a = -beta k, b = alpha_t * k, write (beta k, v).
 from fastweight.mechanisms.base import (Impl, Mechanism, Mixer, Op, kT_S, l2norm, outer, rand, randn,
                                         reference_op, register, register_mixer, register_op, regression,
                                         sample_log_decay)
-from fastweight.mechanisms.deltanet import delta_dplr
+from fastweight.mechanisms.deltanet import delta_dplr, delta_torch, delta_triton_chunk
 
 
 def sample(B, T, H, K, V, *, dtype, device, generator):
@@ -52,24 +52,6 @@ MECHANISM = register(Mechanism(
 ))
 
 
-def _torch(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-           chunk_size=64, **_):
-    from fastweight.chunk.delta import delta_chunk
-    return delta_chunk(q, k, v, beta, g, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
-
-
-def _triton_chunk(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-                  use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, use_gate_in_kernel=False, **_):
-    """use_gate_in_kernel: ``g`` is the pre-activation and the kernel forms the log gate
-    ``-exp(A_log) softplus(g + dt_bias)`` (A_log: [HV], dt_bias: [HV * K]), as fla's chunk_kda."""
-    from fastweight.kernels.delta import chunk_delta, gate_params
-    return chunk_delta(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                       **gate_params(use_gate_in_kernel, A_log, dt_bias))
-
-
 def _triton_fused_recurrent(q, k, v, g, beta, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None, **kw):
     """With ``A_log`` ([HV]), ``dt_bias`` ([HV * K]) the gate is ``-exp(A_log) * softplus(g + dt_bias)``."""
     from fastweight.kernels.fused_recurrent import Spec, fused_recurrent, gate_spec
@@ -84,7 +66,7 @@ def _dplr(q, k, v, g, beta, **_):
 
 OP = register_op(Op(name="kda", mechanism="kda", args=("q", "k", "v", "g", "beta"), family="delta",
                     gates={"g": "channel"}, beta="unit", gate_in_kernel=True, reference=reference_op(MECHANISM),
-                    dplr=_dplr, torch=Impl(_torch),
-                    triton_chunk=Impl(_triton_chunk, grouped_heads=True, fused_l2norm=True, fused_gate=True),
+                    dplr=_dplr, torch=Impl(delta_torch),
+                    triton_chunk=Impl(delta_triton_chunk, grouped_heads=True, fused_l2norm=True, fused_gate=True),
                     triton_fused_recurrent=Impl(_triton_fused_recurrent, grouped_heads=True, fused_l2norm=True)))
 register_mixer(Mixer(name="kda", op="kda", layer="delta", options=dict(decay="channel", gate="sigmoid")))
