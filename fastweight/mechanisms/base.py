@@ -166,27 +166,25 @@ MIXERS: dict[str, Mixer] = {}
 FAMILIES = ("decay", "delta", "dplr")
 
 
+def _add(table: dict, entry, what: str):
+    if entry.name in table:
+        raise ValueError(f"{what} {entry.name!r} registered twice")
+    table[entry.name] = entry
+    return entry
+
+
 def register(mechanism: Mechanism) -> Mechanism:
-    if mechanism.name in REGISTRY:
-        raise ValueError(f"mechanism {mechanism.name!r} registered twice")
-    REGISTRY[mechanism.name] = mechanism
-    return mechanism
+    return _add(REGISTRY, mechanism, "mechanism")
 
 
 def register_op(op: Op) -> Op:
-    if op.name in OPS:
-        raise ValueError(f"op {op.name!r} registered twice")
     if op.family not in FAMILIES:
         raise ValueError(f"Op.family must be one of {FAMILIES}, got {op.family!r}")
-    OPS[op.name] = op
-    return op
+    return _add(OPS, op, "op")
 
 
 def register_mixer(mixer: Mixer) -> Mixer:
-    if mixer.name in MIXERS:
-        raise ValueError(f"mixer {mixer.name!r} registered twice")
-    MIXERS[mixer.name] = mixer
-    return mixer
+    return _add(MIXERS, mixer, "mixer")
 
 
 def get_op(name: str) -> Op:

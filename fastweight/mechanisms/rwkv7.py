@@ -24,9 +24,8 @@ fla's ``chunk_rwkv7(r, w, k~, v, a=-kappa^, b=kappa^ * a_t)``.
 
 import torch
 
-from fastweight.mechanisms.base import (Impl, Mechanism, Mixer, Op, hebbian, l2norm, rand, randn, register,
-                                        register_mixer, register_op, regression, weight_decay)
-from fastweight.reference.recurrence import dplr_recurrent
+from fastweight.mechanisms.base import (Impl, Mechanism, Mixer, Op, get_op, hebbian, l2norm, rand, randn,
+                                        register, register_mixer, register_op, regression, weight_decay)
 
 
 def prepare(inputs):
@@ -88,29 +87,14 @@ MECHANISM = register(Mechanism(
 ))
 
 
-def _reference(r, w, k, v, a, b, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None, **_):
-    """fla's chunk_rwkv7 meaning: S_t = (Diag(exp w) + b a^T) S + k v^T, o_t = S_t^T (scale r_t)."""
-    return dplr_recurrent(r, k, v, a=b, b=a, gk=w, scale=scale, initial_state=initial_state,
-                          output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-
-
-def _torch(r, w, k, v, a, b, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-           chunk_size=64, **_):
-    from fastweight.chunk.dplr import dplr_chunk
-    return dplr_chunk(r, k, v, a=b, b=a, gk=w, scale=scale, initial_state=initial_state,
-                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
-
-
-def _triton_chunk(r, w, k, v, a, b, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
-                  launch=None, **_):
-    from fastweight.kernels.dplr import DplrLaunch, chunk_dplr
-    return chunk_dplr(r, k, v, a, b, w, scale=scale, initial_state=initial_state,
-                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, launch=launch or DplrLaunch())
-
-
-def _triton_fused_recurrent(r, w, k, v, a, b, **kw):
-    from fastweight.kernels.fused_recurrent import Spec, fused_recurrent
-    return fused_recurrent(r, k, v, spec=Spec(low_rank=2), a=b, b=a, gk=w, **kw)
+def _on_dplr(which: str):
+    """``dplr_delta_rule``'s implementation ``which`` (an ``Op`` field) with RWKV-7's names: fla's
+    chunk_rwkv7 is S_t = (Diag(exp w) + b a^T) S + k v^T, o_t = S_t^T (scale r_t)."""
+    def impl(r, w, k, v, a, b, **kw):
+        target = getattr(get_op("dplr_delta_rule"), which)
+        return (target if which == "reference" else target.fn)(q=r, k=k, v=v, a=a, b=b, gk=w, **kw)
+    impl.__name__ = f"rwkv7_{which}"
+    return impl
 
 
 def _dplr(r, w, k, v, a, b, **_):
@@ -118,6 +102,7 @@ def _dplr(r, w, k, v, a, b, **_):
 
 
 OP = register_op(Op(name="rwkv7", mechanism="rwkv7", args=("r", "w", "k", "v", "a", "b"), family="dplr",
-                    gates={"w": "channel"}, reference=_reference, dplr=_dplr, torch=Impl(_torch),
-                    triton_chunk=Impl(_triton_chunk), triton_fused_recurrent=Impl(_triton_fused_recurrent)))
+                    gates={"w": "channel"}, reference=_on_dplr("reference"), dplr=_dplr,
+                    torch=Impl(_on_dplr("torch")), triton_chunk=Impl(_on_dplr("triton_chunk")),
+                    triton_fused_recurrent=Impl(_on_dplr("triton_fused_recurrent"))))
 register_mixer(Mixer(name="rwkv7", op="rwkv7", layer="rwkv7"))
