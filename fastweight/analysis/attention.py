@@ -56,13 +56,10 @@ def recurrence_dplr(record: Recurrence) -> dict:
 
     The layer's op is mapped onto the DPLR op by its own generic form
     (:func:`fastweight.layers.linear_op.generic_factors`, fla's names: read ``a``, write ``b``), so
-    every mixer is covered the way it runs; RWKV-6 (diagonal, with the bonus ``u``) is read off directly.
+    every mixer is covered the way it runs (RWKV-6's bonus ``u`` included).
     """
-    tensors = dict(record.tensors)
-    if record.op == "rwkv6":
-        return dict(q=tensors["r"], k=tensors["k"], a=None, b=None, gk=tensors["w"], u=tensors["u"])
-    f = generic_factors(record.op, tensors)
-    return dict(q=f["q"], k=f["k"], a=f["b"], b=f["a"], gk=f["gk"], u=None)
+    f = generic_factors(record.op, dict(record.tensors))
+    return dict(q=f["q"], k=f["k"], a=f["b"], b=f["a"], gk=f["gk"], u=f["u"])
 
 
 def recurrence_attention_map(record: Recurrence) -> torch.Tensor:
