@@ -14,7 +14,8 @@ import importlib
 import os
 import sys
 
-SUBCOMMANDS = ("fastweight.verify", "fastweight.train", "fastweight.evaluate", "fastweight.plot")
+SUBCOMMANDS = ("fastweight.verify", "fastweight.train", "fastweight.evaluate", "fastweight.plot",
+               "fastweight.models.convert")
 
 
 def build_parser(modules=SUBCOMMANDS) -> argparse.ArgumentParser:

@@ -124,9 +124,10 @@ class DeltaNet(_FlaDeltaLayer):
                  expand_k: float = 1.0, expand_v: float = 1.0, num_heads: int = 4, use_beta: bool = True,
                  use_gate: bool = False, use_short_conv: bool = True, conv_size: int = 4, conv_bias: bool = False,
                  allow_neg_eigval: bool = False, layer_idx: int | None = None, qk_activation: str = "silu",
-                 qk_norm: str = "l2", norm_eps: float = 1e-5, **kwargs):
+                 qk_norm: str = "l2", norm_eps: float = 1e-5, use_output_norm: bool = True, **kwargs):
         hidden_size = hidden_size if d_model is None else d_model
         _refuse("DeltaNet", use_beta=(use_beta, True), use_gate=(use_gate, False),
+                use_output_norm=(use_output_norm, True),
                 use_short_conv=(use_short_conv, True), conv_bias=(conv_bias, False),
                 qk_activation=(qk_activation, "silu"), qk_norm=(qk_norm, "l2"))
         head_k, head_v = _head_dims("DeltaNet", hidden_size, expand_k, expand_v, num_heads)

@@ -244,9 +244,15 @@ class FastweightForCausalLM(PreTrainedModel, GenerationMixin):
         With ``strict`` (the default) the weights must be exactly the model's: missing, unexpected
         or (unless ``ignore_mismatched_sizes``) mismatched keys raise a ValueError listing them.
         ``strict=False`` loads as transformers does: a warning, and the missing or mismatched
-        tensors initialised as in a new model (``_init_weights``)."""
+        tensors initialised as in a new model (``_init_weights``). A folder of one of fla's models
+        (``fastweight.models.convert.FLA_MODELS``) is converted on the way in."""
+        saved = os.path.join(str(pretrained_model_name_or_path), "config.json")
+        if config is None and os.path.isfile(saved):
+            from fastweight.models.convert import FLA_MODELS, load_fla
+            with open(saved) as f:
+                if json.load(f).get("model_type") in FLA_MODELS:
+                    return cls.from_language_model(load_fla(str(pretrained_model_name_or_path)))
         if isinstance(config, FastweightConfig):
-            saved = os.path.join(str(pretrained_model_name_or_path), "config.json")
             if os.path.isfile(saved):
                 with open(saved) as f:
                     stored = json.load(f)

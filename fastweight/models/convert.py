@@ -1,0 +1,281 @@
+"""Checkpoints in and out of fla's format (flash-linear-attention 0.6.0's ``*ForCausalLM`` models).
+
+    from fastweight.models.convert import load_fla, save_fla
+    model = load_fla("path/to/fla-hub-folder")     # a LanguageModel with the same weights and logits
+    save_fla(model, "path/to/out")                 # back to fla's config.json + model.safetensors
+
+    fastweight convert SRC DST                      # an fla folder -> a fastweight (transformers) folder,
+                                                    # or a fastweight folder -> fla's format
+
+fla's models and ours have the same blocks (pre-norm mixer, pre-norm SwiGLU MLP, final RMSNorm, an
+optionally tied head): the tensors are the same, only their names differ. The model-level names
+(:data:`MODEL_NAMES`) are the same for every model; the mixer-level names are those of the fla
+layer class (``fastweight.layers.fla_layers``, ``FLA_NAMES``), so a layer and a model convert alike.
+:data:`FLA_MODELS` lists the models (by fla's ``model_type``): GatedDeltaNet, KDA, DeltaNet, GLA.
+A config option that our mixer does not implement (fla's hybrid ``attn`` layers, another MLP
+activation, the layer options the fla layer class refuses) raises an error that names it: a
+conversion is exact or refused. fla's recurrent caches keep the state as ``[N, H, V, K]``
+(``state_v_first``), ours as ``[N, H, K, V]``: :func:`state_from_fla` transposes one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from fastweight.layers import fla_layers
+from fastweight.models.config import LMConfig
+from fastweight.models.lm import LanguageModel
+
+# fla's model-level names -> ours (the block index in between is kept)
+MODEL_NAMES = {"model.embeddings.": "embed.", "model.norm.": "norm.", "lm_head.": "lm_head."}
+BLOCK_NAMES = {"attn_norm.": "mixer_norm.", "attn.": "mixer.", "mlp_norm.": "mlp_norm.", "mlp.": "mlp."}
+
+
+@dataclass(frozen=True)
+class FlaModel:
+    """One of fla's model types: our mixer, the fla layer class that names its weights, fla's
+    ``architectures`` entry, and the config fields that must keep their one supported value."""
+
+    mixer: str
+    layer: type
+    architecture: str
+    fixed: tuple = ()
+
+
+_COMMON_FIXED = (("attn", None), ("hidden_act", "swish"), ("attnres_block_size", None))
+FLA_MODELS = {
+    "gated_deltanet": FlaModel("gdn", fla_layers.GatedDeltaNet, "GatedDeltaNetForCausalLM",
+                               (("use_gate", True), ("use_short_conv", True))),
+    "kda": FlaModel("kda", fla_layers.KimiDeltaAttention, "KDAForCausalLM",
+                    (("use_short_conv", True), ("safe_gate", False), ("lower_bound", None), ("expand_v", 1.0))),
+    "delta_net": FlaModel("deltanet", fla_layers.DeltaNet, "DeltaNetForCausalLM",
+                          (("use_gate", False), ("use_short_conv", True), ("use_beta", True),
+                           ("use_output_norm", True), ("qk_norm", "l2"), ("qk_activation", "silu"))),
+    "gla": FlaModel("gla", fla_layers.GatedLinearAttention, "GLAForCausalLM",
+                    (("num_kv_heads", None), ("feature_map", None), ("use_short_conv", False),
+                     ("use_output_gate", True), ("clamp_min", None), ("elementwise_affine", True),
+                     ("use_gk", True), ("use_gv", False), ("fuse_norm", True))),
+}
+_MIXER_TO_TYPE = {spec.mixer: name for name, spec in FLA_MODELS.items()}
+
+
+def fla_mlp_size(hidden_size: int, hidden_ratio: float | None = 4, intermediate_size: int | None = None) -> int:
+    """fla's ``GatedMLP`` width: ``intermediate_size``, else 2/3 of ``hidden_ratio * hidden_size``
+    rounded up to a multiple of 256."""
+    if intermediate_size is not None:
+        return intermediate_size
+    width = int(hidden_size * (4 if hidden_ratio is None else hidden_ratio) * 2 / 3)
+    return 256 * ((width + 255) // 256)
+
+
+def lm_config_from_fla(config: dict) -> LMConfig:
+    """Our LMConfig for fla's ``config.json`` (a dict): the same sizes, heads, norms and options."""
+    model_type = config.get("model_type")
+    if model_type not in FLA_MODELS:
+        raise ValueError(f"fla model_type {model_type!r} is not supported; supported: {', '.join(FLA_MODELS)}")
+    spec = FLA_MODELS[model_type]
+    for name, ours in _COMMON_FIXED + spec.fixed:
+        value = config.get(name, ours)
+        if value != ours and not (name == "hidden_act" and value == "silu"):
+            what = "hybrid attention layers" if name == "attn" else f"`{name}={value!r}`"
+            raise NotImplementedError(f"fla {model_type}: {what} is not supported by the conversion (only "
+                                      f"{name}={ours!r})")
+    D, H = config.get("hidden_size", 2048), config.get("num_heads")
+    if model_type in ("delta_net", "gla"):
+        defaults = (1.0, 1.0) if model_type == "delta_net" else (0.5, 1.0)
+        head_k, head_v = fla_layers._head_dims(model_type, D, config.get("expand_k", defaults[0]),
+                                               config.get("expand_v", defaults[1]), H)
+    else:
+        head_k = config["head_dim"]
+        head_v = head_k * config.get("expand_v", 2.0 if model_type == "gated_deltanet" else 1.0)
+    n_v_heads = config.get("num_v_heads")
+    if model_type == "kda" and n_v_heads not in (None, H):
+        raise NotImplementedError(f"fla kda: `num_v_heads={n_v_heads}` is not supported (only num_heads)")
+    return LMConfig(
+        vocab_size=config.get("vocab_size", 32000), d_model=D, n_layers=config["num_hidden_layers"], n_heads=H,
+        mixer=spec.mixer, head_dim=head_k, expand_v=head_v / head_k,
+        n_v_heads=None if n_v_heads in (None, H) else n_v_heads,
+        allow_neg_eigval=config.get("allow_neg_eigval", False),
+        use_short_conv=config.get("use_short_conv", model_type != "gla"), conv_size=config.get("conv_size", 4),
+        intermediate_size=fla_mlp_size(D, config.get("hidden_ratio", 4), config.get("intermediate_size")),
+        norm_eps=config.get("norm_eps", 1e-6), tie_embeddings=config.get("tie_word_embeddings", False),
+        initializer_range=config.get("initializer_range", 0.02))
+
+
+def fla_config_from_lm(cfg: LMConfig) -> dict:
+    """fla's ``config.json`` for our LMConfig (one of :data:`FLA_MODELS`' mixers in every layer)."""
+    if len(set(cfg.mixers)) != 1 or cfg.mixers[0] not in _MIXER_TO_TYPE:
+        raise NotImplementedError(f"only models of one mixer among {sorted(_MIXER_TO_TYPE)} convert to fla's "
+                                  f"format; this one has mixer {cfg.mixer!r}")
+    model_type = _MIXER_TO_TYPE[cfg.mixers[0]]
+    spec = FLA_MODELS[model_type]
+    out = dict(model_type=model_type, architectures=[spec.architecture], vocab_size=cfg.vocab_size,
+               hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers, num_heads=cfg.n_heads,
+               intermediate_size=cfg.mlp_dim, hidden_act="swish", norm_eps=cfg.norm_eps,
+               tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.initializer_range,
+               conv_size=cfg.conv_size, **dict(spec.fixed))
+    out.pop("attn", None)
+    if model_type in ("delta_net", "gla"):
+        out.update(expand_k=cfg.n_heads * cfg.head_dim / cfg.d_model,
+                   expand_v=cfg.n_heads * cfg.head_v_dim / cfg.d_model)
+    else:
+        out.update(head_dim=cfg.head_dim, expand_v=cfg.expand_v, num_v_heads=cfg.n_v_heads)
+    if model_type != "gla":
+        out.update(use_short_conv=cfg.use_short_conv, allow_neg_eigval=cfg.allow_neg_eigval)
+    return out
+
+
+def _rename(key: str, table: dict) -> str | None:
+    for old, new in table.items():
+        if key.startswith(old):
+            return new + key[len(old):]
+    return None
+
+
+_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.*)")
+
+
+def state_dict_from_fla(state_dict: dict, config: dict) -> dict:
+    """fla's model state dict (names as in its ``model.safetensors``) -> ours, the same tensors.
+
+    A tied fla checkpoint that omits ``lm_head.weight`` gets the embedding under both names (as
+    our tied model holds it); a name that fits neither table is a KeyError."""
+    layer_names = {theirs: ours for ours, theirs in FLA_MODELS[config["model_type"]].layer.FLA_NAMES.items()}
+    out = {}
+    for key, t in state_dict.items():
+        m = _BLOCK.fullmatch(key)
+        if m is None:
+            new = _rename(key, MODEL_NAMES)
+        else:
+            rest = _rename(m.group(2), BLOCK_NAMES)
+            if rest is not None and rest.startswith("mixer."):
+                rest = "mixer." + (_rename(rest[6:], layer_names) or rest[6:])
+            new = None if rest is None else f"blocks.{m.group(1)}.{rest}"
+        if new is None:
+            raise KeyError(f"fla checkpoint tensor {key!r} has no counterpart in fastweight's model")
+        out[new] = t
+    if "lm_head.weight" not in out and config.get("tie_word_embeddings", False):
+        out["lm_head.weight"] = out["embed.weight"]
+    return out
+
+
+def state_dict_to_fla(state_dict: dict, cfg: LMConfig) -> dict:
+    """Our model state dict -> fla's names (the inverse of :func:`state_dict_from_fla`)."""
+    layer_names = FLA_MODELS[fla_config_from_lm(cfg)["model_type"]].layer.FLA_NAMES
+    model_names = {ours: theirs for theirs, ours in MODEL_NAMES.items()}
+    block_names = {ours: theirs for theirs, ours in BLOCK_NAMES.items()}
+    out = {}
+    for key, t in state_dict.items():
+        m = re.fullmatch(r"blocks\.(\d+)\.(.*)", key)
+        if m is None:
+            new = _rename(key, model_names)
+        else:
+            rest = m.group(2)
+            if rest.startswith("mixer."):
+                rest = "mixer." + (_rename(rest[6:], layer_names) or rest[6:])
+            rest = _rename(rest, block_names)
+            new = None if rest is None else f"model.layers.{m.group(1)}.{rest}"
+        if new is None:
+            raise KeyError(f"fastweight tensor {key!r} has no counterpart in fla's model")
+        out[new] = t
+    return out
+
+
+def state_from_fla(state: torch.Tensor) -> torch.Tensor:
+    """A recurrent state of fla's caches ``[N, H, V, K]`` as ours ``[N, H, K, V]`` (and back: the
+    same transpose)."""
+    return state.transpose(-1, -2)
+
+
+def read_folder(path: str) -> tuple[dict, dict]:
+    """``(config, state_dict)`` of a Hugging Face model folder: ``config.json`` and the weights
+    (``model.safetensors``, sharded ``model-*.safetensors`` with their index, or ``pytorch_model.bin``)."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        from safetensors.torch import load_file
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        state = {}
+        for name in files:
+            state.update(load_file(os.path.join(path, name)))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        from safetensors.torch import load_file
+        state = load_file(os.path.join(path, "model.safetensors"))
+    elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+        state = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+    else:
+        raise FileNotFoundError(f"no model.safetensors(.index.json) or pytorch_model.bin in {path}")
+    return config, state
+
+
+def from_fla(config: dict, state_dict: dict) -> LanguageModel:
+    """Our LanguageModel holding an fla model's weights (strict: every tensor placed, none left)."""
+    model = LanguageModel(lm_config_from_fla(config))
+    model.load_state_dict(state_dict_from_fla(state_dict, config), strict=True)
+    return model
+
+
+def load_fla(path: str) -> LanguageModel:
+    """Our LanguageModel from an fla hub folder (config.json + weights)."""
+    return from_fla(*read_folder(path))
+
+
+def save_fla(model: LanguageModel, path: str) -> None:
+    """``model`` as an fla folder: fla's config.json and model.safetensors (a tied head is stored
+    once, under the embedding's name, as transformers saves tied weights)."""
+    from safetensors.torch import save_file
+    config = fla_config_from_lm(model.cfg)
+    state = state_dict_to_fla(model.state_dict(), model.cfg)
+    if model.cfg.tie_embeddings:
+        state.pop("lm_head.weight")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def convert(src: str, dst: str) -> str:
+    """Convert the folder ``src`` into ``dst``: an fla folder into fastweight's (transformers'
+    ``FastweightForCausalLM`` format), a fastweight folder into fla's. Returns the direction."""
+    config, state = read_folder(src)
+    if config.get("model_type") == "fastweight":
+        from fastweight.models.hf import FastweightForCausalLM
+        save_fla(FastweightForCausalLM.from_pretrained(src).model, dst)
+        return "fastweight -> fla"
+    from fastweight.models.hf import FastweightForCausalLM
+    FastweightForCausalLM.from_language_model(from_fla(config, state)).save_pretrained(dst)
+    return f"fla {config.get('model_type')} -> fastweight"
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("convert", help="checkpoints between fla's format and fastweight's",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("src", help="a model folder: fla's (config.json model_type among "
+                        f"{', '.join(FLA_MODELS)}) or fastweight's")
+    parser.add_argument("dst", help="the output folder")
+    parser.set_defaults(func=_run)
+    return parser
+
+
+def _run(args) -> int:
+    print(f"{convert(args.src, args.dst)}: {args.src} -> {args.dst}")
+    return 0
+
+
+def main(argv=None) -> int:
+    from fastweight.cli import run_subcommand
+    return run_subcommand(register, "convert", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""fla checkpoints in and out (``fastweight.models.convert``).
+
+With fla 0.6.0 importable (``pip install flash-linear-attention==0.6.0``; CPU is enough): fla's own
+``*ForCausalLM`` at random init, saved with ``save_pretrained``, converted, and its logits compared
+with ours, and back. fla's Triton kernels do not run on a CPU: its norms, convolutions and L2 norm
+run in Triton's interpreter (one config per autotuned kernel, no benchmarking), and its layers'
+recurrence calls go to fla's own PyTorch references (``fla.ops.*.naive``), fed as fla's kernels
+prepare their inputs (the in-kernel gate by fla's ``naive_*_gate``, the in-kernel sigmoid of beta,
+q/k by fla's ``l2norm``, the state returned ``[N, H, V, K]``). Without fla: the names and shapes
+of fla's tiny models, recorded in ``tests/data/fla_0.6.0_models.json``, load strictly and map back.
+"""
+
+import functools
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from fastweight.models import LanguageModel
+from fastweight.models.convert import (FLA_MODELS, fla_config_from_lm, from_fla, lm_config_from_fla, load_fla,
+                                       save_fla, state_dict_from_fla, state_dict_to_fla, state_from_fla)
+from fastweight.testing import rel_err
+
+DATA = os.path.join(os.path.dirname(__file__), "..", "data", "fla_0.6.0_models.json")
+# the tiny configs (fla's config.json fields) of the recorded names and the logit tests
+TINY = {"gated_deltanet": dict(head_dim=16, num_heads=2, num_v_heads=4, expand_v=2.0, allow_neg_eigval=True),
+        "kda": dict(head_dim=16, num_heads=2),
+        "delta_net": dict(num_heads=2, expand_k=0.5, expand_v=1.0),
+        "gla": dict(num_heads=2, expand_k=0.5, expand_v=1.0, tie_word_embeddings=True)}
+COMMON = dict(hidden_size=64, num_hidden_layers=2, vocab_size=128, fuse_cross_entropy=False)
+
+
+def _tiny(model_type: str) -> dict:
+    return dict(model_type=model_type, **COMMON, **TINY[model_type])
+
+
+@pytest.mark.parametrize("model_type", list(TINY))
+def test_recorded_fla_names_load_strictly_and_map_back(model_type):
+    with open(DATA) as f:
+        recorded = json.load(f)[model_type]
+    state = {name: torch.randn(shape) for name, shape in recorded["tensors"].items()}
+    model = from_fla(recorded["config"], state)   # strict
+    assert model.num_parameters() == recorded["parameters"]
+    back = state_dict_to_fla(model.state_dict(), model.cfg)
+    if model.cfg.tie_embeddings:
+        back.pop("lm_head.weight")
+    assert sorted(back) == sorted(state)
+    assert all(torch.equal(back[n], state[n]) for n in state)
+
+
+def test_config_round_trip():
+    for model_type in TINY:
+        cfg = lm_config_from_fla(_tiny(model_type))
+        assert lm_config_from_fla(fla_config_from_lm(cfg)) == cfg
+
+
+@pytest.mark.parametrize("change, message", [(dict(attn=dict(layers=[1], num_heads=2)), "hybrid attention"),
+                                             (dict(hidden_act="gelu"), "hidden_act"),
+                                             (dict(use_gate=False), "use_gate"),
+                                             (dict(model_type="mamba3"), "not supported")])
+def test_unsupported_options_are_refused_by_name(change, message):
+    with pytest.raises((NotImplementedError, ValueError), match=message):
+        lm_config_from_fla({**_tiny("gated_deltanet"), **change})
+
+
+def test_only_single_mixer_models_go_to_fla():
+    from fastweight.models import LMConfig
+    with pytest.raises(NotImplementedError, match="one mixer"):
+        fla_config_from_lm(LMConfig.preset("tiny", mixer="gdn,swa"))
+
+
+def test_state_layout():
+    s = torch.randn(2, 3, 5, 4)
+    assert state_from_fla(s).shape == (2, 3, 4, 5) and torch.equal(state_from_fla(state_from_fla(s)), s)
+
+
+def _recorded_folder(path, model_type):
+    """An fla folder with the recorded names and shapes, random tensors (no fla needed)."""
+    from safetensors.torch import save_file
+    with open(DATA) as f:
+        recorded = json.load(f)[model_type]
+    gen = torch.Generator().manual_seed(0)
+    state = {n: 0.1 * torch.randn(shape, generator=gen) for n, shape in recorded["tensors"].items()}
+    os.makedirs(path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(recorded["config"], f)
+    save_file(state, os.path.join(path, "model.safetensors"))
+    return state
+
+
+@pytest.mark.parametrize("model_type", ["gated_deltanet", "gla"])
+def test_cli_convert_both_ways_and_from_pretrained(model_type, tmp_path):
+    pytest.importorskip("transformers")
+    from fastweight import cli
+    from fastweight.models.hf import FastweightForCausalLM
+    from fastweight.models.convert import read_folder
+    state = _recorded_folder(str(tmp_path / "fla"), model_type)
+    assert cli.main(["convert", str(tmp_path / "fla"), str(tmp_path / "ours")]) == 0
+    ids = torch.randint(0, COMMON["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(2))
+    direct = load_fla(str(tmp_path / "fla")).eval()
+    with torch.no_grad():
+        expected = direct(ids)
+        for model in (FastweightForCausalLM.from_pretrained(str(tmp_path / "ours")),
+                      FastweightForCausalLM.from_pretrained(str(tmp_path / "fla"))):
+            assert torch.equal(model.eval()(ids).logits, expected)
+    assert cli.main(["convert", str(tmp_path / "ours"), str(tmp_path / "back")]) == 0
+    _, back = read_folder(str(tmp_path / "back"))
+    assert sorted(back) == sorted(state) and all(torch.equal(back[n], state[n]) for n in state)
+
+
+# fla's models, where fla is importable
+
+
+def _fla_on_cpu():
+    """fla's model classes with the recurrences on fla's references (module docstring)."""
+    fla_models = pytest.importorskip("fla.models")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("fla's norms and convolutions need TRITON_INTERPRET=1 on a CPU")
+    from triton.runtime import autotuner
+    patches = [(autotuner.Autotuner, "_bench", lambda self, *a, config, **kw: [0.0, 0.0, 0.0]),
+               (autotuner.Autotuner, "check_disk_cache", lambda self, key, configs, bench: (bench(), False)[1])]
+    import fla.layers.delta_net as delta_net
+    import fla.layers.gated_deltanet as gated_deltanet
+    import fla.layers.gla as gla
+    import fla.layers.kda as kda
+    for module, names, kind in ((gated_deltanet, ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"), "gdn"),
+                                (kda, ("chunk_kda", "fused_recurrent_kda"), "kda"),
+                                (delta_net, ("chunk_delta_rule", "fused_recurrent_delta_rule"), "deltanet"),
+                                (gla, ("chunk_gla", "fused_recurrent_gla"), "gla")):
+        for name in names:
+            patches.append((module, name, functools.partial(_fla_reference, kind)))
+    return fla_models, patches
+
+
+def _fla_reference(kind, q, k, v, g=None, beta=None, gk=None, scale=None, initial_state=None,
+                   output_final_state=False, use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                   use_gate_in_kernel=False, A_log=None, dt_bias=None, allow_neg_eigval=False, state_v_first=False,
+                   cu_seqlens=None, **options):
+    """One of fla's layer op calls, computed by fla's references (module docstring)."""
+    from fla.modules.norm.l2norm import l2norm
+    assert cu_seqlens is None and initial_state is None and not options.get("safe_gate")
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    if beta is not None and use_beta_sigmoid_in_kernel:
+        beta = beta.float().sigmoid() * (2 if allow_neg_eigval else 1)
+    if kind == "gdn":
+        from fla.ops.gated_delta_rule.gate import naive_gdn_gate
+        from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+        g = naive_gdn_gate(g, A_log, dt_bias) if use_gate_in_kernel else g
+        group = v.shape[2] // q.shape[2]
+        q, k = q.repeat_interleave(group, 2), k.repeat_interleave(group, 2)
+        o, S = naive_recurrent_gated_delta_rule(q, k, v, beta, g, scale, None, output_final_state)
+    elif kind == "kda":
+        from fla.ops.kda.gate import naive_kda_gate
+        from fla.ops.kda.naive import naive_recurrent_kda
+        g = naive_kda_gate(g, A_log, dt_bias) if use_gate_in_kernel else g
+        o, S = naive_recurrent_kda(q, k, v, g, beta, scale, None, output_final_state)
+    elif kind == "deltanet":
+        from fla.ops.delta_rule.naive import delta_rule_recurrence
+        o, S = delta_rule_recurrence(*(t.transpose(1, 2) for t in (q, k, v, beta)), None, output_final_state)
+        o = o.transpose(1, 2)
+    else:
+        from fla.ops.gla.naive import naive_recurrent_gla
+        o, S = naive_recurrent_gla(q, k, v, g if gk is None else gk, None, output_final_state)
+    if S is not None and state_v_first:
+        S = S.transpose(-1, -2)
+    return o.to(v.dtype), S
+
+
+@pytest.fixture
+def fla_on_cpu(monkeypatch):
+    fla_models, patches = _fla_on_cpu()
+    for owner, name, value in patches:
+        monkeypatch.setattr(owner, name, value)
+    return fla_models
+
+
+def _fla_model(fla_models, model_type):
+    arch = FLA_MODELS[model_type].architecture
+    config_class = getattr(fla_models, arch.replace("ForCausalLM", "Config"))
+    config = config_class(**{k: v for k, v in _tiny(model_type).items() if k != "model_type"})
+    torch.manual_seed(0)
+    model = getattr(fla_models, arch)(config)
+    with torch.no_grad():
+        for p in model.parameters():   # away from the initialisation's ones and zeros
+            p.add_(0.05 * torch.randn_like(p))
+    return model.train()   # fla's chunk path (its eval decode path is the same op, fused_recurrent)
+
+
+@pytest.mark.parametrize("model_type", list(TINY))
+def test_fla_checkpoint_logits(model_type, fla_on_cpu, tmp_path):
+    theirs = _fla_model(fla_on_cpu, model_type)
+    theirs.save_pretrained(tmp_path / "fla")
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = theirs(ids).logits
+        ours = load_fla(str(tmp_path / "fla"))
+        assert ours.num_parameters() == sum(p.numel() for p in theirs.parameters())
+        got = ours.eval()(ids)
+        assert rel_err(got, expected) <= 1e-5, rel_err(got, expected)
+        save_fla(ours, str(tmp_path / "back"))
+        again = type(theirs).from_pretrained(tmp_path / "back").train()
+        assert rel_err(again(ids).logits, expected) <= 1e-5
+
+
+def record(path: str = DATA) -> None:
+    """Write ``tests/data/fla_0.6.0_models.json`` from fla's tiny models (needs fla importable)."""
+    import fla.models as fla_models
+    out = {}
+    for model_type in TINY:
+        model = _fla_model(fla_models, model_type)
+        state = {n: list(t.shape) for n, t in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight")
+        out[model_type] = dict(config=_tiny(model_type), parameters=sum(p.numel() for p in model.parameters()),
+                               tensors=state)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":   # python tests/models/test_convert.py record
+    if sys.argv[1:] == ["record"]:
+        record()
