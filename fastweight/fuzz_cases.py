@@ -156,6 +156,7 @@ def draw(space: Space | str, op: str, seed: int, mode: str, backend: str, dtype:
         options.append(("use_gate_in_kernel", cfg.random() < 0.4))
     if op == "comba":
         options.append(("p_is_k", cfg.random() < 0.2))
+    options += [(name, cfg.choice(values)) for name, values in OPS[op].sample_options.items()]
     do = cfg.choice(COTANGENTS[:-1] + (("none",) if final else ()))
     dS = cfg.choice(COTANGENTS if do != "none" else COTANGENTS[:-1]) if final else "none"
 
@@ -212,6 +213,12 @@ def draw_inputs(case: Case) -> dict:
     r = lambda *s: torch.randn(*s, dtype=torch.float64, generator=gen)  # noqa: E731
     u = lambda *s: torch.rand(*s, dtype=torch.float64, generator=gen)  # noqa: E731
     op = case.op
+    if OPS[op].sample is not None:   # the op draws its own tensors (Op.sample), gates as the case says
+        x = OPS[op].sample(B, T, H, HV, K, V, dtype=torch.float64, device="cpu", generator=gen,
+                           log_gate=lambda shape: _log_gate(case, shape, gen), **opt)
+        if case.initial_state:
+            x["initial_state"] = r(case.N, HV, K, V)
+        return x
     q, v = r(B, T, H, K), r(B, T, HV, V)
     if opt.get("use_qk_l2norm_in_kernel"):
         k = r(B, T, H, K) * 2

@@ -29,16 +29,20 @@ _NEG_EIGVAL_HINT = " (pass allow_neg_eigval=True for beta in [0, 2])"
 
 def _op(op, mode, backend, tensors, *, scale, initial_state, output_final_state, cu_seqlens,
         names=("q", "k", "v"), key=(), head=(), head_k=(), params=None, optional=(), log=(),
-        beta_max=None, use_qk_l2norm=False, l2norm_tensors=("q", "k"), same_heads=False):
+        beta_max=None, use_qk_l2norm=False, l2norm_tensors=("q", "k"), same_heads=False, substeps=1,
+        substep_args=(), options=None):
     """Validate ``tensors`` (the op's tensor arguments by name) and dispatch.
 
     names: the (query, key, value) arguments; key: more [B, T, H, K] tensors (expanded to HV
     heads with q/k); head: [B, T, HV]; head_k: [B, T, HV, K]; params: name -> shape in
     symbols ("H", "HV", "K"); optional: may be None; log: log-space gates (<= 0); beta_max:
-    the upper bound of ``beta`` (lower bound 0); same_heads: grouped value heads unsupported.
+    the upper bound of ``beta`` (lower bound 0); same_heads: grouped value heads unsupported;
+    substep_args: tensors with ``substeps`` rows per token along T (their length checked by the
+    caller), shape-checked at one row per token; options: passed on to the implementation.
     """
     qn, kn, vn = names
-    B, T, H, K, HV, V = checks.check_qkv(tensors[qn], tensors[kn], tensors[vn], names=names)
+    shaped = {**tensors, **{x: tensors[x][:, ::substeps] for x in substep_args}}
+    B, T, H, K, HV, V = checks.check_qkv(shaped[qn], shaped[kn], shaped[vn], names=names)
     if same_heads and HV != H:
         raise ValueError(f"`{vn}` must have the {H} heads of `{qn}` for this op, got {HV}")
     n = checks.check_cu_seqlens(cu_seqlens, B, T) or B
@@ -49,7 +53,7 @@ def _op(op, mode, backend, tensors, *, scale, initial_state, output_final_state,
               **{x: ((B, T, HV, K), "[B, T, HV, K]") for x in head_k},
               **{x: (tuple(dims[d] for d in s), f"[{', '.join(s)}]") for x, s in (params or {}).items()}}
     for name, (shape, layout) in shapes.items():
-        checks.check_tensor(name, tensors[name], ndim=len(shape), shape=shape, allow_none=name in optional,
+        checks.check_tensor(name, shaped[name], ndim=len(shape), shape=shape, allow_none=name in optional,
                             hint=f" (expected {layout})")
     checks.check_same_device(**tensors, initial_state=initial_state, cu_seqlens=cu_seqlens)
     vectors = [x for x in (qn, kn, vn, *key) if x not in log]
@@ -63,7 +67,7 @@ def _op(op, mode, backend, tensors, *, scale, initial_state, output_final_state,
     scale = checks.check_scale(scale, K)
     return call(op, mode, backend, tensors, key_tensors=(qn, kn, *key), use_qk_l2norm=use_qk_l2norm,
                 l2norm_tensors=l2norm_tensors, scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens, **(options or {}))
 
 
 def _beta_max(allow_neg_eigval):
@@ -376,6 +380,54 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
     return fla_compat.state_out(_gated_delta("fused_recurrent", q, k, v, g, beta, scale, h0, output_final_state,
                                              cu_seqlens, use_qk_l2norm_in_kernel, allow_neg_eigval, backend,
                                              use_gate_in_kernel, A_log, dt_bias), v_first)
+
+
+def _gated_delta_product(mode, q, k, v, g, beta, num_householder, scale, initial_state, output_final_state,
+                         use_qk_l2norm_in_kernel, cu_seqlens, allow_neg_eigval, backend):
+    if isinstance(num_householder, bool) or not isinstance(num_householder, int):
+        raise TypeError(f"`num_householder` must be an int >= 1 (the delta steps per token), got "
+                        f"{type(num_householder).__name__}")
+    if num_householder < 1:
+        raise ValueError(f"`num_householder` must be >= 1 (the delta steps per token), got {num_householder}")
+    checks.check_tensor("q", q, ndim=4, shape=(None, None, None, None))
+    n, T = num_householder, q.shape[1]
+    for name, x, layout in (("k", k, "[B, T*n, H, K]"), ("v", v, "[B, T*n, HV, V]"), ("beta", beta, "[B, T*n, HV]")):
+        checks.check_tensor(name, x)
+        if x.dim() < 2 or x.shape[1] != T * n:
+            raise ValueError(f"`{name}` must have T * num_householder = {T} * {n} = {T * n} rows along dim 1 "
+                             f"({layout}: token t's substeps at rows t*n ... t*n+n-1), got shape {tuple(x.shape)}")
+    return _op("gated_delta_product", mode, backend, dict(q=q, k=k, v=v, g=g, beta=beta), scale=scale,
+               head=("g", "beta"), optional=("g",), log=("g",), beta_max=_beta_max(allow_neg_eigval),
+               use_qk_l2norm=use_qk_l2norm_in_kernel, substeps=n, substep_args=("k", "v", "beta"),
+               options=dict(num_householder=n), initial_state=initial_state,
+               output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def chunk_gated_delta_product(q, k, v, g, beta, num_householder, scale=None, initial_state=None,
+                              output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
+                              cu_seqlens_cpu=None, cp_context=None, *, allow_neg_eigval=False, backend=None):
+    """Gated DeltaProduct, chunkwise: each token t takes n = num_householder delta steps, the gate on
+    the first: S <- exp(g_t) S, then for j < n: S <- (I - beta_{t,j} k_{t,j} k_{t,j}^T) S + beta_{t,j}
+    k_{t,j} v_{t,j}^T; o_t = S_t^T (scale q_t) after the last.
+
+    q: [B, T, H, K]; k: [B, T*n, H, K]; v: [B, T*n, HV, V]; beta: [B, T*n, HV] (token t's substeps
+    at rows t*n ... t*n+n-1, fla's layout); g (log decay, <= 0): [B, T, HV], or None (no decay).
+    ``cu_seqlens`` counts tokens (as fla: T, not T*n). beta in [0, 1] ([0, 2] with allow_neg_eigval).
+    Returns (o [B, T, HV, V], final state [N, HV, K, V] or None). n = 1 is chunk_gated_delta_rule.
+    """
+    fla_compat.refuse("chunk_gated_delta_product", cp_context=(cp_context, None))
+    fla_compat.host_seqlens(cu_seqlens, cu_seqlens_cpu)
+    return _gated_delta_product("chunk", q, k, v, g, beta, num_householder, scale, initial_state,
+                                output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, allow_neg_eigval, backend)
+
+
+def fused_recurrent_gated_delta_product(q, k, v, g, beta, num_householder, scale=None, initial_state=None,
+                                        output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
+                                        *, allow_neg_eigval=False, backend=None):
+    """Gated DeltaProduct one token at a time (decode); as ``chunk_gated_delta_product`` (fla 0.6.0
+    has no fused recurrent form of it: this one runs Gated DeltaNet's on the substeps)."""
+    return _gated_delta_product("fused_recurrent", q, k, v, g, beta, num_householder, scale, initial_state,
+                                output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, allow_neg_eigval, backend)
 
 
 def _kda(mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,

@@ -50,20 +50,31 @@ def householder_eigenvalues(beta: torch.Tensor, K: int) -> torch.Tensor:
     return torch.cat([(1 - beta)[..., None], ones], dim=-1).sort(dim=-1).values
 
 
-def transition_matrix(mechanism: Mechanism, inputs: dict, t: int) -> torch.Tensor:
-    """``Diag(exp gk_t) + a_t b_t^T`` of ``mechanism`` at step ``t``: [B, H, K, K] (from its DPLR map)."""
-    d = mechanism.to_dplr(inputs)
-    k = d["k"][:, t]
+def _dplr_factor(d: dict, r: int) -> torch.Tensor:
+    """``Diag(exp gk_r) + a_r b_r^T`` at row ``r`` of the DPLR arguments ``d``: [B, H, K, K]."""
+    k = d["k"][:, r]
     B, H, K = k.shape
     gk = d.get("gk")
     if gk is None:
         w = torch.ones(B, H, K, dtype=k.dtype, device=k.device)
     else:
-        w = gk[:, t].exp()
+        w = gk[:, r].exp()
         w = w[..., None].expand(B, H, K) if w.dim() == 2 else w
     A = torch.diag_embed(w)
     if d.get("a") is not None and d.get("b") is not None:
-        A = A + outer(d["a"][:, t], d["b"][:, t])
+        A = A + outer(d["a"][:, r], d["b"][:, r])
+    return A
+
+
+def transition_matrix(mechanism: Mechanism, inputs: dict, t: int) -> torch.Tensor:
+    """The transition of ``mechanism`` at token ``t``: [B, H, K, K] (from its DPLR map).
+
+    ``Diag(exp gk_t) + a_t b_t^T``; for a token of n DPLR steps (``Mechanism.dplr_steps``) the
+    product of its n factors, the last on the left."""
+    d, n = mechanism.to_dplr(inputs), mechanism.steps(inputs)
+    A = _dplr_factor(d, t * n)
+    for j in range(1, n):
+        A = _dplr_factor(d, t * n + j) @ A
     return A
 
 
@@ -74,12 +85,16 @@ def transition_eigenvalues(mechanism: Mechanism, inputs: dict, t: int) -> torch.
 
 def check_dplr_map(mechanism: Mechanism, inputs: dict, *, scale: float | None = None, initial_state=None,
                    cu_seqlens=None) -> float:
-    """max rel err of (o, final state) between the mechanism's own recurrence and the DPLR one."""
+    """max rel err of (o, final state) between the mechanism's own recurrence and the DPLR one.
+
+    A token of n DPLR steps (``Mechanism.dplr_steps``) is n rows of the DPLR sequence
+    (``cu_seqlens`` scaled by n), its output the last row's."""
     o, S = mechanism.recurrent(inputs, scale=scale, initial_state=initial_state, output_final_state=True,
                                cu_seqlens=cu_seqlens)
+    n = mechanism.steps(inputs)
     o_d, S_d = dplr_recurrent(**mechanism.to_dplr(inputs), scale=scale, initial_state=initial_state,
-                              output_final_state=True, cu_seqlens=cu_seqlens)
-    return max(rel_err(o_d, o), rel_err(S_d, S))
+                              output_final_state=True, cu_seqlens=None if cu_seqlens is None else cu_seqlens * n)
+    return max(rel_err(o_d.unflatten(1, (-1, n))[:, :, -1], o), rel_err(S_d, S))
 
 
 def _step_direction(lr, grad: torch.Tensor) -> torch.Tensor:
@@ -152,7 +167,8 @@ def check_gradient_step(mechanism: Mechanism, inputs: dict, *, initial_state=Non
     Starts from ``initial_state`` ([B, H, K, V]; default a random state), follows the
     mechanism's own recurrence and at each t compares ``step(S, x_t)`` with the explicit or
     proximal step of ``objective(S, x_t)``. ``step`` overrides the mechanism's (to test a variant).
-    For implicit objectives the Newton residual is added to the error.
+    For implicit objectives the Newton residual is added to the error. A token of n > 1 DPLR steps
+    (``Mechanism.dplr_steps``) is compared with the composition of its substeps' objective steps.
     """
     if mechanism.objective is None:
         raise ValueError(f"mechanism {mechanism.name!r} has no objective")
@@ -160,7 +176,7 @@ def check_gradient_step(mechanism: Mechanism, inputs: dict, *, initial_state=Non
     timed = {n: t for n, t in inputs.items() if not n.startswith("_") and t is not None}
     static = {n: t for n, t in inputs.items() if n.startswith("_")}
     ref = inputs["v"]
-    B, T, H, V = ref.shape
+    B, T, H, V = *ref.shape[:3], ref.shape[-1]
     K = inputs["q"].shape[-1]
     S = initial_state
     if S is None:
@@ -170,12 +186,14 @@ def check_gradient_step(mechanism: Mechanism, inputs: dict, *, initial_state=Non
         x = {n: v[:, t] for n, v in timed.items()}
         x.update(static)
         S_next = step(S, x)
-        anchor, losses, implicit = mechanism.objective(S, x)
-        if implicit:
-            S_obj, residual = proximal_step(anchor, losses)
-            extra = max(extra, residual)
-        else:
-            S_obj = explicit_step(anchor, losses)
+        n, S_obj = mechanism.steps(x), S
+        for j in range(n):
+            anchor, losses, implicit = mechanism.objective(S_obj, x, j) if n > 1 else mechanism.objective(S_obj, x)
+            if implicit:
+                S_obj, residual = proximal_step(anchor, losses)
+                extra = max(extra, residual)
+            else:
+                S_obj = explicit_step(anchor, losses)
         num += float((S_obj - S_next).double().norm() ** 2)
         den += float(S_next.double().norm() ** 2)
         S = S_next.detach()

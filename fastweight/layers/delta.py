@@ -18,6 +18,7 @@ Each mixer of this layer (``Mixer.layer == "delta"`` in its mechanism file) sets
 | gate      | the output gate: None, ``"silu"``, ``"sigmoid"``                                          |
 | read_key  | the prediction error read with its own key p = d_h k, d_h = sigmoid of a per-head parameter in (0, 1) (Comba) |
 | implicit  | the implicit (proximal) step on the delta rule's loss, eps = beta / (1 + beta k^T k) (Longhorn) |
+| num_householder | n delta steps a token (Gated DeltaProduct): k, v, beta projected n times as wide, passed as fla's T*n rows (token t's n at t*n ...) |
 
 An implicit step's key is not normalised: ``1 - eps k^T k = 1 / (1 + beta k^T k)`` keeps the
 transition stable for any key (``allow_neg_eigval`` does not apply to it).
@@ -42,8 +43,10 @@ class DeltaRuleMixer(Mixer):
     def __init__(self, cfg, variant: str = "gdn"):
         super().__init__()
         mixer = MIXERS[variant]
-        spec = {"decay": None, "gate": None, "read_key": False, "implicit": False, **mixer.options}
+        spec = {"decay": None, "gate": None, "read_key": False, "implicit": False, "num_householder": 1,
+                **mixer.options}
         self.variant, self.op, self.decay = variant, mixer.op, spec["decay"]
+        self.num_householder = n = spec["num_householder"]
         self.implicit, self.read_key = spec["implicit"], spec["read_key"]
         self.gate_in_kernel = OPS[mixer.op].gate_in_kernel
         self.recurrent_threshold = cfg.recurrent_threshold
@@ -51,13 +54,13 @@ class DeltaRuleMixer(Mixer):
         D, H, HV, K, V = cfg.d_model, cfg.n_heads, cfg.v_heads, cfg.head_dim, cfg.head_v_dim
         self.n_heads, self.n_v_heads, self.head_k, self.head_v = H, HV, K, V
         self.q_proj = nn.Linear(D, H * K, bias=False)
-        self.k_proj = nn.Linear(D, H * K, bias=False)
-        self.v_proj = nn.Linear(D, HV * V, bias=False)
-        self.b_proj = nn.Linear(D, HV, bias=False)
+        self.k_proj = nn.Linear(D, n * H * K, bias=False)
+        self.v_proj = nn.Linear(D, n * HV * V, bias=False)
+        self.b_proj = nn.Linear(D, n * HV, bias=False)
         conv = cfg.conv_size if cfg.use_short_conv else 1
         self.q_conv = ShortConv(H * K, conv, "silu")
-        self.k_conv = ShortConv(H * K, conv, "silu")
-        self.v_conv = ShortConv(HV * V, conv, "silu")
+        self.k_conv = ShortConv(n * H * K, conv, "silu")
+        self.v_conv = ShortConv(n * HV * V, conv, "silu")
         if self.decay == "head":
             self.a_proj = nn.Linear(D, HV, bias=False)
             self.A_log, self.dt_bias = mamba_decay_init(HV)
@@ -85,6 +88,8 @@ class DeltaRuleMixer(Mixer):
         if self.allow_neg_eigval:
             beta = 2 * beta
         out = dict(beta=beta)
+        if self.num_householder > 1:   # [B, T, n * HV] -> fla's [B, T*n, HV]
+            out.update(beta=beta.reshape(beta.shape[0], -1, self.n_v_heads), num_householder=self.num_householder)
         if self.decay is not None and in_kernel:
             pre = self.a_proj(x) if self.decay == "head" else split_heads(self.f_proj(x), self.n_v_heads)
             out.update(g=pre, A_log=self.A_log, dt_bias=self.dt_bias, use_gate_in_kernel=True)
@@ -98,11 +103,13 @@ class DeltaRuleMixer(Mixer):
     def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
         H, HV = self.n_heads, self.n_v_heads
         q = split_heads(self.conv(self.q_conv, self.q_proj(x), cache, "conv_q", shared), H)
-        k = split_heads(self.conv(self.k_conv, self.k_proj(x), cache, "conv_k", shared), H)
-        v = split_heads(self.conv(self.v_conv, self.v_proj(x), cache, "conv_v", shared), HV)
+        # k, v: [B, T, n * H * K] -> [B, T*n, H, K] (n = num_householder rows a token; n = 1: heads)
+        k = split_heads(self.conv(self.k_conv, self.k_proj(x), cache, "conv_k", shared), H * self.num_householder)
+        v = split_heads(self.conv(self.v_conv, self.v_proj(x), cache, "conv_v", shared), HV * self.num_householder)
+        k, v = k.reshape(k.shape[0], -1, H, k.shape[-1]), v.reshape(v.shape[0], -1, HV, v.shape[-1])
         # the chunk ops of GDN and KDA form the gate in the kernel (the decode ops take the decay)
         in_kernel = self.gate_in_kernel and self.mode(x.shape[1]) == "chunk" and not generic_forced()
-        extra = {n: t.to(v.dtype) if n == "beta" else t for n, t in self.gates(x, in_kernel).items()}
+        extra = {name: t.to(v.dtype) if name == "beta" else t for name, t in self.gates(x, in_kernel).items()}
         if self.implicit:
             q = l2norm(q)
         elif not self.read_key:   # the op normalises q and k (in its kernel where it can); p is made from k here

@@ -94,6 +94,17 @@ def generic_factors(op: str, tensors: dict) -> dict:
 
 def _generic(op, mode, tensors, scale, initial_state, output_final_state, cu_seqlens, **kw):
     f = generic_factors(op, tensors)
+    steps = get_op(op).dplr_steps
+    n = tensors[steps] if steps else 1
+    if n > 1:
+        # a token of n DPLR steps (Gated DeltaProduct): the expanded sequence, each token's output at its last
+        o, S = _generic_steps(mode, f, scale, initial_state, output_final_state,
+                              None if cu_seqlens is None else cu_seqlens * n, **kw)
+        return o.unflatten(1, (-1, n))[:, :, -1], S
+    return _generic_steps(mode, f, scale, initial_state, output_final_state, cu_seqlens, **kw)
+
+
+def _generic_steps(mode, f, scale, initial_state, output_final_state, cu_seqlens, **kw):
     if f["u"] is not None:
         # the DPLR op has no bonus readout: RWKV-6's DPLR form is the definition with ``u``
         from fastweight.reference import dplr_recurrent

@@ -12,6 +12,7 @@ from fastweight.mechanisms import (  # noqa: F401  (each registers itself, in th
     hgrn2,
     deltanet,
     gated_deltanet,
+    gated_deltaproduct,
     kda,
     comba,
     longhorn,

@@ -18,6 +18,12 @@ A mechanism file defines, for its own paper's recurrence:
   (keys normalised where the mechanism expects it, gates in range).
 - ``op``: the public op of ``fastweight.ops`` that serves it (``chunk_<op>``), with
   ``to_op(inputs) -> kwargs`` mapping the mechanism's inputs onto that op's arguments.
+- ``dplr_steps``: how many DPLR steps one token expands to (an int, or ``dplr_steps(inputs) ->
+  int`` read off the inputs, whole or at one step); 1 for all but Gated DeltaProduct, whose token
+  is a product of n DPLR factors. With n > 1, ``to_dplr`` maps onto the expanded sequence of T * n
+  steps (token t at rows t*n ... t*n+n-1, its output read at the last), ``cu_seqlens`` counts
+  tokens (the checkers scale it by n), and ``objective(S, x, substep)`` is the objective of
+  substep j at the state after substep j - 1: the token's update is their composition.
 
 A mechanism file also declares the public op it owns (:class:`Op`, fla's name; RetNet owns
 ``retention``, Mamba-2 ``simple_gla``) and the layer mixer built on it (:class:`Mixer`).
@@ -54,10 +60,15 @@ class Mechanism:
     options: dict = field(default_factory=dict)
     op: str | None = None
     to_op: Callable | None = None
+    dplr_steps: int | Callable = 1
 
     def __post_init__(self):
         if self.kernel_path not in KERNEL_PATHS:
             raise ValueError(f"kernel_path must be one of {KERNEL_PATHS}, got {self.kernel_path!r}")
+
+    def steps(self, inputs: dict) -> int:
+        """How many DPLR steps one token of ``inputs`` takes (``dplr_steps``)."""
+        return int(self.dplr_steps(inputs)) if callable(self.dplr_steps) else self.dplr_steps
 
     def recurrent(self, inputs: dict, scale: float | None = None, initial_state=None,
                   output_final_state: bool = False, cu_seqlens=None):
@@ -114,6 +125,16 @@ class Op:
     called). ``dplr(**tensors) -> dict(q, k, v, a, b, gk[, u])``: the same recurrence as the
     generic DPLR op's arguments, fla's meaning (``a`` read against the state; ``u``: RWKV-6's
     bonus, which the DPLR op lacks), or None where there is no such form.
+
+    ``dplr_steps``: the argument that says how many DPLR steps one token takes (Gated
+    DeltaProduct's ``num_householder``; its ``k``, ``v``, ``beta`` then have that many rows per
+    token), or None (one). ``dplr`` then returns the factors of the expanded sequence, q read at
+    each token's last row; ``cu_seqlens`` counts tokens and scales by it.
+    ``sample(B, T, H, HV, K, V, *, dtype, device, generator, log_gate=None, **options)``: valid
+    random tensors by argument name, where the op's arguments are not the common ones the fuzz and
+    the benchmarks draw (None: theirs); ``log_gate(shape)`` draws the log gates (the fuzz's gate
+    strengths; default mild decays). ``sample_options``: its options' values to draw from, name ->
+    tuple, the first the default (:attr:`defaults`), which the call of the op takes beside them.
     """
     name: str
     mechanism: str
@@ -127,6 +148,14 @@ class Op:
     gates: dict = field(default_factory=dict)
     beta: str | None = None
     gate_in_kernel: bool = False
+    dplr_steps: str | None = None
+    sample: Callable | None = None
+    sample_options: dict = field(default_factory=dict)
+
+    @property
+    def defaults(self) -> dict:
+        """The options a call of the op with :attr:`sample`'s tensors takes by default."""
+        return {name: values[0] for name, values in self.sample_options.items()}
 
     @property
     def wy(self) -> bool:

@@ -13,7 +13,7 @@ import os
 import sys
 
 OPS = ("linear_attn", "retention", "simple_gla", "gla", "rwkv6", "hgrn2", "delta_rule", "gated_delta_rule",
-       "kda", "comba", "longhorn", "dplr_delta_rule", "rwkv7")
+       "gated_delta_product", "kda", "comba", "longhorn", "dplr_delta_rule", "rwkv7")
 
 
 def signatures(root: str) -> dict:

@@ -19,7 +19,7 @@ def sample(name, B, T, H=2, K=8, V=6, dtype=torch.float64, seed=None):
 
 def test_registry_holds_the_family():
     assert set(NAMES) == {"linear_attention", "retnet", "mamba2", "gla", "rwkv6", "hgrn2", "deltanet",
-                          "gated_deltanet", "kda", "comba", "longhorn", "rwkv7", "dplr"}
+                          "gated_deltanet", "gated_deltaproduct", "kda", "comba", "longhorn", "rwkv7", "dplr"}
     for m in REGISTRY.values():
         assert m.kernel_path in KERNEL_PATHS and m.objective is not None and m.op is not None
 
