@@ -98,3 +98,78 @@ def check_gradients(outs, leaves: dict, ref_outs, ref_leaves: dict, g_ref, cotan
         t = (tols or {}).get(n, tol)
         t *= max(1.0, magnitude[n].norm().item() / (b.norm().item() or 1.0)) if n in magnitude else 1.0
         assert rel_err(a, b) < t, f"{what}d{n}: {rel_err(a, b):.3g} (tolerance {t:.3g})"
+
+
+def fla_cpu_patches() -> list:
+    """``(owner, attribute, value)`` patches that let fla 0.6.0's layer and model classes run on a
+    CPU under ``TRITON_INTERPRET=1`` (for tests that compare with fla itself; fla must be importable).
+
+    fla's own Triton kernels for norms, convolutions and the L2 norm run in the interpreter, with one
+    config per autotuned kernel (no benchmarking: the interpreter has no timer); its recurrence
+    kernels do not run there, so its layers' op calls go to fla's PyTorch references
+    (``fla.ops.*.naive``), fed as fla's kernels prepare their inputs (:func:`fla_reference_op`).
+    Comba's go to fastweight's reference op (fla's naive Comba reads the decayed state, its kernels
+    the undecayed one; ``docs/chunk.md``)."""
+    import functools
+
+    from triton.runtime import autotuner
+
+    import fla.layers.comba as comba
+    import fla.layers.delta_net as delta_net
+    import fla.layers.gated_deltanet as gated_deltanet
+    import fla.layers.gla as gla
+    import fla.layers.hgrn2 as hgrn2
+    import fla.layers.kda as kda
+    from fastweight import ops
+    patches = [(autotuner.Autotuner, "_bench", lambda self, *a, config, **kw: [0.0, 0.0, 0.0]),
+               (autotuner.Autotuner, "check_disk_cache", lambda self, key, configs, bench: (bench(), False)[1])]
+    for module, names, kind in ((gated_deltanet, ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"), "gdn"),
+                                (kda, ("chunk_kda", "fused_recurrent_kda"), "kda"),
+                                (delta_net, ("chunk_delta_rule", "fused_recurrent_delta_rule"), "deltanet"),
+                                (gla, ("chunk_gla", "fused_recurrent_gla"), "gla"),
+                                (hgrn2, ("chunk_gla", "fused_recurrent_gla"), "gla")):
+        patches += [(module, name, functools.partial(fla_reference_op, kind)) for name in names]
+    patches += [(comba, name, functools.partial(getattr(ops, name), backend="reference"))
+                for name in ("chunk_comba", "fused_recurrent_comba")]
+    return patches
+
+
+def fla_reference_op(kind: str, q, k, v, g=None, beta=None, gk=None, scale=None, initial_state=None,
+                     output_final_state=False, use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                     use_gate_in_kernel=False, A_log=None, dt_bias=None, allow_neg_eigval=False, state_v_first=False,
+                     cu_seqlens=None, **options):
+    """One of fla's layer op calls (``kind``: "gdn", "kda", "deltanet", "gla") by fla's references:
+    the in-kernel gate by fla's ``naive_*_gate``, beta's in-kernel sigmoid, q and k by fla's
+    ``l2norm``, grouped value heads by repeating q and k, the state returned ``[N, H, V, K]`` with
+    ``state_v_first``. No initial state, no ``cu_seqlens``."""
+    from fla.modules.norm.l2norm import l2norm
+    if cu_seqlens is not None or initial_state is not None or options.get("safe_gate"):
+        raise NotImplementedError("fla_reference_op: no cu_seqlens, initial_state or safe_gate")
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    if beta is not None and use_beta_sigmoid_in_kernel:
+        beta = beta.float().sigmoid() * (2 if allow_neg_eigval else 1)
+    if kind == "gdn":
+        from fla.ops.gated_delta_rule.gate import naive_gdn_gate
+        from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+        g = naive_gdn_gate(g, A_log, dt_bias) if use_gate_in_kernel else g
+        group = v.shape[2] // q.shape[2]
+        q, k = q.repeat_interleave(group, 2), k.repeat_interleave(group, 2)
+        o, S = naive_recurrent_gated_delta_rule(q, k, v, beta, g, scale, None, output_final_state)
+    elif kind == "kda":
+        from fla.ops.kda.gate import naive_kda_gate
+        from fla.ops.kda.naive import naive_recurrent_kda
+        g = naive_kda_gate(g, A_log, dt_bias) if use_gate_in_kernel else g
+        o, S = naive_recurrent_kda(q, k, v, g, beta, scale, None, output_final_state)
+    elif kind == "deltanet":
+        from fla.ops.delta_rule.naive import delta_rule_recurrence
+        o, S = delta_rule_recurrence(*(t.transpose(1, 2) for t in (q, k, v, beta)), None, output_final_state)
+        o = o.transpose(1, 2)
+    else:
+        from fla.ops.gla.naive import naive_recurrent_gla
+        if scale is not None and scale != q.shape[-1] ** -0.5:
+            q = q * (scale * q.shape[-1] ** 0.5)   # fla's naive GLA applies K^-0.5 itself
+        o, S = naive_recurrent_gla(q, k, v, g if gk is None else gk, None, output_final_state)
+    if S is not None and state_v_first:
+        S = S.transpose(-1, -2)
+    return o.to(v.dtype), S

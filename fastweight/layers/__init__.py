@@ -8,7 +8,8 @@ from fastweight.layers.attention import Attention
 from fastweight.layers.base import Mixer
 from fastweight.layers.common import GatedRMSNorm, LowRank, RMSNorm, ShortConv, SwiGLU, TokenShift
 from fastweight.layers.delta import DeltaRuleMixer
-from fastweight.layers.fla_layers import DeltaNet, GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention
+from fastweight.layers.fla_layers import (Comba, DeltaNet, GatedDeltaNet, GatedLinearAttention, HGRN2Attention,
+                                         KimiDeltaAttention, Mamba2)
 from fastweight.layers.gated import DecayMixer, Mamba2Mixer
 from fastweight.layers.linear_op import force_generic, linear_op, use_backend
 from fastweight.mechanisms import MIXERS
@@ -34,5 +35,5 @@ def build_mixer(name: str, cfg) -> Mixer:
     return {"rwkv6": RWKV6TimeMix, "rwkv7": RWKV7TimeMix}[spec.layer](cfg)
 
 
-__all__ = ["Attention", "DecayMixer", "DeltaNet", "DeltaRuleMixer", "GatedDeltaNet", "GatedLinearAttention", "GatedRMSNorm", "KimiDeltaAttention",
-           "LowRank", "Mamba2Mixer", "Mixer", "RMSNorm", "ShortConv", "SwiGLU", "TokenShift", "build_mixer", "force_generic", "linear_op", "use_backend"]
+__all__ = ["Attention", "Comba", "DecayMixer", "DeltaNet", "DeltaRuleMixer", "GatedDeltaNet", "GatedLinearAttention", "GatedRMSNorm", "HGRN2Attention", "KimiDeltaAttention",
+           "LowRank", "Mamba2", "Mamba2Mixer", "Mixer", "RMSNorm", "ShortConv", "SwiGLU", "TokenShift", "build_mixer", "force_generic", "linear_op", "use_backend"]

@@ -5,7 +5,8 @@ against ``fla.layers`` and the state dicts of fla checkpoints carry over.
 
     from fastweight.layers import GatedDeltaNet          # in place of: from fla.layers import GatedDeltaNet
                                                           # (and DeltaNet, GatedLinearAttention,
-                                                          #  KimiDeltaAttention)
+                                                          #  KimiDeltaAttention, Comba, HGRN2Attention,
+                                                          #  Mamba2)
     layer = GatedDeltaNet(hidden_size=1024, head_dim=128, num_heads=8, expand_v=2)
     o, _, _ = layer(x)                                    # x [B, T, hidden_size]
 
@@ -16,15 +17,22 @@ one varlen batch, as fla does, and the output is zero at padded positions. Packe
 refused by name. An fla option a class does not implement (its docstring lists them: KDA's
 ``num_v_heads``, GatedDeltaNet's ``use_gate=False``, GLA's short convolutions, ...) raises an
 error naming it, and so does an unknown keyword (fla's layers ignore those).
+
+``Comba`` and ``HGRN2Attention`` compute fla's form, which differs from the LM's ``comba`` and
+``hgrn2`` mixers (their docstrings; ``docs/models.md``): they override the mixer's forward here.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
-from fastweight.layers.base import sequence_positions
+from fastweight.dispatch import l2norm
+from fastweight.layers.base import sequence_positions, split_heads
+from fastweight.layers.common import at_least_fp32
 from fastweight.layers.delta import DeltaRuleMixer
-from fastweight.layers.gated import DecayMixer
+from fastweight.layers.gated import DecayMixer, Mamba2Mixer
 
 # our submodule name -> fla's, in the state dict
 CONVS = {"q_conv.": "q_conv1d.", "k_conv.": "k_conv1d.", "v_conv.": "v_conv1d."}
@@ -60,7 +68,7 @@ class _FlaLayer:
         unknown = sorted(set(unknown) - {"use_output_gate"})
         if unknown:
             raise TypeError(f"{type(self).__name__} got unexpected keyword argument(s) {unknown}")
-        self.MIXER.__init__(self, cfg, variant)
+        self.MIXER.__init__(self, cfg, *(() if variant is None else (variant,)))
         self.hidden_size, self.num_heads, self.head_dim = cfg.d_model, cfg.n_heads, cfg.head_dim
         self.num_v_heads = cfg.v_heads
         self.head_v_dim, self.layer_idx, self.fla_mode = cfg.head_v_dim, layer_idx, mode
@@ -90,15 +98,20 @@ class _FlaLayer:
                 lengths = attention_mask.bool().sum(1)
                 cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
                 x = x.flatten(0, 1)[keep][None]
-        shared = None
+        shared = self._shared_inputs(kwargs) or None
         if cu_seqlens is not None:
             if cache is not None:
                 raise ValueError(f"{name}: `cu_seqlens` (packed sequences) with a cache is not supported")
-            shared = dict(cu_seqlens=cu_seqlens, positions=sequence_positions(cu_seqlens, x.shape[1], x.device))
+            shared = dict(shared or {}, cu_seqlens=cu_seqlens,
+                          positions=sequence_positions(cu_seqlens, x.shape[1], x.device))
         o = super().forward(x, cache, shared)
         if keep is not None:
             o = o.new_zeros(B * T, o.shape[-1]).index_copy(0, keep.nonzero().squeeze(1), o[0]).view(B, T, -1)
         return o, None, cache
+
+    def _shared_inputs(self, kwargs: dict) -> dict:
+        """The forward keywords a class reads (into the mixer's ``shared`` dict; others are ignored)."""
+        return {}
 
     def mode(self, T: int) -> str:
         return "fused_recurrent" if (self.fla_mode == "fused_recurrent" or (not self.training and T <= 64)) \
@@ -250,3 +263,158 @@ class GatedLinearAttention(_FlaLayer, DecayMixer):
         self._fla_setup(cfg, "gla", mode, layer_idx, kwargs)
         self.expand_k, self.expand_v = expand_k, expand_v
         self.key_dim, self.value_dim = head_k * num_heads, head_v * num_heads
+
+
+class _CombaMixer(DeltaRuleMixer):
+    """The Comba mixer in fla's form (``Comba``'s docstring): the read key p and the output
+    correction made from the raw key, q, k and p L2-normalised (as fla's kernel does), a sigmoid
+    output gate."""
+
+    def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
+        H, HV = self.n_heads, self.n_v_heads
+        q = split_heads(self.conv(self.q_conv, self.q_proj(x), cache, "conv_q", shared), H)
+        k = split_heads(self.conv(self.k_conv, self.k_proj(x), cache, "conv_k", shared), H)
+        v = split_heads(self.conv(self.v_conv, self.v_proj(x), cache, "conv_v", shared), HV)
+        p = k if self.inner_decay is None else k * torch.sigmoid(self.inner_decay).to(k.dtype)[:, None]
+        if self.D is not None:
+            q = q - self.D.to(q.dtype)[:, None] * p
+        extra = {n: t.to(v.dtype) if n == "beta" else t for n, t in self.gates(x).items()}
+        q, k, p = l2norm(q), l2norm(k), l2norm(p)
+        o = self.recur("comba", cache, shared, scale=self.head_k ** -0.5, q=q, k=k, v=v, p=p, **extra)
+        gate = None if self.g_proj is None else split_heads(self.g_proj(x), HV)
+        return self.o_proj(self.o_norm(o, gate).flatten(-2))
+
+
+class Comba(_FlaLayer, _CombaMixer):
+    """fla's ``Comba`` layer (Hu et al., 2025), as fla 0.6.0 computes it:
+
+        q, k, v = SiLU(conv(W_q x)), SiLU(conv(W_k x)), SiLU(conv(W_v x))   (k and q not yet normalised)
+        p = sigmoid(decay) * k                           (use_inner_decay; else p = k)
+        q <- q - D * p                                   (use_output_correction: o_t = S_t^T (q_t - D p_t))
+        q, k, p <- L2(q), L2(k), L2(p);  beta = sigmoid(W_b x);  g = -exp(A_log) softplus(W_a x + dt_bias)
+        S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - S_{t-1}^T p_t)^T,   o_t = S_t^T q_t / sqrt(d_k)
+        y = W_o (RMSNorm(o) * sigmoid(W_g x))            (use_output_gate; else W_o RMSNorm(o))
+
+    ``decay`` and ``D`` are per key head. fla normalises p after scaling, so ``decay`` reaches the
+    recurrence only through the correction (p = L2(k)); the paper's p = d k keeps |p| = d. This
+    class is fla's form, for fla's checkpoints; the LM's ``comba`` mixer is the paper's p = d L2(k)
+    without the correction (``docs/models.md``). Grouped value heads: ``num_v_heads``."""
+
+    MIXER = _CombaMixer
+    FLA_NAMES = {**CONVS, "inner_decay": "decay"}
+
+    def __init__(self, hidden_size: int = 2048, expand_v: float = 2, head_dim: int = 256, num_heads: int = 6,
+                 num_v_heads: int | None = None, mode: str = "chunk", use_short_conv: bool = True,
+                 use_output_gate: bool = True, use_output_correction: bool = True, use_inner_decay: bool = True,
+                 correction_factor: float = 1.0, conv_size: int = 4, conv_bias: bool = False,
+                 layer_idx: int | None = None, norm_eps: float = 1e-5, **kwargs):
+        if num_v_heads is not None and (num_v_heads < num_heads or num_v_heads % num_heads):
+            raise ValueError(f"Comba: `num_v_heads` ({num_v_heads}) must be a multiple of `num_heads` ({num_heads})")
+        _refuse("Comba", use_short_conv=(use_short_conv, True), conv_bias=(conv_bias, False))
+        from fastweight.layers.common import GatedRMSNorm
+        from fastweight.models.config import LMConfig
+        cfg = LMConfig(vocab_size=1, d_model=hidden_size, n_layers=1, n_heads=num_heads, n_v_heads=num_v_heads,
+                       mixer="comba", head_dim=head_dim, expand_v=expand_v, conv_size=conv_size, norm_eps=norm_eps)
+        self._fla_setup(cfg, "comba", mode, layer_idx, kwargs)
+        del self.d_logit
+        self.inner_decay = nn.Parameter(torch.ones(num_heads)) if use_inner_decay else None
+        self.D = nn.Parameter(torch.full((num_heads,), float(correction_factor))) if use_output_correction else None
+        if not use_output_gate:
+            self.g_proj = None
+        self.o_norm = GatedRMSNorm(self.head_v, norm_eps, "sigmoid" if use_output_gate else "identity")
+
+
+class _HGRN2Mixer(DecayMixer):
+    """The HGRN2 mixer in fla's form (``HGRN2Attention``'s docstring)."""
+
+    def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
+        H = self.n_heads
+        g = F.logsigmoid(at_least_fp32(self.k_proj(x)))
+        lower_bound = None if shared is None else shared.get("lower_bound")
+        if lower_bound is not None and self.layer_idx:
+            # alpha = lb + (1 - lb) sigmoid(f), in log space
+            g = torch.logaddexp(lower_bound.log(), torch.log1p(-lower_bound) + g)
+        o = self.recur("hgrn2", cache, shared, scale=self.head_k ** -0.5, q=split_heads(F.silu(self.q_proj(x)), H),
+                       v=split_heads(self.v_proj(x), H), g=split_heads(g, H))
+        return self.o_proj(self.o_norm(o.flatten(-2)))
+
+
+class HGRN2Attention(_FlaLayer, _HGRN2Mixer):
+    """fla's ``HGRN2Attention`` layer (Qin et al., 2024), as fla 0.6.0 computes it:
+
+        q = SiLU(W_q x);  f = W_f x;  i = W_i x;  log alpha = logsigmoid(f)
+        with ``lower_bound`` (a forward argument, [hidden_size] in (0, 1); layers after the first):
+            alpha = lower_bound + (1 - lower_bound) sigmoid(f)   (HGRN's forget-gate lower bound)
+        S_t = Diag(alpha_t) S_{t-1} + (1 - alpha_t) i_t^T,   o_t = S_t^T q_t / sqrt(expand_ratio)
+        y = W_o RMSNorm(o)                               (one RMSNorm over all heads jointly)
+
+    Heads: ``hidden_size / expand_ratio`` (or ``num_heads`` when ``expand_ratio`` is None), each with
+    a forget/key width of ``expand_ratio`` and a value width of ``hidden_size / num_heads``. fla's
+    models compute the lower bounds from a model-level parameter ([n_layers, hidden_size]: softmax
+    over layers, cumulative sum); this layer takes one per call, as fla's does. The LM's ``hgrn2``
+    mixer normalises per head, without the scale and the lower bound (``docs/models.md``)."""
+
+    MIXER = _HGRN2Mixer
+    FLA_NAMES = {"k_proj.": "f_proj.", "v_proj.": "i_proj.", "o_norm.": "g_norm."}
+
+    def __init__(self, mode: str = "chunk", hidden_size: int = 1024, num_heads: int | None = None,
+                 expand_ratio: int | None = 128, use_short_conv: bool = False, conv_size: int = 4,
+                 conv_bias: bool = False, elementwise_affine: bool | None = True, norm_eps: float = 1e-5,
+                 layer_idx: int | None = None, **kwargs):
+        if expand_ratio is None and num_heads is None:
+            raise ValueError("HGRN2Attention: one of `expand_ratio` or `num_heads` must be given")
+        num_heads = hidden_size // expand_ratio if expand_ratio is not None else num_heads
+        expand_ratio = hidden_size // num_heads if expand_ratio is None else expand_ratio
+        if hidden_size % num_heads:
+            raise ValueError(f"HGRN2Attention: `hidden_size` ({hidden_size}) must be a multiple of the number of "
+                             f"heads ({num_heads})")
+        _refuse("HGRN2Attention", use_short_conv=(use_short_conv, False), elementwise_affine=(elementwise_affine, True))
+        from fastweight.layers.common import RMSNorm
+        from fastweight.models.config import LMConfig
+        cfg = LMConfig(vocab_size=1, d_model=hidden_size, n_layers=1, n_heads=num_heads, mixer="hgrn2",
+                       head_dim=expand_ratio, expand_v=(hidden_size // num_heads) / expand_ratio, norm_eps=norm_eps)
+        self._fla_setup(cfg, "hgrn2", mode, layer_idx, kwargs)
+        self.expand_ratio, self.forget_dim, self.input_dim = expand_ratio, num_heads * expand_ratio, hidden_size
+        self.o_norm = RMSNorm(hidden_size, norm_eps)
+
+    def _shared_inputs(self, kwargs: dict) -> dict:
+        return {} if kwargs.get("lower_bound") is None else {"lower_bound": kwargs["lower_bound"]}
+
+
+class Mamba2(_FlaLayer, Mamba2Mixer):
+    """fla's ``Mamba2`` layer (Dao & Gu, 2024; the names of ``mamba_ssm``'s ``Mamba2Simple``):
+
+        z, xBC, dt = in_proj(x);  x, B, C = SiLU(conv1d(xBC));  dt = softplus(dt + dt_bias)
+        h_t = exp(-exp(A_log) dt_t) h_{t-1} + dt_t B_t x_t^T,   y_t = C_t^T h_t + D x_t
+        out = out_proj(RMSNorm(y * SiLU(z)))
+
+    with ``intermediate_size = expand * hidden_size`` in heads of ``head_dim``, state size
+    ``state_size``, one (B, C) group. Refused by name: ``n_groups > 1``, a conv or projection bias
+    other than fla's default, ``D_has_hdim``, ``rmsnorm=False``, ``norm_before_gate``, a ``dt_limit``,
+    another activation."""
+
+    MIXER = Mamba2Mixer
+    FLA_NAMES = {}
+
+    def __init__(self, num_heads: int | None = None, head_dim: int = 64, hidden_size: int = 2048,
+                 state_size: int = 128, expand: int = 2, n_groups: int = 1, conv_kernel: int = 4,
+                 conv_init: float | None = None, use_conv_bias: bool = True, hidden_act: str = "silu",
+                 A_init_range: tuple = (1, 16), D_has_hdim: bool = False, rmsnorm: bool = True,
+                 norm_before_gate: bool = False, dt_min: float = 0.001, dt_max: float = 0.1,
+                 dt_init_floor: float = 1e-4, dt_limit: tuple = (0.0, float("inf")), use_bias: bool = False,
+                 norm_eps: float = 1e-5, chunk_size: int = 256, layer_idx: int | None = None,
+                 backend: str = "cuda", **kwargs):
+        if (expand * hidden_size) % head_dim or num_heads not in (None, 0, expand * hidden_size // head_dim):
+            raise ValueError(f"Mamba2: `expand * hidden_size` ({expand * hidden_size}) must be `num_heads * head_dim` "
+                             f"(head_dim {head_dim}, num_heads {num_heads})")
+        _refuse("Mamba2", n_groups=(n_groups, 1), use_conv_bias=(use_conv_bias, True), hidden_act=(hidden_act, "silu"),
+                D_has_hdim=(D_has_hdim, False), rmsnorm=(rmsnorm, True), norm_before_gate=(norm_before_gate, False),
+                dt_limit=(tuple(dt_limit), (0.0, float("inf"))), use_bias=(use_bias, False))
+        from fastweight.models.config import LMConfig
+        cfg = LMConfig(vocab_size=1, d_model=hidden_size, n_layers=1, n_heads=1, mixer="mamba2", head_dim=state_size,
+                       mamba_expand=expand, mamba_head_dim=head_dim, conv_size=conv_kernel, norm_eps=norm_eps)
+        self._fla_setup(cfg, None, "chunk", layer_idx, kwargs)
+        self.num_heads, self.head_dim, self.ssm_state_size = self.n_heads, head_dim, state_size
+        self.intermediate_size, self.n_groups, self.expand = self.d_inner, n_groups, expand
+        if conv_init is not None:
+            nn.init.uniform_(self.conv1d.weight, -conv_init, conv_init)

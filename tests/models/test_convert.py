@@ -3,14 +3,11 @@
 With fla 0.6.0 importable (``pip install flash-linear-attention==0.6.0``; CPU is enough): fla's own
 ``*ForCausalLM`` at random init, saved with ``save_pretrained``, converted, and its logits compared
 with ours, and back. fla's Triton kernels do not run on a CPU: its norms, convolutions and L2 norm
-run in Triton's interpreter (one config per autotuned kernel, no benchmarking), and its layers'
-recurrence calls go to fla's own PyTorch references (``fla.ops.*.naive``), fed as fla's kernels
-prepare their inputs (the in-kernel gate by fla's ``naive_*_gate``, the in-kernel sigmoid of beta,
-q/k by fla's ``l2norm``, the state returned ``[N, H, V, K]``). Without fla: the names and shapes
+run in Triton's interpreter and its layers' recurrence calls go to fla's own PyTorch references
+(``fastweight.testing.fla_cpu_patches``; run with ``TRITON_INTERPRET=1``). Without fla: the names and shapes
 of fla's tiny models, recorded in ``tests/data/fla_0.6.0_models.json``, load strictly and map back.
 """
 
-import functools
 import json
 import os
 import sys
@@ -21,7 +18,7 @@ import torch
 from fastweight.models import LanguageModel
 from fastweight.models.convert import (FLA_MODELS, fla_config_from_lm, from_fla, lm_config_from_fla, load_fla,
                                        save_fla, state_dict_from_fla, state_dict_to_fla, state_from_fla)
-from fastweight.testing import rel_err
+from fastweight.testing import fla_cpu_patches, rel_err
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "data", "fla_0.6.0_models.json")
 # the tiny configs (fla's config.json fields) of the recorded names and the logit tests
@@ -113,66 +110,12 @@ def test_cli_convert_both_ways_and_from_pretrained(model_type, tmp_path):
 # fla's models, where fla is importable
 
 
-def _fla_on_cpu():
-    """fla's model classes with the recurrences on fla's references (module docstring)."""
+@pytest.fixture
+def fla_on_cpu(monkeypatch):
     fla_models = pytest.importorskip("fla.models")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("fla's norms and convolutions need TRITON_INTERPRET=1 on a CPU")
-    from triton.runtime import autotuner
-    patches = [(autotuner.Autotuner, "_bench", lambda self, *a, config, **kw: [0.0, 0.0, 0.0]),
-               (autotuner.Autotuner, "check_disk_cache", lambda self, key, configs, bench: (bench(), False)[1])]
-    import fla.layers.delta_net as delta_net
-    import fla.layers.gated_deltanet as gated_deltanet
-    import fla.layers.gla as gla
-    import fla.layers.kda as kda
-    for module, names, kind in ((gated_deltanet, ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"), "gdn"),
-                                (kda, ("chunk_kda", "fused_recurrent_kda"), "kda"),
-                                (delta_net, ("chunk_delta_rule", "fused_recurrent_delta_rule"), "deltanet"),
-                                (gla, ("chunk_gla", "fused_recurrent_gla"), "gla")):
-        for name in names:
-            patches.append((module, name, functools.partial(_fla_reference, kind)))
-    return fla_models, patches
-
-
-def _fla_reference(kind, q, k, v, g=None, beta=None, gk=None, scale=None, initial_state=None,
-                   output_final_state=False, use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                   use_gate_in_kernel=False, A_log=None, dt_bias=None, allow_neg_eigval=False, state_v_first=False,
-                   cu_seqlens=None, **options):
-    """One of fla's layer op calls, computed by fla's references (module docstring)."""
-    from fla.modules.norm.l2norm import l2norm
-    assert cu_seqlens is None and initial_state is None and not options.get("safe_gate")
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
-    if beta is not None and use_beta_sigmoid_in_kernel:
-        beta = beta.float().sigmoid() * (2 if allow_neg_eigval else 1)
-    if kind == "gdn":
-        from fla.ops.gated_delta_rule.gate import naive_gdn_gate
-        from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
-        g = naive_gdn_gate(g, A_log, dt_bias) if use_gate_in_kernel else g
-        group = v.shape[2] // q.shape[2]
-        q, k = q.repeat_interleave(group, 2), k.repeat_interleave(group, 2)
-        o, S = naive_recurrent_gated_delta_rule(q, k, v, beta, g, scale, None, output_final_state)
-    elif kind == "kda":
-        from fla.ops.kda.gate import naive_kda_gate
-        from fla.ops.kda.naive import naive_recurrent_kda
-        g = naive_kda_gate(g, A_log, dt_bias) if use_gate_in_kernel else g
-        o, S = naive_recurrent_kda(q, k, v, g, beta, scale, None, output_final_state)
-    elif kind == "deltanet":
-        from fla.ops.delta_rule.naive import delta_rule_recurrence
-        o, S = delta_rule_recurrence(*(t.transpose(1, 2) for t in (q, k, v, beta)), None, output_final_state)
-        o = o.transpose(1, 2)
-    else:
-        from fla.ops.gla.naive import naive_recurrent_gla
-        o, S = naive_recurrent_gla(q, k, v, g if gk is None else gk, None, output_final_state)
-    if S is not None and state_v_first:
-        S = S.transpose(-1, -2)
-    return o.to(v.dtype), S
-
-
-@pytest.fixture
-def fla_on_cpu(monkeypatch):
-    fla_models, patches = _fla_on_cpu()
-    for owner, name, value in patches:
+    for owner, name, value in fla_cpu_patches():
         monkeypatch.setattr(owner, name, value)
     return fla_models
 
