@@ -39,7 +39,7 @@ def inputs(op, B, T, H, K, device) -> tuple[dict, dict]:
     """(tensors, options) of ``ops.chunk_<op>``: bf16 inputs as the op's GPU benchmark draws them
     (DeltaNet's beta in [0, 2], hence allow_neg_eigval for the delta family)."""
     if op in gpu_delta.MECHANISM:
-        options = dict(allow_neg_eigval=True) if OPS[op].neg_eigval else {}
+        options = {**(dict(allow_neg_eigval=True) if OPS[op].neg_eigval else {}), **OPS[op].defaults}
         return gpu_delta.inputs(op, B, T, H, K, K, torch.bfloat16, device), options
     return gpu_decay_dplr.inputs(op, B, T, H, K, torch.bfloat16, device=device), {}
 

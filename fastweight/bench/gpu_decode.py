@@ -16,6 +16,7 @@ NaN-poisoned buffers. Reported next to the error of the definition run in the in
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -33,6 +34,9 @@ FLA_DECODE_MS = 0.188
 def op_inputs(op, B, T, H, K, V, HV=None, gen=None, device="cpu"):
     """Valid random inputs for ``fastweight.ops.fused_recurrent_<op>`` (by argument name), fp32."""
     HV = HV or H
+    if OPS[op].sample is not None:   # the op draws its own tensors (Op.sample); its call takes OPS[op].defaults
+        return OPS[op].sample(B, T, H, HV, K, V, dtype=torch.float32, device=device, generator=gen,
+                              **OPS[op].defaults)
     r = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
     u = lambda *s: torch.rand(*s, generator=gen, device=device)  # noqa: E731
     unit = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731
@@ -170,7 +174,7 @@ def check(op, dtype, device, results, B=2, T=100, H=4, K=64, V=64):
     gen = generator(3, device)
     x = {n: t.to(dtype) for n, t in op_inputs(op, B, T, H, K, V, gen=gen, device=device).items()}
     x["initial_state"] = torch.randn(B, H, K, V, device=device, generator=gen)
-    fn = getattr(ops, f"fused_recurrent_{op}")
+    fn = functools.partial(getattr(ops, f"fused_recurrent_{op}"), **OPS[op].defaults)
     runs = {}
     for name, cast, backend in (("triton", None, "triton"), ("ref64", torch.float64, "reference"),
                                 ("ref_low", None, "reference")):

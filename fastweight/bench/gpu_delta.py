@@ -51,6 +51,11 @@ CHECKS = [(True, (torch.bfloat16, torch.float16, torch.float32)), (False, (torch
 
 
 def inputs(op, B, T, H, K, V, dtype, device, seed=0):
+    spec = OPS[op]
+    if spec.sample is not None:   # the op draws its own tensors (Op.sample), at its default options
+        x = spec.sample(B, T, H, H, K, V, dtype=torch.float32, device=device, generator=generator(seed, device),
+                        **spec.defaults)
+        return {n: t.to(dtype) for n, t in x.items()}
     x = get(MECHANISM[op]).sample(B, T, H, K, V, dtype=torch.float32, device=device,
                                    generator=generator(seed, device))
     return {n: t.to(dtype) for n, t in x.items()}

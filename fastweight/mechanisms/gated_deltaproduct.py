@@ -104,7 +104,7 @@ MECHANISM = register(Mechanism(
     title="Gated DeltaProduct",
     paper="arXiv:2502.10297",
     kernel_path="delta",
-    dplr_in_words="n steps a token: GDN's (w=alpha_t on the first, 1 after; a=-beta k, b=w k, write (beta k, v))",
+    dplr_in_words="n GDN steps a token, w=alpha_t on the first (1 after); a=-beta k, b=w k, write (beta k, v)",
     input_names=("q", "k", "v", "g", "beta"),
     sample=sample,
     step=step,
