@@ -11,7 +11,8 @@ fla's models and ours have the same blocks (pre-norm mixer, pre-norm SwiGLU MLP,
 optionally tied head): the tensors are the same, only their names differ. The model-level names
 (:data:`MODEL_NAMES`) are the same for every model; the mixer-level names are those of the fla
 layer class (``fastweight.layers.fla_layers``, ``FLA_NAMES``), so a layer and a model convert alike.
-:data:`FLA_MODELS` lists the models (by fla's ``model_type``): GatedDeltaNet, KDA, DeltaNet, GLA.
+:data:`FLA_MODELS` lists the models (by fla's ``model_type``): GatedDeltaNet, KDA, DeltaNet, GLA,
+Mamba-2 (``backbone.*``, ``mamba_ssm``'s names; norm and mixer blocks without an MLP, as ours).
 A config option that our mixer does not implement (fla's hybrid ``attn`` layers, another MLP
 activation, the layer options the fla layer class refuses) raises an error that names it: a
 conversion is exact or refused. fla's recurrent caches keep the state as ``[N, H, V, K]``
@@ -33,9 +34,11 @@ from fastweight.layers import fla_layers
 from fastweight.models.config import LMConfig
 from fastweight.models.lm import LanguageModel
 
-# fla's model-level names -> ours (the block index in between is kept)
+# fla's model-level names -> ours (the block index in between is kept); Mamba-2's are mamba_ssm's
 MODEL_NAMES = {"model.embeddings.": "embed.", "model.norm.": "norm.", "lm_head.": "lm_head."}
 BLOCK_NAMES = {"attn_norm.": "mixer_norm.", "attn.": "mixer.", "mlp_norm.": "mlp_norm.", "mlp.": "mlp."}
+MAMBA_MODEL_NAMES = {"backbone.embeddings.": "embed.", "backbone.norm_f.": "norm.", "lm_head.": "lm_head."}
+MAMBA_BLOCK_NAMES = {"norm.": "mixer_norm.", "mixer.": "mixer."}
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,9 @@ class FlaModel:
     layer: type
     architecture: str
     fixed: tuple = ()
+    model_names: tuple = tuple(MODEL_NAMES.items())
+    block_names: tuple = tuple(BLOCK_NAMES.items())
+    layers: str = "model.layers."
 
 
 _COMMON_FIXED = (("attn", None), ("hidden_act", "swish"), ("attnres_block_size", None))
@@ -62,6 +68,11 @@ FLA_MODELS = {
                     (("num_kv_heads", None), ("feature_map", None), ("use_short_conv", False),
                      ("use_output_gate", True), ("clamp_min", None), ("elementwise_affine", True),
                      ("use_gk", True), ("use_gv", False), ("fuse_norm", True))),
+    "mamba2": FlaModel("mamba2", fla_layers.Mamba2, "Mamba2ForCausalLM",
+                       (("hidden_act", "silu"), ("n_groups", 1), ("use_bias", False), ("use_conv_bias", True),
+                        ("D_has_hdim", False), ("rmsnorm", True), ("norm_before_gate", False),
+                        ("dt_limit", (0.0, float("inf")))),
+                       tuple(MAMBA_MODEL_NAMES.items()), tuple(MAMBA_BLOCK_NAMES.items()), "backbone.layers."),
 }
 _MIXER_TO_TYPE = {spec.mixer: name for name, spec in FLA_MODELS.items()}
 
@@ -81,13 +92,20 @@ def lm_config_from_fla(config: dict) -> LMConfig:
     if model_type not in FLA_MODELS:
         raise ValueError(f"fla model_type {model_type!r} is not supported; supported: {', '.join(FLA_MODELS)}")
     spec = FLA_MODELS[model_type]
-    for name, ours in _COMMON_FIXED + spec.fixed:
-        value = config.get(name, ours)
-        if value != ours and not (name == "hidden_act" and value == "silu"):
+    for name, ours in dict(_COMMON_FIXED + spec.fixed).items():
+        value = _json_value(config.get(name, ours))
+        if value != ours and not (name == "hidden_act" and {value, ours} == {"silu", "swish"}):
             what = "hybrid attention layers" if name == "attn" else f"`{name}={value!r}`"
             raise NotImplementedError(f"fla {model_type}: {what} is not supported by the conversion (only "
                                       f"{name}={ours!r})")
     D, H = config.get("hidden_size", 2048), config.get("num_heads")
+    common = dict(vocab_size=config.get("vocab_size", 32000), d_model=D, n_layers=config["num_hidden_layers"],
+                  tie_embeddings=config.get("tie_word_embeddings", False),
+                  initializer_range=config.get("initializer_range", 0.02))
+    if model_type == "mamba2":
+        return LMConfig(**common, n_heads=1, mixer="mamba2", head_dim=config.get("state_size", 128),
+                        mamba_expand=config.get("expand", 2), mamba_head_dim=config.get("head_dim", 64),
+                        conv_size=config.get("conv_kernel", 4), norm_eps=config.get("norm_eps", 1e-5))
     if model_type in ("delta_net", "gla"):
         defaults = (1.0, 1.0) if model_type == "delta_net" else (0.5, 1.0)
         head_k, head_v = fla_layers._head_dims(model_type, D, config.get("expand_k", defaults[0]),
@@ -99,14 +117,22 @@ def lm_config_from_fla(config: dict) -> LMConfig:
     if model_type == "kda" and n_v_heads not in (None, H):
         raise NotImplementedError(f"fla kda: `num_v_heads={n_v_heads}` is not supported (only num_heads)")
     return LMConfig(
-        vocab_size=config.get("vocab_size", 32000), d_model=D, n_layers=config["num_hidden_layers"], n_heads=H,
-        mixer=spec.mixer, head_dim=head_k, expand_v=head_v / head_k,
+        **common, n_heads=H, mixer=spec.mixer, head_dim=head_k, expand_v=head_v / head_k,
         n_v_heads=None if n_v_heads in (None, H) else n_v_heads,
         allow_neg_eigval=config.get("allow_neg_eigval", False),
         use_short_conv=config.get("use_short_conv", model_type != "gla"), conv_size=config.get("conv_size", 4),
         intermediate_size=fla_mlp_size(D, config.get("hidden_ratio", 4), config.get("intermediate_size")),
-        norm_eps=config.get("norm_eps", 1e-6), tie_embeddings=config.get("tie_word_embeddings", False),
-        initializer_range=config.get("initializer_range", 0.02))
+        norm_eps=config.get("norm_eps", 1e-6))
+
+
+def _json_value(value):
+    """A config value as Python compares it: lists as tuples, transformers' ``{"__float__": "Infinity"}``
+    as a float."""
+    if isinstance(value, dict) and set(value) == {"__float__"}:
+        return float(value["__float__"])
+    if isinstance(value, list):
+        return tuple(_json_value(v) for v in value)
+    return value
 
 
 def fla_config_from_lm(cfg: LMConfig) -> dict:
@@ -116,6 +142,13 @@ def fla_config_from_lm(cfg: LMConfig) -> dict:
                                   f"format; this one has mixer {cfg.mixer!r}")
     model_type = _MIXER_TO_TYPE[cfg.mixers[0]]
     spec = FLA_MODELS[model_type]
+    if model_type == "mamba2":
+        fixed = dict(spec.fixed, dt_limit=[0.0, {"__float__": "Infinity"}])
+        return dict(model_type=model_type, architectures=[spec.architecture], vocab_size=cfg.vocab_size,
+                    hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers, state_size=cfg.head_dim,
+                    expand=cfg.mamba_expand, head_dim=cfg.mamba_head_dim, conv_kernel=cfg.conv_size,
+                    norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+                    initializer_range=cfg.initializer_range, **fixed)
     out = dict(model_type=model_type, architectures=[spec.architecture], vocab_size=cfg.vocab_size,
                hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers, num_heads=cfg.n_heads,
                intermediate_size=cfg.mlp_dim, hidden_act="swish", norm_eps=cfg.norm_eps,
@@ -139,22 +172,21 @@ def _rename(key: str, table: dict) -> str | None:
     return None
 
 
-_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.*)")
-
-
 def state_dict_from_fla(state_dict: dict, config: dict) -> dict:
     """fla's model state dict (names as in its ``model.safetensors``) -> ours, the same tensors.
 
     A tied fla checkpoint that omits ``lm_head.weight`` gets the embedding under both names (as
     our tied model holds it); a name that fits neither table is a KeyError."""
-    layer_names = {theirs: ours for ours, theirs in FLA_MODELS[config["model_type"]].layer.FLA_NAMES.items()}
+    spec = FLA_MODELS[config["model_type"]]
+    layer_names = {theirs: ours for ours, theirs in spec.layer.FLA_NAMES.items()}
+    block = re.compile(re.escape(spec.layers) + r"(\d+)\.(.*)")
     out = {}
     for key, t in state_dict.items():
-        m = _BLOCK.fullmatch(key)
+        m = block.fullmatch(key)
         if m is None:
-            new = _rename(key, MODEL_NAMES)
+            new = _rename(key, dict(spec.model_names))
         else:
-            rest = _rename(m.group(2), BLOCK_NAMES)
+            rest = _rename(m.group(2), dict(spec.block_names))
             if rest is not None and rest.startswith("mixer."):
                 rest = "mixer." + (_rename(rest[6:], layer_names) or rest[6:])
             new = None if rest is None else f"blocks.{m.group(1)}.{rest}"
@@ -168,9 +200,10 @@ def state_dict_from_fla(state_dict: dict, config: dict) -> dict:
 
 def state_dict_to_fla(state_dict: dict, cfg: LMConfig) -> dict:
     """Our model state dict -> fla's names (the inverse of :func:`state_dict_from_fla`)."""
-    layer_names = FLA_MODELS[fla_config_from_lm(cfg)["model_type"]].layer.FLA_NAMES
-    model_names = {ours: theirs for theirs, ours in MODEL_NAMES.items()}
-    block_names = {ours: theirs for theirs, ours in BLOCK_NAMES.items()}
+    spec = FLA_MODELS[fla_config_from_lm(cfg)["model_type"]]
+    layer_names = spec.layer.FLA_NAMES
+    model_names = {ours: theirs for theirs, ours in spec.model_names}
+    block_names = {ours: theirs for theirs, ours in spec.block_names}
     out = {}
     for key, t in state_dict.items():
         m = re.fullmatch(r"blocks\.(\d+)\.(.*)", key)
@@ -181,7 +214,7 @@ def state_dict_to_fla(state_dict: dict, cfg: LMConfig) -> dict:
             if rest.startswith("mixer."):
                 rest = "mixer." + (_rename(rest[6:], layer_names) or rest[6:])
             rest = _rename(rest, block_names)
-            new = None if rest is None else f"model.layers.{m.group(1)}.{rest}"
+            new = None if rest is None else f"{spec.layers}{m.group(1)}.{rest}"
         if new is None:
             raise KeyError(f"fastweight tensor {key!r} has no counterpart in fla's model")
         out[new] = t

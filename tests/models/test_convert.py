@@ -25,7 +25,8 @@ DATA = os.path.join(os.path.dirname(__file__), "..", "data", "fla_0.6.0_models.j
 TINY = {"gated_deltanet": dict(head_dim=16, num_heads=2, num_v_heads=4, expand_v=2.0, allow_neg_eigval=True),
         "kda": dict(head_dim=16, num_heads=2),
         "delta_net": dict(num_heads=2, expand_k=0.5, expand_v=1.0),
-        "gla": dict(num_heads=2, expand_k=0.5, expand_v=1.0, tie_word_embeddings=True)}
+        "gla": dict(num_heads=2, expand_k=0.5, expand_v=1.0, tie_word_embeddings=True),
+        "mamba2": dict(head_dim=16, state_size=16, expand=2)}
 COMMON = dict(hidden_size=64, num_hidden_layers=2, vocab_size=128, fuse_cross_entropy=False)
 
 
