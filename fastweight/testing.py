@@ -108,8 +108,8 @@ def fla_cpu_patches() -> list:
     config per autotuned kernel (no benchmarking: the interpreter has no timer); its recurrence
     kernels do not run there, so its layers' op calls go to fla's PyTorch references
     (``fla.ops.*.naive``), fed as fla's kernels prepare their inputs (:func:`fla_reference_op`).
-    Comba's go to fastweight's reference op (fla's naive Comba reads the decayed state, its kernels
-    the undecayed one; ``docs/chunk.md``)."""
+    Comba's and RWKV-7's go to fastweight's reference ops (fla ships no naive RWKV-7; its naive
+    Comba reads the decayed state, its kernels the undecayed one; ``docs/chunk.md``)."""
     import functools
 
     from triton.runtime import autotuner
@@ -120,6 +120,7 @@ def fla_cpu_patches() -> list:
     import fla.layers.gla as gla
     import fla.layers.hgrn2 as hgrn2
     import fla.layers.kda as kda
+    import fla.layers.rwkv7 as rwkv7
     from fastweight import ops
     patches = [(autotuner.Autotuner, "_bench", lambda self, *a, config, **kw: [0.0, 0.0, 0.0]),
                (autotuner.Autotuner, "check_disk_cache", lambda self, key, configs, bench: (bench(), False)[1])]
@@ -131,7 +132,23 @@ def fla_cpu_patches() -> list:
         patches += [(module, name, functools.partial(fla_reference_op, kind)) for name in names]
     patches += [(comba, name, functools.partial(getattr(ops, name), backend="reference"))
                 for name in ("chunk_comba", "fused_recurrent_comba")]
+    patches += [(rwkv7, "chunk_rwkv7", _fla_rwkv7), (rwkv7, "fused_mul_recurrent_rwkv7", _fla_fused_mul_rwkv7)]
     return patches
+
+
+def _fla_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
+               **numerics):
+    """fla's layer call of chunk_rwkv7; its ``safe_gate``/``lower_bound``/``chunk_size`` choose kernel
+    numerics only (the layer's w is within the bound by construction), so the reference ignores them."""
+    from fastweight import ops
+    return ops.chunk_rwkv7(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
+                           backend="reference")
+
+
+def _fla_fused_mul_rwkv7(r, w, k, v, kk, a, scale=1.0, initial_state=None, output_final_state=False,
+                         cu_seqlens=None, **unused):
+    """fla's decode form of RWKV-7 (its removal key kk and rate a) as the DPLR op's a = -kk, b = kk a."""
+    return _fla_rwkv7(r, w, k, v, -kk, kk * a, scale, initial_state, output_final_state, cu_seqlens)
 
 
 def fla_reference_op(kind: str, q, k, v, g=None, beta=None, gk=None, scale=None, initial_state=None,

@@ -9,7 +9,7 @@ from fastweight.layers.base import Mixer
 from fastweight.layers.common import GatedRMSNorm, LowRank, RMSNorm, ShortConv, SwiGLU, TokenShift
 from fastweight.layers.delta import DeltaRuleMixer
 from fastweight.layers.fla_layers import (Comba, DeltaNet, GatedDeltaNet, GatedLinearAttention, HGRN2Attention,
-                                         KimiDeltaAttention, Mamba2)
+                                         KimiDeltaAttention, Mamba2, RWKV7Attention)
 from fastweight.layers.gated import DecayMixer, Mamba2Mixer
 from fastweight.layers.linear_op import force_generic, linear_op, use_backend
 from fastweight.mechanisms import MIXERS
@@ -36,4 +36,4 @@ def build_mixer(name: str, cfg) -> Mixer:
 
 
 __all__ = ["Attention", "Comba", "DecayMixer", "DeltaNet", "DeltaRuleMixer", "GatedDeltaNet", "GatedLinearAttention", "GatedRMSNorm", "HGRN2Attention", "KimiDeltaAttention",
-           "LowRank", "Mamba2", "Mamba2Mixer", "Mixer", "RMSNorm", "ShortConv", "SwiGLU", "TokenShift", "build_mixer", "force_generic", "linear_op", "use_backend"]
+           "LowRank", "Mamba2", "Mamba2Mixer", "Mixer", "RMSNorm", "RWKV7Attention", "ShortConv", "SwiGLU", "TokenShift", "build_mixer", "force_generic", "linear_op", "use_backend"]

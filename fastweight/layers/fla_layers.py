@@ -6,7 +6,7 @@ against ``fla.layers`` and the state dicts of fla checkpoints carry over.
     from fastweight.layers import GatedDeltaNet          # in place of: from fla.layers import GatedDeltaNet
                                                           # (and DeltaNet, GatedLinearAttention,
                                                           #  KimiDeltaAttention, Comba, HGRN2Attention,
-                                                          #  Mamba2)
+                                                          #  Mamba2, RWKV7Attention)
     layer = GatedDeltaNet(hidden_size=1024, head_dim=128, num_heads=8, expand_v=2)
     o, _, _ = layer(x)                                    # x [B, T, hidden_size]
 
@@ -18,8 +18,9 @@ refused by name. An fla option a class does not implement (its docstring lists t
 ``num_v_heads``, GatedDeltaNet's ``use_gate=False``, GLA's short convolutions, ...) raises an
 error naming it, and so does an unknown keyword (fla's layers ignore those).
 
-``Comba`` and ``HGRN2Attention`` compute fla's form, which differs from the LM's ``comba`` and
-``hgrn2`` mixers (their docstrings; ``docs/models.md``): they override the mixer's forward here.
+``Comba``, ``HGRN2Attention`` and ``RWKV7Attention`` compute fla's form, which differs from the LM's
+``comba``, ``hgrn2`` and ``rwkv7`` mixers (their docstrings; ``docs/models.md``): their computation is
+here.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fastweight.dispatch import l2norm
-from fastweight.layers.base import sequence_positions, split_heads
+from fastweight.layers.base import Mixer, sequence_positions, split_heads
 from fastweight.layers.common import at_least_fp32
 from fastweight.layers.delta import DeltaRuleMixer
 from fastweight.layers.gated import DecayMixer, Mamba2Mixer
+from fastweight.layers.rwkv import EXP_MINUS_HALF
 
 # our submodule name -> fla's, in the state dict
 CONVS = {"q_conv.": "q_conv1d.", "k_conv.": "k_conv1d.", "v_conv.": "v_conv1d."}
@@ -418,3 +420,125 @@ class Mamba2(_FlaLayer, Mamba2Mixer):
         self.intermediate_size, self.n_groups, self.expand = self.d_inner, n_groups, expand
         if conv_init is not None:
             nn.init.uniform_(self.conv1d.weight, -conv_init, conv_init)
+
+
+def _rwkv7_rank(hidden_size: int, scale: float, factor: float) -> int:
+    """fla's default LoRA rank of an RWKV-7 gate: ``scale * sqrt(hidden_size) * factor``, to a multiple of 32, >= 32."""
+    return max(32, int(round(scale * hidden_size ** 0.5 * factor / 32) * 32))
+
+
+class _RWKV7Mixer(Mixer):
+    """RWKV7Attention's computation (its docstring); its parameters are made by the class."""
+
+    def __init__(self, cfg):
+        Mixer.__init__(self)
+
+    def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
+        H, K = self.num_heads, self.head_dim
+        xx = self.shift(self.shift_x, x, cache, shared) - x
+        xr, xw, xk, xv, xa, xg = (torch.addcmul(x, xx, getattr(self, f"x_{c}")) for c in "rwkvag")
+        r, k, v = self.r_proj(xr), self.k_proj(xk), self.v_proj(xv)
+        w = -EXP_MINUS_HALF * torch.sigmoid(at_least_fp32(self.w_lora(xw)))
+        if self.v_lora is None:
+            shared["_out"]["v_first"] = v
+        else:
+            v = torch.lerp(v, shared["v_first"].to(v.dtype), torch.sigmoid(self.v_lora(xv)))
+        a = torch.sigmoid(self.a_lora(xa))
+        g = self.g_lora(xg)
+        kk = F.normalize(split_heads(k * self.k_k, H), dim=-1, p=2.0)
+        k = k.addcmul(k * (a - 1), self.k_a)
+        r, w, k, a = (split_heads(t, H) for t in (r, w, k, a))
+        v = split_heads(v, H)
+        o = self.recur("rwkv7", cache, shared, scale=1.0, r=r, w=w, k=k, v=v, a=-kk, b=kk * a)
+        B, T = x.shape[:2]
+        o = self.g_norm(o.reshape(B * T, -1)).view(B, T, -1)
+        o = o + ((r * k * self.r_k.to(r.dtype)).sum(-1, keepdim=True) * v).flatten(-2)
+        return self.o_proj(o * g)
+
+
+class RWKV7Attention(_FlaLayer, _RWKV7Mixer):
+    """fla's ``RWKV7Attention`` layer (RWKV-7 "Goose" time mixing, Peng et al., 2025), as fla 0.6.0
+    and the official ``RWKV_x070`` code compute it:
+
+        x^c = x + (x_{t-1} - x) * x_c              for c in r, w, k, v, a, g  (token shift)
+        r, k, v = W_r x^r, W_k x^k, W_v x^v;   w = -exp(-1/2) sigmoid(lora_w(x^w))   (log decay)
+        v <- lerp(v, v_first, sigmoid(lora_v(x^v)))  (layers after the first: the value residual)
+        a = sigmoid(lora_a(x^a));  g = lora_g(x^g) (sigmoid inside);  kk = L2(k * k_k) per head
+        k <- k * (1 + (a - 1) * k_a)
+        S_t = (Diag(exp w_t) - kk_t (a_t kk_t)^T) S_{t-1} + k_t v_t^T,   o_t = S_t^T r_t
+        y = W_o ((GroupNorm(o) + ((r * k * r_k).sum per head) v) * g)
+
+    GroupNorm: one group per head (per-head mean and variance, a weight and bias per channel,
+    eps ``head_dim * norm_eps``: 64e-5 at fla's defaults). Each LoRA has its own rank
+    (``decay_low_rank_dim``, ``a_low_rank_dim``, ``v_low_rank_dim``, ``gate_low_rank_dim``; fla's
+    defaults from ``hidden_size``). Layer 0 has no ``v_lora``. ``forward`` takes and returns
+    ``v_first`` as fla's does: ``(o, None, past_key_values, v_first)``. This is a layer of its own
+    (the LM's ``rwkv7`` mixer keeps its form: a per-head RMSNorm, one rank; ``docs/models.md``)."""
+
+    MIXER = _RWKV7Mixer
+    FLA_NAMES = {f"{n}_lora.{ours}.": f"{n}_lora.lora.{theirs}." for n in "wavg"
+                 for ours, theirs in (("down", 0), ("up", 2))}
+
+    def __init__(self, mode: str = "chunk", hidden_size: int = 1024, head_dim: int | None = 64,
+                 num_heads: int | None = None, decay_low_rank_dim: int | None = None,
+                 gate_low_rank_dim: int | None = None, a_low_rank_dim: int | None = None,
+                 v_low_rank_dim: int | None = None, elementwise_affine: bool | None = True, norm_eps: float = 1e-5,
+                 layer_idx: int | None = None, fuse_norm: bool = False, value_dim: int | None = None,
+                 num_hidden_layers: int | None = None, **kwargs):
+        from fastweight.layers.common import LowRank, TokenShift
+        if head_dim is None and num_heads is None:
+            raise ValueError("RWKV7Attention: one of `head_dim` or `num_heads` must be given")
+        H = hidden_size // head_dim if head_dim is not None else num_heads
+        if hidden_size % H:
+            raise ValueError(f"RWKV7Attention: `hidden_size` ({hidden_size}) must be a multiple of the heads ({H})")
+        K, value_dim = hidden_size // H, value_dim or hidden_size
+        _refuse("RWKV7Attention", elementwise_affine=(elementwise_affine, True))
+        from fastweight.models.config import LMConfig
+        cfg = LMConfig(vocab_size=1, d_model=hidden_size, n_layers=1, n_heads=H, mixer="rwkv7", head_dim=K,
+                       expand_v=value_dim / hidden_size, norm_eps=norm_eps)
+        self._fla_setup(cfg, None, mode, layer_idx, kwargs)
+        factor = K / 64
+        ranks = dict(w=decay_low_rank_dim or _rwkv7_rank(hidden_size, 2.5, factor),
+                     a=a_low_rank_dim or _rwkv7_rank(hidden_size, 2.5, factor),
+                     v=v_low_rank_dim or _rwkv7_rank(hidden_size, 1.7, factor),
+                     g=gate_low_rank_dim or _rwkv7_rank(hidden_size, 5.0, 1.0))
+        self.decay_low_rank_dim, self.a_low_rank_dim = ranks["w"], ranks["a"]
+        self.v_low_rank_dim, self.gate_low_rank_dim = ranks["v"], ranks["g"]
+        self.key_dim, self.value_dim, self.fuse_norm, self.num_hidden_layers = hidden_size, value_dim, fuse_norm, \
+            num_hidden_layers
+        self.shift_x = TokenShift()
+        for c in "rwkvag":
+            setattr(self, f"x_{c}", nn.Parameter(torch.zeros(1, 1, hidden_size)))
+        self.k_k = nn.Parameter(torch.zeros(hidden_size))
+        self.k_a = nn.Parameter(torch.zeros(hidden_size))
+        self.r_k = nn.Parameter(torch.zeros(H, K))
+        self.r_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.k_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.v_proj = nn.Linear(hidden_size, value_dim, bias=False)
+        self.o_proj = nn.Linear(value_dim, hidden_size, bias=False)
+        self.w_lora = LowRank(hidden_size, ranks["w"], hidden_size, activation="tanh", bias=True)
+        self.v_lora = None if layer_idx == 0 else LowRank(hidden_size, ranks["v"], value_dim, activation=None,
+                                                          bias=True)
+        self.a_lora = LowRank(hidden_size, ranks["a"], hidden_size, activation=None, bias=True)
+        self.g_lora = LowRank(hidden_size, ranks["g"], value_dim, activation="sigmoid", bias=False)
+        self.g_norm = nn.GroupNorm(H, value_dim, eps=K * norm_eps, affine=True)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                past_key_values: dict | None = None, use_cache: bool | None = False,
+                output_attentions: bool | None = False, v_first: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, **kwargs):
+        """fla's call: ``(o, None, past_key_values, v_first)``; ``v_first`` [B, T, value_dim] is
+        layer 0's value (made there, read by the later layers)."""
+        if attention_mask is not None and not bool(attention_mask.bool().all()) and self.layer_idx != 0:
+            raise NotImplementedError("RWKV7Attention: a padding `attention_mask` after layer 0 is not supported "
+                                      "(`v_first` would need the same packing)")
+        out = {}
+        o, _, cache = super().forward(hidden_states, attention_mask, past_key_values, use_cache, output_attentions,
+                                      cu_seqlens=cu_seqlens, v_first=v_first, _out=out, **kwargs)
+        return o, None, cache, out.get("v_first", v_first)
+
+    def _shared_inputs(self, kwargs: dict) -> dict:
+        shared = {"_out": kwargs["_out"]}
+        if kwargs.get("v_first") is not None:
+            shared["v_first"] = kwargs["v_first"]
+        return shared

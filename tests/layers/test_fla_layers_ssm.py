@@ -1,4 +1,4 @@
-"""fla's ``Comba``, ``HGRN2Attention`` and ``Mamba2`` layer classes (``fastweight.layers.fla_layers``):
+"""fla's ``Comba``, ``HGRN2Attention``, ``Mamba2`` and ``RWKV7Attention`` layer classes (``fastweight.layers.fla_layers``):
 fla's parameter names, each checked against the layer's formula (as fla 0.6.0's layer computes it)
 written out here in float64 from the parameters alone, and, where fla is importable (with
 ``TRITON_INTERPRET=1``: ``fastweight.testing.fla_cpu_patches``), against fla's own layer holding the
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fastweight import ops
-from fastweight.layers import Comba, HGRN2Attention, Mamba2
+from fastweight.layers import Comba, HGRN2Attention, Mamba2, RWKV7Attention
 from fastweight.testing import fla_cpu_patches, generator, rel_err
 
 FLA_KEYS = {
@@ -170,3 +170,94 @@ def test_against_fla_layer(kind, monkeypatch):
     with torch.no_grad():
         got, want = ours(x, **call)[0], theirs(x, **call)[0]
     assert rel_err(got, want) < 1e-5, rel_err(got, want)
+
+
+RWKV7_KEYS = {"x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "k_k", "k_a", "r_k", "r_proj.weight", "k_proj.weight",
+              "v_proj.weight", "o_proj.weight", "g_norm.weight", "g_norm.bias", "w_lora.lora.0.weight",
+              "w_lora.lora.2.weight", "w_lora.lora.2.bias", "a_lora.lora.0.weight", "a_lora.lora.2.weight",
+              "a_lora.lora.2.bias", "g_lora.lora.0.weight", "g_lora.lora.2.weight"}
+V_LORA = {"v_lora.lora.0.weight", "v_lora.lora.2.weight", "v_lora.lora.2.bias"}
+
+
+def _rwkv7(layer_idx, dtype=torch.float64, **kw):
+    torch.manual_seed(layer_idx)
+    layer = RWKV7Attention(hidden_size=64, head_dim=16, layer_idx=layer_idx, **kw).to(dtype)
+    for p in layer.parameters():
+        p.data.add_(0.1 * torch.randn_like(p))
+    return layer
+
+
+def _rwkv7_formula(p: dict, x, v_first, H=4, eps=16e-5):
+    """RWKV-7 time mixing as fla's layer (and the official x070 code) computes it, from fla's names."""
+    def lora(name, t, act=lambda y: y):
+        y = act(t @ p[f"{name}.lora.0.weight"].T) @ p[f"{name}.lora.2.weight"].T
+        return y + p[f"{name}.lora.2.bias"] if f"{name}.lora.2.bias" in p else y
+    xx = F.pad(x, (0, 0, 1, -1)) - x
+    xr, xw, xk, xv, xa, xg = (x + xx * p[f"x_{c}"] for c in "rwkvag")
+    r, k, v = xr @ p["r_proj.weight"].T, xk @ p["k_proj.weight"].T, xv @ p["v_proj.weight"].T
+    w = -torch.exp(torch.tensor(-0.5, dtype=x.dtype)) * torch.sigmoid(lora("w_lora", xw, torch.tanh))
+    if v_first is None:
+        v_first = v
+    else:
+        v = v + (v_first - v) * torch.sigmoid(lora("v_lora", xv))
+    a, g = torch.sigmoid(lora("a_lora", xa)), lora("g_lora", xg, torch.sigmoid)
+    kk = (k * p["k_k"]).unflatten(-1, (H, -1))
+    kk = kk / kk.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    k = k * (1 + (a - 1) * p["k_a"])
+    r, w, k, a, v = (t.unflatten(-1, (H, -1)) for t in (r, w, k, a, v))
+    o, _ = ops.chunk_rwkv7(r, w, k, v, -kk, kk * a, scale=1.0, backend="reference")
+    mean, var = o.mean(-1, keepdim=True), o.var(-1, unbiased=False, keepdim=True)
+    o = ((o - mean) / torch.sqrt(var + eps)).flatten(-2) * p["g_norm.weight"] + p["g_norm.bias"]
+    o = o + ((r * k * p["r_k"]).sum(-1, keepdim=True) * v).flatten(-2)
+    return (o * g) @ p["o_proj.weight"].T, v_first
+
+
+def test_rwkv7_names_formula_and_value_residual():
+    x = torch.randn(2, 70, 64, dtype=torch.float64, generator=generator())
+    v_first = None
+    for layer_idx in (0, 1):
+        layer = _rwkv7(layer_idx).train()
+        assert set(layer.state_dict()) == RWKV7_KEYS | (V_LORA if layer_idx else set())
+        o, attentions, cache, v_out = layer(x, v_first=v_first)
+        want, want_v_first = _rwkv7_formula(layer.state_dict(), x, v_first)
+        assert attentions is None and cache is None
+        assert rel_err(o, want) < 1e-12 and rel_err(v_out, want_v_first) < 1e-12
+        v_first = v_out
+    # fla's default ranks from hidden_size and head_dim; GroupNorm's eps head_dim * norm_eps
+    big = RWKV7Attention(hidden_size=2048, head_dim=64, layer_idx=1)
+    assert (big.decay_low_rank_dim, big.a_low_rank_dim, big.v_low_rank_dim, big.gate_low_rank_dim) == (128, 128, 64, 224)
+    assert big.g_norm.eps == 64e-5
+
+
+def test_rwkv7_packed_and_cache():
+    layer = _rwkv7(1).eval()
+    gen = generator()
+    a, b = (torch.randn(1, n, 64, dtype=torch.float64, generator=gen) for n in (9, 5))
+    va, vb = (torch.randn(1, n, 64, dtype=torch.float64, generator=gen) for n in (9, 5))
+    alone_a, alone_b = layer(a, v_first=va)[0], layer(b, v_first=vb)[0]
+    packed = layer(torch.cat([a, b], 1), v_first=torch.cat([va, vb], 1), cu_seqlens=torch.tensor([0, 9, 14]))[0]
+    assert rel_err(packed, torch.cat([alone_a, alone_b], 1)) < 1e-12
+    o1, _, cache, _ = layer(a[:, :6], v_first=va[:, :6], use_cache=True)
+    o2, _, _, _ = layer(a[:, 6:], v_first=va[:, 6:], past_key_values=cache, use_cache=True)
+    assert rel_err(torch.cat([o1, o2], 1), alone_a) < 1e-12
+    with pytest.raises(NotImplementedError, match="attention_mask"):
+        layer(a, attention_mask=torch.tensor([[0] + [1] * 8]), v_first=va)
+
+
+def test_rwkv7_against_fla_layer(monkeypatch):
+    fla_layers = pytest.importorskip("fla.layers")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("fla's norms and token shift need TRITON_INTERPRET=1 on a CPU")
+    for owner, name, value in fla_cpu_patches():
+        monkeypatch.setattr(owner, name, value)
+    x = torch.randn(2, 70, 64, generator=generator())
+    v_first = None
+    for layer_idx in (0, 1):
+        ours = _rwkv7(layer_idx, torch.float32, num_hidden_layers=2).train()
+        theirs = fla_layers.RWKV7Attention(hidden_size=64, head_dim=16, layer_idx=layer_idx,
+                                           num_hidden_layers=2).train()
+        theirs.load_state_dict(ours.state_dict(), strict=True)
+        with torch.no_grad():
+            got, want = ours(x, v_first=v_first), theirs(x, v_first=v_first)
+        assert rel_err(got[0], want[0]) < 1e-5 and rel_err(got[3], want[3]) < 1e-5
+        v_first = want[3]
