@@ -434,13 +434,15 @@ class _RWKV7Mixer(Mixer):
         Mixer.__init__(self)
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
-        H, K = self.num_heads, self.head_dim
+        H = self.num_heads
         xx = self.shift(self.shift_x, x, cache, shared) - x
         xr, xw, xk, xv, xa, xg = (torch.addcmul(x, xx, getattr(self, f"x_{c}")) for c in "rwkvag")
         r, k, v = self.r_proj(xr), self.k_proj(xk), self.v_proj(xv)
         w = -EXP_MINUS_HALF * torch.sigmoid(at_least_fp32(self.w_lora(xw)))
         if self.v_lora is None:
             shared["_out"]["v_first"] = v
+        elif shared.get("v_first") is None:
+            raise ValueError(f"RWKV7Attention (layer_idx {self.layer_idx}): `v_first` (layer 0's value) is required")
         else:
             v = torch.lerp(v, shared["v_first"].to(v.dtype), torch.sigmoid(self.v_lora(xv)))
         a = torch.sigmoid(self.a_lora(xa))

@@ -15,9 +15,8 @@ import sys
 import pytest
 import torch
 
-from fastweight.models import LanguageModel
 from fastweight.models.convert import (FLA_MODELS, fla_config_from_lm, from_fla, lm_config_from_fla, load_fla,
-                                       save_fla, state_dict_from_fla, state_dict_to_fla, state_from_fla)
+                                       save_fla, state_dict_to_fla, state_from_fla)
 from fastweight.testing import fla_cpu_patches, rel_err
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "data", "fla_0.6.0_models.json")
