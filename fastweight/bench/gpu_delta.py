@@ -115,14 +115,14 @@ def bench(op, B, T, H, K, device):
 
 
 def stages(op, B, T, H, K, device):
-    """Each stage of forward and backward on its own (bf16), and the state passes' value block BV."""
+    """Each stage of forward and backward on its own (bf16)."""
     from fastweight.kernels.common import prepare_chunks
-    from fastweight.kernels.cumsum import chunk_local_cumsum
+    from fastweight.kernels.cumsum import chunk_cumsum
     from fastweight.kernels.delta import _pack, delta_fwd
     from fastweight.kernels.intra import intra_bwd, intra_fwd
     from fastweight.kernels.kkt_solve import kkt_solve, solve
     from fastweight.kernels.output import output_bwd
-    from fastweight.kernels.state import state_bwd, state_output_fwd
+    from fastweight.kernels.state import state_bwd, state_fwd
     from fastweight.kernels.wy import recompute_w_u, wy_bwd
     x = {n: _pack(t) for n, t in inputs(op, B, T, H, K, K, torch.bfloat16, device).items()}
     q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
@@ -131,8 +131,8 @@ def stages(op, B, T, H, K, device):
     per_channel = g.dim() == 4
     bench_ms = lambda f: triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")  # noqa: E731
     res = {}
-    res["cumsum"] = bench_ms(lambda: chunk_local_cumsum(g, ch))
-    gc = chunk_local_cumsum(g, ch)
+    res["cumsum"] = bench_ms(lambda: chunk_cumsum(g, ch))
+    gc = chunk_cumsum(g, ch)
     g_cum, gk_cum = (None, gc) if per_channel else (gc, None)
     if per_channel:
         res["intra_fwd"] = bench_ms(lambda: intra_fwd(q, k, gc, ch))
@@ -147,18 +147,16 @@ def stages(op, B, T, H, K, device):
         Ai = kkt_solve(k, beta, gc, ch)
     res["wy_fwd"] = bench_ms(lambda: recompute_w_u(k, v, beta, g_cum, Ai, ch, gk_cum=gk_cum))
     w, u = recompute_w_u(k, v, beta, g_cum, Ai, ch, gk_cum=gk_cum)
-    for bv in (32, 64):
-        res[f"state_fwd_bv{bv}"] = bench_ms(lambda: state_output_fwd(q, k, w, u, g_cum, None, False, False, scale, ch,
-                                                                     gk_cum=gk_cum, Aqk=Aqk, block_v=bv))
-    res["state_fwd_store_h"] = bench_ms(lambda: state_output_fwd(q, k, w, u, g_cum, None, False, True, scale, ch,
-                                                                 gk_cum=gk_cum, Aqk=Aqk))
+    gate = g_cum if gk_cum is None else gk_cum
+    fwd = dict(g=gate, w=w, u=u, q=q, A=Aqk, scale=scale, fuse_output=True)
+    res["state_fwd"] = bench_ms(lambda: state_fwd("delta", k, u, ch, **fwd, store_h=False))
+    res["state_fwd_store_h"] = bench_ms(lambda: state_fwd("delta", k, u, ch, **fwd, store_h=True, store_r=True))
     _, _, saved = delta_fwd(q, k, v, g, beta, scale, None, False, ch, True)
     g_cum, gk_cum, _, Ai, Aqk, Akk, w, h, v_new = saved
     do = torch.randn_like(v)
-    for bv in (32, 64):
-        res[f"state_bwd_bv{bv}"] = bench_ms(lambda: state_bwd(q, k, w, g_cum, do, None, scale, ch, False,
-                                                              gk_cum=gk_cum, Aqk=Aqk, block_v=bv))
-    dh, dvt, _ = state_bwd(q, k, w, g_cum, do, None, scale, ch, False, gk_cum=gk_cum, Aqk=Aqk)
+    bwd = dict(g=g_cum if gk_cum is None else gk_cum, k=k, w=w, A=Aqk, scale=scale)
+    res["state_bwd"] = bench_ms(lambda: state_bwd("delta", q, do, ch, **bwd))
+    dh, dvt, _ = state_bwd("delta", q, do, ch, **bwd)
     final = torch.float32 if per_channel else q.dtype
     res["output_bwd"] = bench_ms(lambda: output_bwd(q, k, g_cum, h, dh, v_new, do, dvt, scale, ch, gk_cum=gk_cum,
                                                     dq_dtype=final))
@@ -168,7 +166,7 @@ def stages(op, B, T, H, K, device):
     if per_channel:
         dAkk = wy_bwd(k, v, beta, g_cum, Ai, dw, dvt, dk, dg, ch, gk_cum=gk_cum, Akk=Akk)[3]
         res["intra_bwd"] = bench_ms(lambda: intra_bwd(q, k, gk_cum, dAqk, dAkk, dq, dk, dg, ch))
-    res["cumsum_bwd"] = bench_ms(lambda: chunk_local_cumsum(dg, ch, reverse=True))
+    res["cumsum_bwd"] = bench_ms(lambda: chunk_cumsum(dg, ch, reverse=True))
     return res
 
 

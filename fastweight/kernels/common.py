@@ -11,6 +11,7 @@ per-chunk tensors (boundary states ``h``) are ``[NC, H, K, V]`` with ``NC`` chun
 from __future__ import annotations
 
 import functools
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -30,6 +31,29 @@ POISON_OUTPUTS = False
 # exp(+-SAFE_SPAN / 2) around a midpoint), far inside fp32's range; a wider block takes a path
 # whose every exponent is <= 0. The intra-chunk kernels take it as their SPAN constexpr.
 SAFE_SPAN = 40.0
+
+# The narrowest block a 16-bit tl.dot may take: Triton 3.6 on the H200 addresses shared memory out
+# of range in 16-bit dots over blocks narrower than 64 (compute-sanitizer), which faulted or gave
+# wrong states and gradients at 16 and 32 wide (docs/kernels.md, narrow blocks). Kernels pad a
+# smaller dimension to it and mask.
+MIN_DOT_BLOCK = 64
+
+
+def dot_block(n: int) -> int:
+    """The block that covers a dimension of size ``n`` in a 16-bit dot: a power of two, at least
+    :data:`MIN_DOT_BLOCK` (a smaller dimension is padded and masked)."""
+    return max(MIN_DOT_BLOCK, triton.next_power_of_2(n))
+
+
+def while_loops() -> bool:
+    """Loops to a runtime bound run as ``while`` under the interpreter (its range() needs a
+    constexpr bound); compiled kernels use ``for``, which Triton software-pipelines."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 products (ieee); 16-bit inputs use the tensor cores."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 @contextmanager

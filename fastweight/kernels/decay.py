@@ -6,8 +6,8 @@ with g_t a scalar per head (Mamba-2 style ``simple_gla``; RetNet's fixed ``g_gam
 linear attention) or a vector per key channel (GLA, HGRN2 with k = 1 - exp g, RWKV-6 whose
 readout is o_t = S_{t-1}^T (scale r_t) + (scale r_t . (u * k_t)) v_t). Stages, in chunks of 64:
 
-    1. gc = chunk-local cumsum of g                        ``decay_gate.py``
-    2. h[c] = state before chunk c (one loop over chunks)   ``decay_state.py``
+    1. gc = chunk-local cumsum of g                        ``cumsum.py``
+    2. h[c] = state before chunk c (one loop over chunks)   ``state.py``
     3. A = intra-chunk decayed attention (per-channel gate) ``decay_intra.py``
     4. o = scale (q * exp gq) h[c] + A v                    ``decay_output.py``
 
@@ -53,10 +53,10 @@ from dataclasses import dataclass
 import torch
 
 from fastweight.kernels.common import SAFE_SPAN, Chunks, prepare_chunks
-from fastweight.kernels.decay_gate import gate_chunk_grad, gate_cumsum
+from fastweight.kernels.cumsum import chunk_cumsum, gate_chunk_grad
 from fastweight.kernels.decay_intra import intra_bwd, intra_fwd
 from fastweight.kernels.decay_output import bwd_dqk, bwd_dv, output_fwd
-from fastweight.kernels.decay_state import state_pass
+from fastweight.kernels.state import state_bwd, state_fwd
 
 BT = 64
 
@@ -78,16 +78,17 @@ class ChunkDecayFunction(torch.autograd.Function):
                 chunks: Chunks, exclusive: bool, launch: DecayLaunch):
         T, H = q.shape[1], q.shape[2]
         if exclusive:
-            gc, gq = gate_cumsum(g, None, chunks, H, T, exclusive=True)
+            gc, gq = chunk_cumsum(g, chunks, exclusive=True)
         else:
-            gc = gate_cumsum(g, g_gamma, chunks, H, T) if (g is not None or g_gamma is not None) else None
+            gc = (chunk_cumsum(g, chunks, g_gamma=g_gamma, heads=H, length=T)
+                  if (g is not None or g_gamma is not None) else None)
             gq = gc
         vector = gc is not None and gc.dim() == 4
         # a scalar gate's gradient reads exp(G_C) sum_kv h dh per chunk (module docstring)
         scalar_grad = gc is not None and not vector and (ctx.needs_input_grad[3] or ctx.needs_input_grad[5])
         wide = torch.float32 if scalar_grad else None
-        h, ht = state_pass(k, v, gc, gc, chunks, initial_state, output_final_state, reverse=False,
-                           state_dtype=wide)
+        h, _, _, ht = state_fwd("decay", k, v, chunks, g=gc, initial_state=initial_state,
+                                output_final_state=output_final_state, state_dtype=wide)
         A = intra_fwd(q, k, gq, gc, u, scale, chunks, exclusive, span=launch.span) if vector else None
         o = output_fwd(q, k, v, gq, gc, h, A, scale, chunks, exclusive)
         ctx.save_for_backward(q, k, v, g, u, gc, gq if exclusive else None, A, initial_state,
@@ -104,9 +105,9 @@ class ChunkDecayFunction(torch.autograd.Function):
         if dht is not None:
             dht = dht.contiguous()
         if h is None:
-            h, _ = state_pass(k, v, gc, gc, chunks, initial_state, False, reverse=False, state_dtype=ctx.wide)
-        dh, dh0 = state_pass(q, do, gq, gc, chunks, dht, initial_state is not None, reverse=True, scale=scale,
-                             state_dtype=ctx.wide)
+            h, _, _, _ = state_fwd("decay", k, v, chunks, g=gc, initial_state=initial_state, state_dtype=ctx.wide)
+        dh, _, dh0 = state_bwd("decay", q, do, chunks, g=gc, gq=gq if exclusive else None, scale=scale, dht=dht,
+                               need_dh0=initial_state is not None, state_dtype=ctx.wide)
         dv, dA = bwd_dv(q, k, v, gq, gc, A, dh, do, scale, chunks, exclusive)
         du = dg = dg_gamma = None
         if A is not None:

@@ -25,7 +25,7 @@ Backward, given dA[t, s] = do_t . v_s (s <= t) and the inter-chunk terms from th
 and the per-token terms of the gate gradient (``decay.py``): with dq' = the inter-chunk part of
 dq plus the pairs s < t (s < t - 1 for RWKV-6), dk' the same pairs' part of dk and dki the
 inter-chunk part of dk, x = q dq' - k dk' (RWKV-6: a = q dq' apart, x = -k dk'), y = k dki and,
-on the chunk's last row, x += exp(G) sum_v h dh; ``decay_gate.gate_chunk_grad`` sums them
+on the chunk's last row, x += exp(G) sum_v h dh; ``cumsum.gate_chunk_grad`` sums them
 inside the chunk. The pairs left out (the diagonal; RWKV-6's t = s + 1), whose decay is exp(0),
 are added to dq, dk elementwise. One program per (K block, sub-chunk).
 """
@@ -36,8 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import SAFE_SPAN, Chunks, sub_chunk_rows
-from fastweight.kernels.decay_state import dot_precision
+from fastweight.kernels.common import Chunks, SAFE_SPAN, dot_precision, sub_chunk_rows
 
 
 def diag_precision(dtype: torch.dtype) -> str:
@@ -343,7 +342,7 @@ def intra_fwd(q, k, gq, gc, u, scale: float, chunks: Chunks, exclusive: bool, *,
 def intra_bwd(q, k, v, gq, gc, u, h, dh, do, dA, scale: float, chunks: Chunks, exclusive: bool, *,
               span: float = SAFE_SPAN):
     """dq, dk (inputs' dtype), the gate gradient's per-token terms (fp32, [1, T, H, K]; reduced to
-    dg by ``decay_gate.gate_chunk_grad``): dgx (summed over t >= u), dga (EXCLUSIVE: over t > u;
+    dg by ``cumsum.gate_chunk_grad``): dgx (summed over t >= u), dga (EXCLUSIVE: over t > u;
     else None), dgy (over t < u); du per token (USE_U). ``span`` as in ``intra_fwd``."""
     _, T, H, K = q.shape
     V = v.shape[-1]

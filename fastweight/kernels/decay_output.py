@@ -29,8 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks
-from fastweight.kernels.decay_state import dot_precision
+from fastweight.kernels.common import Chunks, MIN_DOT_BLOCK, dot_precision
 
 
 @triton.jit
@@ -226,12 +225,11 @@ def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, dh, do, dA, dq, dk, dg, cu_seqlens,
     tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_tk)
 
 
-# The key and value blocks of the three kernels: 64, a smaller K or V padded (masked). Triton 3.6 on
-# the H200 miscompiles narrower 16-bit blocks: the bf16 backward dv kernel at V = 16 with 8 warps
-# makes illegal memory accesses, and simple_gla at K = 64, V = 16 gives NaN outputs in bf16
-# (docs/kernels.md, narrow blocks). The
-# output kernel's value block: 128 would read q and k once at V = 128; 64 gives more programs.
-BK_OUT = BV_OUT = 64
+# The key and value blocks of the three kernels: ``common.MIN_DOT_BLOCK``, a smaller K or V padded
+# (masked): with narrower blocks the bf16 backward dv kernel at V = 16 with 8 warps made illegal
+# memory accesses, and simple_gla at K = 64, V = 16 gave NaN outputs in bf16. The output kernel's
+# value block: 128 would read q and k once at V = 128; 64 gives more programs.
+BK_OUT = BV_OUT = MIN_DOT_BLOCK
 # (num_warps, num_stages) of each kernel: the fastest of `python -m fastweight.bench.gpu_sweep` on
 # the H200. 4 warps for the output and dv kernels take 0.11 / 0.34 ms
 # off simple_gla's 2.29 ms fwd+bwd at (4, 8192, 16, 128) and 0.88 / 2.44 ms off GLA's 37.7 at

@@ -21,12 +21,12 @@ from __future__ import annotations
 import torch
 
 from fastweight.kernels.common import prepare_chunks
-from fastweight.kernels.cumsum import chunk_local_cumsum
+from fastweight.kernels.cumsum import chunk_cumsum
 from fastweight.kernels.intra import intra_bwd, intra_fwd
 from fastweight.kernels.kkt_solve import BT_DELTA, kkt_solve, solve
 from fastweight.kernels.l2norm import l2norm
 from fastweight.kernels.output import output_bwd
-from fastweight.kernels.state import state_bwd, state_output_fwd
+from fastweight.kernels.state import state_bwd, state_fwd
 from fastweight.kernels.wy import recompute_w_u, wy_bwd
 
 
@@ -44,11 +44,11 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
     g_cum = gk_cum = Aqk = Akk = g_read = None
     A_log, dt_bias = gate
     if g is not None and g.dim() == 4:
-        gk_cum = chunk_local_cumsum(g, chunks, A_log=A_log, dt_bias=dt_bias)
+        gk_cum = chunk_cumsum(g, chunks, A_log=A_log, dt_bias=dt_bias)
         Aqk, Akk = intra_fwd(q, k, gk_cum, chunks)
         Ai = solve(Akk, beta, chunks, dtype=k.dtype)
     else:
-        g_cum = chunk_local_cumsum(g, chunks, A_log=A_log, dt_bias=dt_bias) if g is not None else None
+        g_cum = chunk_cumsum(g, chunks, A_log=A_log, dt_bias=dt_bias) if g is not None else None
         if p is not None:
             # Comba reads the undecayed state: its read key sees the exclusive cumsum
             g_read = g_cum - g.float() if g is not None else None
@@ -57,14 +57,16 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
         w, u = recompute_w_u(p, v, beta, g_read, Ai, chunks)
     else:
         w, u = recompute_w_u(k, v, beta, g_cum, Ai, chunks, gk_cum=gk_cum)
-    o, ht, h, v_new = state_output_fwd(q, k, w, u, g_cum, initial_state, output_final_state, store_h, scale, chunks,
-                                       gk_cum=gk_cum, Aqk=Aqk)
+    h, v_new, o, ht = state_fwd("delta", k, u, chunks, g=g_cum if gk_cum is None else gk_cum, w=w, u=u, q=q, A=Aqk,
+                                scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                                store_h=store_h, store_r=store_h, fuse_output=True)
     return o, ht, (g_cum, gk_cum, g_read, Ai, Aqk, Akk, w, h, v_new)
 
 
 def delta_bwd(q, k, v, beta, saved, do, dht, scale, chunks, need_dh0, p=None):
     g_cum, gk_cum, g_read, Ai, Aqk, Akk, w, h, v_new = saved
-    dh, dv_tilde, dh0 = state_bwd(q, k, w, g_cum, do, dht, scale, chunks, need_dh0, gk_cum=gk_cum, Aqk=Aqk)
+    dh, dv_tilde, dh0 = state_bwd("delta", q, do, chunks, g=g_cum if gk_cum is None else gk_cum, k=k, w=w, A=Aqk,
+                                  scale=scale, dht=dht, need_dh0=need_dh0)
     # gradients still to be accumulated (grouped heads, the per-channel intra part) stay fp32
     final = q.dtype if gk_cum is None and p is None and q.shape[2] == v.shape[2] else torch.float32
     dq, dk, dw, dg_cum, dAqk = output_bwd(q, k, g_cum, h, dh, v_new, do, dv_tilde, scale, chunks, gk_cum=gk_cum,
@@ -73,7 +75,7 @@ def delta_bwd(q, k, v, beta, saved, do, dht, scale, chunks, need_dh0, p=None):
                                               gk_cum=gk_cum, Akk=Akk, dk_dtype=final, p=p, g_read=g_read)
     if gk_cum is not None:
         intra_bwd(q, k, gk_cum, dAqk, dAkk, dq, dk, dg_cum, chunks)
-    dg = chunk_local_cumsum(dg_cum, chunks, reverse=True) if dg_cum is not None else None
+    dg = chunk_cumsum(dg_cum, chunks, reverse=True) if dg_cum is not None else None
     return dq, dk, dv, dg, dbeta, dh0, dp
 
 

@@ -12,7 +12,7 @@ state before the chunk (the readable spec is ``fastweight/chunk/dplr.py``):
     2. T = (I - A_ab)^{-1} (blockwise exact solve)                    ``kkt_solve.py``
        W = T (a * exp(G^-)),  U~ = T A_ak V                          ``dplr_wy.py``
     3. per chunk in order: U = W S + U~,
-       S <- Diag(exp G_e) S + (b exp(G_e - G))^T U + (k exp(G_e - G))^T V   ``dplr_state.py``
+       S <- Diag(exp G_e) S + (b exp(G_e - G))^T U + (k exp(G_e - G))^T V   ``state.py``
     4. o = scale (q * exp G) S + A_qb U + A_qk V                     ``decay_output.py``
 
 Backward: the forward's intra-chunk matrices, T, W, U~, the chunk states and the reads U are
@@ -39,11 +39,11 @@ from dataclasses import dataclass
 import torch
 
 from fastweight.kernels.common import SAFE_SPAN, Chunks, prepare_chunks
-from fastweight.kernels.decay_gate import gate_cumsum
+from fastweight.kernels.cumsum import chunk_cumsum
 from fastweight.kernels.decay_output import output_fwd
 from fastweight.kernels.dplr_bwd import dplr_bwd
 from fastweight.kernels.dplr_intra import dplr_intra_fwd
-from fastweight.kernels.dplr_state import dplr_state_bwd, dplr_state_fwd
+from fastweight.kernels.state import state_bwd, state_fwd
 from fastweight.kernels.dplr_wy import dplr_wy_fwd
 from fastweight.kernels.kkt_solve import solve
 
@@ -71,7 +71,7 @@ class DplrLaunch:
 def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):
     """Steps 1-2: gates, the four intra-chunk matrices, T, W and U~."""
     T, H = q.shape[1], q.shape[2]
-    gc, gp = gate_cumsum(gk, None, chunks, H, T, exclusive=True)
+    gc, gp = chunk_cumsum(gk, chunks, exclusive=True)
     Aqk, Aqb, Aak, Aab = dplr_intra_fwd(q, k, a, b, gc, gp, scale, chunks, span=launch.span,
                                         wide_kernel=launch.wide_kernel, config=launch.intra_config)
     Ai = solve(Aab, torch.full((1, T, H), -1.0, device=q.device), chunks)
@@ -85,8 +85,8 @@ class ChunkDplrFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, a, b, gk, initial_state, scale: float, output_final_state: bool, chunks: Chunks,
                 launch: DplrLaunch):
         gc, gp, Aqk, Aqb, Aak, Ai, w, ut = _prepare(q, k, v, a, b, gk, scale, chunks, launch)
-        h, u, ht = dplr_state_fwd(k, v, b, gc, w, ut, chunks, initial_state, output_final_state,
-                                  block_v=launch.state_block_v)
+        h, u, _, ht = state_fwd("dplr", k, v, chunks, g=gc, w=w, u=ut, b=b, initial_state=initial_state,
+                                output_final_state=output_final_state, store_r=True, block_v=launch.state_block_v)
         o = output_fwd(q, k, v, gc, gc, h, Aqk, scale, chunks, False, A2=Aqb, v2=u)
         kept = (Aqk, Aqb, Aak, Ai, w, ut, h, u) if not launch.recompute else ()
         ctx.save_for_backward(q, k, v, a, b, gk, initial_state, *kept)
@@ -103,12 +103,14 @@ class ChunkDplrFunction(torch.autograd.Function):
         dht = dht.contiguous() if dht is not None else None
         if launch.recompute:
             gc, gp, Aqk, Aqb, Aak, Ai, w, ut = _prepare(q, k, v, a, b, gk, scale, chunks, launch)
-            h, u, _ = dplr_state_fwd(k, v, b, gc, w, ut, chunks, initial_state, False, block_v=launch.state_block_v)
+            h, u, _, _ = state_fwd("dplr", k, v, chunks, g=gc, w=w, u=ut, b=b, initial_state=initial_state,
+                                   store_r=True, block_v=launch.state_block_v)
         else:
             Aqk, Aqb, Aak, Ai, w, ut, h, u = kept
-            gc, gp = gate_cumsum(gk, None, chunks, q.shape[2], q.shape[1], exclusive=True)
-        dh, du, dh0 = dplr_state_bwd(q, b, gc, w, Aqb, do, dht, scale, chunks, initial_state is not None,
-                                     block_v=launch.state_block_v)
+            gc, gp = chunk_cumsum(gk, chunks, exclusive=True)
+        dh, du, dh0 = state_bwd("dplr", q, do, chunks, g=gc, w=w, b=b, A=Aqb, scale=scale, dht=dht,
+                                need_dh0=initial_state is not None, state_dtype=torch.float32,
+                                dr_dtype=torch.float32, block_v=launch.state_block_v)
         dq, dk, dv, da, db, dg = dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, scale, chunks,
                                           gk.dtype, span=launch.span, blocks=launch.bwd_blocks,
                                           config=launch.bwd_config)

@@ -1,6 +1,6 @@
 """The per-chunk backward of the generic DPLR chunk algorithm: one program per (chunk, head).
 
-Given the state pass's results (h, dh, U, dU from ``dplr_state.py``), a program
+Given the state pass's results (h, dh, U, dU from ``state.py``), a program
 
     1. forms dV and the four intra-chunk matrices' gradients dA_qk, dA_qb, dA_ak, dA_ab (in
        registers) and the parts of dq, dk, da, db that pass through the states (fp32 scratch):
@@ -43,10 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import SAFE_SPAN, Chunks, chunk_bounds
+from fastweight.kernels.common import Chunks, SAFE_SPAN, chunk_bounds, dot_precision
 from fastweight.kernels.decay_intra import diag_precision, span_ref
-from fastweight.kernels.decay_state import dot_precision
-from fastweight.kernels.dplr_intra import _bwd_finish, _bwd_sub, _chunk_span, _factored_bwd, _load_rows
+from fastweight.kernels.dplr_intra import bwd_finish, bwd_sub, chunk_span, factored_bwd, load_rows
 from fastweight.kernels.dplr_wy import local_grads
 
 
@@ -75,22 +74,22 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
                                              da_s, db_s, pairs, i_t, i_c, bos, T, i_h, scale, H, K, V, BT, BK, BV,
                                              DOT_PRECISION)
     tl.debug_barrier()
-    if _chunk_span(gc, gp, bos, o_t, m_t, i_h, H, K, BK) < SPAN:
+    if chunk_span(gc, gp, bos, o_t, m_t, i_h, H, K, BK) < SPAN:
         for i_k in range(0, tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
             m_tk = m_t[:, None] & m_k[None, :]
-            b_g = _load_rows(gc, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-            b_gp = _load_rows(gp, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+            b_g = load_rows(gc, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+            b_gp = load_rows(gp, bos, o_t, m_t, i_h, o_k, m_k, H, K)
             _, b_ref = span_ref(b_gp, b_g, m_tk)
-            b_q = _load_rows(q, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-            b_k = _load_rows(k, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-            b_a = _load_rows(a, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-            b_b = _load_rows(b, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+            b_q = load_rows(q, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+            b_k = load_rows(k, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+            b_a = load_rows(a, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+            b_b = load_rows(b, bos, o_t, m_t, i_h, o_k, m_k, H, K)
             b_z = tl.zeros([BT, BK], dtype=tl.float32)
-            b_dq, b_dk, b_da, b_db = _factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_z, b_z, b_z, b_z, b_dqk,
+            b_dq, b_dk, b_da, b_db = factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_z, b_z, b_z, b_z, b_dqk,
                                                    b_dqb, b_dak, b_dab, m_tk, scale, DOT_PRECISION)
-            _bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, k, a, b, pairs, bos, o_t, m_t, i_c * BT,
+            bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, k, a, b, pairs, bos, o_t, m_t, i_c * BT,
                         tl.minimum(T, i_c * BT + BT), i_h, o_k, m_k, scale, H, K, dq_s, dk_s, da_s, db_s, dq, dk, da,
                         db, dgk, dga, dgs)
     else:
@@ -103,7 +102,7 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
         for i_k in range(0, tl.cdiv(K, BK)):
             for i_i in range(0, BT // BC):
                 if i_c * BT + i_i * BC < T:
-                    _bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, pairs, dq_s, dk_s, da_s, db_s, dq, dk, da,
+                    bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, pairs, dq_s, dk_s, da_s, db_s, dq, dk, da,
                              db, dgk, dga, dgs, scale, i_k, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK, DOT_PRECISION,
                              DIAG_PRECISION, SPAN)
 
@@ -131,9 +130,9 @@ def dplr_gate_bwd_kernel(gc, h, dh, dgk, dga, dgs, dg, cu_seqlens, chunk_indices
             b_h = tl.load(h + p_h, mask=m_h, other=0.).to(tl.float32)
             b_e += tl.sum(b_h * tl.load(dh + p_h, mask=m_h, other=0.), 1)
         b_e *= tl.exp(tl.load(gc + ((bos + hi - 1) * H + i_h) * K + o_k, mask=m_k, other=0.))
-        b_x = _load_rows(dgk, bos, o_t, m_t, i_h, o_k, m_k, H, K) + _load_rows(dga, bos, o_t + 1, m_next, i_h, o_k, m_k,
+        b_x = load_rows(dgk, bos, o_t, m_t, i_h, o_k, m_k, H, K) + load_rows(dga, bos, o_t + 1, m_next, i_h, o_k, m_k,
                                                                                H, K)
-        b_p = _load_rows(dgs, bos, o_t - 1, m_prev, i_h, o_k, m_k, H, K)
+        b_p = load_rows(dgs, bos, o_t - 1, m_prev, i_h, o_k, m_k, H, K)
         b_dg = tl.cumsum(b_x, axis=0, reverse=True) + tl.cumsum(b_p, axis=0) + b_e[None, :]
         tl.store(dg + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], b_dg.to(dg.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])

@@ -21,7 +21,7 @@ span less than SAFE_SPAN, else pairwise, one token at a time. Both branches are 
 time; no gate is clamped.
 
 The gate gradient: q and a read exp(G_t) and exp(G^-_t), k and b exp(-G_s); the per-token terms
-``_bwd_finish`` stores and their chunk-local sums are in ``dplr_bwd.py``.
+``bwd_finish`` stores and their chunk-local sums are in ``dplr_bwd.py``.
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ import triton
 import triton.language as tl
 
 from fastweight.kernels import decay_intra
-from fastweight.kernels.common import SAFE_SPAN, Chunks, chunk_bounds
+from fastweight.kernels.common import Chunks, SAFE_SPAN, chunk_bounds, dot_precision
 from fastweight.kernels.decay_intra import diag_precision, factor, span_ref
-from fastweight.kernels.decay_state import dot_precision
 
 
 def fwd_launch_config(K: int) -> tuple[int, tuple[int, int]]:
@@ -44,7 +43,7 @@ def fwd_launch_config(K: int) -> tuple[int, tuple[int, int]]:
 
 
 @triton.jit
-def _load_rows(x, bos, o, m, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr):
+def load_rows(x, bos, o, m, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr):
     return tl.load(x + ((bos + o) * H + i_h)[:, None] * K + o_k[None, :], mask=m[:, None] & m_k[None, :],
                    other=0.).to(tl.float32)
 
@@ -56,14 +55,14 @@ def _load_dA(dA, bos, o_r, m_r, c0, i_h, H: tl.constexpr, BT: tl.constexpr, BC: 
 
 
 @triton.jit
-def _chunk_span(gc, gp, bos, o_t, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+def chunk_span(gc, gp, bos, o_t, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
     """The widest gate span of one chunk (rows' G^- and G, every channel): max - min."""
     b_span = tl.max(tl.zeros([BK], dtype=tl.float32), 0)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        b_s, _ = span_ref(_load_rows(gp, bos, o_t, m_t, i_h, o_k, m_k, H, K),
-                          _load_rows(gc, bos, o_t, m_t, i_h, o_k, m_k, H, K), m_t[:, None] & m_k[None, :])
+        b_s, _ = span_ref(load_rows(gp, bos, o_t, m_t, i_h, o_k, m_k, H, K),
+                          load_rows(gc, bos, o_t, m_t, i_h, o_k, m_k, H, K), m_t[:, None] & m_k[None, :])
         b_span = tl.maximum(b_span, b_s)
     return b_span
 
@@ -92,13 +91,13 @@ def _fwd_sub(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_
                 m_k = o_k < K
                 m_ik = m_i[:, None] & m_k[None, :]
                 b_gr = tl.load(gc + (o_r * H + i_h) * K + o_k, mask=m_k, other=0.)
-                b_qg = _load_rows(q, bos, o_i, m_i, i_h, o_k, m_k, H, K) * tl.exp(
-                    tl.where(m_ik, _load_rows(gc, bos, o_i, m_i, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
-                b_ag = _load_rows(a, bos, o_i, m_i, i_h, o_k, m_k, H, K) * tl.exp(
-                    tl.where(m_ik, _load_rows(gp, bos, o_i, m_i, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
-                b_e = tl.exp(b_gr[None, :] - _load_rows(gc, bos, o_j, o_j < T, i_h, o_k, m_k, H, K))
-                b_kg = tl.trans(_load_rows(k, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e)
-                b_bg = tl.trans(_load_rows(b, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e)
+                b_qg = load_rows(q, bos, o_i, m_i, i_h, o_k, m_k, H, K) * tl.exp(
+                    tl.where(m_ik, load_rows(gc, bos, o_i, m_i, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
+                b_ag = load_rows(a, bos, o_i, m_i, i_h, o_k, m_k, H, K) * tl.exp(
+                    tl.where(m_ik, load_rows(gp, bos, o_i, m_i, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
+                b_e = tl.exp(b_gr[None, :] - load_rows(gc, bos, o_j, o_j < T, i_h, o_k, m_k, H, K))
+                b_kg = tl.trans(load_rows(k, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e)
+                b_bg = tl.trans(load_rows(b, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e)
                 b_qk += tl.dot(b_qg, b_kg, input_precision=DOT_PRECISION)
                 b_qb += tl.dot(b_qg, b_bg, input_precision=DOT_PRECISION)
                 b_ak += tl.dot(b_ag, b_kg, input_precision=DOT_PRECISION)
@@ -118,15 +117,15 @@ def _fwd_sub(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_ik = m_i[:, None] & m_k[None, :]
-        b_q = _load_rows(q, bos, o_i, m_i, i_h, o_k, m_k, H, K)
-        b_a = _load_rows(a, bos, o_i, m_i, i_h, o_k, m_k, H, K)
-        b_g = _load_rows(gc, bos, o_i, m_i, i_h, o_k, m_k, H, K)
-        b_gp = _load_rows(gp, bos, o_i, m_i, i_h, o_k, m_k, H, K)
+        b_q = load_rows(q, bos, o_i, m_i, i_h, o_k, m_k, H, K)
+        b_a = load_rows(a, bos, o_i, m_i, i_h, o_k, m_k, H, K)
+        b_g = load_rows(gc, bos, o_i, m_i, i_h, o_k, m_k, H, K)
+        b_gp = load_rows(gp, bos, o_i, m_i, i_h, o_k, m_k, H, K)
         b_span, b_ref = span_ref(b_gp, b_g, m_ik)
         if b_span < SPAN:
             b_fc = factor(1., b_g, b_ref, m_ik, False)
-            b_kg = tl.trans(_load_rows(k, bos, o_i, m_i, i_h, o_k, m_k, H, K) * b_fc)
-            b_bg = tl.trans(_load_rows(b, bos, o_i, m_i, i_h, o_k, m_k, H, K) * b_fc)
+            b_kg = tl.trans(load_rows(k, bos, o_i, m_i, i_h, o_k, m_k, H, K) * b_fc)
+            b_bg = tl.trans(load_rows(b, bos, o_i, m_i, i_h, o_k, m_k, H, K) * b_fc)
             b_qg = factor(b_q, b_g, b_ref, m_ik, True)
             b_ag = factor(b_a, b_gp, b_ref, m_ik, True)
             b_qk += tl.dot(b_qg, b_kg, input_precision=DIAG_PRECISION)
@@ -171,7 +170,7 @@ def dplr_intra_fwd_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, wide, cu_seqle
     i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T
-    is_wide = _chunk_span(gc, gp, bos, o_t, m_t, i_h, H, K, BK) >= SPAN
+    is_wide = chunk_span(gc, gp, bos, o_t, m_t, i_h, H, K, BK) >= SPAN
     if FLAG:
         tl.store(wide + i_t * H + i_h, is_wide.to(tl.int8))
     if not is_wide:
@@ -183,14 +182,14 @@ def dplr_intra_fwd_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, wide, cu_seqle
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
             m_tk = m_t[:, None] & m_k[None, :]
-            b_g = _load_rows(gc, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-            b_gp = _load_rows(gp, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+            b_g = load_rows(gc, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+            b_gp = load_rows(gp, bos, o_t, m_t, i_h, o_k, m_k, H, K)
             _, b_ref = span_ref(b_gp, b_g, m_tk)
             b_fc = factor(1., b_g, b_ref, m_tk, False)
-            b_kg = tl.trans(_load_rows(k, bos, o_t, m_t, i_h, o_k, m_k, H, K) * b_fc)
-            b_bg = tl.trans(_load_rows(b, bos, o_t, m_t, i_h, o_k, m_k, H, K) * b_fc)
-            b_qg = factor(_load_rows(q, bos, o_t, m_t, i_h, o_k, m_k, H, K), b_g, b_ref, m_tk, True)
-            b_ag = factor(_load_rows(a, bos, o_t, m_t, i_h, o_k, m_k, H, K), b_gp, b_ref, m_tk, True)
+            b_kg = tl.trans(load_rows(k, bos, o_t, m_t, i_h, o_k, m_k, H, K) * b_fc)
+            b_bg = tl.trans(load_rows(b, bos, o_t, m_t, i_h, o_k, m_k, H, K) * b_fc)
+            b_qg = factor(load_rows(q, bos, o_t, m_t, i_h, o_k, m_k, H, K), b_g, b_ref, m_tk, True)
+            b_ag = factor(load_rows(a, bos, o_t, m_t, i_h, o_k, m_k, H, K), b_gp, b_ref, m_tk, True)
             b_qk += tl.dot(b_qg, b_kg, input_precision=DIAG_PRECISION)
             b_qb += tl.dot(b_qg, b_bg, input_precision=DIAG_PRECISION)
             b_ak += tl.dot(b_ag, b_kg, input_precision=DIAG_PRECISION)
@@ -225,7 +224,7 @@ def dplr_intra_wide_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, wide, cu_seql
 
 
 @triton.jit
-def _bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, k, a, b, pairs, bos, o_i, m_i, lo, hi, i_h, o_k, m_k,
+def bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, k, a, b, pairs, bos, o_i, m_i, lo, hi, i_h, o_k, m_k,
                 scale, H: tl.constexpr, K: tl.constexpr, dq_s, dk_s, da_s, db_s, dq, dk, da, db, dgk, dga, dgs):
     """Rows o_i (valid where m_i) of a chunk holding rows [lo, hi): given the intra-chunk parts of
     dq (before scale), dk, da, db from the dA's without their gate-free pairs, add the parts
@@ -248,11 +247,11 @@ def _bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, k, a, b, pairs, bos,
     m_prev, m_next = m_i & (o_i > lo), o_i + 1 < hi
     b_pqk = tl.load(pairs + p_p, mask=m_i, other=0.)[:, None] * scale
     b_pqb = tl.load(pairs + p_p + 1, mask=m_i, other=0.)[:, None] * scale
-    b_da += (tl.load(pairs + p_p + 2, mask=m_i, other=0.)[:, None] * _load_rows(k, bos, o_i - 1, m_prev, i_h, o_k,
+    b_da += (tl.load(pairs + p_p + 2, mask=m_i, other=0.)[:, None] * load_rows(k, bos, o_i - 1, m_prev, i_h, o_k,
                                                                                 m_k, H, K)
-             + tl.load(pairs + p_p + 3, mask=m_i, other=0.)[:, None] * _load_rows(b, bos, o_i - 1, m_prev, i_h, o_k,
+             + tl.load(pairs + p_p + 3, mask=m_i, other=0.)[:, None] * load_rows(b, bos, o_i - 1, m_prev, i_h, o_k,
                                                                                   m_k, H, K))
-    b_an = _load_rows(a, bos, o_i + 1, m_next, i_h, o_k, m_k, H, K)
+    b_an = load_rows(a, bos, o_i + 1, m_next, i_h, o_k, m_k, H, K)
     b_dk += b_dks + b_pqk * b_q + tl.load(pairs + p_p + 4 * H + 2, mask=m_next, other=0.)[:, None] * b_an
     b_db += b_dbs + b_pqb * b_q + tl.load(pairs + p_p + 4 * H + 3, mask=m_next, other=0.)[:, None] * b_an
     b_dq += b_pqk * b_k + b_pqb * b_b
@@ -263,7 +262,7 @@ def _bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, k, a, b, pairs, bos,
 
 
 @triton.jit
-def _bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, pairs, dq_s, dk_s, da_s, db_s, dq, dk, da, db, dgk, dga,
+def bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, pairs, dq_s, dk_s, da_s, db_s, dq, dk, da, db, dgk, dga,
              dgs, scale, i_k, i_c, i_i, bos, T, i_h, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
              BC: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr,
              SPAN: tl.constexpr):
@@ -275,12 +274,12 @@ def _bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, pairs, dq_s, dk_s, da_s
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     m_ik = m_i[:, None] & m_k[None, :]
-    b_q = _load_rows(q, bos, o_i, m_i, i_h, o_k, m_k, H, K)
-    b_k = _load_rows(k, bos, o_i, m_i, i_h, o_k, m_k, H, K)
-    b_a = _load_rows(a, bos, o_i, m_i, i_h, o_k, m_k, H, K)
-    b_b = _load_rows(b, bos, o_i, m_i, i_h, o_k, m_k, H, K)
-    b_g = _load_rows(gc, bos, o_i, m_i, i_h, o_k, m_k, H, K)
-    b_gp = _load_rows(gp, bos, o_i, m_i, i_h, o_k, m_k, H, K)
+    b_q = load_rows(q, bos, o_i, m_i, i_h, o_k, m_k, H, K)
+    b_k = load_rows(k, bos, o_i, m_i, i_h, o_k, m_k, H, K)
+    b_a = load_rows(a, bos, o_i, m_i, i_h, o_k, m_k, H, K)
+    b_b = load_rows(b, bos, o_i, m_i, i_h, o_k, m_k, H, K)
+    b_g = load_rows(gc, bos, o_i, m_i, i_h, o_k, m_k, H, K)
+    b_gp = load_rows(gp, bos, o_i, m_i, i_h, o_k, m_k, H, K)
     # row side (dq, da) from earlier sub-chunks, through the reference row before sub-chunk i
     b_dq = tl.zeros([BC, BK], dtype=tl.float32)
     b_da = tl.zeros([BC, BK], dtype=tl.float32)
@@ -289,9 +288,9 @@ def _bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, pairs, dq_s, dk_s, da_s
         for i_j in range(0, NC - 1):
             if i_j < i_i:
                 o_j = i_c * BT + i_j * BC + o_c
-                b_e = tl.exp(b_gr[None, :] - _load_rows(gc, bos, o_j, o_j < T, i_h, o_k, m_k, H, K))
-                b_kj = _load_rows(k, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e
-                b_bj = _load_rows(b, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e
+                b_e = tl.exp(b_gr[None, :] - load_rows(gc, bos, o_j, o_j < T, i_h, o_k, m_k, H, K))
+                b_kj = load_rows(k, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e
+                b_bj = load_rows(b, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e
                 b_dq += tl.dot(_load_dA(dAqk, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_kj,
                                input_precision=DOT_PRECISION)
                 b_dq += tl.dot(_load_dA(dAqb, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_bj,
@@ -311,10 +310,10 @@ def _bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, pairs, dq_s, dk_s, da_s
             m_j = o_j < T
             m_jk = m_j[:, None] & m_k[None, :]
             b_gr = tl.load(gc + ((bos + i_c * BT + i_j * BC - 1) * H + i_h) * K + o_k, mask=m_k, other=0.)
-            b_qj = _load_rows(q, bos, o_j, m_j, i_h, o_k, m_k, H, K) * scale * tl.exp(
-                tl.where(m_jk, _load_rows(gc, bos, o_j, m_j, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
-            b_aj = _load_rows(a, bos, o_j, m_j, i_h, o_k, m_k, H, K) * tl.exp(
-                tl.where(m_jk, _load_rows(gp, bos, o_j, m_j, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
+            b_qj = load_rows(q, bos, o_j, m_j, i_h, o_k, m_k, H, K) * scale * tl.exp(
+                tl.where(m_jk, load_rows(gc, bos, o_j, m_j, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
+            b_aj = load_rows(a, bos, o_j, m_j, i_h, o_k, m_k, H, K) * tl.exp(
+                tl.where(m_jk, load_rows(gp, bos, o_j, m_j, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
             b_e = tl.exp(tl.where(m_ik, b_gr[None, :] - b_g, 0.))
             b_dkj = tl.dot(tl.trans(_load_dA(dAqk, bos, o_j, m_j, i_i * BC, i_h, H, BT, BC)), b_qj,
                            input_precision=DOT_PRECISION)
@@ -334,7 +333,7 @@ def _bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, pairs, dq_s, dk_s, da_s
         p_d = ((bos + o_i) * H + i_h)[:, None] * BT + (i_i * BC + o_c)[None, :]
         m_di = (o_c[:, None] >= o_c[None, :]) & m_i[:, None]
         m_ds = (o_c[:, None] > o_c[None, :]) & m_i[:, None]
-        b_dq, b_dk, b_da, b_db = _factored_bwd(
+        b_dq, b_dk, b_da, b_db = factored_bwd(
             b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_dq, b_dk, b_da, b_db, tl.load(dAqk + p_d, mask=m_di, other=0.),
             tl.load(dAqb + p_d, mask=m_di, other=0.), tl.load(dAak + p_d, mask=m_ds, other=0.),
             tl.load(dAab + p_d, mask=m_ds, other=0.), m_ik, scale, DIAG_PRECISION)
@@ -365,13 +364,13 @@ def _bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, pairs, dq_s, dk_s, da_s
             b_e = tl.exp(tl.where(m_ss[:, None], b_gpj[None, :] - b_g, float("-inf")))
             b_dk += tl.load(dAak + p_r, mask=m_ss, other=0.)[:, None] * b_aj[None, :] * b_e
             b_db += tl.load(dAab + p_r, mask=m_ss, other=0.)[:, None] * b_aj[None, :] * b_e
-    _bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, k, a, b, pairs, bos, o_i, m_i, i_c * BT,
+    bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, k, a, b, pairs, bos, o_i, m_i, i_c * BT,
                 tl.minimum(T, i_c * BT + BT), i_h, o_k, m_k, scale, H, K, dq_s, dk_s, da_s, db_s, dq, dk, da, db, dgk,
                 dga, dgs)
 
 
 @triton.jit
-def _factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_dq, b_dk, b_da, b_db, b_dqk, b_dqb, b_dak, b_dab, m_rk, scale,
+def factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_dq, b_dk, b_da, b_db, b_dqk, b_dqb, b_dak, b_dab, m_rk, scale,
                   DIAG_PRECISION: tl.constexpr):
     """A block of rows against itself (the dA tiles masked to it), every decay factored through
     b_ref: adds to (dq, dk, da, db) and returns them."""

@@ -9,7 +9,7 @@ matrices from ``decay_intra.py``):
     W    = T (a * exp(G^-))     U~ = T A_ak V       (this file, forward)
 
 Backward, per chunk, given the state S = h[c], its gradient after the chunk dS' = dh[c], the
-reads U = W S + U~ and their gradient dU (``dplr_state.py``):
+reads U = W S + U~ and their gradient dU (``state.py``):
 
     dX = T^T dU,   dA~ = T^T (dU S^T)                       (the transposed solves)
     dV = A_qk^T dO + A_ak^T dX + (k * exp(G_e - G)) dS'
@@ -27,8 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks
-from fastweight.kernels.decay_state import dot_precision
+from fastweight.kernels.common import Chunks, dot_precision
 
 
 @triton.jit
@@ -72,7 +71,7 @@ def local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
     subdiagonal of dA_ak, dA_ab (exp(G^-_t - G_{t-1}) = 1). Those go to ``pairs`` [1, T, H, 4] fp32,
     row t holding dA_qk[t, t], dA_qb[t, t], dA_ak[t, t-1], dA_ab[t, t-1] (0 at the chunk's first row):
     their terms in the gate gradient cancel exactly, so they are added to dq, dk, da, db only
-    (``dplr_intra._bwd_finish``)."""
+    (``dplr_intra.bwd_finish``)."""
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T
     m_all = m_t[:, None] & m_t[None, :]

@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, alloc, mm
-from fastweight.kernels.state import _chunk_gates, _chunk_gates_k
+from fastweight.kernels.common import Chunks, alloc, dot_block, mm
+from fastweight.kernels.state import chunk_gates, chunk_gates_k
 
 
 @triton.jit
@@ -74,7 +74,7 @@ def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, cu_se
     b_k = tl.load(p_k, boundary_check=(0, 1))
     if USE_GK:
         # per-channel gate: the intra-chunk part goes through dAqk to intra.py
-        b_gk, b_gklast = _chunk_gates_k(g, bos, T, i_t, H, i_h, K, BT, BK)
+        b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, 0, K, BT, BK)
         b_dq = b_dq * tl.exp(b_gk) * scale
         b_dgk = b_dq * b_q.to(tl.float32)
         b_dk = b_dk * tl.where(m_t[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)
@@ -86,7 +86,7 @@ def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, cu_se
         p_dA = tl.make_block_ptr(dAqk + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_t * BT, 0), (BT, BT), (1, 0))
         tl.store(p_dA, tl.where(m_causal, b_ds, 0.) * scale, boundary_check=(0, 1))
     elif USE_G:
-        b_g, b_glast = _chunk_gates(g, bos, T, i_t, H, i_h, BT)
+        b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT)
         b_dq = b_dq * (tl.exp(b_g) * scale)[:, None]
         b_dg = tl.sum(b_dq * b_q.to(tl.float32), 1)
         b_dk = b_dk * tl.where(m_t, tl.exp(b_glast - b_g), 0.)[:, None]
@@ -142,9 +142,8 @@ def output_bwd(q, k, g_cum, h, dh, v_new, do, dv, scale: float, chunks: Chunks, 
     part of dq, dk, dg is left to ``intra.intra_bwd`` through dAqk (None otherwise)."""
     _, T, HK, K = k.shape
     H, V = do.shape[2], do.shape[-1]
-    # K under 64 padded (masked): a 16-wide key block (K = 16, V = 64) gives wrong bf16 dq, dk on the
-    # H200 (Triton 3.6, docs/kernels.md: narrow blocks)
-    BK = max(64, triton.next_power_of_2(K))
+    # K under 64 padded (masked): a 16-wide key block (K = 16, V = 64) gave wrong bf16 dq, dk
+    BK = dot_block(K)
     BV, warps, stages = launch_config(K, V, k.element_size())
     f32 = dict(device=q.device, dtype=torch.float32)
     dev = q.device

@@ -1,43 +1,53 @@
-"""The inter-chunk state pass, fused with the output, and its backward (the dh pass).
+"""The inter-chunk state pass: the one sequential loop over chunks, shared by every family.
 
-Forward, per sequence, head and block of BV value columns, chunk after chunk (S the state at
-the chunk's start, ``g`` the chunk-local cumsum, ``gamma_i = exp(g_i)``, C the chunk's last row):
+Per sequence, head and [BK, BV] block of the state, chunk after chunk (S the state at the chunk's
+start, D = Diag(exp G_C) the chunk's decay, Kd = Diag(exp(G_C - G)) K its decayed write keys, G
+the chunk-local cumulative log gate, scalar or per channel, C the chunk's last row). The
+transitions differ only in what is written, which is what ``TRANSITION`` selects:
 
-    v_tilde = U - W S                                               (the pseudo value)
-    O       = scale (Diag(gamma) Q S + ((Q K^T) * Gamma * M) v_tilde)    M: i >= j
-    S      <- gamma_C S + (Diag(exp(g_C - g)) K)^T v_tilde
+    DECAY (linear attention, GLA, Mamba-2, RWKV-6):   S <- D S + Kd^T V
+    DELTA (the delta rule: U, W from wy.py):          R = U - W S,   S <- D S + Kd^T R
+    DPLR  (generic, U~, W from dplr_wy.py):           R = U~ + W S,  S <- D S + Bd^T R + Kd^T V
 
-The state stays in registers ([K, BV] float32; the whole key dimension, up to 256, in one
-program, because ``W S`` contracts it). Nothing per chunk is written unless STORE_H: then the
-chunk-start states ``h`` [NC, H, K, V] and ``v_tilde`` are kept for the backward.
+R is the low-rank read (DELTA: the pseudo values v_tilde; DPLR: the reads a_t^T S). ``h`` (the
+state at each chunk's start, [NC, H, K, V]) and R are stored when asked; the DELTA forward can
+also form the output on the fly (FUSE_OUTPUT), so inference writes neither:
 
-Backward (reverse over chunks; dS the gradient of the state at the chunk's end):
+    O = scale (Diag(exp G) Q S + ((Q K^T) * Gamma * M) R)          M: i >= j
 
-    dv_tilde = scale ((Q K^T) * Gamma * M)^T dO + Diag(exp(g_C - g)) K dS
-    dS      <- gamma_C dS + scale (Diag(gamma) Q)^T dO - W^T dv_tilde
+(the per-channel gate's Q K^T * Gamma comes precomputed, ``A``, from intra.py).
 
-It writes ``dh`` [NC, H, K, V] (dS at each chunk's end), ``dv_tilde`` and d initial_state.
+The backward runs the same loop from the last chunk, dS the gradient of the state at the chunk's
+end (``dh`` stores it per chunk); Qd = Diag(exp Gq) Q scale (Gq = G, or RWKV-6's exclusive gate):
+
+    DECAY:  dS <- D dS + Qd^T dO
+    DELTA:  dR = scale (A^T dO) + Kd dS,       dS <- D dS + Qd^T dO - W^T dR
+    DPLR:   dR = A_qb^T dO + Bd dS,            dS <- D dS + Qd^T dO + W^T dR
+
+Rows past a sequence's end read as zero; their gates repeat G_C, so no exponent a padded lane
+forms can overflow. DELTA and DPLR contract all of K against S (W S), so their programs hold the
+whole key dimension; DECAY tiles it. ``launch_config`` is the one table of blocks, warps and
+stages for every transition.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, alloc, mm
+from fastweight.kernels.common import Chunks, alloc, dot_block, mm, while_loops
+
+# the transitions, as the kernels' TRANSITION constexpr (a kernel reads globals only as constexprs)
+DECAY, DELTA, DPLR = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+TRANSITIONS = {"decay": 0, "delta": 1, "dplr": 2}
 
 
 @triton.jit
-def _chunk_gates(g, bos, T, i_t, H: tl.constexpr, i_h, BT: tl.constexpr):
-    """(g of the chunk's rows [BT], g at the chunk's last row C).
-
-    Rows past the end (a partial last chunk) repeat g_C: every exponent a padded lane then forms
-    (g_i - g_j, g_C - g_i, g_i) equals one a valid lane forms, so none can overflow. With 0 there,
-    exp(0 - g_j) would pass e^88 once the chunk decays that much, and inf times the lane's zero
-    operand would put NaN into the valid rows' sums."""
+def chunk_gates(g, bos, T, i_t, H: tl.constexpr, i_h, BT: tl.constexpr):
+    """(scalar g of the chunk's rows [BT], g at its last row C); rows past the end repeat g_C.
+    With 0 there, exp(0 - g_j) would pass e^88 once the chunk decays that much, and inf times the
+    lane's zero operand would put NaN into the valid rows' sums."""
     o_t = i_t * BT + tl.arange(0, BT)
     b_glast = tl.load(g + (bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h)
     b_g = tl.load(g + (bos + o_t) * H + i_h, mask=o_t < T, other=b_glast)
@@ -45,244 +55,320 @@ def _chunk_gates(g, bos, T, i_t, H: tl.constexpr, i_h, BT: tl.constexpr):
 
 
 @triton.jit
-def _chunk_gates_k(g, bos, T, i_t, H: tl.constexpr, i_h, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """(per-channel G of the chunk's rows [BT, BK], G at the chunk's last row [BK]); rows past the
-    end repeat the last row, as in ``_chunk_gates``."""
-    p_g = tl.make_block_ptr(g + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    o_k = tl.arange(0, BK)
+def chunk_gates_k(g, bos, T, i_t, H: tl.constexpr, i_h, i_k, K: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr):
+    """(per-channel G of the chunk's rows [BT, BK] in key block i_k, G at its last row [BK]); rows
+    past the end repeat the last row, as in ``chunk_gates``."""
+    p_g = tl.make_block_ptr(g + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+    o_k = i_k * BK + tl.arange(0, BK)
     m_t = i_t * BT + tl.arange(0, BT) < T
     b_glast = tl.load(g + ((bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h) * K + o_k, mask=o_k < K, other=0.)
     return tl.where(m_t[:, None], tl.load(p_g, boundary_check=(0, 1)), b_glast[None, :]), b_glast
 
 
 @triton.jit
-def _fwd_step(i_t, b_h, q, k, w, u, g, Aqk, o, h, v_new, bos, T, boh, i_h, i_v, scale, H: tl.constexpr,
+def _rows(x, bos, T, i_t, heads, i_head, D: tl.constexpr, i_d, BT: tl.constexpr, BD: tl.constexpr):
+    """The chunk's rows of a packed [1, T, heads, D] tensor: block (i_t, i_d) of [BT, BD]."""
+    return tl.make_block_ptr(x + (bos * heads + i_head) * D, (T, D), (heads * D, 1), (i_t * BT, i_d * BD), (BT, BD),
+                             (1, 0))
+
+
+@triton.jit
+def _state_block(x, i, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, i_k, i_v, BK: tl.constexpr,
+                 BV: tl.constexpr):
+    """Block (i_k, i_v) of state i of a [*, H, K, V] tensor (i = chunk * H + head)."""
+    return tl.make_block_ptr(x + i.to(tl.int64) * K * V, (K, V), (V, 1), (i_k * BK, i_v * BV), (BK, BV), (1, 0))
+
+
+@triton.jit
+def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H: tl.constexpr,
               HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-              BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, STORE_H: tl.constexpr):
+              BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr, FUSE_OUTPUT: tl.constexpr,
+              STORE_H: tl.constexpr, STORE_R: tl.constexpr):
     """One chunk of the forward pass; returns the state at the chunk's end."""
     o_i = tl.arange(0, BT)
-    m_causal = o_i[:, None] >= o_i[None, :]
     m_row = i_t * BT + o_i < T
     i_hk = i_h // (H // HK)
-    p_q = tl.make_block_ptr(q + (bos * HK + i_hk) * K, (T, K), (HK * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_k = tl.make_block_ptr(k + (bos * HK + i_hk) * K, (T, K), (HK * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_w = tl.make_block_ptr(w + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_u = tl.make_block_ptr(u + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-    p_o = tl.make_block_ptr(o + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-    b_q = tl.load(p_q, boundary_check=(0, 1))
-    b_k = tl.load(p_k, boundary_check=(0, 1))
-    b_w = tl.load(p_w, boundary_check=(0, 1))
-    b_hc = b_h.to(b_q.dtype)
+    # the chunk's key-wide tiles first, then the state's store
+    if FUSE_OUTPUT:
+        b_q = tl.load(_rows(q, bos, T, i_t, HK, i_hk, K, 0, BT, BK), boundary_check=(0, 1))
+    b_k = tl.load(_rows(k, bos, T, i_t, HK, i_hk, K, i_k, BT, BK), boundary_check=(0, 1))
+    dt = b_k.dtype
+    if TRANSITION != DECAY:
+        b_w = tl.load(_rows(w, bos, T, i_t, H, i_h, K, 0, BT, BK), boundary_check=(0, 1))
+        b_hc = b_h.to(dt)
     if STORE_H:
-        p_h = tl.make_block_ptr(h + ((boh + i_t) * H + i_h).to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV),
-                                (BK, BV), (1, 0))
+        p_h = _state_block(h, (boh + i_t) * H + i_h, H, K, V, i_k, i_v, BK, BV)
         tl.store(p_h, b_h.to(p_h.dtype.element_ty), boundary_check=(0, 1))
-    b_v = tl.load(p_u, boundary_check=(0, 1)).to(tl.float32) - mm(b_w, b_hc)
-    if STORE_H:
-        p_vn = tl.make_block_ptr(v_new + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV),
-                                 (1, 0))
-        tl.store(p_vn, b_v.to(p_vn.dtype.element_ty), boundary_check=(0, 1))
-    b_kd = b_k
-    b_vk = b_v
-    if USE_GK:
-        # per-channel decay: the intra-chunk scores come precomputed (intra.py)
-        b_gk, b_gklast = _chunk_gates_k(g, bos, T, i_t, H, i_h, K, BT, BK)
-        b_o = mm((b_q * tl.exp(b_gk)).to(b_q.dtype), b_hc)
-        p_A = tl.make_block_ptr(Aqk + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_t * BT, 0), (BT, BT), (1, 0))
-        b_A = tl.load(p_A, boundary_check=(0, 1))
-        b_kd = (b_k * tl.where(m_row[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)).to(b_k.dtype)
-        b_h = b_h * tl.exp(b_gklast)[:, None]
-    else:
-        b_o = mm(b_q, b_hc)
-        b_A = mm(b_q, tl.trans(b_k))
-        if USE_G:
-            b_g, b_glast = _chunk_gates(g, bos, T, i_t, H, i_h, BT)
-            b_o = b_o * tl.exp(b_g)[:, None]
-            b_A = b_A * tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
-            b_vk = b_v * tl.exp(b_glast - b_g)[:, None]
-            b_h = b_h * tl.exp(b_glast)
+    if TRANSITION == DPLR:
+        # DPLR reads its gates before W S, the delta rule after: the same operations in another
+        # order compile to other schedules (H200 A/B, docs/bench/runs-2026-12-01-s9.md: RWKV-7's
+        # forward 3.07 ms against 3.23, KDA's keeping h 1.01 against 1.19 ms, bf16)
+        b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
+        b_ek = tl.where(m_row[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)
+    if TRANSITION != DECAY:
+        # the read R = U -/+ W S against the state at the chunk's start
+        b_u = tl.load(_rows(u, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(tl.float32)
+        if TRANSITION == DELTA:
+            b_r = b_u - mm(b_w, b_hc)
         else:
-            b_A = tl.where(m_causal, b_A, 0.)
-    b_o = (b_o + mm(b_A.to(b_q.dtype), b_v.to(b_q.dtype))) * scale
-    tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))
-    return b_h + mm(tl.trans(b_kd), b_vk.to(b_q.dtype))
+            b_r = b_u + mm(b_w, b_hc)
+        if STORE_R:
+            p_r = _rows(r, bos, T, i_t, H, i_h, V, i_v, BT, BV)
+            tl.store(p_r, b_r.to(p_r.dtype.element_ty), boundary_check=(0, 1))
+    if GATE == 1:
+        b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT)
+    if GATE == 2 and TRANSITION != DPLR:
+        b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
+        b_ek = tl.where(m_row[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)
+    if FUSE_OUTPUT:
+        if GATE == 2:
+            b_o = mm((b_q * tl.exp(b_gk)).to(dt), b_hc)
+            p_A = tl.make_block_ptr(A + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_t * BT, 0), (BT, BT), (1, 0))
+            b_A = tl.load(p_A, boundary_check=(0, 1))
+        else:
+            m_causal = o_i[:, None] >= o_i[None, :]
+            b_o = mm(b_q, b_hc)
+            b_A = mm(b_q, tl.trans(b_k))
+            if GATE == 1:
+                b_o = b_o * tl.exp(b_g)[:, None]
+                b_A = b_A * tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
+            else:
+                b_A = tl.where(m_causal, b_A, 0.)
+        b_o = (b_o + mm(b_A.to(dt), b_r.to(dt))) * scale
+        p_o = _rows(o, bos, T, i_t, H, i_h, V, i_v, BT, BV)
+        tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))
+    # the write: scalar gates scale the written rows, per-channel gates the write keys
+    if TRANSITION == DELTA:
+        b_x = b_r
+    else:
+        b_x = tl.load(_rows(v, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(tl.float32)
+    b_kd = b_k
+    if GATE == 1:
+        b_x = b_x * tl.exp(b_glast - b_g)[:, None]
+        b_h = b_h * tl.exp(b_glast)
+    if GATE == 2:
+        b_kd = (b_k * b_ek).to(dt)
+        b_h = b_h * tl.exp(b_gklast)[:, None]
+    b_h += mm(tl.trans(b_kd), b_x.to(dt))
+    if TRANSITION == DPLR:
+        b_b = tl.load(_rows(b, bos, T, i_t, H, i_h, K, 0, BT, BK), boundary_check=(0, 1))
+        b_h += mm(tl.trans((b_b * b_ek).to(dt)), b_r.to(dt))
+    return b_h
 
 
 @triton.jit
-def state_output_fwd_kernel(q, k, w, u, g, Aqk, h0, o, ht, h, v_new, cu_seqlens, chunk_offsets, scale, NT_ALL,
-                            H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                            BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr,
-                            USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-                            STORE_H: tl.constexpr, IS_VARLEN: tl.constexpr):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+def state_fwd_kernel(q, k, v, w, u, b, g, A, h0, o, ht, h, r, cu_seqlens, chunk_offsets, scale, NT_ALL,
+                     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
+                     FUSE_OUTPUT: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
+                     STORE_H: tl.constexpr, STORE_R: tl.constexpr, UNIFORM: tl.constexpr,
+                     WHILE_LOOP: tl.constexpr):
+    i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
-    T = eos - bos
-    boh = tl.load(chunk_offsets + i_n)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = (eos - bos).to(tl.int32)
+    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_INITIAL_STATE:
-        p_h0 = tl.make_block_ptr(h0 + i_nh.to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        b_h = tl.load(p_h0, boundary_check=(0, 1)).to(tl.float32)
-    if IS_VARLEN:
-        # a while loop: the interpreter cannot range() over a value loaded through program_id
-        NT = tl.cdiv(T, BT).to(tl.int32)
+    if USE_H0:
+        b_h += tl.load(_state_block(h0, i_nh, H, K, V, i_k, i_v, BK, BV), boundary_check=(0, 1)).to(tl.float32)
+    if WHILE_LOOP:
+        # the interpreter cannot range() to a bound loaded through program_id
+        NT = tl.cdiv(T, BT)
         i_t = 0
         while i_t < NT:
-            b_h = _fwd_step(i_t, b_h, q, k, w, u, g, Aqk, o, h, v_new, bos, T, boh, i_h, i_v, scale, H, HK, K, V,
-                            BT, BK, BV, USE_G, USE_GK, STORE_H)
+            b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H, HK, K,
+                            V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R)
             i_t += 1
     else:
-        # a for loop with a host bound: the compiler prefetches the next chunk's tiles
-        for i_t in range(NT_ALL):
-            b_h = _fwd_step(i_t, b_h, q, k, w, u, g, Aqk, o, h, v_new, bos, T, boh, i_h, i_v, scale, H, HK, K, V,
-                            BT, BK, BV, USE_G, USE_GK, STORE_H)
-    if STORE_FINAL_STATE:
-        p_ht = tl.make_block_ptr(ht + i_nh.to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        tl.store(p_ht, b_h.to(p_ht.dtype.element_ty), boundary_check=(0, 1))
+        # compiled: a for loop, which Triton software-pipelines (the next chunk's loads overlap); its
+        # bound from the host when every sequence has NT_ALL chunks (UNIFORM)
+        if UNIFORM:
+            NT = NT_ALL
+        else:
+            NT = tl.cdiv(T, BT)
+        for i_t in range(0, NT):
+            b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H, HK, K,
+                            V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R)
+    if STORE_HT:
+        tl.store(_state_block(ht, i_nh, H, K, V, i_k, i_v, BK, BV), b_h, boundary_check=(0, 1))
 
 
 @triton.jit
-def _bwd_step(i_t, b_dh, q, k, w, g, Aqk, do, dh, dv, bos, T, boh, i_h, i_v, scale, H: tl.constexpr,
+def _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dr, bos, T, boh, i_h, i_k, i_v, scale, H: tl.constexpr,
               HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-              BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr):
-    """One chunk of the dh pass, last chunk first; returns dS at the chunk's start."""
+              BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr):
+    """One chunk of the backward pass, last chunk first; returns dS at the chunk's start."""
     o_i = tl.arange(0, BT)
+    m_row = i_t * BT + o_i < T
     m_anticausal = o_i[:, None] <= o_i[None, :]
     i_hk = i_h // (H // HK)
-    p_dh = tl.make_block_ptr(dh + ((boh + i_t) * H + i_h).to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV),
-                             (BK, BV), (1, 0))
+    p_dh = _state_block(dh, (boh + i_t) * H + i_h, H, K, V, i_k, i_v, BK, BV)
     tl.store(p_dh, b_dh.to(p_dh.dtype.element_ty), boundary_check=(0, 1))
-    p_q = tl.make_block_ptr(q + (bos * HK + i_hk) * K, (T, K), (HK * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_k = tl.make_block_ptr(k + (bos * HK + i_hk) * K, (T, K), (HK * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_w = tl.make_block_ptr(w + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_do = tl.make_block_ptr(do + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-    p_dv = tl.make_block_ptr(dv + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-    b_q = tl.load(p_q, boundary_check=(0, 1))
-    b_k = tl.load(p_k, boundary_check=(0, 1))
-    b_w = tl.load(p_w, boundary_check=(0, 1))
-    b_do = tl.load(p_do, boundary_check=(0, 1)).to(b_q.dtype)
-    if USE_GK:
-        b_gk, b_gklast = _chunk_gates_k(g, bos, T, i_t, H, i_h, K, BT, BK)
-        p_A = tl.make_block_ptr(Aqk + (bos * H + i_h) * BT, (BT, T), (1, H * BT), (0, i_t * BT), (BT, BT), (0, 1))
-        b_At = tl.load(p_A, boundary_check=(0, 1)).to(tl.float32)
-        m_row = i_t * BT + o_i < T
-        b_kd = (b_k * tl.where(m_row[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)).to(b_q.dtype)
-        b_qd = (b_q * tl.exp(b_gk) * scale).to(b_q.dtype)
-    elif USE_G:
-        # [BT, BT]: entry (j, i) = k_j . q_i, the transpose of the output's Q K^T
-        b_g, b_glast = _chunk_gates(g, bos, T, i_t, H, i_h, BT)
-        b_At = mm(b_k, tl.trans(b_q)) * tl.exp(tl.where(m_anticausal, b_g[None, :] - b_g[:, None], float("-inf")))
-        b_kd = (b_k * tl.exp(b_glast - b_g)[:, None]).to(b_q.dtype)
-        b_qd = (b_q * (tl.exp(b_g) * scale)[:, None]).to(b_q.dtype)
+    b_q = tl.load(_rows(q, bos, T, i_t, HK, i_hk, K, i_k, BT, BK), boundary_check=(0, 1))
+    dt = b_q.dtype
+    b_do = tl.load(_rows(do, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(dt)
+    if GATE == 1:
+        b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT)
+        b_gq = b_g
+        if gq is not None:
+            b_gq = tl.load(gq + (bos + i_t * BT + o_i) * H + i_h, mask=m_row, other=0.)
+        b_qd = (b_q * (tl.exp(b_gq) * scale)[:, None]).to(dt)
+    elif GATE == 2:
+        b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
+        b_ek = tl.where(m_row[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)
+        b_gq = b_gk
+        if gq is not None:
+            b_gq = tl.load(_rows(gq, bos, T, i_t, H, i_h, K, i_k, BT, BK), boundary_check=(0, 1))
+        b_qd = (b_q * tl.exp(b_gq) * scale).to(dt)
     else:
-        b_At = tl.where(m_anticausal, mm(b_k, tl.trans(b_q)), 0.)
-        b_kd = b_k
-        b_qd = (b_q * scale).to(b_q.dtype)
-    b_dv = mm((b_At * scale).to(b_q.dtype), b_do) + mm(b_kd, b_dh.to(b_q.dtype))
-    tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), boundary_check=(0, 1))
-    if USE_GK:
-        b_dh = b_dh * tl.exp(b_gklast)[:, None]
-    if USE_G:
+        b_qd = (b_q * scale).to(dt)
+    if TRANSITION != DECAY:
+        b_w = tl.load(_rows(w, bos, T, i_t, H, i_h, K, 0, BT, BK), boundary_check=(0, 1))
+        if TRANSITION == DELTA:
+            # the write keys and A^T, [BT, BT]: entry (j, i) = k_j . q_i (gated), the output's scores
+            b_k = tl.load(_rows(k, bos, T, i_t, HK, i_hk, K, 0, BT, BK), boundary_check=(0, 1))
+            if GATE == 2:
+                p_A = tl.make_block_ptr(A + (bos * H + i_h) * BT, (BT, T), (1, H * BT), (0, i_t * BT), (BT, BT),
+                                        (0, 1))
+                b_At = tl.load(p_A, boundary_check=(0, 1)).to(tl.float32)
+                b_kd = (b_k * b_ek).to(dt)
+            elif GATE == 1:
+                b_At = mm(b_k, tl.trans(b_q)) * tl.exp(tl.where(m_anticausal, b_g[None, :] - b_g[:, None],
+                                                                float("-inf")))
+                b_kd = (b_k * tl.exp(b_glast - b_g)[:, None]).to(dt)
+            else:
+                b_At = tl.where(m_anticausal, mm(b_k, tl.trans(b_q)), 0.)
+                b_kd = b_k
+            b_dr = mm((b_At * scale).to(dt), b_do) + mm(b_kd, b_dh.to(dt))
+        else:
+            p_A = tl.make_block_ptr(A + (bos * H + i_h) * BT, (BT, T), (1, H * BT), (0, i_t * BT), (BT, BT), (0, 1))
+            b_At = tl.where(m_anticausal & m_row[None, :], tl.load(p_A, boundary_check=(0, 1)), 0.)
+            b_b = tl.load(_rows(b, bos, T, i_t, H, i_h, K, 0, BT, BK), boundary_check=(0, 1))
+            b_dr = mm(b_At.to(dt), b_do) + mm((b_b * b_ek).to(dt), b_dh.to(dt))
+        p_dr = _rows(dr, bos, T, i_t, H, i_h, V, i_v, BT, BV)
+        tl.store(p_dr, b_dr.to(p_dr.dtype.element_ty), boundary_check=(0, 1))
+    if GATE == 1:
         b_dh = b_dh * tl.exp(b_glast)
-    return b_dh + mm(tl.trans(b_qd), b_do) - mm(tl.trans(b_w), b_dv.to(b_q.dtype))
+    if GATE == 2:
+        b_dh = b_dh * tl.exp(b_gklast)[:, None]
+    b_dh += mm(tl.trans(b_qd), b_do)
+    if TRANSITION == DELTA:
+        b_dh -= mm(tl.trans(b_w), b_dr.to(dt))
+    if TRANSITION == DPLR:
+        b_dh += mm(tl.trans(b_w), b_dr.to(dt))
+    return b_dh
 
 
 @triton.jit
-def state_bwd_kernel(q, k, w, g, Aqk, do, dht, dh, dh0, dv, cu_seqlens, chunk_offsets, scale, NT_ALL,
+def state_bwd_kernel(q, k, w, b, g, gq, A, do, dht, dh, dh0, dr, cu_seqlens, chunk_offsets, scale,
                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr,
-                     USE_FINAL_STATE_GRADIENT: tl.constexpr, STORE_INITIAL_STATE_GRADIENT: tl.constexpr,
-                     IS_VARLEN: tl.constexpr):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+                     BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
+                     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, WHILE_LOOP: tl.constexpr):
+    i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
-    T = eos - bos
-    boh = tl.load(chunk_offsets + i_n)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = (eos - bos).to(tl.int32)
+    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_FINAL_STATE_GRADIENT:
-        p_dht = tl.make_block_ptr(dht + i_nh.to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        b_dh = tl.load(p_dht, boundary_check=(0, 1)).to(tl.float32)
-    if IS_VARLEN:
-        i_t = tl.cdiv(T, BT).to(tl.int32) - 1
+    if USE_DHT:
+        b_dh += tl.load(_state_block(dht, i_nh, H, K, V, i_k, i_v, BK, BV), boundary_check=(0, 1)).to(tl.float32)
+    if WHILE_LOOP:
+        i_t = tl.cdiv(T, BT) - 1
         while i_t >= 0:
-            b_dh = _bwd_step(i_t, b_dh, q, k, w, g, Aqk, do, dh, dv, bos, T, boh, i_h, i_v, scale, H, HK, K, V,
-                             BT, BK, BV, USE_G, USE_GK)
+            b_dh = _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dr, bos, T, boh, i_h, i_k, i_v, scale, H, HK,
+                             K, V, BT, BK, BV, TRANSITION, GATE)
             i_t -= 1
     else:
-        for i_r in range(NT_ALL):
-            b_dh = _bwd_step(NT_ALL - 1 - i_r, b_dh, q, k, w, g, Aqk, do, dh, dv, bos, T, boh, i_h, i_v, scale, H,
-                             HK, K, V, BT, BK, BV, USE_G, USE_GK)
-    if STORE_INITIAL_STATE_GRADIENT:
-        p_dh0 = tl.make_block_ptr(dh0 + i_nh.to(tl.int64) * K * V, (K, V), (V, 1), (0, i_v * BV), (BK, BV), (1, 0))
-        tl.store(p_dh0, b_dh.to(p_dh0.dtype.element_ty), boundary_check=(0, 1))
+        NT = tl.cdiv(T, BT)
+        for i_c in range(0, NT):
+            b_dh = _bwd_step(NT - 1 - i_c, b_dh, q, k, w, b, g, gq, A, do, dh, dr, bos, T, boh, i_h, i_k, i_v, scale,
+                             H, HK, K, V, BT, BK, BV, TRANSITION, GATE)
+    if STORE_DH0:
+        tl.store(_state_block(dh0, i_nh, H, K, V, i_k, i_v, BK, BV), b_dh, boundary_check=(0, 1))
 
 
-def _while_loop(chunks: Chunks) -> bool:
-    """Varlen sequences loop with while; so does the interpreter, whose range() needs a constexpr bound."""
-    return chunks.NT is None or os.environ.get("TRITON_INTERPRET") == "1"
+def launch_config(transition: str, K: int, V: int, itemsize: int, backward: bool = False,
+                  per_channel: bool = False, block_v: int | None = None) -> tuple[int, int, int, int]:
+    """(BK, BV, num_warps, num_stages) of a state pass: the one table, by transition and shape.
+
+    The value block is 64 (a smaller V padded, masked) for DECAY and DELTA: Triton 3.6 on the
+    H200 addresses shared memory out of range in 16-bit dots over narrower blocks (``common.
+    dot_block``). DECAY tiles K by 64 (8 warps, 3 stages: the fastest of `python -m
+    fastweight.bench.gpu_sweep`). DELTA holds all of K: 8 warps for K = 256 (the [K, BV] fp32
+    state in registers) and for the per-channel (KDA) backward at K = 128, else 4; two stages of
+    prefetch while a chunk's q, k, w tiles fit twice in the H200's 227 KiB of shared memory (up to
+    256 bytes a row), else one. DPLR holds all of K and narrows BV to a small V (16 at least);
+    4 warps 2 stages up to K = 64, else 8 warps, the forward 1 stage, the backward 2 (1 at K = 256):
+    the fastest for RWKV-7 on the H200. Measurements: docs/bench/delta.md, decay_dplr.md."""
+    if transition == "decay":
+        return 64, dot_block(block_v or 64), 8, 3
+    if transition == "delta":
+        BK = triton.next_power_of_2(K)
+        warps = 8 if K > 128 or (backward and per_channel and K == 128) else 4
+        return BK, block_v or 64, warps, 2 if BK * itemsize <= 256 else 1
+    if transition == "dplr":
+        BK = max(16, triton.next_power_of_2(K))
+        BV = min(block_v or 64, max(16, triton.next_power_of_2(V)))
+        if BK <= 64:
+            return BK, BV, 4, 2
+        return BK, BV, 8, (2 if BK <= 128 else 1) if backward else 1
+    raise ValueError(f"transition must be one of {tuple(TRANSITIONS)}, got {transition!r}")
 
 
-def _bv(block_v=None):
-    """The value block: 64 (a smaller V is padded, masked), on every path. Triton 3.6 on the H200
-    addresses shared memory out of range in 16-bit dots over blocks narrower than 64
-    (compute-sanitizer): at BV = 32 the state passes fault or return wrong states and gradients,
-    on the varlen and the uniform loop, at K = 128 and 256 (docs/bench/delta.md)."""
-    return block_v or 64
+def _gate_kind(g) -> int:
+    return 0 if g is None else (1 if g.dim() == 3 else 2)
 
 
-def launch_config(K, BV, itemsize, per_channel_bwd=False):
-    """(num_warps, num_stages) of a state pass with value block BV and inputs of ``itemsize`` bytes.
+def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, b=None, q=None, A=None,
+              scale: float = 1.0, initial_state=None, output_final_state: bool = False, store_h: bool = True,
+              store_r: bool = False, fuse_output: bool = False, state_dtype=None, block_v=None):
+    """The forward state pass (module docstring).
 
-    Warps: 8 for K = 256 (the [K, BV] fp32 state in registers) and for the per-channel (KDA) dh
-    pass at K = 128 (0.26 ms faster of KDA's 9.6 at (4, 8192, 16, 128), docs/bench/delta.md),
-    else 4. Stages: the pipelined for loop keeps two copies of a chunk's q, k, w tiles ([64, K]
-    each) in shared memory; past 256 bytes a row (K = 256 in 16 bits, K >= 128 in fp32) that
-    exceeds the H200's 227 KiB (K = 256 bf16 with 2 stages takes 248 KiB), so those run one stage
-    (sm_90 compiles of every shape: docs/bench/delta.md)."""
-    warps = 8 if K > 128 or (per_channel_bwd and K == 128) else 4
-    stages = 2 if triton.next_power_of_2(K) * itemsize <= 256 else 1
-    return warps, stages
-
-
-def state_output_fwd(q, k, w, u, g_cum, initial_state, output_final_state: bool, store_h: bool,
-                     scale: float, chunks: Chunks, gk_cum=None, Aqk=None, block_v=None):
-    """Returns (o, final state or None, h or None, v_new or None); o in v's dtype.
-
-    Per-channel gate: ``gk_cum`` [1, T, H, K] with ``Aqk`` from ``intra.intra_fwd`` (g_cum None)."""
+    k: [1, T, HK, K] (q likewise, with ``fuse_output``); v: [1, T, H, V]; w, b: [1, T, H, K]; u:
+    [1, T, H, V]; g: None, [1, T, H] or [1, T, H, K] (fp32 chunk-local cumsum); A: [1, T, H, BT];
+    initial_state: [N, H, K, V]. Returns (h [NC, H, K, V] in ``state_dtype`` (default k's) or None,
+    R [1, T, H, V] in v's dtype or None, o [1, T, H, V] in v's dtype or None, final state fp32 or None)."""
     _, T, HK, K = k.shape
-    H, V = u.shape[2], u.shape[-1]
-    BK, BV = triton.next_power_of_2(K), _bv(block_v)
-    warps, stages = launch_config(K, BV, k.element_size())
-    dev = u.device
-    o = alloc(u.shape, dtype=u.dtype, device=dev)
+    H, V = v.shape[2], v.shape[-1]
+    BK, BV, warps, stages = launch_config(transition, K, V, k.element_size(), per_channel=_gate_kind(g) == 2,
+                                          block_v=block_v)
+    # the loop bound from the host for the delta rule (keeping h: GDN 0.05, KDA 0.11 ms faster at (4, 8192,
+    # 16, 128) bf16, docs/bench/runs-2026-12-01-s9.md); the others read it from cu_seqlens, as timed
+    uniform = chunks.NT is not None and transition == "delta"
+    dev = k.device
+    h = alloc((chunks.NC, H, K, V), dtype=state_dtype or k.dtype, device=dev) if store_h else None
+    r = alloc(v.shape, dtype=v.dtype, device=dev) if store_r else None
+    o = alloc(v.shape, dtype=v.dtype, device=dev) if fuse_output else None
     ht = alloc((chunks.N, H, K, V), dtype=torch.float32, device=dev) if output_final_state else None
-    h = alloc((chunks.NC, H, K, V), dtype=k.dtype, device=dev) if store_h else None
-    v_new = alloc(u.shape, dtype=u.dtype, device=dev) if store_h else None
-    gate = g_cum if gk_cum is None else gk_cum
-    state_output_fwd_kernel[(triton.cdiv(V, BV), chunks.N * H)](
-        q, k, w, u, gate, Aqk, initial_state, o, ht, h, v_new, chunks.cu_seqlens, chunks.chunk_offsets, scale,
-        chunks.NT or 0, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, USE_G=g_cum is not None,
-        USE_GK=gk_cum is not None, USE_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=output_final_state, STORE_H=store_h, IS_VARLEN=_while_loop(chunks), num_warps=warps,
-        num_stages=stages)
-    return o, ht, h, v_new
+    grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), chunks.N * H)
+    state_fwd_kernel[grid](q, k, v, w, u, b, g, A, initial_state, o, ht, h, r, chunks.cu_seqlens,
+                           chunks.chunk_offsets, scale, chunks.NT or 0, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK,
+                           BV=BV, TRANSITION=TRANSITIONS[transition], GATE=_gate_kind(g), FUSE_OUTPUT=fuse_output,
+                           USE_H0=initial_state is not None, STORE_HT=output_final_state, STORE_H=store_h,
+                           STORE_R=store_r, UNIFORM=uniform,
+                           WHILE_LOOP=while_loops(), num_warps=warps, num_stages=stages)
+    return h, r, o, ht
 
 
-def state_bwd(q, k, w, g_cum, do, dht, scale: float, chunks: Chunks, need_dh0: bool, gk_cum=None, Aqk=None,
+def state_bwd(transition: str, q, do, chunks: Chunks, *, g=None, gq=None, k=None, w=None, b=None, A=None,
+              scale: float = 1.0, dht=None, need_dh0: bool = False, state_dtype=None, dr_dtype=None,
               block_v=None):
-    """Returns (dh [NC, H, K, V], dv_tilde [1, T, H, V] in do's dtype, d initial_state fp32 or None)."""
-    _, T, HK, K = k.shape
+    """The backward state pass (module docstring): q [1, T, HK, K], do [1, T, H, V], gq (RWKV-6's
+    exclusive readout gate) as g, the rest as in :func:`state_fwd`. Returns (dh [NC, H, K, V] in
+    ``state_dtype`` (default q's), dR [1, T, H, V] in ``dr_dtype`` (default do's) or None (DECAY),
+    d initial_state fp32 or None)."""
+    _, T, HK, K = q.shape
     H, V = do.shape[2], do.shape[-1]
-    BK, BV = triton.next_power_of_2(K), _bv(block_v)
-    warps, stages = launch_config(K, BV, k.element_size(), per_channel_bwd=gk_cum is not None)
+    BK, BV, warps, stages = launch_config(transition, K, V, q.element_size(), backward=True,
+                                          per_channel=_gate_kind(g) == 2, block_v=block_v)
     dev = q.device
-    dh = alloc((chunks.NC, H, K, V), dtype=k.dtype, device=dev)
-    dv = alloc(do.shape, device=dev, dtype=do.dtype)
+    dh = alloc((chunks.NC, H, K, V), dtype=state_dtype or q.dtype, device=dev)
+    dr = alloc(do.shape, dtype=dr_dtype or do.dtype, device=dev) if transition != "decay" else None
     dh0 = alloc((chunks.N, H, K, V), dtype=torch.float32, device=dev) if need_dh0 else None
-    gate = g_cum if gk_cum is None else gk_cum
-    state_bwd_kernel[(triton.cdiv(V, BV), chunks.N * H)](
-        q, k, w, gate, Aqk, do, dht, dh, dh0, dv, chunks.cu_seqlens, chunks.chunk_offsets, scale, chunks.NT or 0,
-        H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, USE_G=g_cum is not None, USE_GK=gk_cum is not None,
-        USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0,
-        IS_VARLEN=_while_loop(chunks), num_warps=warps, num_stages=stages)
-    return dh, dv, dh0
+    grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), chunks.N * H)
+    state_bwd_kernel[grid](q, k, w, b, g, gq, A, do, dht, dh, dh0, dr, chunks.cu_seqlens, chunks.chunk_offsets,
+                           scale, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
+                           TRANSITION=TRANSITIONS[transition], GATE=_gate_kind(g), USE_DHT=dht is not None,
+                           STORE_DH0=need_dh0, WHILE_LOOP=while_loops(), num_warps=warps, num_stages=stages)
+    return dh, dr, dh0

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, alloc, mm
+from fastweight.kernels.common import Chunks, MIN_DOT_BLOCK, alloc, mm
 
 
 @triton.jit
@@ -208,10 +208,9 @@ def wy_bwd_kernel(k, p, v, beta, g, gr, Ai, Akk, dw, du, dk, dk_out, dp, dv, dbe
 
 
 def _blocks(K, V):
-    """(BK, BV): 64 each, padded (masked) below 64. Triton 3.6 on the H200 miscompiles narrower 16-bit
-    blocks here: W/U and their backward at K = 64 with V = 16 or 32 come out wrong in bf16 and fp16
-    (fp32 is right), where b_Ai feeds dots of two widths (docs/kernels.md, narrow blocks)."""
-    return 64, 64
+    """(BK, BV): ``common.MIN_DOT_BLOCK`` each, a smaller K or V padded (masked): W/U and their
+    backward at K = 64 with V = 16 or 32 came out wrong in bf16 and fp16 with narrower blocks."""
+    return MIN_DOT_BLOCK, MIN_DOT_BLOCK
 
 
 def recompute_w_u(k, v, beta, g_cum, Ai, chunks: Chunks, gk_cum=None):

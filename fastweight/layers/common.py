@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _triton_usable(x):
-            from fastweight.layers.norm_kernel import gated_rms_norm
+            from fastweight.kernels.norm import gated_rms_norm
             return gated_rms_norm(x, None, self.weight, self.eps, out_dtype=out_dtype(x))
         return rms_norm(x, self.weight, self.eps).to(out_dtype(x))
 
@@ -73,8 +73,8 @@ class GatedRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         if _triton_usable(x) and self.act_name in ("silu", "sigmoid", "identity"):
-            # one pass (fastweight.layers.norm_kernel), where the form below makes up to seven
-            from fastweight.layers.norm_kernel import gated_rms_norm
+            # one pass (fastweight.kernels.norm), where the form below makes up to seven
+            from fastweight.kernels.norm import gated_rms_norm
             return gated_rms_norm(x, gate, self.weight, self.eps, self.act_name, out_dtype=out_dtype(x))
         y = super().forward(x)
         if gate is None:
@@ -212,7 +212,7 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
         a, b = self.gate_proj(x), self.up_proj(x)
         if a.dtype == b.dtype and _triton_usable(a):
-            from fastweight.layers.swiglu_kernel import swiglu
+            from fastweight.kernels.swiglu import swiglu
             return self.down_proj(swiglu(a, b))
         return self.down_proj(F.silu(a) * b)
 
@@ -225,7 +225,7 @@ def rotary(x: torch.Tensor, offset: int | torch.Tensor, theta: float = 10000.0,
     T, D = x.shape[1], x.shape[-1]
     cos, sin = rotary_tables(T, D, offset, theta, x.device, tables)
     if _triton_usable(x):
-        from fastweight.layers.rotary_kernel import rotary_triton
+        from fastweight.kernels.rotary import rotary_triton
         return rotary_triton(x, cos, sin)
     key = ("rotary_full", T, D, theta, offset if isinstance(offset, int) else id(offset), x.device)
     if tables is not None and key in tables:

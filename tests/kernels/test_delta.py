@@ -118,20 +118,26 @@ def test_largest_heads(op):
 
 def test_launch_configs():
     """The output backward: 4 warps whenever its value block is under 32 wide (Triton 3.6 faulted on
-    16-wide blocks at 8 warps). The state passes use a value block of 64 everywhere (narrower ones
-    faulted or went wrong on the H200), less prefetching where the tiles are large: the configurations that fit the H200's shared memory when compiled for sm_90
-    (docs/bench/delta.md)."""
+    16-wide blocks at 8 warps). The delta state passes use a value block of 64 everywhere (narrower
+    ones faulted or went wrong on the H200), less prefetching where the tiles are large: the
+    configurations that fit the H200's shared memory when compiled for sm_90 (docs/bench/delta.md)."""
     from fastweight.kernels import output, state
-    assert state._bv() == 64 and state._bv(32) == 32
+    assert state.launch_config("delta", 128, 128, 2)[1] == 64
+    assert state.launch_config("delta", 128, 128, 2, block_v=32)[1] == 32
     for K, V, itemsize in itertools.product((16, 64, 128, 256), (16, 32, 64, 512), (2, 4)):
         BV, warps, stages = output.launch_config(K, V, itemsize)
         assert BV == min(64, V) and (BV >= 32 or warps == 4)
-        warps, stages = state.launch_config(K, 64, itemsize)
+        BK, BV, warps, stages = state.launch_config("delta", K, V, itemsize)
+        assert BK == K and BV == 64
         assert warps == (8 if K == 256 else 4) and (K * itemsize <= 256 or stages == 1)
-        assert state.launch_config(K, 64, itemsize, per_channel_bwd=True) == (8 if K >= 128 else 4, stages)
+        per_channel = state.launch_config("delta", K, V, itemsize, backward=True, per_channel=True)
+        assert per_channel[2:] == (8 if K >= 128 else 4, stages)
+        assert state.launch_config("decay", K, V, itemsize)[:2] == (64, 64)
     assert output.launch_config(256, 512, 2)[2] == 2 and output.launch_config(128, 512, 4)[2] == 1
     assert output.launch_config(128, 128, 2)[1:] == (8, 3)     # the H200-timed configuration
-    assert state.launch_config(128, 32, 2) == (4, 2)
+    assert state.launch_config("delta", 128, 32, 2, block_v=32)[2:] == (4, 2)
+    with pytest.raises(ValueError, match="transition"):
+        state.launch_config("householder", 64, 64, 2)
 
 
 def test_no_initial_state_odd_dims():
@@ -297,7 +303,8 @@ def test_flags():
     """The delta family's chunk kernels read q, k at H heads and (but Longhorn's) fuse the q/k L2 norm."""
     from fastweight.mechanisms import OPS
     delta = [op for op in OPS.values() if op.family == "delta"]
-    assert [op.name for op in delta] == ["delta_rule", "gated_delta_rule", "kda", "comba", "longhorn"]
+    assert [op.name for op in delta] == ["delta_rule", "gated_delta_rule", "gated_delta_product", "kda", "comba",
+                                       "longhorn"]
     for op in delta:
         assert op.triton_chunk.grouped_heads and op.triton_chunk.fused_l2norm == (op.beta != "positive"), op.name
         assert op.triton_chunk.fused_gate == op.gate_in_kernel, op.name

@@ -11,7 +11,7 @@ from fastweight.chunk.solve_tril import solve_unit_lower
 from fastweight.dispatch import l2norm as l2norm_reference
 from fastweight.kernels import common
 from fastweight.kernels.common import prepare_chunks
-from fastweight.kernels.cumsum import chunk_local_cumsum
+from fastweight.kernels.cumsum import chunk_cumsum
 from fastweight.kernels.intra import intra_bwd, intra_fwd
 from fastweight.kernels.kkt_solve import kkt_solve, solve
 from fastweight.kernels.l2norm import l2norm
@@ -54,7 +54,7 @@ def test_cumsum_varlen_scalar_and_vector(reverse):
     for g in (torch.randn(1, T, H), torch.randn(1, T, H, 5)):
         want = torch.cat([torch.cat([c.flip(1).cumsum(1).flip(1) if reverse else c.cumsum(1)
                                      for c in g[:, a:b].split(64, 1)], 1) for a, b in ((0, 37), (37, 100))], 1)
-        assert rel_err(chunk_local_cumsum(g, ch, reverse=reverse), want) < 1e-6
+        assert rel_err(chunk_cumsum(g, ch, reverse=reverse), want) < 1e-6
 
 
 @pytest.mark.parametrize("read_key", [False, True])
@@ -62,7 +62,7 @@ def test_kkt_solve(read_key):
     """Ai = (I + strictLower(Diag(beta) (R K^T * Gamma)))^{-1}; R = k, or Comba's p with the exclusive gate."""
     q, k, p, beta, g, _ = inputs()
     ch = prepare_chunks(None, 1, T, 64, "cpu")
-    g_cum = chunk_local_cumsum(g, ch)
+    g_cum = chunk_cumsum(g, ch)
     G = local_cumsum(chunked(g))
     if read_key:
         Ai = kkt_solve(k, beta, g_cum, ch, p=p, g_read=g_cum - g)
@@ -80,7 +80,7 @@ def test_kkt_solve(read_key):
 def test_intra_and_solve_per_channel_gate():
     q, k, _, beta, _, gk = inputs(1)
     ch = prepare_chunks(None, 1, T, 64, "cpu")
-    G_kernel = chunk_local_cumsum(gk, ch)
+    G_kernel = chunk_cumsum(gk, ch)
     Aqk, Akk = intra_fwd(q, k, G_kernel, ch)
     G = local_cumsum(chunked(gk))
     want_qk = decayed_scores(chunked(q), chunked(k), G, G)
@@ -97,7 +97,7 @@ def test_intra_backward():
     """intra_bwd is the VJP of (Aqk, Akk) with respect to q, k and the cumsum G."""
     q, k, _, _, _, gk = inputs(2)
     ch = prepare_chunks(None, 1, T, 64, "cpu")
-    G_kernel = chunk_local_cumsum(gk, ch)
+    G_kernel = chunk_cumsum(gk, ch)
     qd, kd, Gd = (chunked(x).requires_grad_() for x in (q, k, G_kernel))
     want_qk = decayed_scores(qd, kd, Gd, Gd)
     want_kk = decayed_scores(kd, kd, Gd, Gd, strict=True)

@@ -262,7 +262,10 @@ def _check(op, inputs, *, dtype=torch.float32, initial_state=None, cu_seqlens=No
 # The interpreter runs ~100 token steps a second: shapes are the smallest that still cover
 # several heads and batches, an odd length, and a V split across programs.
 
-@pytest.mark.parametrize("op", ops.OPS)
+# every op whose token is one step of the generic recurrence; an op whose token takes several
+# (Gated DeltaProduct: Op.dplr_steps) runs another op's kernel over the expanded sequence and is
+# checked against its own reference in tests/mechanisms/test_gated_deltaproduct.py
+@pytest.mark.parametrize("op", [name for name, op in mechanisms.OPS.items() if op.dplr_steps is None])
 def test_op_matches_definition(op):
     gen = generator()
     B, T, H, K, V = 1, 33, 2, 16, 16

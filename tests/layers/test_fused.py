@@ -66,7 +66,7 @@ def norm_reference(x, gate, w, eps, act):
 
 @pytest.mark.parametrize("D,act", [(128, "silu"), (96, "sigmoid"), (64, "identity"), (200, None), (1024, None)])
 def test_gated_norm_kernel_matches_its_definition(D, act):
-    from fastweight.layers.norm_kernel import gated_rms_norm
+    from fastweight.kernels.norm import gated_rms_norm
     gen = generator()
     x = torch.randn(3, 7, 2, D, generator=gen, requires_grad=True)
     gate = torch.randn(3, 7, 2, D, generator=gen, requires_grad=True) if act else None
@@ -167,7 +167,7 @@ def test_rotary_kernel_matches_the_pytorch_form(offset, monkeypatch):
 
 def test_swiglu_kernel_matches_its_definition(monkeypatch):
     from fastweight.layers import common
-    from fastweight.layers.swiglu_kernel import swiglu
+    from fastweight.kernels.swiglu import swiglu
     gen = generator()
     a, b = (torch.randn(3, 5, 700, generator=gen, requires_grad=True) for _ in range(2))
     ref = F.silu(a.double()) * b.double()
