@@ -433,6 +433,27 @@ class _RWKV7Mixer(Mixer):
     def __init__(self, cfg):
         Mixer.__init__(self)
 
+    def _make_parameters(self, D: int, H: int, V: int, ranks: dict, first: bool, eps: float):
+        """The parameters (zeros, as fla's layer before its init): ``D`` wide, ``H`` heads, value
+        width ``V``, LoRA ranks ``ranks`` (w, a, v, g); no ``v_lora`` when ``first``; ``eps`` the GroupNorm's."""
+        from fastweight.layers.common import LowRank, TokenShift
+        K = D // H
+        self.shift_x = TokenShift()
+        for c in "rwkvag":
+            setattr(self, f"x_{c}", nn.Parameter(torch.zeros(1, 1, D)))
+        self.k_k = nn.Parameter(torch.zeros(D))
+        self.k_a = nn.Parameter(torch.zeros(D))
+        self.r_k = nn.Parameter(torch.zeros(H, K))
+        self.r_proj = nn.Linear(D, D, bias=False)
+        self.k_proj = nn.Linear(D, D, bias=False)
+        self.v_proj = nn.Linear(D, V, bias=False)
+        self.o_proj = nn.Linear(V, D, bias=False)
+        self.w_lora = LowRank(D, ranks["w"], D, activation="tanh", bias=True)
+        self.v_lora = None if first else LowRank(D, ranks["v"], V, activation=None, bias=True)
+        self.a_lora = LowRank(D, ranks["a"], D, activation=None, bias=True)
+        self.g_lora = LowRank(D, ranks["g"], V, activation="sigmoid", bias=False)
+        self.g_norm = nn.GroupNorm(H, V, eps=eps, affine=True)
+
     def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
         H = self.num_heads
         xx = self.shift(self.shift_x, x, cache, shared) - x
@@ -440,7 +461,7 @@ class _RWKV7Mixer(Mixer):
         r, k, v = self.r_proj(xr), self.k_proj(xk), self.v_proj(xv)
         w = -EXP_MINUS_HALF * torch.sigmoid(at_least_fp32(self.w_lora(xw)))
         if self.v_lora is None:
-            shared["_out"]["v_first"] = v
+            shared.get("_out", shared)["v_first"] = v
         elif shared.get("v_first") is None:
             raise ValueError(f"RWKV7Attention (layer_idx {self.layer_idx}): `v_first` (layer 0's value) is required")
         else:
@@ -487,7 +508,6 @@ class RWKV7Attention(_FlaLayer, _RWKV7Mixer):
                  v_low_rank_dim: int | None = None, elementwise_affine: bool | None = True, norm_eps: float = 1e-5,
                  layer_idx: int | None = None, fuse_norm: bool = False, value_dim: int | None = None,
                  num_hidden_layers: int | None = None, **kwargs):
-        from fastweight.layers.common import LowRank, TokenShift
         if head_dim is None and num_heads is None:
             raise ValueError("RWKV7Attention: one of `head_dim` or `num_heads` must be given")
         H = hidden_size // head_dim if head_dim is not None else num_heads
@@ -508,22 +528,7 @@ class RWKV7Attention(_FlaLayer, _RWKV7Mixer):
         self.v_low_rank_dim, self.gate_low_rank_dim = ranks["v"], ranks["g"]
         self.key_dim, self.value_dim, self.fuse_norm, self.num_hidden_layers = hidden_size, value_dim, fuse_norm, \
             num_hidden_layers
-        self.shift_x = TokenShift()
-        for c in "rwkvag":
-            setattr(self, f"x_{c}", nn.Parameter(torch.zeros(1, 1, hidden_size)))
-        self.k_k = nn.Parameter(torch.zeros(hidden_size))
-        self.k_a = nn.Parameter(torch.zeros(hidden_size))
-        self.r_k = nn.Parameter(torch.zeros(H, K))
-        self.r_proj = nn.Linear(hidden_size, hidden_size, bias=False)
-        self.k_proj = nn.Linear(hidden_size, hidden_size, bias=False)
-        self.v_proj = nn.Linear(hidden_size, value_dim, bias=False)
-        self.o_proj = nn.Linear(value_dim, hidden_size, bias=False)
-        self.w_lora = LowRank(hidden_size, ranks["w"], hidden_size, activation="tanh", bias=True)
-        self.v_lora = None if layer_idx == 0 else LowRank(hidden_size, ranks["v"], value_dim, activation=None,
-                                                          bias=True)
-        self.a_lora = LowRank(hidden_size, ranks["a"], hidden_size, activation=None, bias=True)
-        self.g_lora = LowRank(hidden_size, ranks["g"], value_dim, activation="sigmoid", bias=False)
-        self.g_norm = nn.GroupNorm(H, value_dim, eps=K * norm_eps, affine=True)
+        self._make_parameters(hidden_size, H, value_dim, ranks, layer_idx == 0, K * norm_eps)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 past_key_values: dict | None = None, use_cache: bool | None = False,
@@ -544,3 +549,20 @@ class RWKV7Attention(_FlaLayer, _RWKV7Mixer):
         if kwargs.get("v_first") is not None:
             shared["v_first"] = kwargs["v_first"]
         return shared
+
+
+class RWKV7OfficialTimeMix(_RWKV7Mixer):
+    """The LM's mixer under ``LMConfig(rwkv7_official=True)``: the official RWKV-7 time mixing
+    (RWKV7Attention's computation, the LM's call convention; layer ``layer_idx`` 0 writes the value
+    residual's ``v_first`` into ``shared``, the later layers read it). The GroupNorm's eps is
+    ``64 * norm_eps`` (the official 64e-5 at 1e-5, whatever the head size)."""
+
+    def __init__(self, cfg, layer_idx: int):
+        _RWKV7Mixer.__init__(self, cfg)
+        self.recurrent_threshold = cfg.recurrent_threshold
+        self.num_heads, self.layer_idx = cfg.n_heads, layer_idx
+        self._make_parameters(cfg.d_model, cfg.n_heads, cfg.n_heads * cfg.head_v_dim,
+                              dict(zip("wavg", cfg.rwkv7_lora_ranks)), layer_idx == 0, 64 * cfg.norm_eps)
+
+    def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
+        return super().forward(x, cache, {} if shared is None else shared)

@@ -121,13 +121,14 @@ class RWKV7TimeMix(Mixer):
 class ChannelMix(nn.Module):
     """RWKV channel mixing (the MLP of RWKV blocks): W_v relu(W_k x^k)^2 [* sigmoid(W_r x^r)]."""
 
-    def __init__(self, cfg, receptance: bool = False):
+    def __init__(self, cfg, receptance: bool = False, width: int | None = None):
         super().__init__()
         D = cfg.d_model
+        width = width or 4 * D
         self.shift_x = TokenShift()
         self.mu_k = nn.Parameter(torch.rand(D))
-        self.key = nn.Linear(D, 4 * D, bias=False)
-        self.value = nn.Linear(4 * D, D, bias=False)
+        self.key = nn.Linear(D, width, bias=False)
+        self.value = nn.Linear(width, D, bias=False)
         self.mu_r = nn.Parameter(torch.rand(D)) if receptance else None
         self.receptance = nn.Linear(D, D, bias=False) if receptance else None
 

@@ -22,7 +22,15 @@ class LMConfig:
     Mamba-2's state size); values have ``expand_v * head_dim`` per head; attention heads have
     ``d_model // n_heads``. ``n_v_heads``: the delta-rule mixers' value heads (grouped value
     attention, as Qwen3-Next's Gated DeltaNet: ``n_v_heads / n_heads`` value heads share each
-    query/key head, each with its own state, beta, decay and output gate); None = ``n_heads``."""
+    query/key head, each with its own state, beta, decay and output gate); None = ``n_heads``.
+
+    ``rwkv7_official``: the official RWKV-7 (``RWKV_x070``, BlinkDL/RWKV-LM) architecture, with
+    ``mixer="rwkv7"`` in every layer: LayerNorm (eps ``norm_eps``) in place of every RMSNorm, one
+    more LayerNorm on the embeddings (the official ``ln0``), the official time mixing
+    (``fastweight.layers.fla_layers.RWKV7Attention``'s computation: a GroupNorm ``ln_x`` per head
+    with eps ``64 * norm_eps``, the official 64e-5 at 1e-5, and ``rwkv7_ranks`` = the LoRA ranks
+    of w, a, v, g; None: the official suggestions from ``d_model``) and the channel mix of width
+    ``intermediate_size`` (None: ``4 * d_model``)."""
 
     vocab_size: int = 32000
     d_model: int = 1024
@@ -46,6 +54,8 @@ class LMConfig:
     tie_embeddings: bool = True
     initializer_range: float = 0.02
     recurrent_threshold: int = 64
+    rwkv7_official: bool = False
+    rwkv7_ranks: tuple | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "conv_size", "window_size",
@@ -84,11 +94,41 @@ class LMConfig:
                              f"{grouped} take n_heads value heads")
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        self._check_rwkv7_official()
         if self.head_dim < 1 or self.head_dim % 2:
             raise ValueError(f"LMConfig.head_dim must be a positive even int, got {self.head_dim}")
         if self.expand_v <= 0 or self.head_v_dim != self.head_dim * self.expand_v:
             raise ValueError(f"LMConfig.expand_v * head_dim must be a positive int, "
                              f"got {self.expand_v} * {self.head_dim}")
+
+    def _check_rwkv7_official(self):
+        if not isinstance(self.rwkv7_official, bool):
+            raise ValueError(f"LMConfig.rwkv7_official must be a bool, got {self.rwkv7_official!r}")
+        if self.rwkv7_ranks is not None:
+            ranks = self.rwkv7_ranks
+            if not isinstance(ranks, (tuple, list)) or len(ranks) != 4 or any(
+                    not isinstance(r, int) or isinstance(r, bool) or r < 1 for r in ranks):
+                raise ValueError(f"LMConfig.rwkv7_ranks must be None or 4 positive ints (w, a, v, g), got {ranks!r}")
+            object.__setattr__(self, "rwkv7_ranks", tuple(ranks))
+            if not self.rwkv7_official:
+                raise ValueError("LMConfig.rwkv7_ranks is for rwkv7_official=True (the rwkv7 mixer has lora_rank)")
+        if not self.rwkv7_official:
+            return
+        if self.pattern != ("rwkv7",):
+            raise ValueError(f"LMConfig.rwkv7_official needs mixer='rwkv7' (every layer), got {self.mixer!r}")
+        if self.n_heads * self.head_dim != self.d_model:
+            raise ValueError(f"LMConfig.rwkv7_official: n_heads * head_dim ({self.n_heads} * {self.head_dim}) "
+                             f"must be d_model ({self.d_model})")
+
+    @property
+    def rwkv7_lora_ranks(self) -> tuple:
+        """The LoRA ranks (w, a, v, g) of the official RWKV-7 time mixing: ``rwkv7_ranks``, else the
+        official suggestions (1.8, 1.8, 1.3 sqrt(d_model) and 0.6 d_model^0.8, to a multiple of 32, >= 32)."""
+        if self.rwkv7_ranks is not None:
+            return self.rwkv7_ranks
+        D = self.d_model
+        return tuple(max(32, int(round(x / 32) * 32)) for x in (1.8 * D ** 0.5, 1.8 * D ** 0.5, 1.3 * D ** 0.5,
+                                                                  0.6 * D ** 0.8))
 
     @property
     def pattern(self) -> tuple:

@@ -6,6 +6,7 @@
 
     fastweight convert SRC DST                      # an fla folder -> a fastweight (transformers) folder,
                                                     # or a fastweight folder -> fla's format
+    fastweight convert SRC.pth DST                  # an official RWKV-7 .pth -> fastweight (convert_rwkv.py)
 
 fla's models and ours have the same blocks (pre-norm mixer, pre-norm SwiGLU MLP, final RMSNorm, an
 optionally tied head): the tensors are the same, only their names differ. The model-level names
@@ -278,24 +279,38 @@ def save_fla(model: LanguageModel, path: str) -> None:
 
 
 def convert(src: str, dst: str) -> str:
-    """Convert the folder ``src`` into ``dst``: an fla folder into fastweight's (transformers'
-    ``FastweightForCausalLM`` format), a fastweight folder into fla's. Returns the direction."""
+    """Convert ``src`` into ``dst``: an fla folder or an official RWKV-7 ``.pth``
+    (:mod:`fastweight.models.convert_rwkv`) into a fastweight folder (transformers'
+    ``FastweightForCausalLM`` format), a fastweight folder into fla's (or, for an
+    ``LMConfig(rwkv7_official=True)`` model, into an official ``.pth``). Returns the direction."""
+    from fastweight.models import convert_rwkv
+    from fastweight.models.hf import FastweightForCausalLM
+    if os.path.isfile(src) and src.endswith(".pth"):
+        model = convert_rwkv.load_rwkv7(src)
+        hf = FastweightForCausalLM.from_language_model(model).to(next(model.parameters()).dtype)
+        hf.save_pretrained(dst)
+        return "RWKV-7 .pth -> fastweight"
     config, state = read_folder(src)
     if config.get("model_type") == "fastweight":
-        from fastweight.models.hf import FastweightForCausalLM
-        save_fla(FastweightForCausalLM.from_pretrained(src).model, dst)
+        model = FastweightForCausalLM.from_pretrained(src).model
+        if model.cfg.rwkv7_official:
+            if not dst.endswith(".pth"):
+                raise ValueError(f"an official RWKV-7 model converts to a .pth file; got DST {dst!r}")
+            convert_rwkv.save_rwkv7(model, dst)
+            return "fastweight -> RWKV-7 .pth"
+        save_fla(model, dst)
         return "fastweight -> fla"
-    from fastweight.models.hf import FastweightForCausalLM
     FastweightForCausalLM.from_language_model(from_fla(config, state)).save_pretrained(dst)
     return f"fla {config.get('model_type')} -> fastweight"
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("convert", help="checkpoints between fla's format and fastweight's",
+    parser = subparsers.add_parser("convert", help="checkpoints between fla's (or official RWKV-7's) format and "
+                                   "fastweight's",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("src", help="a model folder: fla's (config.json model_type among "
-                        f"{', '.join(FLA_MODELS)}) or fastweight's")
-    parser.add_argument("dst", help="the output folder")
+                        f"{', '.join(FLA_MODELS)}) or fastweight's; or an official RWKV-7 .pth")
+    parser.add_argument("dst", help="the output folder (a .pth file for a fastweight RWKV-7 of the official form)")
     parser.set_defaults(func=_run)
     return parser
 

@@ -170,7 +170,7 @@ class FastweightForCausalLM(PreTrainedModel, GenerationMixin):
             tensors = todo(block.named_parameters())
             if tensors:
                 with torch.device("cpu"):
-                    fresh = Block(self.model.cfg, block.mixer_name)
+                    fresh = Block(self.model.cfg, block.mixer_name, block.layer_idx)
                 fresh.apply(self.model._init_weights)
                 for name, t in tensors:
                     t.copy_(fresh.get_parameter(name))
@@ -179,9 +179,9 @@ class FastweightForCausalLM(PreTrainedModel, GenerationMixin):
             if isinstance(module, (nn.Embedding, nn.Linear)):
                 for name, t in tensors:
                     nn.init.zeros_(t) if name == "bias" else nn.init.normal_(t, std=self.model.cfg.initializer_range)
-            elif isinstance(module, RMSNorm):
-                for _, t in tensors:
-                    nn.init.ones_(t)
+            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+                for name, t in tensors:
+                    nn.init.zeros_(t) if name == "bias" else nn.init.ones_(t)
             elif tensors:
                 raise TypeError(f"no initialisation for the tensors {[name for name, _ in tensors]} of a "
                                 f"{type(module).__name__} outside the model's blocks")

@@ -6,6 +6,10 @@
                                           none after Mamba-2, whose block is the mixer alone)
     logits = RMSNorm(h) Embed^T          (tied embeddings)
 
+``LMConfig(rwkv7_official=True)`` is the official RWKV-7 (``RWKV_x070``): LayerNorm for every
+RMSNorm, h_0 = LayerNorm(Embed(ids)) (the official ``ln0``), the official time mixing
+(``fastweight.layers.fla_layers.RWKV7OfficialTimeMix``) and channel mix.
+
 Generation keeps a :class:`Cache`: per layer the recurrent state, the short-conv inputs,
 the token-shift input and the attention keys/values (a window of W for SWA). For every
 linear mixer its size does not depend on the number of tokens seen.
@@ -43,13 +47,24 @@ class Cache:
                     layer[name] = t.index_select(0, index.to(t.device))
 
 
+def build_norm(cfg: LMConfig) -> nn.Module:
+    """The model's norm: RMSNorm, or LayerNorm for the official RWKV-7 (``cfg.rwkv7_official``)."""
+    return nn.LayerNorm(cfg.d_model, cfg.norm_eps) if cfg.rwkv7_official else RMSNorm(cfg.d_model, cfg.norm_eps)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: LMConfig, mixer: str):
+    def __init__(self, cfg: LMConfig, mixer: str, layer_idx: int | None = None):
         super().__init__()
-        self.mixer_name = mixer
-        self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = build_mixer(mixer, cfg)
+        self.mixer_name, self.layer_idx = mixer, layer_idx
+        self.mixer_norm = build_norm(cfg)
         self.mlp_norm = self.mlp = None
+        if cfg.rwkv7_official:
+            from fastweight.layers.fla_layers import RWKV7OfficialTimeMix
+            from fastweight.layers.rwkv import ChannelMix
+            self.mixer = RWKV7OfficialTimeMix(cfg, layer_idx)
+            self.mlp_norm, self.mlp = build_norm(cfg), ChannelMix(cfg, width=cfg.intermediate_size)
+            return
+        self.mixer = build_mixer(mixer, cfg)
         if mixer in ("rwkv6", "rwkv7"):
             from fastweight.layers.rwkv import ChannelMix
             self.mlp_norm, self.mlp = RMSNorm(cfg.d_model, cfg.norm_eps), ChannelMix(cfg, receptance=mixer == "rwkv6")
@@ -72,8 +87,9 @@ class LanguageModel(nn.Module):
             raise TypeError(f"`cfg` must be an LMConfig, got {type(cfg).__name__}")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, m) for m in cfg.mixers)
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.embed_norm = build_norm(cfg) if cfg.rwkv7_official else None
+        self.blocks = nn.ModuleList(Block(cfg, m, i) for i, m in enumerate(cfg.mixers))
+        self.norm = build_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(self._init_weights)
         if cfg.tie_embeddings:
@@ -122,6 +138,8 @@ class LanguageModel(nn.Module):
             ctx = ContextGroup(None if context_parallel is True else context_parallel)
             shared.update(context_parallel=ctx, offset=ctx.start(input_ids.shape[1]))
         x = self.embed(input_ids)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache.layers[i], shared)
         if cache is not None:
