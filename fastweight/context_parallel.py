@@ -53,6 +53,16 @@ REFUSED = {"reverse": False, "state_v_first": False, "gv": None, "cp_context": N
            "cu_seqlens_cpu": None}
 
 
+def _substep_op(op) -> bool:
+    """Whether ``op`` (a ``fastweight.ops`` function) is one whose token takes several DPLR steps."""
+    from fastweight.mechanisms import OPS
+    for prefix in ("chunk_", "fused_recurrent_"):
+        name = op.__name__[len(prefix):] if op.__name__.startswith(prefix) else None
+        if name in OPS:
+            return OPS[name].dplr_steps is not None
+    return False
+
+
 def _bind(op, args, kwargs) -> dict:
     """The op's arguments by name (its defaults filled in, ``**kwargs`` flattened)."""
     sig = inspect.signature(op)
@@ -157,11 +167,15 @@ def context_parallel(op, *args, group=None, **kwargs):
     every rank, over sum_r T_r tokens). ``initial_state`` [N, HV, K, V] and the per-head
     parameters are the same on every rank. ``group``: the process group (default: the world), or
     a :class:`ContextGroup` shared by the calls of one forward pass.
-    Every rank needs at least one token. Not supported: ``reverse``, ``state_v_first``, ``gv``,
+    Every rank needs at least one token. Not supported: Gated DeltaProduct (several steps a token),
+    ``reverse``, ``state_v_first``, ``gv``,
     fla's ``cp_context``/``chunk_indices`` (this is the context parallelism).
 
     Example, under ``torchrun --nproc-per-node 4``: each rank passes its quarter of the tokens,
     ``o, S = context_parallel(ops.chunk_gated_delta_rule, q, k, v, g, beta, output_final_state=True)``."""
+    if _substep_op(op):
+        raise ValueError(f"context_parallel does not support {op.__name__}: its tokens take several steps "
+                         "(k, v, beta at T * n rows) and the ranks' segments are cut in tokens")
     ctx = group if isinstance(group, ContextGroup) else ContextGroup(group)
     x = _bind(op, args, kwargs)
     for name, default in REFUSED.items():

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 
 from fastweight import fuzz, ops
 from fastweight.context_parallel import REPLICATED, context_parallel
+from fastweight.mechanisms import OPS
 
 # (segment sizes, packed lengths) per world size; sums are equal
 LAYOUTS = {2: ([43, 57], [30, 0, 45, 1, 24]), 4: ([25, 25, 25, 25], [70, 0, 5, 1, 24])}
@@ -30,9 +31,13 @@ UNIFORM = {2: [37, 40], 4: [17, 20, 1, 33]}
 TOL = {"fp64": 1e-11, "fp32": 1e-5}
 
 
+# every op whose token is one step; context_parallel refuses the others (test_refusals_name_the_argument)
+CP_OPS = [name for name, op in OPS.items() if op.dplr_steps is None]
+
+
 def _cases(world):
     sizes, lengths = LAYOUTS[world]
-    for op in ops.OPS:
+    for op in CP_OPS:
         for mode in fuzz.MODES:
             base = fuzz.draw("ci", op, fuzz.case_seed(7, op, mode), mode, "torch", "fp64")
             opts = dict(base.options)
@@ -114,7 +119,7 @@ def test_matches_one_process(world, dtype, tmp_path):
     out = tmp_path / "errors.json"
     mp.spawn(_worker, args=(world, _port(), str(out), dtype), nprocs=world, join=True)
     errors = json.loads(out.read_text())
-    assert len(errors) == 4 * len(ops.OPS) - 4 * sum(not hasattr(ops, f"fused_recurrent_{o}") for o in ops.OPS)
+    assert len(errors) == 4 * len(CP_OPS) - 4 * sum(not hasattr(ops, f"fused_recurrent_{o}") for o in CP_OPS)
     bad = {case: {f: e for f, e in fields.items() if not e < TOL[dtype]} for case, fields in errors.items()}
     bad = {case: fields for case, fields in bad.items() if fields}
     worst = max((e, f"{c} {f}") for c, fields in errors.items() for f, e in fields.items())
@@ -133,6 +138,11 @@ def _refusal_worker(rank, world, port, out):
             context_parallel(ops.fused_recurrent_linear_attn, q, k, v, **kwargs)
         except ValueError as e:
             messages.append(str(e))
+    x = torch.randn(1, 16, 1, 4)
+    try:
+        context_parallel(ops.chunk_gated_delta_product, q, x, x, torch.zeros(1, 8, 1), torch.ones(1, 16, 1), 2)
+    except ValueError as e:
+        messages.append(str(e))
     if rank == 0:
         json.dump(messages, open(out, "w"))
     dist.destroy_process_group()
@@ -141,9 +151,10 @@ def _refusal_worker(rank, world, port, out):
 def test_refusals_name_the_argument(tmp_path):
     out = tmp_path / "messages.json"
     mp.spawn(_refusal_worker, args=(2, _port(), str(out)), nprocs=2, join=True)
-    reverse, cu = json.loads(out.read_text())
+    reverse, cu, steps = json.loads(out.read_text())
     assert "`reverse`" in reverse
     assert "cu_seqlens" in cu and "16 tokens" in cu
+    assert "chunk_gated_delta_product" in steps and "several steps" in steps
 
 
 def test_needs_a_process_group():

@@ -25,7 +25,8 @@ from fastweight.reference.recurrence import compute_dtype
 
 
 def attention_map(mechanism, inputs: dict, scale: float | None = None, chunk_size: int = 64) -> torch.Tensor:
-    """The attention map A [B, H, T, T] of ``mechanism`` on ``inputs``: A @ V is its output.
+    """The attention map A [B, H, T, T] of ``mechanism`` on ``inputs``: A @ V is its output
+    ([B, H, T, T * n] for a mechanism whose token takes n DPLR steps, V then its T * n values).
 
     mechanism: a registry name or a :class:`fastweight.mechanisms.Mechanism`; inputs: as its
     ``sample`` returns them (``[B, T, H, ...]``). ``scale`` defaults to K ** -0.5 as the
@@ -38,8 +39,11 @@ def attention_map(mechanism, inputs: dict, scale: float | None = None, chunk_siz
 
     mech = get(mechanism) if isinstance(mechanism, str) else mechanism
     d = mech.to_dplr(inputs)
-    return dplr_attention_map(d["q"], d["k"], d.get("a"), d.get("b"), d.get("gk"), u=d.get("u"),
-                              scale=scale, chunk_size=chunk_size)
+    A = dplr_attention_map(d["q"], d["k"], d.get("a"), d.get("b"), d.get("gk"), u=d.get("u"), scale=scale,
+                           chunk_size=chunk_size)
+    n = mech.steps(inputs)
+    # a token of n steps (Gated DeltaProduct) reads the state after its last: [B, H, T, T * n]
+    return A if n == 1 else A[:, :, n - 1::n]
 
 
 def dplr_attention_map(q, k, a=None, b=None, gk=None, *, u=None, scale: float | None = None,

@@ -20,8 +20,10 @@ def test_map_reproduces_recurrent_output(name, T):
     x = mech.sample(2, T, 2, 16, 8, dtype=torch.float64, device="cpu", generator=generator())
     A = attention_map(name, x, scale=0.3)
     o, _ = mech.recurrent(x, scale=0.3)
-    assert A.shape == (2, 2, T, T)
-    assert torch.equal(A.triu(1), torch.zeros_like(A))
+    n = mech.steps(x)   # DPLR steps a token (Gated DeltaProduct: each token's values at n rows)
+    assert A.shape == (2, 2, T, T * n)
+    future = torch.arange(T * n)[None, :] > n * torch.arange(T)[:, None] + n - 1
+    assert torch.equal(A[..., future], torch.zeros_like(A[..., future]))
     assert rel_err(apply(A, mech.to_dplr(x)["v"]), o) <= 1e-10
 
 
