@@ -13,10 +13,11 @@ three kinds, and each is handled here the same way for every op:
   call then reads nothing from the device);
 - accepted without effect on the result: ``chunk_indices`` (fla's precomputed chunk
   bookkeeping; ours is built from the host copy of ``cu_seqlens``), ``disable_recompute`` (a
-  memory/speed trade-off in fla's kernels), ``chunk_size`` of 64 (ours), the deprecated
+  memory/speed trade-off in fla's kernels), ``chunk_size`` of 64 (ours), ``safe_gate`` and
+  ``lower_bound`` on the DPLR / RWKV-7 chunk ops (:func:`gate_bound`), the deprecated
   ``transpose_state_layout`` (``state_v_first``, with fla's DeprecationWarning);
 - refused with a ValueError naming the option unless left at its default: ``cp_context``
-  (context parallelism), ``safe_gate``, ``lower_bound``, ``gv``, ``chunk_size``
+  (context parallelism), KDA's ``safe_gate`` and ``lower_bound`` (there they change the gate), ``gv``, ``chunk_size``
   other than 64, ``return_intermediate_states``, ``use_graph``, ``max_num_seqs``; ``head_first``
   raises fla's own DeprecationWarning error. Any other keyword is a TypeError (fla ignores
   unknown keywords silently; a typo here must not be).
@@ -37,6 +38,24 @@ def refuse(op: str, **options):
         if value is not default and value != default:
             raise ValueError(f"`{name}={value!r}` is not supported by fastweight's {op} (fla 0.6.0 option); "
                              f"leave it at {default!r}")
+
+
+def gate_bound(op: str, safe_gate, lower_bound) -> None:
+    """fla's ``safe_gate`` / ``lower_bound`` on the DPLR and RWKV-7 chunk ops: accepted, no effect.
+
+    In fla 0.6.0 (``fla/ops/generalized_delta_rule/dplr/chunk.py``) both only pick kernel numerics:
+    ``safe_gate=True``, or a ``lower_bound`` with ``gate_bound_is_safe``, selects the tensor-core
+    A-stage that factors ``exp(G_i - G_j)`` around the chunk's midpoint (the caller promises
+    ``lower_bound <= gk < 0``; nothing is clamped, and ``lower_bound`` chooses chunk size 64). The
+    recurrence computed is the same. fastweight's DPLR kernels factor a chunk only when its own
+    gates span less than ``SAFE_SPAN`` and otherwise take a path whose exponents are all <= 0
+    (``fastweight.kernels.dplr``), so no promise is needed and the result equals the call without
+    these options. As fla, a ``lower_bound`` that is not negative is a ValueError."""
+    if not isinstance(safe_gate, bool):
+        raise ValueError(f"`safe_gate={safe_gate!r}` for fastweight's {op}: it must be a bool")
+    if lower_bound is not None and not lower_bound < 0:
+        raise ValueError(f"`lower_bound={lower_bound!r}` for fastweight's {op}: it must be negative "
+                         f"(gk is a log-decay < 0)")
 
 
 def extra_kwargs(op: str, kwargs: dict, state_v_first: bool = False, allowed=()) -> tuple[dict, bool]:

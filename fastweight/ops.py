@@ -552,10 +552,14 @@ def chunk_dplr_delta_rule(q, k, v, a, b, gk, scale=None, initial_state=None, out
     the write direction: the core's (a, b) are fla's (b, a).
 
     q, k, a, b, gk (log decay, <= 0): [B, T, H, K]; v: [B, T, HV, V]. Returns (o, final state or None).
+    ``safe_gate`` and ``lower_bound`` (the caller's promise ``lower_bound <= gk < 0``) are accepted
+    and change nothing: in fla they only license its tensor-core factorisation of a chunk's decays;
+    ours decide that per chunk from the gates themselves (``fastweight.kernels.dplr``), so the result
+    is the same with or without them (``fla_compat.gate_bound``).
     """
     fla_compat.extra_kwargs("chunk_dplr_delta_rule", dict(kwargs, chunk_size=chunk_size))
-    fla_compat.refuse("chunk_dplr_delta_rule", safe_gate=(safe_gate, False), cp_context=(cp_context, None),
-                      lower_bound=(lower_bound, None))
+    fla_compat.refuse("chunk_dplr_delta_rule", cp_context=(cp_context, None))
+    fla_compat.gate_bound("chunk_dplr_delta_rule", safe_gate, lower_bound)
     fla_compat.host_seqlens(cu_seqlens, cu_seqlens_cpu)
     return _dplr("chunk", q, k, v, a, b, gk, scale, initial_state, output_final_state, cu_seqlens, backend)
 
@@ -583,11 +587,13 @@ def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_st
     The layer passes a = -kappa^ (normalised removal key), b = kappa^ * iclr, k = the replacement
     key k~ (``fastweight.mechanisms.rwkv7.to_op`` does this preparation). r, w (log decay, <= 0),
     k, a, b: [B, T, H, K]; v: [B, T, HV, V]. scale defaults to 1.0 here, as fla's chunk_rwkv7.
-    Returns (o [B, T, HV, V], final state [N, HV, K, V] or None).
+    Returns (o [B, T, HV, V], final state [N, HV, K, V] or None). fla's own RWKV7Attention passes
+    ``safe_gate=True, lower_bound=-exp(-1/2), chunk_size=64``: accepted, and the result is the op's
+    without them (they select fla's kernel numerics only; ``chunk_dplr_delta_rule``).
     """
     fla_compat.extra_kwargs("chunk_rwkv7", dict(chunk_size=chunk_size))
-    fla_compat.refuse("chunk_rwkv7", safe_gate=(safe_gate, False), cp_context=(cp_context, None),
-                      lower_bound=(lower_bound, None))
+    fla_compat.refuse("chunk_rwkv7", cp_context=(cp_context, None))
+    fla_compat.gate_bound("chunk_rwkv7", safe_gate, lower_bound)
     fla_compat.host_seqlens(cu_seqlens, cu_seqlens_cpu)
     return _rwkv7("chunk", r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, backend)
 

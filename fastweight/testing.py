@@ -138,11 +138,11 @@ def fla_cpu_patches() -> list:
 
 def _fla_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,
                **numerics):
-    """fla's layer call of chunk_rwkv7; its ``safe_gate``/``lower_bound``/``chunk_size`` choose kernel
-    numerics only (the layer's w is within the bound by construction), so the reference ignores them."""
+    """fla's layer call of chunk_rwkv7, fla's arguments passed on to fastweight's reference op (its
+    ``safe_gate``/``lower_bound``/``chunk_size`` choose kernel numerics only: ``fla_compat.gate_bound``)."""
     from fastweight import ops
     return ops.chunk_rwkv7(r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
-                           backend="reference")
+                           backend="reference", **numerics)
 
 
 def _fla_fused_mul_rwkv7(r, w, k, v, kk, a, scale=1.0, initial_state=None, output_final_state=False,

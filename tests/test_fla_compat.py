@@ -126,11 +126,33 @@ def test_cu_seqlens_cpu_means_no_device_read(monkeypatch):
      "cp_context"),
     (lambda x: ops.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=32), "chunk_size"),
     (lambda x: ops.fused_recurrent_gla(x["q"], x["k"], x["v"], gv=x["v"]), "gv"),
-    (lambda x: ops.chunk_rwkv7(x["q"], x["gk"], x["k"], x["v"], -x["k"], x["k"], lower_bound=-1.0), "lower_bound"),
+    (lambda x: ops.chunk_rwkv7(x["q"], x["gk"], x["k"], x["v"], -x["k"], x["k"], cp_context=object()),
+     "cp_context"),
+    (lambda x: ops.chunk_rwkv7(x["q"], x["gk"], x["k"], x["v"], -x["k"], x["k"], lower_bound=0.0), "lower_bound"),
+    (lambda x: ops.chunk_dplr_delta_rule(x["q"], x["k"], x["v"], -x["k"], x["k"], x["gk"], lower_bound=1.0),
+     "lower_bound"),
 ])
 def test_unsupported_options_are_refused_by_name(call, option):
     with pytest.raises(ValueError, match=f"`{option}="):
         call(_x())
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_dplr_safe_gate_and_lower_bound_change_nothing(backend):
+    """fla's RWKV7Attention calls chunk_rwkv7 with safe_gate=True, lower_bound=-exp(-1/2), chunk_size=64:
+    options of fla's kernel numerics only, so the result is the op's without them (also when the
+    gates break the promised bound: nothing is clamped, in fla or here)."""
+    x = _x()
+    kk = torch.nn.functional.normalize(x["k"], dim=-1)
+    for w in (-0.6065306597126334 * torch.sigmoid(x["gk"]), x["gk"] * 30):
+        fla_args = dict(safe_gate=True, lower_bound=-0.6065306597126334, chunk_size=64)
+        for op, args in ((ops.chunk_rwkv7, (x["q"], w, x["k"], x["v"], -kk, kk * 0.5)),
+                         (ops.chunk_dplr_delta_rule, (x["q"], x["k"], x["v"], -kk, kk * 0.5, w))):
+            want, S = op(*args, output_final_state=True, backend=backend)
+            got, S_got = op(*args, output_final_state=True, backend=backend, **fla_args)
+            assert rel_err(got, want) == 0 and rel_err(S_got, S) == 0
+    with pytest.raises(ValueError, match="`safe_gate="):
+        ops.chunk_rwkv7(x["q"], x["gk"], x["k"], x["v"], -kk, kk, safe_gate="yes")
 
 
 def test_legacy_and_unknown_keywords():

@@ -261,3 +261,26 @@ def test_rwkv7_against_fla_layer(monkeypatch):
             got, want = ours(x, v_first=v_first), theirs(x, v_first=v_first)
         assert rel_err(got[0], want[0]) < 1e-5 and rel_err(got[3], want[3]) < 1e-5
         v_first = want[3]
+
+
+def test_fla_rwkv7_layer_on_our_op(monkeypatch):
+    """fla's RWKV7Attention with its chunk_rwkv7 pointed straight at ``ops.chunk_rwkv7`` (fla's own
+    arguments: safe_gate=True, lower_bound, chunk_size=64) runs and equals our layer."""
+    import functools
+    fla_layers = pytest.importorskip("fla.layers")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("fla's norms and token shift need TRITON_INTERPRET=1 on a CPU")
+    import fla.layers.rwkv7 as fla_rwkv7
+    for owner, name, value in fla_cpu_patches():
+        monkeypatch.setattr(owner, name, value)
+    calls = []
+    op = functools.partial(ops.chunk_rwkv7, backend="torch")
+    monkeypatch.setattr(fla_rwkv7, "chunk_rwkv7", lambda *a, **kw: calls.append(kw) or op(*a, **kw))
+    x = torch.randn(1, 70, 64, generator=generator())
+    ours = _rwkv7(0, torch.float32, num_hidden_layers=2).train()
+    theirs = fla_layers.RWKV7Attention(hidden_size=64, head_dim=16, layer_idx=0, num_hidden_layers=2).train()
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    with torch.no_grad():
+        got, want = ours(x), theirs(x)
+    assert calls and calls[0]["safe_gate"] is True and calls[0]["lower_bound"] < 0
+    assert rel_err(got[0], want[0]) < 1e-5
