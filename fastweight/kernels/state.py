@@ -89,23 +89,27 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, o, h, r, bos, T, boh, i_h, i_k, 
     o_i = tl.arange(0, BT)
     m_row = i_t * BT + o_i < T
     i_hk = i_h // (H // HK)
-    # the chunk's key-wide tiles first, then the state's store
+    # the order of the same operations moves this kernel by up to 30% (H200 A/B, docs/bench/
+    # runs-2026-12-01-s9.md): DPLR stores the state first, then reads k and its gates; the delta
+    # rule and DECAY load the chunk's tiles first, store the state, and read their gates after W S
+    if STORE_H and TRANSITION == DPLR:
+        p_h = _state_block(h, (boh + i_t) * H + i_h, H, K, V, i_k, i_v, BK, BV)
+        tl.store(p_h, b_h.to(p_h.dtype.element_ty), boundary_check=(0, 1))
     if FUSE_OUTPUT:
         b_q = tl.load(_rows(q, bos, T, i_t, HK, i_hk, K, 0, BT, BK), boundary_check=(0, 1))
     b_k = tl.load(_rows(k, bos, T, i_t, HK, i_hk, K, i_k, BT, BK), boundary_check=(0, 1))
     dt = b_k.dtype
-    if TRANSITION != DECAY:
-        b_w = tl.load(_rows(w, bos, T, i_t, H, i_h, K, 0, BT, BK), boundary_check=(0, 1))
-        b_hc = b_h.to(dt)
-    if STORE_H:
-        p_h = _state_block(h, (boh + i_t) * H + i_h, H, K, V, i_k, i_v, BK, BV)
-        tl.store(p_h, b_h.to(p_h.dtype.element_ty), boundary_check=(0, 1))
     if TRANSITION == DPLR:
-        # DPLR reads its gates before W S, the delta rule after: the same operations in another
-        # order compile to other schedules (H200 A/B, docs/bench/runs-2026-12-01-s9.md: RWKV-7's
-        # forward 3.07 ms against 3.23, KDA's keeping h 1.01 against 1.19 ms, bf16)
         b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
         b_ek = tl.where(m_row[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)
+        b_hc = b_h.to(dt)
+        b_w = tl.load(_rows(w, bos, T, i_t, H, i_h, K, 0, BT, BK), boundary_check=(0, 1))
+    if TRANSITION == DELTA:
+        b_w = tl.load(_rows(w, bos, T, i_t, H, i_h, K, 0, BT, BK), boundary_check=(0, 1))
+        b_hc = b_h.to(dt)
+    if STORE_H and TRANSITION != DPLR:
+        p_h = _state_block(h, (boh + i_t) * H + i_h, H, K, V, i_k, i_v, BK, BV)
+        tl.store(p_h, b_h.to(p_h.dtype.element_ty), boundary_check=(0, 1))
     if TRANSITION != DECAY:
         # the read R = U -/+ W S against the state at the chunk's start
         b_u = tl.load(_rows(u, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(tl.float32)
