@@ -13,7 +13,10 @@ optionally tied head): the tensors are the same, only their names differ. The mo
 (:data:`MODEL_NAMES`) are the same for every model; the mixer-level names are those of the fla
 layer class (``fastweight.layers.fla_layers``, ``FLA_NAMES``), so a layer and a model convert alike.
 :data:`FLA_MODELS` lists the models (by fla's ``model_type``): GatedDeltaNet, KDA, DeltaNet, GLA,
-Mamba-2 (``backbone.*``, ``mamba_ssm``'s names; norm and mixer blocks without an MLP, as ours).
+Mamba-2 (``backbone.*``, ``mamba_ssm``'s names; norm and mixer blocks without an MLP, as ours),
+RWKV-7 (fla's ``RWKV7ForCausalLM`` is the official x070 form: ``LMConfig(rwkv7_official=True)``,
+block 0's ``pre_norm`` the official ``ln0`` = our ``embed_norm``, ``ffn`` the channel mix; head_dim
+64 only, as fla's ``g_norm`` eps is ``head_dim * norm_eps`` and ours ``64 * norm_eps``).
 A config option that our mixer does not implement (fla's hybrid ``attn`` layers, another MLP
 activation, the layer options the fla layer class refuses) raises an error that names it: a
 conversion is exact or refused. fla's recurrent caches keep the state as ``[N, H, V, K]``
@@ -40,6 +43,10 @@ MODEL_NAMES = {"model.embeddings.": "embed.", "model.norm.": "norm.", "lm_head."
 BLOCK_NAMES = {"attn_norm.": "mixer_norm.", "attn.": "mixer.", "mlp_norm.": "mlp_norm.", "mlp.": "mlp."}
 MAMBA_MODEL_NAMES = {"backbone.embeddings.": "embed.", "backbone.norm_f.": "norm.", "lm_head.": "lm_head."}
 MAMBA_BLOCK_NAMES = {"norm.": "mixer_norm.", "mixer.": "mixer."}
+# fla's RWKV7ForCausalLM: block 0's pre_norm is the official ln0 (our embed_norm), the ffn the channel mix
+RWKV7_MODEL_NAMES = {"model.layers.0.pre_norm.": "embed_norm.", **MODEL_NAMES}
+RWKV7_BLOCK_NAMES = {"attn_norm.": "mixer_norm.", "attn.": "mixer.", "ffn_norm.": "mlp_norm.",
+                     "ffn.x_k": "mlp.mu_k", "ffn.": "mlp."}
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,11 @@ FLA_MODELS = {
                         ("D_has_hdim", False), ("rmsnorm", True), ("norm_before_gate", False),
                         ("dt_limit", (0.0, float("inf")))),
                        tuple(MAMBA_MODEL_NAMES.items()), tuple(MAMBA_BLOCK_NAMES.items()), "backbone.layers."),
+    # fla's RWKV-7 computes the official x070 form (LayerNorm blocks, ln0, the official time and
+    # channel mixing): LMConfig(rwkv7_official=True), as convert_rwkv.py's .pth
+    "rwkv7": FlaModel("rwkv7", fla_layers.RWKV7Attention, "RWKV7ForCausalLM",
+                      (("hidden_act", "sqrelu"), ("norm_first", True), ("norm_bias", True)),
+                      tuple(RWKV7_MODEL_NAMES.items()), tuple(RWKV7_BLOCK_NAMES.items())),
 }
 _MIXER_TO_TYPE = {spec.mixer: name for name, spec in FLA_MODELS.items()}
 
@@ -103,6 +115,8 @@ def lm_config_from_fla(config: dict) -> LMConfig:
     common = dict(vocab_size=config.get("vocab_size", 32000), d_model=D, n_layers=config["num_hidden_layers"],
                   tie_embeddings=config.get("tie_word_embeddings", False),
                   initializer_range=config.get("initializer_range", 0.02))
+    if model_type == "rwkv7":
+        return _lm_config_from_fla_rwkv7(config, common)
     if model_type == "mamba2":
         return LMConfig(**common, n_heads=1, mixer="mamba2", head_dim=config.get("state_size", 128),
                         mamba_expand=config.get("expand", 2), mamba_head_dim=config.get("head_dim", 64),
@@ -126,6 +140,31 @@ def lm_config_from_fla(config: dict) -> LMConfig:
         norm_eps=config.get("norm_eps", 1e-6))
 
 
+def _lm_config_from_fla_rwkv7(config: dict, common: dict) -> LMConfig:
+    """fla's RWKV7Config -> LMConfig(rwkv7_official=True). fla's ``g_norm`` (the official ln_x) has
+    eps ``head_dim * norm_eps``, ours ``64 * norm_eps``: hence head_dim 64 only (the official size)."""
+    D, L = common["d_model"], common["n_layers"]
+    value_dim = _json_value(config.get("value_dim"))
+    if value_dim not in (None, D, (D,) * L):
+        raise NotImplementedError(f"fla rwkv7: `value_dim={value_dim!r}` is not supported by the conversion (only "
+                                  f"value_dim=hidden_size)")
+    K = config.get("head_dim", 64)
+    K = K if K is not None else D // config["num_heads"]   # fla's rule, head_dim from num_heads
+    H = D // K
+    if K != 64 or config.get("num_heads") not in (None, H):
+        raise NotImplementedError(f"fla rwkv7: `head_dim={K!r}` (num_heads {config.get('num_heads')}) is not supported "
+                                  f"by the conversion (only head_dim=64 = hidden_size / num_heads: fla's g_norm eps "
+                                  f"is head_dim * norm_eps, ours 64 * norm_eps)")
+    width = config.get("intermediate_size")
+    if width is None:
+        ratio = config.get("hidden_ratio", 4)
+        width = 32 * ((int(D * (4 if ratio is None else ratio)) + 31) // 32)
+    ranks = tuple(int(config.get(n, d)) for n, d in (("decay_low_rank_dim", 64), ("a_low_rank_dim", 64),
+                                                      ("v_low_rank_dim", 16), ("gate_low_rank_dim", 128)))
+    return LMConfig(**common, n_heads=H, mixer="rwkv7", head_dim=K, rwkv7_official=True, rwkv7_ranks=ranks,
+                    intermediate_size=None if width == 4 * D else width, norm_eps=config.get("norm_eps", 1e-5))
+
+
 def _json_value(value):
     """A config value as Python compares it: lists as tuples, transformers' ``{"__float__": "Infinity"}``
     as a float."""
@@ -143,6 +182,21 @@ def fla_config_from_lm(cfg: LMConfig) -> dict:
                                   f"format; this one has mixer {cfg.mixer!r}")
     model_type = _MIXER_TO_TYPE[cfg.mixers[0]]
     spec = FLA_MODELS[model_type]
+    if model_type == "rwkv7":
+        if not cfg.rwkv7_official:
+            raise NotImplementedError("the LM's own rwkv7 mixer (per-head RMSNorm, one LoRA rank) has no fla model; "
+                                      "only LMConfig(rwkv7_official=True) converts to fla's RWKV7ForCausalLM")
+        if cfg.head_dim != 64:
+            raise NotImplementedError(f"fla's RWKV-7 GroupNorm eps is head_dim * norm_eps, ours 64 * norm_eps: only "
+                                      f"head_dim 64 converts to fla (this model has head_dim {cfg.head_dim})")
+        fixed = dict(spec.fixed)
+        w, a, v, g = cfg.rwkv7_lora_ranks
+        return dict(model_type=model_type, architectures=[spec.architecture], vocab_size=cfg.vocab_size,
+                    hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers, num_heads=cfg.n_heads, head_dim=64,
+                    intermediate_size=cfg.intermediate_size or 4 * cfg.d_model, norm_eps=cfg.norm_eps,
+                    decay_low_rank_dim=w, a_low_rank_dim=a,
+                    v_low_rank_dim=v, gate_low_rank_dim=g, tie_word_embeddings=cfg.tie_embeddings,
+                    initializer_range=cfg.initializer_range, **fixed)
     if model_type == "mamba2":
         fixed = dict(spec.fixed, dt_limit=[0.0, {"__float__": "Infinity"}])
         return dict(model_type=model_type, architectures=[spec.architecture], vocab_size=cfg.vocab_size,
@@ -183,7 +237,7 @@ def state_dict_from_fla(state_dict: dict, config: dict) -> dict:
     block = re.compile(re.escape(spec.layers) + r"(\d+)\.(.*)")
     out = {}
     for key, t in state_dict.items():
-        m = block.fullmatch(key)
+        m = None if _rename(key, dict(spec.model_names)) else block.fullmatch(key)
         if m is None:
             new = _rename(key, dict(spec.model_names))
         else:
@@ -293,9 +347,7 @@ def convert(src: str, dst: str) -> str:
     config, state = read_folder(src)
     if config.get("model_type") == "fastweight":
         model = FastweightForCausalLM.from_pretrained(src).model
-        if model.cfg.rwkv7_official:
-            if not dst.endswith(".pth"):
-                raise ValueError(f"an official RWKV-7 model converts to a .pth file; got DST {dst!r}")
+        if model.cfg.rwkv7_official and dst.endswith(".pth"):
             convert_rwkv.save_rwkv7(model, dst)
             return "fastweight -> RWKV-7 .pth"
         save_fla(model, dst)

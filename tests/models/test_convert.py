@@ -25,12 +25,14 @@ TINY = {"gated_deltanet": dict(head_dim=16, num_heads=2, num_v_heads=4, expand_v
         "kda": dict(head_dim=16, num_heads=2),
         "delta_net": dict(num_heads=2, expand_k=0.5, expand_v=1.0),
         "gla": dict(num_heads=2, expand_k=0.5, expand_v=1.0, tie_word_embeddings=True),
-        "mamba2": dict(head_dim=16, state_size=16, expand=2)}
+        "mamba2": dict(head_dim=16, state_size=16, expand=2),
+        "rwkv7": dict(hidden_size=128, head_dim=64, decay_low_rank_dim=32, a_low_rank_dim=32, v_low_rank_dim=16,
+                      gate_low_rank_dim=32)}
 COMMON = dict(hidden_size=64, num_hidden_layers=2, vocab_size=128, fuse_cross_entropy=False)
 
 
 def _tiny(model_type: str) -> dict:
-    return dict(model_type=model_type, **COMMON, **TINY[model_type])
+    return {"model_type": model_type, **COMMON, **TINY[model_type]}
 
 
 @pytest.mark.parametrize("model_type", list(TINY))
@@ -62,6 +64,30 @@ def test_unsupported_options_are_refused_by_name(change, message):
         lm_config_from_fla({**_tiny("gated_deltanet"), **change})
 
 
+@pytest.mark.parametrize("change, message", [(dict(head_dim=32), "head_dim"),
+                                             (dict(head_dim=None, num_heads=4), "head_dim"),
+                                             (dict(norm_first=False), "norm_first"),
+                                             (dict(norm_bias=False), "norm_bias"), (dict(value_dim=256), "value_dim"),
+                                             (dict(hidden_act="gelu"), "hidden_act"),
+                                             (dict(attn=dict(layers=[1], num_heads=2)), "hybrid attention")])
+def test_rwkv7_unsupported_options_are_refused_by_name(change, message):
+    with pytest.raises(NotImplementedError, match=message):
+        lm_config_from_fla({**_tiny("rwkv7"), **change})
+
+
+def test_rwkv7_is_the_official_form():
+    """fla's RWKV7ForCausalLM is LMConfig(rwkv7_official=True), the config of an official .pth;
+    the LM's own rwkv7 mixer (another form) does not go to fla."""
+    from fastweight.models import LMConfig
+    cfg = lm_config_from_fla(_tiny("rwkv7"))
+    assert cfg.rwkv7_official and cfg.rwkv7_ranks == (32, 32, 16, 32) and cfg.n_heads == 2 and cfg.norm_eps == 1e-5
+    assert cfg.intermediate_size is None   # fla's 4 * hidden_size, the official width
+    with pytest.raises(NotImplementedError, match="rwkv7_official"):
+        fla_config_from_lm(LMConfig(vocab_size=16, d_model=128, n_layers=2, n_heads=2, mixer="rwkv7", head_dim=64))
+    with pytest.raises(NotImplementedError, match="head_dim 64"):
+        fla_config_from_lm(cfg.replace(n_heads=4, head_dim=32))
+
+
 def test_only_single_mixer_models_go_to_fla():
     from fastweight.models import LMConfig
     with pytest.raises(NotImplementedError, match="one mixer"):
@@ -87,7 +113,7 @@ def _recorded_folder(path, model_type):
     return state
 
 
-@pytest.mark.parametrize("model_type", ["gated_deltanet", "gla"])
+@pytest.mark.parametrize("model_type", ["gated_deltanet", "gla", "rwkv7"])
 def test_cli_convert_both_ways_and_from_pretrained(model_type, tmp_path):
     pytest.importorskip("transformers")
     from fastweight import cli
