@@ -64,9 +64,13 @@ def recurrence_dplr(record: Recurrence) -> dict:
 
 def recurrence_attention_map(record: Recurrence) -> torch.Tensor:
     """A [B, H, T, T] of one recorded call, from the fully parallel form
-    (:func:`fastweight.chunk.parallel.dplr_attention_map` on :func:`recurrence_dplr`)."""
+    (:func:`fastweight.chunk.parallel.dplr_attention_map` on :func:`recurrence_dplr`); [B, H, T, T * n]
+    for an op whose token takes n steps (Gated DeltaProduct: its values at T * n rows; each token
+    reads the state after its last step)."""
     d = {n: (t.float() if isinstance(t, torch.Tensor) else t) for n, t in recurrence_dplr(record).items()}
-    return dplr_attention_map(d["q"], d["k"], d["a"], d["b"], d["gk"], u=d["u"], scale=record.scale)
+    A = dplr_attention_map(d["q"], d["k"], d["a"], d["b"], d["gk"], u=d["u"], scale=record.scale)
+    n = d["k"].shape[1] // record.output.shape[1]
+    return A if n == 1 else A[:, :, n - 1::n]
 
 
 @torch.no_grad()

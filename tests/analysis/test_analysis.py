@@ -57,6 +57,24 @@ def test_attention_maps_of_model_layers_reproduce_their_outputs():
     assert norms.shape == (4, 8) and torch.isnan(norms[:, 1]).all() and (norms[:, [0, 2, 3]] > 0).all()
 
 
+def test_attention_map_of_a_deltaproduct_layer():
+    """Gated DeltaProduct's tokens take n = 2 steps: its map is [T, 2T], causal by token, and A @ v
+    (v at 2T rows) is the layer's recurrence output."""
+    torch.manual_seed(0)
+    model = LanguageModel(LMConfig.preset("tiny", mixer="gdp", n_layers=1, vocab_size=32, d_model=32))
+    ids = torch.randint(0, 32, (2, 37))
+    with recorded_recurrences() as records:
+        model(ids)
+    (r,) = records
+    A = recurrence_attention_map(r)
+    assert r.op == "gated_delta_product" and A.shape == (2, r.tensors["v"].shape[2], 37, 74)
+    future = torch.arange(74)[None, :] > 2 * torch.arange(37)[:, None] + 1
+    assert A[..., future].abs().max() == 0 and A[..., ~future].abs().max() > 0
+    o = torch.einsum("bhij,bjhv->bihv", A, r.tensors["v"].float())
+    assert rel_err(o, r.output) < 1e-5
+    assert [layer for layer, _ in layer_attention_maps(model, ids)] == [0]
+
+
 def test_accuracy_by_length():
     results = [dict(label="gdn", eval=[dict(task="s_niah_1:context_len=128,value_len=3", acc=0.5),
                                        dict(task="s_niah_1:context_len=64,value_len=3", acc=1.0),
