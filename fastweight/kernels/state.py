@@ -89,9 +89,9 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, o, h, r, bos, T, boh, i_h, i_k, 
     o_i = tl.arange(0, BT)
     m_row = i_t * BT + o_i < T
     i_hk = i_h // (H // HK)
-    # the order of the same operations moves this kernel by up to 30% (H200 A/B, docs/bench/
-    # runs-2026-12-01-s9.md): DPLR stores the state first, then reads k and its gates; the delta
-    # rule and DECAY load the chunk's tiles first, store the state, and read their gates after W S
+    # the order of the same operations sets the compiled schedule, which moves this kernel by up to
+    # 30% on the H200: DPLR stores the state first, then reads k and its gates; the delta rule and
+    # DECAY load the chunk's tiles first, store the state, and read their gates after W S
     if STORE_H and TRANSITION == DPLR:
         p_h = _state_block(h, (boh + i_t) * H + i_h, H, K, V, i_k, i_v, BK, BV)
         tl.store(p_h, b_h.to(p_h.dtype.element_ty), boundary_check=(0, 1))
@@ -337,8 +337,8 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     H, V = v.shape[2], v.shape[-1]
     BK, BV, warps, stages = launch_config(transition, K, V, k.element_size(), per_channel=_gate_kind(g) == 2,
                                           block_v=block_v)
-    # the loop bound from the host for the delta rule (keeping h: GDN 0.05, KDA 0.11 ms faster at (4, 8192,
-    # 16, 128) bf16, docs/bench/runs-2026-12-01-s9.md); the others read it from cu_seqlens, as timed
+    # the delta rule's loop takes its bound from the host when every sequence has NT chunks (its forward
+    # keeping h is faster so on the H200); decay and DPLR read it from cu_seqlens, which is faster for them
     uniform = chunks.NT is not None and transition == "delta"
     dev = k.device
     h = alloc((chunks.NC, H, K, V), dtype=state_dtype or k.dtype, device=dev) if store_h else None
