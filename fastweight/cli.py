@@ -15,7 +15,7 @@ import os
 import sys
 
 SUBCOMMANDS = ("fastweight.verify", "fastweight.train", "fastweight.evaluate", "fastweight.plot",
-               "fastweight.models.convert")
+               "fastweight.models.convert", "fastweight.niah_eval")
 
 
 def build_parser(modules=SUBCOMMANDS) -> argparse.ArgumentParser:
