@@ -513,27 +513,33 @@ def fused_recurrent_comba(q, k, p, v, g, beta=None, scale=None, initial_state=No
                   use_qk_l2norm_in_kernel, allow_neg_eigval, backend)
 
 
-def _longhorn(mode, q, k, v, beta, scale, initial_state, output_final_state, cu_seqlens, backend):
+def _longhorn(mode, q, k, v, beta, scale, initial_state, output_final_state, cu_seqlens, diagonal_step, backend):
+    if not isinstance(diagonal_step, bool):
+        raise TypeError(f"`diagonal_step` must be a bool, got {type(diagonal_step).__name__}")
     return _op("longhorn", mode, backend, dict(q=q, k=k, v=v, beta=beta), scale=scale, head=("beta",),
                beta_max=float("inf"), initial_state=initial_state, output_final_state=output_final_state,
-               cu_seqlens=cu_seqlens)
+               cu_seqlens=cu_seqlens, options=dict(diagonal_step=True) if diagonal_step else None)
 
 
 def chunk_longhorn(q, k, v, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, *,
-                   backend=None):
+                   diagonal_step=False, backend=None):
     """Longhorn: S_t = (I - eps_t k_t k_t^T) S_{t-1} + eps_t k_t v_t^T, eps_t = beta_t / (1 + beta_t k_t^T k_t),
     o_t = S_t^T (scale q_t): the proximal step on 1/2 ||S^T k - v||^2 (docs/objectives.md).
 
+    ``diagonal_step=True``: the released Longhorn code's step, S_t = Diag(1 - eps_t k_t * k_t) S_{t-1}
+    + eps_t k_t v_t^T (k k^T replaced by its diagonal: a per-key-channel decay in (0, 1] for beta >= 0);
+    the default, False, is the exact step above.
     q, k: [B, T, H, K]; v: [B, T, HV, V]; beta: [B, T, HV] >= 0. Returns (o, final state or None).
     """
-    return _longhorn("chunk", q, k, v, beta, scale, initial_state, output_final_state, cu_seqlens, backend)
+    return _longhorn("chunk", q, k, v, beta, scale, initial_state, output_final_state, cu_seqlens, diagonal_step,
+                     backend)
 
 
 def fused_recurrent_longhorn(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
-                             cu_seqlens=None, *, backend=None):
+                             cu_seqlens=None, *, diagonal_step=False, backend=None):
     """Longhorn one token at a time; as ``chunk_longhorn``."""
     return _longhorn("fused_recurrent", q, k, v, beta, scale, initial_state, output_final_state, cu_seqlens,
-                     backend)
+                     diagonal_step, backend)
 
 
 # Generic DPLR, fla's meaning of (a, b): S_t = (Diag(exp gk_t) + b_t a_t^T) S_{t-1} + k_t v_t^T.

@@ -18,6 +18,7 @@ Each mixer of this layer (``Mixer.layer == "delta"`` in its mechanism file) sets
 | gate      | the output gate: None, ``"silu"``, ``"sigmoid"``                                          |
 | read_key  | the prediction error read with its own key p = d_h k, d_h = sigmoid of a per-head parameter in (0, 1) (Comba) |
 | implicit  | the implicit (proximal) step on the delta rule's loss, eps = beta / (1 + beta k^T k) (Longhorn) |
+| diagonal_step | with ``implicit``: Diag(1 - eps k * k) S + eps k v^T, the diagonal of k k^T (released Longhorn code) |
 | num_householder | n delta steps a token (Gated DeltaProduct): k, v, beta projected n times as wide, passed as fla's T*n rows (token t's n at t*n ...) |
 
 An implicit step's key is not normalised: ``1 - eps k^T k = 1 / (1 + beta k^T k)`` keeps the
@@ -43,11 +44,12 @@ class DeltaRuleMixer(Mixer):
     def __init__(self, cfg, variant: str = "gdn"):
         super().__init__()
         mixer = MIXERS[variant]
-        spec = {"decay": None, "gate": None, "read_key": False, "implicit": False, "num_householder": 1,
-                **mixer.options}
+        spec = {"decay": None, "gate": None, "read_key": False, "implicit": False, "diagonal_step": False,
+                "num_householder": 1, **mixer.options}
         self.variant, self.op, self.decay = variant, mixer.op, spec["decay"]
         self.num_householder = n = spec["num_householder"]
         self.implicit, self.read_key = spec["implicit"], spec["read_key"]
+        self.diagonal_step = spec["diagonal_step"]
         self.gate_in_kernel = OPS[mixer.op].gate_in_kernel
         self.recurrent_threshold = cfg.recurrent_threshold
         self.allow_neg_eigval = cfg.allow_neg_eigval and not self.implicit
@@ -120,6 +122,8 @@ class DeltaRuleMixer(Mixer):
             extra["p"] = k * torch.sigmoid(self.d_logit).to(k.dtype)[:, None]
         if self.allow_neg_eigval:
             extra["allow_neg_eigval"] = True
+        if self.diagonal_step:
+            extra["diagonal_step"] = True
         o = self.recur(self.op, cache, shared, scale=self.head_k ** -0.5, q=q, k=k, v=v, **extra)
         gate = None if self.g_proj is None else split_heads(self.g_proj(x), HV)
         return self.o_proj(self.o_norm(o, gate).flatten(-2))
