@@ -160,8 +160,8 @@ def fla_reference_op(kind: str, q, k, v, g=None, beta=None, gk=None, scale=None,
     ``l2norm``, grouped value heads by repeating q and k, the state returned ``[N, H, V, K]`` with
     ``state_v_first``. No initial state, no ``cu_seqlens``."""
     from fla.modules.norm.l2norm import l2norm
-    if cu_seqlens is not None or initial_state is not None or options.get("safe_gate"):
-        raise NotImplementedError("fla_reference_op: no cu_seqlens, initial_state or safe_gate")
+    if cu_seqlens is not None or initial_state is not None or (options.get("safe_gate") and kind != "kda"):
+        raise NotImplementedError("fla_reference_op: no cu_seqlens, initial_state or safe_gate (but KDA's)")
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     if beta is not None and use_beta_sigmoid_in_kernel:
@@ -174,9 +174,15 @@ def fla_reference_op(kind: str, q, k, v, g=None, beta=None, gk=None, scale=None,
         q, k = q.repeat_interleave(group, 2), k.repeat_interleave(group, 2)
         o, S = naive_recurrent_gated_delta_rule(q, k, v, beta, g, scale, None, output_final_state)
     elif kind == "kda":
-        from fla.ops.kda.gate import naive_kda_gate
+        # fla's KDA: lower_bound changes the in-kernel gate; safe_gate only picks a kernel
+        from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
         from fla.ops.kda.naive import naive_recurrent_kda
-        g = naive_kda_gate(g, A_log, dt_bias) if use_gate_in_kernel else g
+        bound = options.get("lower_bound")
+        if use_gate_in_kernel:
+            g = naive_kda_gate(g, A_log, dt_bias) if bound is None else naive_kda_lowerbound_gate(g, A_log, dt_bias,
+                                                                                                 bound)
+        group = v.shape[2] // q.shape[2]
+        q, k = q.repeat_interleave(group, 2), k.repeat_interleave(group, 2)
         o, S = naive_recurrent_kda(q, k, v, g, beta, scale, None, output_final_state)
     elif kind == "deltanet":
         from fla.ops.delta_rule.naive import delta_rule_recurrence

@@ -21,6 +21,8 @@ Each mixer of this layer (``Mixer.layer == "delta"`` in its mechanism file) sets
 | diagonal_step | with ``implicit``: Diag(1 - eps k * k) S + eps k v^T, the diagonal of k k^T (released Longhorn code) |
 | num_householder | n delta steps a token (Gated DeltaProduct): k, v, beta projected n times as wide, passed as fla's T*n rows (token t's n at t*n ...) |
 
+KDA's low-rank maps have rank ``LMConfig.kda_gate_rank`` (None: head_dim); with
+``LMConfig.kda_lower_bound`` its gate is fla's bounded one, formed here (never in the kernel).
 An implicit step's key is not normalised: ``1 - eps k^T k = 1 / (1 + beta k^T k)`` keeps the
 transition stable for any key (``allow_neg_eigval`` does not apply to it).
 """
@@ -67,16 +69,18 @@ class DeltaRuleMixer(Mixer):
             self.a_proj = nn.Linear(D, HV, bias=False)
             self.A_log, self.dt_bias = mamba_decay_init(HV)
         elif self.decay == "channel":
-            self.f_proj = LowRank(D, K, HV * K, activation=None)
+            rank = cfg.kda_gate_rank or K
+            self.f_proj = LowRank(D, rank, HV * K, activation=None)
             self.A_log, _ = mamba_decay_init(HV)
             _, self.dt_bias = mamba_decay_init(HV * K)
+        self.lower_bound = cfg.kda_lower_bound if self.decay == "channel" else None
         if self.read_key:
             self.d_logit = nn.Parameter(torch.zeros(H))
         self.g_proj = None
         if spec["gate"] == "silu":
             self.g_proj = nn.Linear(D, HV * V, bias=False)
         elif spec["gate"] == "sigmoid":
-            self.g_proj = LowRank(D, K, HV * V, activation=None, bias=True)
+            self.g_proj = LowRank(D, cfg.kda_gate_rank or K, HV * V, activation=None, bias=True)
         self.o_norm = GatedRMSNorm(V, cfg.norm_eps, spec["gate"] or "identity")
         self.o_proj = nn.Linear(HV * V, D, bias=False)
 
@@ -97,6 +101,10 @@ class DeltaRuleMixer(Mixer):
             out.update(g=pre, A_log=self.A_log, dt_bias=self.dt_bias, use_gate_in_kernel=True)
         elif self.decay == "head":
             out["g"] = -at_least_fp32(self.A_log).exp() * F.softplus(at_least_fp32(self.a_proj(x)) + self.dt_bias)
+        elif self.decay == "channel" and self.lower_bound is not None:
+            # fla's KDA lower_bound: lower_bound * sigmoid(exp(A_log) (f + dt_bias)), in [lower_bound, 0]
+            f = split_heads(at_least_fp32(self.f_proj(x)) + self.dt_bias, self.n_v_heads)
+            out["g"] = self.lower_bound * torch.sigmoid(at_least_fp32(self.A_log).exp()[:, None] * f)
         elif self.decay == "channel":
             f = split_heads(at_least_fp32(self.f_proj(x)) + self.dt_bias, self.n_v_heads)
             out["g"] = -at_least_fp32(self.A_log).exp()[:, None] * F.softplus(f)
@@ -110,7 +118,8 @@ class DeltaRuleMixer(Mixer):
         v = split_heads(self.conv(self.v_conv, self.v_proj(x), cache, "conv_v", shared), HV * self.num_householder)
         k, v = k.reshape(k.shape[0], -1, H, k.shape[-1]), v.reshape(v.shape[0], -1, HV, v.shape[-1])
         # the chunk ops of GDN and KDA form the gate in the kernel (the decode ops take the decay)
-        in_kernel = self.gate_in_kernel and self.mode(x.shape[1]) == "chunk" and not generic_forced()
+        in_kernel = (self.gate_in_kernel and self.lower_bound is None and self.mode(x.shape[1]) == "chunk"
+                     and not generic_forced())
         extra = {name: t.to(v.dtype) if name == "beta" else t for name, t in self.gates(x, in_kernel).items()}
         if self.implicit:
             q = l2norm(q)

@@ -189,10 +189,14 @@ class KimiDeltaAttention(_FlaDeltaLayer):
 
         q, k, v as GatedDeltaNet's;  beta = sigmoid(W_b x) (x2 with allow_neg_eigval)
         g = -exp(A_log) softplus(W_f2 W_f1 x + dt_bias)  (one per key channel; A_log per head)
+          = lower_bound * sigmoid(exp(A_log) (W_f2 W_f1 x + dt_bias))   (with ``lower_bound`` < 0)
         S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T,  o_t = S_t^T q_t / sqrt(d_k)
         y = W_o (RMSNorm(o) * sigmoid(W_g2 W_g1 x + b_g))
 
-    with fla's arguments and parameter names (``f_proj.0/1``, ``g_proj.0/1``: the low-rank maps)."""
+    with fla's arguments and parameter names (``f_proj.0/1``, ``g_proj.0/1``: the low-rank maps, of
+    rank ``head_dim * expand_v``). ``num_v_heads``: grouped value heads. ``safe_gate`` only selects
+    fla's tensor-core kernel for gates in [lower_bound, 0) (the same function; ``lower_bound`` in
+    [-5, 0) required, as fla's op does); the bounded gate is formed in PyTorch before the op."""
 
     FLA_NAMES = {**CONVS, "f_proj.down.": "f_proj.0.", "f_proj.up.": "f_proj.1.", "g_proj.down.": "g_proj.0.",
                  "g_proj.up.": "g_proj.1."}
@@ -202,17 +206,21 @@ class KimiDeltaAttention(_FlaDeltaLayer):
                  allow_neg_eigval: bool = False, safe_gate: bool = False, lower_bound: float | None = None,
                  conv_size: int = 4, conv_bias: bool = False, layer_idx: int | None = None, norm_eps: float = 1e-5,
                  **kwargs):
-        if num_v_heads not in (None, num_heads):
-            raise NotImplementedError(f"KimiDeltaAttention: `num_v_heads` ({num_v_heads}) other than `num_heads` "
-                                      f"({num_heads}) is not supported by fastweight's layer (the ops take it)")
-        # expand_v: fla's low-rank maps have rank head_v_dim, fastweight's head_dim (equal at 1)
-        _refuse("KimiDeltaAttention", expand_v=(expand_v, 1), use_short_conv=(use_short_conv, True),
-                safe_gate=(safe_gate, False), lower_bound=(lower_bound, None), conv_bias=(conv_bias, False))
+        if num_v_heads is not None and (num_v_heads < num_heads or num_v_heads % num_heads):
+            raise ValueError(f"KimiDeltaAttention: `num_v_heads` ({num_v_heads}) must be a multiple of `num_heads` "
+                             f"({num_heads})")
+        if safe_gate and (lower_bound is None or not -5 <= lower_bound < 0):
+            raise ValueError(f"KimiDeltaAttention: `safe_gate=True` needs `lower_bound` in [-5, 0), "
+                             f"got {lower_bound!r}")
+        _refuse("KimiDeltaAttention", use_short_conv=(use_short_conv, True), conv_bias=(conv_bias, False))
         from fastweight.models.config import LMConfig
-        cfg = LMConfig(vocab_size=1, d_model=hidden_size, n_layers=1, n_heads=num_heads, mixer="kda",
-                       head_dim=head_dim, expand_v=expand_v, allow_neg_eigval=allow_neg_eigval,
-                       use_short_conv=use_short_conv, conv_size=conv_size, norm_eps=norm_eps)
+        head_v = int(head_dim * expand_v)
+        cfg = LMConfig(vocab_size=1, d_model=hidden_size, n_layers=1, n_heads=num_heads, n_v_heads=num_v_heads,
+                       mixer="kda", head_dim=head_dim, expand_v=expand_v, allow_neg_eigval=allow_neg_eigval,
+                       use_short_conv=use_short_conv, conv_size=conv_size, norm_eps=norm_eps,
+                       kda_gate_rank=None if head_v == head_dim else head_v, kda_lower_bound=lower_bound)
         self._fla_setup(cfg, "kda", mode, layer_idx, kwargs)
+        self.safe_gate = safe_gate
 
 
 def _to_fla_names(module, state_dict, prefix, local_metadata):

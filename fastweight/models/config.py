@@ -30,7 +30,13 @@ class LMConfig:
     (``fastweight.layers.fla_layers.RWKV7Attention``'s computation: a GroupNorm ``ln_x`` per head
     with eps ``64 * norm_eps``, the official 64e-5 at 1e-5, and ``rwkv7_ranks`` = the LoRA ranks
     of w, a, v, g; None: the official suggestions from ``d_model``) and the channel mix of width
-    ``intermediate_size`` (None: ``4 * d_model``)."""
+    ``intermediate_size`` (None: ``4 * d_model``).
+
+    ``kda_gate_rank``: the rank of the ``kda`` mixer's low-rank maps (its decay ``f_proj`` and output
+    gate ``g_proj``); None: ``head_dim`` (fla's KDA: ``head_dim * expand_v``, the same at expand_v 1).
+    ``kda_lower_bound``: fla's KDA ``lower_bound`` (< 0): the ``kda`` mixer's log decay becomes
+    ``lower_bound * sigmoid(exp(A_log) (W_f x + dt_bias))``, in [lower_bound, 0], in place of
+    ``-exp(A_log) softplus(W_f x + dt_bias)``; None: the latter."""
 
     vocab_size: int = 32000
     d_model: int = 1024
@@ -56,6 +62,8 @@ class LMConfig:
     recurrent_threshold: int = 64
     rwkv7_official: bool = False
     rwkv7_ranks: tuple | None = None
+    kda_gate_rank: int | None = None
+    kda_lower_bound: float | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "conv_size", "window_size",
@@ -63,7 +71,7 @@ class LMConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"LMConfig.{name} must be a positive int, got {value!r}")
-        for name in ("head_dim", "n_kv_heads", "n_v_heads", "intermediate_size"):
+        for name in ("head_dim", "n_kv_heads", "n_v_heads", "intermediate_size", "kda_gate_rank"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"LMConfig.{name} must be None or a positive int, got {value!r}")
@@ -95,6 +103,7 @@ class LMConfig:
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         self._check_rwkv7_official()
+        self._check_kda_options()
         if self.head_dim < 1 or self.head_dim % 2:
             raise ValueError(f"LMConfig.head_dim must be a positive even int, got {self.head_dim}")
         if self.expand_v <= 0 or self.head_v_dim != self.head_dim * self.expand_v:
@@ -119,6 +128,16 @@ class LMConfig:
         if self.n_heads * self.head_dim != self.d_model:
             raise ValueError(f"LMConfig.rwkv7_official: n_heads * head_dim ({self.n_heads} * {self.head_dim}) "
                              f"must be d_model ({self.d_model})")
+
+    def _check_kda_options(self):
+        bound = self.kda_lower_bound
+        if bound is not None and (not isinstance(bound, (int, float)) or isinstance(bound, bool)
+                                  or not -float("inf") < bound < 0):
+            raise ValueError(f"LMConfig.kda_lower_bound must be None or a finite number < 0 (a log decay), "
+                             f"got {bound!r}")
+        if (self.kda_gate_rank is not None or bound is not None) and "kda" not in self.pattern:
+            raise ValueError(f"LMConfig.kda_gate_rank / kda_lower_bound are options of the kda mixer; mixer is "
+                             f"{self.mixer!r}")
 
     @property
     def rwkv7_lora_ranks(self) -> tuple:

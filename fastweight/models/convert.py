@@ -67,8 +67,7 @@ _COMMON_FIXED = (("attn", None), ("hidden_act", "swish"), ("attnres_block_size",
 FLA_MODELS = {
     "gated_deltanet": FlaModel("gdn", fla_layers.GatedDeltaNet, "GatedDeltaNetForCausalLM",
                                (("use_gate", True), ("use_short_conv", True))),
-    "kda": FlaModel("kda", fla_layers.KimiDeltaAttention, "KDAForCausalLM",
-                    (("use_short_conv", True), ("safe_gate", False), ("lower_bound", None), ("expand_v", 1.0))),
+    "kda": FlaModel("kda", fla_layers.KimiDeltaAttention, "KDAForCausalLM", (("use_short_conv", True),)),
     "delta_net": FlaModel("deltanet", fla_layers.DeltaNet, "DeltaNetForCausalLM",
                           (("use_gate", False), ("use_short_conv", True), ("use_beta", True),
                            ("use_output_norm", True), ("qk_norm", "l2"), ("qk_activation", "silu"))),
@@ -129,15 +128,29 @@ def lm_config_from_fla(config: dict) -> LMConfig:
         head_k = config["head_dim"]
         head_v = head_k * config.get("expand_v", 2.0 if model_type == "gated_deltanet" else 1.0)
     n_v_heads = config.get("num_v_heads")
-    if model_type == "kda" and n_v_heads not in (None, H):
-        raise NotImplementedError(f"fla kda: `num_v_heads={n_v_heads}` is not supported (only num_heads)")
+    kda = _kda_options(config, head_k, head_v) if model_type == "kda" else {}
     return LMConfig(
-        **common, n_heads=H, mixer=spec.mixer, head_dim=head_k, expand_v=head_v / head_k,
+        **common, **kda, n_heads=H, mixer=spec.mixer, head_dim=head_k, expand_v=head_v / head_k,
         n_v_heads=None if n_v_heads in (None, H) else n_v_heads,
         allow_neg_eigval=config.get("allow_neg_eigval", False),
         use_short_conv=config.get("use_short_conv", model_type != "gla"), conv_size=config.get("conv_size", 4),
         intermediate_size=fla_mlp_size(D, config.get("hidden_ratio", 4), config.get("intermediate_size")),
         norm_eps=config.get("norm_eps", 1e-6))
+
+
+def _kda_options(config: dict, head_k: int, head_v: float) -> dict:
+    """fla's KDA options as LMConfig fields: its low-rank gate maps have rank head_v_dim
+    (``kda_gate_rank``), ``lower_bound`` bounds its gate (``kda_lower_bound``); ``safe_gate`` only
+    picks fla's kernel for gates in [lower_bound, 0) (the same function), checked as fla does."""
+    bound, safe = config.get("lower_bound"), config.get("safe_gate", False)
+    if bound is not None and not (isinstance(bound, (int, float)) and bound < 0):
+        raise ValueError(f"fla kda: `lower_bound={bound!r}` must be a number < 0 (a log decay)")
+    if safe and (bound is None or not -5 <= bound < 0):
+        raise ValueError(f"fla kda: `safe_gate=True` needs `lower_bound` in [-5, 0), got {bound!r}")
+    if head_v != int(head_v):
+        raise ValueError(f"fla kda: `expand_v={config.get('expand_v')}` gives a non-integer head_v_dim {head_v}")
+    return dict(kda_gate_rank=None if head_v == head_k else int(head_v),
+                kda_lower_bound=None if bound is None else float(bound))
 
 
 def _lm_config_from_fla_rwkv7(config: dict, common: dict) -> LMConfig:
@@ -215,6 +228,11 @@ def fla_config_from_lm(cfg: LMConfig) -> dict:
                    expand_v=cfg.n_heads * cfg.head_v_dim / cfg.d_model)
     else:
         out.update(head_dim=cfg.head_dim, expand_v=cfg.expand_v, num_v_heads=cfg.n_v_heads)
+    if model_type == "kda":
+        if (cfg.kda_gate_rank or cfg.head_dim) != cfg.head_v_dim:
+            raise NotImplementedError(f"fla's KDA gate maps have rank head_dim * expand_v ({cfg.head_v_dim}); this "
+                                      f"model's kda_gate_rank is {cfg.kda_gate_rank or cfg.head_dim}")
+        out.update(lower_bound=cfg.kda_lower_bound, safe_gate=False)
     if model_type != "gla":
         out.update(use_short_conv=cfg.use_short_conv, allow_neg_eigval=cfg.allow_neg_eigval)
     return out

@@ -36,9 +36,10 @@ def _layer(kind="gdn", **kw):
     return layer
 
 
-def _formula(kind, p: dict, x, H, K, allow_neg_eigval=False, eps=1e-5, HV=None):
+def _formula(kind, p: dict, x, H, K, allow_neg_eigval=False, eps=1e-5, HV=None, lower_bound=None):
     """The layer written out from its state dict (fla's names), float64; ``HV`` value heads (GVA:
-    the op reads key head j // (HV / H) for value head j, as fla's layer repeats q and k)."""
+    the op reads key head j // (HV / H) for value head j, as fla's layer repeats q and k);
+    ``lower_bound``: KDA's bounded gate, lower_bound * sigmoid(exp(A_log) (f + dt_bias))."""
     T, HV = x.shape[1], HV or H
     if kind == "gla":   # no short convolutions, no key norm; the decay from its low-rank map
         q, k, v = (x @ p[f"{n}_proj.weight"].T for n in "qkv")
@@ -67,8 +68,11 @@ def _formula(kind, p: dict, x, H, K, allow_neg_eigval=False, eps=1e-5, HV=None):
                                           backend="reference")
         gate = F.silu(x @ p["g_proj.weight"].T)
     else:
-        f = (x @ p["f_proj.0.weight"].T @ p["f_proj.1.weight"].T + p["dt_bias"]).unflatten(-1, (H, K))
-        g = -p["A_log"].exp()[:, None] * F.softplus(f)
+        f = (x @ p["f_proj.0.weight"].T @ p["f_proj.1.weight"].T + p["dt_bias"]).unflatten(-1, (HV, K))
+        if lower_bound is None:
+            g = -p["A_log"].exp()[:, None] * F.softplus(f)
+        else:
+            g = lower_bound * torch.sigmoid(p["A_log"].exp()[:, None] * f)
         o, _ = ops.chunk_kda(q, k, v, g, beta, scale=K ** -0.5, allow_neg_eigval=allow_neg_eigval,
                              backend="reference")
         gate = torch.sigmoid(x @ p["g_proj.0.weight"].T @ p["g_proj.1.weight"].T + p["g_proj.1.bias"])
@@ -150,11 +154,29 @@ def test_refusals_name_the_argument(kw, error, message):
         GatedDeltaNet(hidden_size=32, head_dim=8, num_heads=2, **kw)
 
 
-@pytest.mark.parametrize("kw,message", [(dict(expand_v=2), "expand_v"), (dict(safe_gate=True), "safe_gate"),
-                                        (dict(lower_bound=-5.0), "lower_bound"), (dict(num_v_heads=4), "num_v_heads")])
-def test_kda_refusals_name_the_argument(kw, message):
-    with pytest.raises(NotImplementedError, match=message):
+@pytest.mark.parametrize("kw,error,message", [(dict(safe_gate=True), ValueError, "safe_gate"),
+                                              (dict(safe_gate=True, lower_bound=-6.0), ValueError, "lower_bound"),
+                                              (dict(num_v_heads=3), ValueError, "num_v_heads"),
+                                              (dict(use_short_conv=False), NotImplementedError, "use_short_conv")])
+def test_kda_refusals_name_the_argument(kw, error, message):
+    with pytest.raises(error, match=message):
         KimiDeltaAttention(hidden_size=32, head_dim=8, num_heads=2, **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(num_v_heads=4, expand_v=2), dict(lower_bound=-3.0),
+                                dict(safe_gate=True, lower_bound=-5.0, num_v_heads=4)])
+def test_kda_options(kw):
+    """fla's KDA options: grouped value heads, expand_v (fla's low-rank maps of rank head_v_dim),
+    lower_bound (the bounded gate, formed before the op), safe_gate (a kernel choice of fla's)."""
+    layer = _layer("kda", **kw).train()
+    sd = layer.state_dict()
+    HV, V = kw.get("num_v_heads", 2), 8 * kw.get("expand_v", 1)
+    assert set(sd) == FLA_KEYS["kda"] and sd["f_proj.0.weight"].shape == sd["g_proj.0.weight"].shape == (V, 32)
+    assert sd["f_proj.1.weight"].shape == (HV * 8, V) and sd["g_proj.1.weight"].shape == (HV * V, V)
+    x = torch.randn(2, 70, 32, dtype=torch.float64, generator=generator())
+    want = _formula("kda", sd, x, 2, 8, HV=HV, lower_bound=kw.get("lower_bound"))
+    assert rel_err(layer(x)[0], want) < 1e-12
+    assert rel_err(layer.eval()(x[:, :20])[0], want[:, :20]) < 1e-12   # the decode path takes the same gate
 
 
 @pytest.mark.parametrize("kw,error,message", [

@@ -23,6 +23,10 @@ DATA = os.path.join(os.path.dirname(__file__), "..", "data", "fla_0.6.0_models.j
 # the tiny configs (fla's config.json fields) of the recorded names and the logit tests
 TINY = {"gated_deltanet": dict(head_dim=16, num_heads=2, num_v_heads=4, expand_v=2.0, allow_neg_eigval=True),
         "kda": dict(head_dim=16, num_heads=2),
+        # KDA's options (a name "type/variant": model_type before the slash)
+        "kda/gva_expand_v": dict(head_dim=16, num_heads=2, num_v_heads=4, expand_v=2.0),
+        "kda/lower_bound": dict(head_dim=16, num_heads=2, lower_bound=-3.0),
+        "kda/safe_gate": dict(head_dim=16, num_heads=2, safe_gate=True, lower_bound=-5.0),
         "delta_net": dict(num_heads=2, expand_k=0.5, expand_v=1.0),
         "gla": dict(num_heads=2, expand_k=0.5, expand_v=1.0, tie_word_embeddings=True),
         "mamba2": dict(head_dim=16, state_size=16, expand=2),
@@ -31,14 +35,19 @@ TINY = {"gated_deltanet": dict(head_dim=16, num_heads=2, num_v_heads=4, expand_v
 COMMON = dict(hidden_size=64, num_hidden_layers=2, vocab_size=128, fuse_cross_entropy=False)
 
 
-def _tiny(model_type: str) -> dict:
-    return {"model_type": model_type, **COMMON, **TINY[model_type]}
+def _type(name: str) -> str:
+    """fla's model_type of a TINY entry."""
+    return name.split("/")[0]
 
 
-@pytest.mark.parametrize("model_type", list(TINY))
-def test_recorded_fla_names_load_strictly_and_map_back(model_type):
+def _tiny(name: str) -> dict:
+    return {"model_type": _type(name), **COMMON, **TINY[name]}
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_recorded_fla_names_load_strictly_and_map_back(name):
     with open(DATA) as f:
-        recorded = json.load(f)[model_type]
+        recorded = json.load(f)[name]
     state = {name: torch.randn(shape) for name, shape in recorded["tensors"].items()}
     model = from_fla(recorded["config"], state)   # strict
     assert model.num_parameters() == recorded["parameters"]
@@ -50,8 +59,8 @@ def test_recorded_fla_names_load_strictly_and_map_back(model_type):
 
 
 def test_config_round_trip():
-    for model_type in TINY:
-        cfg = lm_config_from_fla(_tiny(model_type))
+    for name in TINY:
+        cfg = lm_config_from_fla(_tiny(name))
         assert lm_config_from_fla(fla_config_from_lm(cfg)) == cfg
 
 
@@ -73,6 +82,39 @@ def test_unsupported_options_are_refused_by_name(change, message):
 def test_rwkv7_unsupported_options_are_refused_by_name(change, message):
     with pytest.raises(NotImplementedError, match=message):
         lm_config_from_fla({**_tiny("rwkv7"), **change})
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(lower_bound=0.5), ValueError, "lower_bound"),
+    (dict(safe_gate=True), ValueError, "safe_gate"),
+    (dict(safe_gate=True, lower_bound=-6.0), ValueError, "safe_gate"),
+    (dict(expand_v=1.1), ValueError, "expand_v"),
+    (dict(use_short_conv=False), NotImplementedError, "use_short_conv")])
+def test_kda_options_are_checked_by_name(change, error, message):
+    with pytest.raises(error, match=message):
+        lm_config_from_fla({**_tiny("kda"), **change})
+
+
+def test_kda_options_map_onto_the_lm():
+    """fla's gate maps have rank head_v_dim; lower_bound bounds the gate; safe_gate is a kernel choice
+    (not kept: fla's result is the same without it)."""
+    cfg = lm_config_from_fla(_tiny("kda/gva_expand_v"))
+    assert (cfg.n_v_heads, cfg.head_v_dim, cfg.kda_gate_rank, cfg.kda_lower_bound) == (4, 32, 32, None)
+    cfg = lm_config_from_fla(_tiny("kda/safe_gate"))
+    assert cfg.kda_gate_rank is None and cfg.kda_lower_bound == -5.0
+    assert fla_config_from_lm(cfg)["lower_bound"] == -5.0 and fla_config_from_lm(cfg)["safe_gate"] is False
+    with pytest.raises(NotImplementedError, match="kda_gate_rank"):
+        fla_config_from_lm(cfg.replace(expand_v=2.0))   # our own rank (head_dim) is not fla's (head_v_dim)
+
+
+def test_kda_config_fields_are_checked():
+    from fastweight.models import LMConfig
+    with pytest.raises(ValueError, match="kda_lower_bound"):
+        LMConfig.preset("tiny", mixer="kda", kda_lower_bound=0.1)
+    with pytest.raises(ValueError, match="kda_gate_rank"):
+        LMConfig.preset("tiny", mixer="gdn", kda_gate_rank=8)
+    with pytest.raises(ValueError, match="kda_gate_rank"):
+        LMConfig.preset("tiny", mixer="kda", kda_gate_rank=0)
 
 
 def test_rwkv7_is_the_official_form():
@@ -146,10 +188,10 @@ def fla_on_cpu(monkeypatch):
     return fla_models
 
 
-def _fla_model(fla_models, model_type):
-    arch = FLA_MODELS[model_type].architecture
+def _fla_model(fla_models, name):
+    arch = FLA_MODELS[_type(name)].architecture
     config_class = getattr(fla_models, arch.replace("ForCausalLM", "Config"))
-    config = config_class(**{k: v for k, v in _tiny(model_type).items() if k != "model_type"})
+    config = config_class(**{k: v for k, v in _tiny(name).items() if k != "model_type"})
     torch.manual_seed(0)
     model = getattr(fla_models, arch)(config)
     with torch.no_grad():
@@ -158,17 +200,19 @@ def _fla_model(fla_models, model_type):
     return model.train()   # fla's chunk path (its eval decode path is the same op, fused_recurrent)
 
 
-@pytest.mark.parametrize("model_type", list(TINY))
-def test_fla_checkpoint_logits(model_type, fla_on_cpu, tmp_path):
-    theirs = _fla_model(fla_on_cpu, model_type)
+@pytest.mark.parametrize("name", list(TINY))
+def test_fla_checkpoint_logits(name, fla_on_cpu, tmp_path):
+    """fla's model (its chunk path) against ours, decode (fused recurrent) and chunk paths."""
+    theirs = _fla_model(fla_on_cpu, name)
     theirs.save_pretrained(tmp_path / "fla")
     ids = torch.randint(0, COMMON["vocab_size"], (2, 21), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = theirs(ids).logits
         ours = load_fla(str(tmp_path / "fla"))
         assert ours.num_parameters() == sum(p.numel() for p in theirs.parameters())
-        got = ours.eval()(ids)
-        assert rel_err(got, expected) <= 1e-5, rel_err(got, expected)
+        for mode in ("eval", "train"):
+            got = getattr(ours, mode)()(ids)
+            assert rel_err(got, expected) <= 1e-5, (mode, rel_err(got, expected))
         save_fla(ours, str(tmp_path / "back"))
         again = type(theirs).from_pretrained(tmp_path / "back").train()
         assert rel_err(again(ids).logits, expected) <= 1e-5
@@ -178,13 +222,12 @@ def record(path: str = DATA) -> None:
     """Write ``tests/data/fla_0.6.0_models.json`` from fla's tiny models (needs fla importable)."""
     import fla.models as fla_models
     out = {}
-    for model_type in TINY:
-        model = _fla_model(fla_models, model_type)
+    for name in TINY:
+        model = _fla_model(fla_models, name)
         state = {n: list(t.shape) for n, t in model.state_dict().items()}
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight")
-        out[model_type] = dict(config=_tiny(model_type), parameters=sum(p.numel() for p in model.parameters()),
-                               tensors=state)
+        out[name] = dict(config=_tiny(name), parameters=sum(p.numel() for p in model.parameters()), tensors=state)
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
 
