@@ -6,7 +6,8 @@
 ``--model`` is one of: a ``fastweight train`` run folder or its ``checkpoint.pt`` (our
 LanguageModel; tokenizer: the word-level task tokenizer); a model folder with a ``config.json``:
 ours (``FastweightForCausalLM.save_pretrained``, ``fastweight convert`` output), one of fla's
-(converted on load) or any ``transformers`` causal LM; or a Hugging Face hub name. The tokenizer
+(converted on load) or any ``transformers`` causal LM; or a Hugging Face hub name (its files
+fetched with ``huggingface_hub``, then read as a folder: fla's models convert). The tokenizer
 is the folder's own unless ``--tokenizer`` names another (a folder or hub name, or ``word``).
 The prompts, the length budget and the scoring are ``fastweight.tasks.ruler``'s. Prints the
 accuracy table (the paper's rows beside it) and the accuracy per needle depth; writes every
@@ -41,6 +42,17 @@ def load_tokenizer(spec: str):
                          "with a tokenizer folder or hub name, or 'word' for fastweight's task tokenizer") from e
 
 
+def download(name: str) -> str:
+    """The local folder of the Hugging Face hub model ``name`` (config, weights, tokenizer files),
+    so that fla's models on the hub convert on load like a local folder."""
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.bin", "*.model", "*.txt"])
+    except Exception as e:  # offline, no such repository, an invalid name: all say the same to the user
+        raise ValueError(f"`--model` {name!r} is not a local path, and fetching it from the Hugging Face hub "
+                         f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+
+
 def _vocab_size(model) -> int:
     from fastweight.models.lm import LanguageModel
     if isinstance(model, LanguageModel):
@@ -57,6 +69,8 @@ def load_model(spec: str, tokenizer: str | None = None, device=None, dtype: str 
         raise ValueError(f"`--dtype` must be one of {', '.join(DTYPES)}, got {dtype!r}")
     device = torch.device(device if device else "cuda" if torch.cuda.is_available() else "cpu")
     dtype = DTYPES[dtype] if dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
+    if not os.path.exists(spec):
+        spec = download(spec)
     config = os.path.join(spec, "config.json")
     checkpoint = spec if os.path.isfile(spec) else os.path.join(spec, "checkpoint.pt")
     if os.path.isdir(spec) and os.path.isfile(config):
@@ -77,18 +91,9 @@ def load_model(spec: str, tokenizer: str | None = None, device=None, dtype: str 
         model = LanguageModel(LMConfig.from_dict(state["model_config"]))
         model.load_state_dict(state["model"])
         kind, default_tokenizer = f"fastweight train checkpoint ({model.cfg.mixer})", "word"
-    elif os.path.exists(spec):
+    else:
         raise ValueError(f"`--model` {spec}: neither a model folder (config.json) nor a `fastweight train` "
                          "checkpoint (checkpoint.pt)")
-    else:
-        from fastweight.models import hf  # noqa: F401  (registers our config with the Auto classes)
-        from transformers import AutoModelForCausalLM
-        try:
-            model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
-        except OSError as e:
-            raise ValueError(f"`--model` {spec!r} is not a local path, and loading it from the Hugging Face hub "
-                             f"failed: {str(e).splitlines()[0]}") from e
-        kind, default_tokenizer = "transformers (hub)", spec
     tok = load_tokenizer(tokenizer or default_tokenizer)
     if tok.vocab_size > _vocab_size(model):
         raise ValueError(f"the tokenizer {tokenizer or default_tokenizer!r} has {tok.vocab_size} tokens, more than "
@@ -105,6 +110,57 @@ def run(model: str, *, tokenizer=None, tasks=(1, 2, 3), lengths=ruler.PAPER_LENG
     param = next(net.parameters())
     return result, dict(model=model, kind=kind, tokenizer=tokenizer, device=str(param.device),
                         dtype=str(param.dtype).removeprefix("torch."))
+
+
+COLORS = {"deltanet": "tab:blue", "mamba2": "tab:orange", "gdn": "tab:green", "kda": "tab:red", "rwkv7": "tab:purple"}
+PAPER_MIXERS = {"DeltaNet 1.3B": "deltanet", "Mamba2 1.3B": "mamba2", "Gated DeltaNet 1.3B": "gdn"}
+
+
+def plot_against_paper(out: str, suite: str | None = None, results=()) -> str:
+    """Accuracy against length per S-NIAH task. Top row: Table 2's 1.3B models (solid) and any
+    ``fastweight niah`` JSON ``results`` (dashed). Bottom row, with ``suite`` (a ``fastweight
+    eval`` suite.json): its S-NIAH models, trained from scratch, exact match (solid) and the
+    per-character accuracy (dotted), which still tells the mixers apart where every exact match is 0."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = 2 if suite else 1
+    fig, axes = plt.subplots(rows, 3, figsize=(12, 3.4 * rows), squeeze=False, sharex=True)
+    for task, ax in zip((1, 2, 3), axes[0]):
+        for name, row in ruler.PAPER_TABLE2.items():
+            ax.plot(ruler.PAPER_LENGTHS[: len(row[task])], row[task], "o-", color=COLORS[PAPER_MIXERS[name]],
+                    label=f"{name} (Table 2)")
+        for path in results:
+            with open(path) as f:
+                data = json.load(f)
+            if str(task) in data["scores"]:
+                xs = sorted(int(n) for n in data["scores"][str(task)])
+                ax.plot(xs, [data["scores"][str(task)][str(n)] for n in xs], "s--",
+                        label=os.path.basename(os.path.normpath(data["model"])))
+        ax.set_title(f"S-NIAH-{task}: zero-shot, pretrained", fontsize=9)
+    if suite:
+        with open(suite) as f:
+            runs = [r for r in json.load(f)["results"] if r["eval"] and r["eval"][0]["task"].startswith("s_niah")]
+        for task, ax in zip((1, 2, 3), axes[1]):
+            for run in runs:
+                evals = [e for e in run["eval"] if e["task"].startswith(f"s_niah_{task}:")]
+                xs = [int(e["task"].split("context_len=")[1].split(",")[0]) for e in evals]
+                color = COLORS.get(run["label"])
+                ax.plot(xs, [100 * e["seq_acc"] for e in evals], "o-", color=color, label=run["label"])
+                if task == 3:
+                    ax.plot(xs, [100 * e["token_acc"] for e in evals], "o:", color=color)
+            ax.set_title(f"S-NIAH-{task}: trained from scratch" + (" (dotted: per character)" if task == 3 else
+                                                                   f" ({os.path.basename(suite)})"), fontsize=9)
+    for ax in axes.flat:
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-3, 103)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("exact match (%)")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
 
 
 def _int_list(name: str, allowed=None):

@@ -46,12 +46,13 @@ def test_a_saved_fastweight_model_with_the_word_tokenizer(tmp_path, capsys):
     from fastweight.models.hf import FastweightForCausalLM
     FastweightForCausalLM.from_language_model(tiny_lm()).save_pretrained(tmp_path / "fw")
     status, out, err = niah(["--model", str(tmp_path / "fw"), "--tokenizer", "word", "--lengths", "160",
-                             "--examples", "1", "--tasks", "1,3", "--device", "cpu", "--out", str(tmp_path / "r.json")],
+                             "--examples", "1", "--tasks", "1,2", "--extra-tokens", "1", "--device", "cpu",
+                             "--out", str(tmp_path / "r.json")],
                             capsys)
     assert status == 0, err
-    data = check_run(tmp_path / "r.json", out, (1, 3), (160,), 1)
+    data = check_run(tmp_path / "r.json", out, (1, 2), (160,), 1)
     assert data["kind"] == "fastweight (fastweight)" and data["dtype"] == "float32"
-    assert out.splitlines()[2].startswith("| model | S-NIAH-1 160 | S-NIAH-3 160 |")
+    assert out.splitlines()[2].startswith("| model | S-NIAH-1 160 | S-NIAH-2 160 |")
 
 
 def test_a_transformers_model_folder_with_its_own_tokenizer(tmp_path, capsys):
@@ -78,7 +79,7 @@ def test_a_train_checkpoint_and_an_fla_folder(tmp_path, capsys):
     outputs = []
     for spec, extra in ((tmp_path / "run", []), (tmp_path / "fla", ["--tokenizer", "word"])):
         status, out, err = niah(["--model", str(spec), *extra, "--lengths", "160", "--examples", "1", "--tasks", "1",
-                                 "--out", str(tmp_path / "r.json")], capsys)
+                                 "--extra-tokens", "1", "--out", str(tmp_path / "r.json")], capsys)
         assert status == 0, err
         outputs.append(check_run(tmp_path / "r.json", out, (1,), (160,), 1))
     assert outputs[0]["kind"] == "fastweight train checkpoint (deltanet)"
@@ -107,3 +108,23 @@ def test_a_folder_that_holds_no_model_or_no_tokenizer_is_an_error_naming_it(tmp_
     assert status == 2 and "`--tokenizer`" in err
     status, _, err = niah(["--model", str(tmp_path / "fw"), "--tokenizer", "word", "--examples", "1"], capsys)
     assert status == 2 and "753 tokens, more than the model's 64" in err
+
+
+def test_a_hub_name_that_cannot_be_fetched_is_an_error_naming_it(monkeypatch, capsys):
+    import huggingface_hub
+
+    def offline(name, **kwargs):
+        raise OSError(f"no cached snapshot of {name}, and no network")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    status, _, err = niah(["--model", "some-org/some-model", "--examples", "1"], capsys)
+    assert status == 2 and "`--model` 'some-org/some-model' is not a local path" in err and "no network" in err
+
+
+def test_the_figure_against_table_2(tmp_path, capsys):
+    from pathlib import Path
+
+    from fastweight.niah_eval import plot_against_paper
+    (tmp_path / "r.json").write_text(json.dumps(dict(model="runs/m", scores={"1": {"1024": 50.0, "2048": 25.0}})))
+    suite = Path(__file__).parents[1] / "docs" / "results" / "full_suite.json"
+    out = plot_against_paper(str(tmp_path / "fig.png"), suite=str(suite), results=[str(tmp_path / "r.json")])
+    assert Path(out).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -129,27 +129,28 @@ def tiny_fastweight(vocab_size):
                                          n_heads=2)).eval()
 
 
-@pytest.mark.parametrize("build, name, lengths", [(tiny_llama, "bpe", (300, 400)), (tiny_fastweight, "word", (160,))])
-def test_a_tiny_random_model_scores_end_to_end(build, name, lengths):
+@pytest.mark.parametrize("build, name, tasks, lengths", [(tiny_llama, "bpe", (1, 2, 3), (300, 400)),
+                                                        (tiny_fastweight, "word", (1, 2), (160,))])
+def test_a_tiny_random_model_scores_end_to_end(build, name, tasks, lengths):
     tok = TOKENIZERS[name]()
     model = build(tok.vocab_size)
-    result = ruler.score(model, tok, lengths=lengths, examples=2, depths=2, extra_tokens=2)
-    assert len(result.records) == 3 * len(lengths) * 2
+    result = ruler.score(model, tok, tasks=tasks, lengths=lengths, examples=2, depths=2, extra_tokens=1)
+    assert len(result.records) == len(tasks) * len(lengths) * 2
     for row in result.scores().values():
         assert set(row) == set(lengths) and all(0.0 <= s <= 100.0 for s in row.values())
     for r in result.records:
         assert r["prompt_tokens"] + r["max_new_tokens"] <= r["length"]
         assert isinstance(r["output"], str) and r["correct"] == ruler.matches(r["value"], r["output"])
-    # greedy and seeded: the same prompts and outputs again (here S-NIAH-3 at the first length)
-    again = ruler.score(model, tok, tasks=(3,), lengths=lengths[:1], examples=2, depths=2, extra_tokens=2)
-    assert again.records == [r for r in result.records if r["task"] == 3 and r["length"] == lengths[0]]
+    # greedy and seeded: the same prompts and outputs again (here the last task at the first length)
+    again = ruler.score(model, tok, tasks=tasks[-1:], lengths=lengths[:1], examples=2, depths=2, extra_tokens=1)
+    assert again.records == [r for r in result.records if r["task"] == tasks[-1] and r["length"] == lengths[0]]
     lines = result.table("tiny").splitlines()
     assert len(lines) == 3 + len(ruler.PAPER_TABLE2)
-    assert all(line.count("|") == 3 * len(lengths) + 2 for line in lines)
+    assert all(line.count("|") == len(tasks) * len(lengths) + 2 for line in lines)
     assert lines[0].startswith(f"| model | S-NIAH-1 {lengths[0]} |")
-    assert lines[3] == "| DeltaNet 1.3B (Table 2) |" + " - |" * (3 * len(lengths))  # no paper column here
+    assert lines[3] == "| DeltaNet 1.3B (Table 2) |" + " - |" * (len(tasks) * len(lengths))  # no paper column here
     data = result.to_dict()
-    assert set(data["scores"]) == {"1", "2", "3"} and data["paper_table2"]["Mamba2 1.3B"]["1"]["4096"] == 65.4
+    assert set(data["scores"]) == set(map(str, tasks)) and data["paper_table2"]["Mamba2 1.3B"]["1"]["4096"] == 65.4
 
 
 def test_the_table_prints_the_papers_row_at_its_lengths():
