@@ -6,10 +6,15 @@ Two groups of experiments, each a model trained from scratch by
 - retrieval: mixers {DeltaNet, Mamba-2, Gated DeltaNet, KDA, RWKV-7}, one model per
   mixer trained on S-NIAH-1 alone at a short length, then on S-NIAH-1/2/3 in turns at
   one context length (:class:`Scale`), and scored at
-  several (exact match of the whole needle value), one model per mixer on MQAR
-  (query accuracy), scored at its training length and longer ones (the same pairs,
-  queried from further away). The seed's three conclusions (decay hurts retention, gating
-  helps filtering, the delta rule helps memorisation) are read off this table.
+  several (exact match of the whole needle value). The seed's three conclusions (decay hurts
+  retention, gating helps filtering, the delta rule helps memorisation) are read off this
+  table and the next.
+- recall: MQAR (query accuracy) for {attention, Mamba-2, GLA, DeltaNet, GDN, KDA, RWKV-7},
+  scored at its training length and longer ones (the same pairs, queried from further away).
+  As in Zoology (Arora et al. 2023), each mixer is trained at every learning rate of
+  ``Scale.mqar_lrs`` (with every seed) and its row reports the rate of the best mean score at
+  the training length, with the other rates' means beside it: one shared rate would measure
+  how well each mixer suits that rate.
 - state tracking: {DeltaNet, DeltaNet with ``allow_neg_eigval``, RWKV-7, Mamba-2}, one
   layer, on parity and S5 (per-position accuracy of the running product), scored
   at the training length and at twice it.
@@ -32,6 +37,8 @@ from fastweight.tasks import from_spec
 from fastweight.train import TrainConfig, train
 
 RETRIEVAL_MIXERS = ("deltanet", "mamba2", "gdn", "kda", "rwkv7")
+RECALL_MIXERS = ("attn", "mamba2", "gla", "deltanet", "gdn", "kda", "rwkv7")
+GROUPS = ("retrieval", "recall", "state tracking")
 STATE_TRACKING_MIXERS = (("deltanet", False), ("deltanet", True), ("rwkv7", False), ("mamba2", False))
 TASK_TITLES = {"s_niah_1": "S-NIAH-1", "s_niah_2": "S-NIAH-2", "s_niah_3": "S-NIAH-3", "mqar": "MQAR",
                "parity": "parity", "s5": "S5"}
@@ -44,8 +51,8 @@ class Scale:
     The S-NIAH model trains ``niah_steps`` steps in all: first ``niah_warmup_steps`` on S-NIAH-1
     alone at ``niah_warmup_len`` tokens (a curriculum: the mix of the three tasks at the training
     length does not leave chance from scratch at these sizes, see docs/evals.md), then
-    S-NIAH-1/2/3 in turns at ``niah_train_len``, at ``niah_lr`` (MQAR at ``lr``, the one-layer
-    state-tracking models at ``state_lr``). ``--steps`` scales the S-NIAH warm-up with the total.
+    S-NIAH-1/2/3 in turns at ``niah_train_len``, at ``niah_lr`` (MQAR at each rate of ``mqar_lrs``,
+    the one-layer state-tracking models at ``state_lr``). ``--steps`` scales the S-NIAH warm-up with the total.
     ``data_workers``: processes
     drawing batches ahead (the GPU setting: its steps are bound by the CPU, data included).
     """
@@ -67,7 +74,7 @@ class Scale:
     parity_steps: int
     s5_steps: int
     batch_size: int
-    lr: float
+    mqar_lrs: tuple
     niah_lr: float
     state_lr: float
     eval_examples: int
@@ -79,12 +86,12 @@ SCALES = {
                   mqar="mqar:seq_len=32,n_pairs=4,vocab_size=64", mqar_eval_lens=(32, 64, 128),
                   state_len=16, d_model=32, n_layers=2, n_heads=2, niah_steps=300, niah_warmup_steps=150,
                   mqar_steps=300, parity_steps=200, s5_steps=100, batch_size=16,
-                  lr=1e-2, niah_lr=3e-3, state_lr=3e-3, eval_examples=32, data_workers=0),
+                  mqar_lrs=(1e-2, 3e-3, 1e-3), niah_lr=3e-3, state_lr=3e-3, eval_examples=32, data_workers=0),
     "full": Scale(niah_train_len=512, niah_eval_lens=(512, 1024, 2048), niah_warmup_len=128, number_digits=7,
                   uuid_hex=32, mqar="mqar:seq_len=256,n_pairs=16,vocab_size=1024", mqar_eval_lens=(256, 512, 1024),
                   state_len=64, d_model=128, n_layers=2, n_heads=2, niah_steps=1200, niah_warmup_steps=300,
                   mqar_steps=800, parity_steps=1000, s5_steps=1000, batch_size=32,
-                  lr=1e-3, niah_lr=1e-3, state_lr=3e-3, eval_examples=128, data_workers=1),
+                  mqar_lrs=(3e-3, 1e-3), niah_lr=1e-3, state_lr=3e-3, eval_examples=128, data_workers=1),
 }
 
 
@@ -103,7 +110,7 @@ def niah_specs(scale: Scale, length: int) -> list[str]:
             f"s_niah_3:context_len={length},value_len={scale.uuid_hex}"]
 
 
-def suite(scale_name: str = "tiny", *, mixers=None, groups=("retrieval", "state tracking"), seed: int = 0,
+def suite(scale_name: str = "tiny", *, mixers=None, groups=GROUPS, seed: int = 0,
           steps: int | None = None, eval_examples: int | None = None, out_dir: str = "runs/eval",
           progress: bool = False, threads: int = 0, seeds: int = 1) -> list[Experiment]:
     """The experiments of a setting, optionally restricted to some mixers or groups; with ``seeds``
@@ -117,10 +124,10 @@ def suite(scale_name: str = "tiny", *, mixers=None, groups=("retrieval", "state 
                                eval_examples=eval_examples, out_dir=out_dir, progress=progress, threads=threads)]
     if scale_name not in SCALES:
         raise ValueError(f"`scale` must be one of {sorted(SCALES)}, got {scale_name!r}")
-    unknown = set(groups) - {"retrieval", "state tracking"}
+    unknown = set(groups) - set(GROUPS)
     if unknown:
-        raise ValueError(f"`groups` must be among 'retrieval', 'state tracking', got {sorted(unknown)}")
-    known = set(RETRIEVAL_MIXERS) | {m for m, _ in STATE_TRACKING_MIXERS}
+        raise ValueError(f"`groups` must be among {', '.join(map(repr, GROUPS))}, got {sorted(unknown)}")
+    known = set(RETRIEVAL_MIXERS) | set(RECALL_MIXERS) | {m for m, _ in STATE_TRACKING_MIXERS}
     if mixers and set(mixers) - known:
         raise ValueError(f"`mixers` must be among {sorted(known)}, got {sorted(set(mixers) - known)}")
     for name, value in (("steps", steps), ("eval_examples", eval_examples)):
@@ -128,7 +135,7 @@ def suite(scale_name: str = "tiny", *, mixers=None, groups=("retrieval", "state 
             raise ValueError(f"`{name}` must be None or an int >= 1, got {value!r}")
     s = SCALES[scale_name]
     base = TrainConfig(d_model=s.d_model, n_layers=s.n_layers, n_heads=s.n_heads, batch_size=s.batch_size,
-                       lr=s.lr, eval_examples=eval_examples or s.eval_examples, seed=seed, progress=progress,
+                       eval_examples=eval_examples or s.eval_examples, seed=seed, progress=progress,
                        threads=threads, checkpoint_every=0, log_every=5, data_workers=s.data_workers)
 
     def sized(n_steps, **kw):
@@ -138,8 +145,6 @@ def suite(scale_name: str = "tiny", *, mixers=None, groups=("retrieval", "state 
     experiments = []
     if "retrieval" in groups:
         niah_eval = ";".join(spec for n in s.niah_eval_lens for spec in niah_specs(s, n))
-        mqar = from_spec(s.mqar)
-        mqar_eval = ";".join(replace(mqar, seq_len=n).spec() for n in s.mqar_eval_lens)
         for mixer in RETRIEVAL_MIXERS:
             if mixers and mixer not in mixers:
                 continue
@@ -149,9 +154,16 @@ def suite(scale_name: str = "tiny", *, mixers=None, groups=("retrieval", "state 
             if warm:
                 niah = replace(niah, curriculum=niah_specs(s, s.niah_warmup_len)[0], curriculum_steps=warm)
             experiments.append(Experiment("retrieval", mixer, niah))
-            experiments.append(Experiment("retrieval", mixer, sized(
-                s.mqar_steps, mixer=mixer, task=s.mqar, eval_tasks=mqar_eval,
-                out_dir=os.path.join(out_dir, f"mqar-{mixer}"))))
+    if "recall" in groups:
+        mqar = from_spec(s.mqar)
+        mqar_eval = ";".join(replace(mqar, seq_len=n).spec() for n in s.mqar_eval_lens)
+        for mixer in RECALL_MIXERS:
+            if mixers and mixer not in mixers:
+                continue
+            for lr in s.mqar_lrs:
+                experiments.append(Experiment("recall", mixer, sized(
+                    s.mqar_steps, mixer=mixer, lr=lr, task=s.mqar, eval_tasks=mqar_eval,
+                    out_dir=os.path.join(out_dir, f"mqar-{mixer}-lr{lr:g}"))))
     if "state tracking" in groups:
         for mixer, neg in STATE_TRACKING_MIXERS:
             if mixers and mixer not in mixers:
@@ -172,16 +184,40 @@ def column(spec: str) -> str:
     return f"{TASK_TITLES[task.name]} {task.seq_len}"
 
 
-def run(experiments: list[Experiment], *, log=sys.stderr, on_result=None) -> list[dict]:
+def finished(cfg: TrainConfig) -> dict | None:
+    """The results an earlier run of ``cfg`` left in ``cfg.out_dir`` (all steps done and scored, with
+    the same settings but for those that do not change the model: progress bar, threads, data
+    workers), else None: what lets a sweep stopped by a time limit resume where it stopped."""
+    path = os.path.join(cfg.out_dir, "results.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            res = json.load(f)
+    except (OSError, ValueError):
+        return None
+    ignored = ("progress", "threads", "data_workers")
+    same = {k: v for k, v in asdict(cfg).items() if k not in ignored}
+    if ({k: v for k, v in res.get("config", {}).items() if k not in ignored} != same
+            or res.get("steps_done") != cfg.steps or not res.get("eval")):
+        return None
+    return res
+
+
+def run(experiments: list[Experiment], *, log=sys.stderr, on_result=None, reuse: bool = True) -> list[dict]:
     """Train and score every experiment; one result dict each (the trainer's, plus group and label).
     ``on_result(results)`` is called after each run (the suite saves what it has, so a run cut
-    short by a time limit still leaves its table)."""
+    short by a time limit still leaves its table). ``reuse``: an experiment whose out_dir holds its
+    finished results (:func:`finished`) is read back instead of trained again."""
     results, start, n = [], time.perf_counter(), len(experiments)
     for i, exp in enumerate(experiments):
         t0 = time.perf_counter()
-        name = f"{exp.group} / {exp.label} / {exp.config.task.split(':')[0]}"
-        print(f"[{i + 1}/{n}] {name}: training {exp.config.steps} steps ...", file=log, flush=True)
-        res = train(exp.config)
+        name = f"{exp.group} / {exp.label} / {exp.config.task.split(':')[0]} / lr {_rate(exp.config.lr)}"
+        res = finished(exp.config) if reuse else None
+        print(f"[{i + 1}/{n}] {name}: " + (f"training {exp.config.steps} steps ..." if res is None else
+              f"reusing {exp.config.out_dir}"), file=log, flush=True)
+        if res is None:
+            res = train(exp.config)
         res.update(group=exp.group, label=exp.label)
         results.append(res)
         accs = ", ".join(f"{column(r['task'])}: {r['acc']:.2f}" for r in res["eval"])
@@ -194,12 +230,27 @@ def run(experiments: list[Experiment], *, log=sys.stderr, on_result=None) -> lis
     return results
 
 
+def best_rates(results: list[dict], group: str) -> dict:
+    """label -> (the learning rate whose runs score best at the first scored task on average, {lr: mean
+    score there}) over a group's runs; a label trained at one rate has that rate (None without a config)."""
+    by_rate = {}
+    for res in results:
+        if res["group"] == group and res["eval"]:
+            lr = res.get("config", {}).get("lr")
+            by_rate.setdefault(res["label"], {}).setdefault(lr, []).append(res["eval"][0]["acc"])
+    means = {label: {lr: sum(a) / len(a) for lr, a in rates.items()} for label, rates in by_rate.items()}
+    return {label: (max(m, key=m.get), m) for label, m in means.items()}
+
+
 def table(results: list[dict], group: str) -> str:
     """A markdown table: one row per label, one column per scored task (accuracy in %; over several
-    seeds, the mean and the range)."""
+    seeds, the mean and the range). A label trained at several learning rates (a sweep) shows the
+    runs of its best rate (:func:`best_rates`), that rate, and every rate's mean at the first task."""
+    best = best_rates(results, group)
+    sweep = any(len(m) > 1 for _, m in best.values())
     rows, columns = {}, []
     for res in results:
-        if res["group"] != group:
+        if res["group"] != group or (sweep and res.get("config", {}).get("lr") != best[res["label"]][0]):
             continue
         for r in res["eval"]:
             col = column(r["task"])
@@ -210,11 +261,21 @@ def table(results: list[dict], group: str) -> str:
         return ""
     order = list(TASK_TITLES.values())
     columns.sort(key=lambda c: (order.index(c.rsplit(" ", 1)[0]), int(c.rsplit(" ", 1)[1])))
-    lines = ["| " + " | ".join([group] + columns) + " |", "|" + "---|" * (len(columns) + 1)]
+    extra = ["lr", f"{columns[0]} at each lr"] if sweep else []
+    lines = ["| " + " | ".join([group] + columns + extra) + " |", "|" + "---|" * (len(columns) + 1 + len(extra))]
     for label, accs in rows.items():
         cells = [_cell(accs[c]) if c in accs else "-" for c in columns]
+        if sweep:
+            lr, means = best[label]
+            cells += [_rate(lr), ", ".join(f"{_rate(r)}: {100 * m:.1f}" for r, m in sorted(means.items(), reverse=True))]
         lines.append("| " + " | ".join([label] + cells) + " |")
     return "\n".join(lines)
+
+
+def _rate(lr: float) -> str:
+    """1e-2, 3e-3, ...: a learning rate as the docs write it."""
+    mantissa, exponent = f"{lr:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
 
 
 def _cell(accs: list) -> str:
@@ -227,7 +288,7 @@ def _cell(accs: list) -> str:
 def report(results: list[dict], seconds: float, scale: str, planned: int | None = None) -> str:
     done = f"{len(results)} of {planned}" if planned not in (None, len(results)) else f"{len(results)}"
     parts = [f"fastweight eval --{scale}: {done} runs in {seconds:.0f} s"]
-    for group in ("retrieval", "state tracking"):
+    for group in GROUPS:
         t = table(results, group)
         if t:
             parts.append(t)
@@ -258,7 +319,7 @@ def _run(args: argparse.Namespace) -> int:
             f.write(text)
         return text
 
-    print(save(run(experiments, on_result=save)))
+    print(save(run(experiments, on_result=save, reuse=not args.rerun)))
     return 0
 
 
@@ -269,8 +330,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     size.add_argument("--tiny", action="store_true", help="CPU setting, minutes (the default)")
     size.add_argument("--full", action="store_true", help="one-GPU setting")
     parser.add_argument("--mixers", default="", help="only these mixers (comma-separated)")
-    parser.add_argument("--groups", default="retrieval,state-tracking", help="retrieval, state-tracking")
+    parser.add_argument("--groups", default="retrieval,recall,state-tracking", help="retrieval, recall, state-tracking")
     parser.add_argument("--tasks", default="", help="only runs trained on these (s_niah_1, mqar, parity, s5)")
+    parser.add_argument("--rerun", action="store_true",
+                        help="train every run again (default: a run whose --out folder holds its finished results "
+                             "with the same settings is read back, so a stopped sweep resumes)")
     parser.add_argument("--steps", type=int, default=None, help="override the training steps of every run")
     parser.add_argument("--eval-examples", type=int, default=None, help="override held-out examples per task")
     parser.add_argument("--seed", type=int, default=0)

@@ -78,8 +78,9 @@ class TrainConfig:
     batch_size: int = arg(32, "global batch (split over data-parallel ranks)")
     lr: float = arg(3e-3, "peak learning rate (AdamW)")
     weight_decay: float = arg(0.1, "AdamW weight decay")
-    weight_decay_1d: bool = arg(True, "decay the 1-D parameters too (biases, norm weights, A_log, dt_bias, D); "
-                                      "false: matrices only, as Mamba and fla train")
+    weight_decay_1d: bool = arg(False, "decay every parameter, the 1-D and gate ones too (biases, norm weights, "
+                                       "A_log, dt_bias, D, RWKV's decay and mixing vectors); default: matrices only, "
+                                       "as Mamba, fla and RWKV-LM train")
     warmup: int = arg(20, "linear warm-up steps, then cosine decay to lr / 10")
     grad_clip: float = arg(1.0, "gradient norm clip (0: off)")
     seed: int = arg(0, "seed of the initialisation and of the data streams")
@@ -315,18 +316,34 @@ def load_checkpoint(path: str, map_location="cpu") -> dict:
     return state
 
 
+def decays(module: torch.nn.Module, name: str, p: torch.Tensor) -> bool:
+    """Whether AdamW's weight decay applies to ``module``'s own parameter ``name``: the matrices
+    (2-D and up: projections, embeddings, LoRA factors, convolution filters) do, except those a
+    module lists in its ``no_weight_decay`` (RWKV's per-channel token-shift mixes and key scales
+    are [H, K] or [6, D] vectors, not weights); 1-D parameters never do (biases, norm weights and
+    the gates' parameters: A_log, dt_bias, D, RWKV's w0 / a0 / v0)."""
+    return p.dim() >= 2 and name not in getattr(module, "no_weight_decay", ())
+
+
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with ``cfg.weight_decay`` on every parameter, or (``weight_decay_1d=False``) on the
-    matrices only: biases, norm weights and the decay parameters (A_log, dt_bias, D) are then not
-    pulled toward 0, which for dt_bias would mean dt -> softplus(0) = 0.69, a fast decay. On the
-    full suite's MQAR, Mamba-2 reached 77% instead of 56% in 3000 steps without decay on them
-    (docs/results/full.md)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    """AdamW (betas 0.9, 0.95) with ``cfg.weight_decay`` on the parameters :func:`decays` names
+    and none on the others, as Mamba (``_no_weight_decay`` on A_log, D), fla and RWKV-LM (decay on
+    ``.weight`` matrices only) train: decay would pull a gate's parameters toward 0, which for
+    dt_bias means dt -> softplus(0) = 0.69, a fast forget, and for RWKV-7's w0 a log decay of
+    -e^-0.5 / 2 = -0.30 a token. On the full suite's MQAR, Mamba-2 reached 77% instead of 56% in 3000
+    steps without decay on them (docs/results/full.md). ``weight_decay_1d=True``: one group, every
+    parameter decayed (the trainer's former default). Grouped by module, so it holds after FSDP
+    sharding (which keeps the modules and their parameter names)."""
     if cfg.weight_decay_1d:
-        groups = [dict(params=params, weight_decay=cfg.weight_decay)]
+        groups = [dict(params=[p for p in model.parameters() if p.requires_grad], weight_decay=cfg.weight_decay)]
     else:
-        groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=cfg.weight_decay),
-                  dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
+        decayed, kept, seen = [], [], set()
+        for module in model.modules():
+            for name, p in module.named_parameters(recurse=False):
+                if p.requires_grad and id(p) not in seen:    # a tied weight counts once
+                    seen.add(id(p))
+                    (decayed if decays(module, name, p) else kept).append(p)
+        groups = [dict(params=decayed, weight_decay=cfg.weight_decay), dict(params=kept, weight_decay=0.0)]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
 
 

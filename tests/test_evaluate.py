@@ -1,18 +1,26 @@
 import io
 import json
+import os
 
 import pytest
 
 from fastweight.cli import main as cli_main
-from fastweight.evaluate import RETRIEVAL_MIXERS, column, report, suite, table
+from fastweight.evaluate import RECALL_MIXERS, RETRIEVAL_MIXERS, SCALES, column, finished, report, suite, table
 
 
 def test_suite_covers_the_brief():
     exps = suite("tiny")
     retrieval = [e for e in exps if e.group == "retrieval"]
+    recall = [e for e in exps if e.group == "recall"]
     state = [e for e in exps if e.group == "state tracking"]
     assert sorted({e.config.mixer for e in retrieval}) == sorted(RETRIEVAL_MIXERS)
-    assert {e.config.task.split(":")[0] for e in retrieval} == {"s_niah_1", "mqar"}
+    assert {e.config.task.split(":")[0] for e in retrieval} == {"s_niah_1"}
+    # MQAR: every mixer of the brief (attention, Mamba-2, GLA, DeltaNet, GDN, KDA, RWKV-7) at every rate
+    assert set(RECALL_MIXERS) == {"attn", "mamba2", "gla", "deltanet", "gdn", "kda", "rwkv7"}
+    assert sorted((e.config.mixer, e.config.lr) for e in recall) == sorted(
+        (m, lr) for m in RECALL_MIXERS for lr in SCALES["tiny"].mqar_lrs)
+    assert len(SCALES["tiny"].mqar_lrs) >= 3 and {e.config.task.split(":")[0] for e in recall} == {"mqar"}
+    assert len({e.config.out_dir for e in recall}) == len(recall)
     niah = next(e for e in retrieval if e.config.task.startswith("s_niah"))
     assert {column(s) for s in niah.config.eval_specs} >= {"S-NIAH-3 64", "S-NIAH-3 256", "S-NIAH-2 128"}
     assert niah.config.curriculum.startswith("s_niah_1:") and 0 < niah.config.curriculum_steps < niah.config.steps
@@ -20,7 +28,8 @@ def test_suite_covers_the_brief():
         (m, t) for m in ("deltanet", "deltanet (neg. eig.)", "rwkv7", "mamba2") for t in ("parity", "s5")}
     assert all(e.config.n_layers == 1 for e in state)
     assert [e.config.allow_neg_eigval for e in state if e.label.startswith("deltanet")] == [False, False, True, True]
-    assert len(suite("full")) == len(exps)
+    assert len(suite("full")) == len(exps) - len(RECALL_MIXERS) * (len(SCALES["tiny"].mqar_lrs)
+                                                                   - len(SCALES["full"].mqar_lrs))
     short = next(e for e in suite("full", steps=12) if e.config.task.startswith("s_niah"))
     assert short.config.steps == 12 and short.config.curriculum_steps == 3  # the curriculum's share is kept
     with pytest.raises(ValueError, match="scale"):
@@ -34,17 +43,20 @@ def test_eval_tiny_smoke(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| retrieval | S-NIAH-1 64 |" in printed and "| deltanet (neg. eig.) |" in printed
     saved = json.load(open(out / "suite.json"))
-    assert saved["scale"] == "tiny" and len(saved["results"]) == saved["planned_runs"] == 2 * 2 + 3 * 2
+    lrs = len(SCALES["tiny"].mqar_lrs)
+    assert saved["scale"] == "tiny" and len(saved["results"]) == saved["planned_runs"] == 2 + 2 * lrs + 3 * 2
+    assert "| recall | MQAR 32 | MQAR 64 | MQAR 128 | lr | MQAR 32 at each lr |" in printed
     for res in saved["results"]:
         assert res["steps_done"] == 2 and all(0 <= r["acc"] <= 1 for r in res["eval"])
     assert (out / "table.md").read_text().strip() in printed
 
 
-def test_partial_results_are_saved_after_each_run(monkeypatch):
+def test_partial_results_are_saved_after_each_run(monkeypatch, tmp_path):
     from fastweight import evaluate
     monkeypatch.setattr(evaluate, "train", lambda cfg: dict(final_loss=0.0, eval=[dict(task=cfg.task, acc=0.5)]))
     seen, log = [], io.StringIO()
-    evaluate.run(suite("tiny", groups=("state tracking",))[:3], on_result=lambda r: seen.append(len(r)), log=log)
+    evaluate.run(suite("tiny", groups=("state tracking",), out_dir=str(tmp_path))[:3],
+                 on_result=lambda r: seen.append(len(r)), log=log)
     assert seen == [1, 2, 3]
     # progress: a line as each run starts, its result and the time left as it ends
     lines = log.getvalue().splitlines()
@@ -63,6 +75,43 @@ def test_table_layout():
     assert table(results, "state tracking") == ""
     results.append(dict(group="retrieval", label="gdn", eval=[dict(task="mqar", acc=0.75)]))
     assert table(results, "retrieval").splitlines()[-1] == "| gdn | 50.0 | 100.0 | 50.0 (25-75) |"
+
+
+def test_a_sweep_row_is_its_best_rate_with_every_rate_beside_it():
+    """A label trained at several learning rates shows the runs of the rate with the best mean score
+    at the first task (over its seeds), that rate, and each rate's mean there."""
+    def res(lr, *accs):
+        return dict(group="recall", label="gdn", config=dict(lr=lr),
+                    eval=[dict(task="mqar:seq_len=32", acc=accs[0]), dict(task="mqar:seq_len=64", acc=accs[1])])
+    results = [res(1e-2, 0.1, 0.1), res(3e-3, 0.5, 0.4), res(3e-3, 0.7, 0.6), res(1e-3, 0.55, 0.9)]
+    assert table(results, "recall").splitlines() == [
+        "| recall | MQAR 32 | MQAR 64 | lr | MQAR 32 at each lr |", "|---|---|---|---|---|",
+        "| gdn | 60.0 (50-70) | 50.0 (40-60) | 3e-3 | 1e-2: 10.0, 3e-3: 60.0, 1e-3: 55.0 |"]
+
+
+def test_finished_runs_are_reused_and_changed_ones_retrained(tmp_path, monkeypatch):
+    """A run whose out_dir holds its finished results with the same settings is read back (a stopped
+    sweep resumes); another setting, fewer steps done or a missing score trains again."""
+    from dataclasses import asdict, replace
+    from fastweight import evaluate
+    exp = suite("tiny", groups=("recall",), mixers=["deltanet"], out_dir=str(tmp_path))[0]
+    trained = []
+
+    def fake_train(cfg):
+        trained.append(cfg.out_dir)
+        out = dict(config=asdict(cfg), steps_done=cfg.steps, final_loss=0.5, eval=[dict(task=cfg.task, acc=0.5)])
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        with open(os.path.join(cfg.out_dir, "results.json"), "w") as f:
+            json.dump(out, f)
+        return out
+    monkeypatch.setattr(evaluate, "train", fake_train)
+    log = io.StringIO()
+    evaluate.run([exp], log=log)
+    evaluate.run([replace(exp, config=replace(exp.config, threads=2, progress=True))], log=log)
+    assert len(trained) == 1 and "reusing" in log.getvalue()
+    assert finished(replace(exp.config, lr=0.5)) is None and finished(replace(exp.config, steps=7)) is None
+    evaluate.run([exp], log=log, reuse=False)
+    assert len(trained) == 2
 
 
 def test_seeds_repeat_every_experiment():

@@ -101,7 +101,7 @@ def test_a_damaged_checkpoint_is_an_error_naming_the_file(tmp_path, damage):
 def test_resume_into_another_optimizer_layout_names_the_file(tmp_path):
     train(tiny(tmp_path, steps=2))
     with pytest.raises(ValueError, match=f"{tmp_path / 'checkpoint.pt'} does not fit"):
-        train(tiny(tmp_path, steps=4, resume=True, weight_decay_1d=False))
+        train(tiny(tmp_path, steps=4, resume=True, weight_decay_1d=True))
 
 
 def _ddp_worker(rank, world, port, out_dir):
@@ -183,10 +183,11 @@ def test_bad_model_args_name_the_field(model_args):
 
 
 def test_weight_decay_on_matrices_only(tmp_path):
-    """weight_decay_1d=False: A_log, dt_bias, norm weights and biases get no decay, every matrix does;
-    one step with zero gradients then shrinks only the matrices."""
+    """By default (as Mamba, fla and RWKV-LM train) A_log, dt_bias, D, norm weights and biases get no
+    decay, every matrix does; one step with zero gradients then shrinks only the matrices.
+    ``weight_decay_1d=True`` decays every parameter (one group)."""
     from fastweight.train import build_model, make_optimizer
-    cfg = tiny(tmp_path, mixer="mamba2", weight_decay=0.5, weight_decay_1d=False)
+    cfg = tiny(tmp_path, mixer="mamba2", weight_decay=0.5)
     model = build_model(cfg, 16)
     opt = make_optimizer(model, cfg)
     decayed, kept = opt.param_groups
@@ -195,7 +196,7 @@ def test_weight_decay_on_matrices_only(tmp_path):
     assert len(decayed["params"]) + len(kept["params"]) == len(list(model.parameters()))
     names = {id(p): n for n, p in model.named_parameters()}
     kept_names = {names[id(p)] for p in kept["params"]}
-    assert any(n.endswith("A_log") for n in kept_names) and any(n.endswith("dt_bias") for n in kept_names)
+    assert {n.rsplit(".", 1)[-1] for n in kept_names} >= {"A_log", "dt_bias", "D", "bias", "weight"}
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -205,8 +206,27 @@ def test_weight_decay_on_matrices_only(tmp_path):
             assert torch.equal(p, before[n]), n
         elif before[n].abs().sum() > 0:
             assert not torch.equal(p, before[n]), n
-    default = make_optimizer(model, tiny(tmp_path, mixer="mamba2"))
-    assert len(default.param_groups) == 1 and default.param_groups[0]["weight_decay"] == 0.1
+    every = make_optimizer(model, tiny(tmp_path, mixer="mamba2", weight_decay_1d=True))
+    assert len(every.param_groups) == 1 and every.param_groups[0]["weight_decay"] == 0.1
+    assert len(every.param_groups[0]["params"]) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("official", [False, True])
+def test_rwkv7_gate_vectors_get_no_weight_decay(tmp_path, official):
+    """RWKV-7's per-channel vectors kept 2-D or 3-D (token-shift mixes, key scales, bonus) are not
+    weights: no decay on them, as RWKV-LM decays only its ``.weight`` matrices; its projections and
+    LoRA factors are decayed."""
+    from fastweight.train import build_model, make_optimizer
+    cfg = tiny(tmp_path, mixer="rwkv7", model_args="rwkv7_official=true" if official else "")
+    model = build_model(cfg, 16)
+    decayed, kept = make_optimizer(model, cfg).param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    kept_names = {names[id(p)].split(".")[-1] for p in kept["params"]}
+    decayed_names = {names[id(p)] for p in decayed["params"]}
+    vectors = {"x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "r_k"} if official else {"mu", "xi", "alpha", "rho"}
+    assert vectors <= kept_names and not any(n.split(".")[-1] in vectors for n in decayed_names)
+    assert any("r_proj" in n for n in decayed_names) and any("w_lora.down" in n for n in decayed_names)
+    assert len(decayed["params"]) + len(kept["params"]) == len({id(p) for p in model.parameters()})
 
 
 def test_chance_is_the_yardstick_train_prints():

@@ -118,7 +118,7 @@ def test_fsdp_checkpoint_resumes_at_another_world_size(tmp_path, first, then):
 def test_fsdp_resume_into_another_optimizer_layout_names_the_file(tmp_path):
     train(tiny(tmp_path, steps=2))
     with pytest.raises(Exception, match=f"{tmp_path / 'checkpoint.pt'} does not fit.*param groups hold"):
-        run_ranks(tmp_path, parallel="fsdp", steps=4, resume=True, weight_decay_1d=False)
+        run_ranks(tmp_path, parallel="fsdp", steps=4, resume=True, weight_decay_1d=True)
     assert load_checkpoint(tmp_path / "checkpoint.pt")["step"] == 2
 
 

@@ -261,9 +261,11 @@ def inverse_softplus(y: torch.Tensor) -> torch.Tensor:
     return y + torch.log(-torch.expm1(-y))
 
 
-def mamba_decay_init(n_heads: int, dt_min: float = 1e-3, dt_max: float = 0.1):
-    """Mamba-2's parameterisation of a log decay: (A_log, dt_bias) with A = -exp(A_log) in [-16, -1]
-    and dt = softplus(. + dt_bias) starting log-uniform in [dt_min, dt_max]; g = A * dt <= 0."""
-    A_log = torch.empty(n_heads).uniform_(1, 16).log()
+def mamba_decay_init(n_heads: int, dt_min: float = 1e-3, dt_max: float = 0.1, a_range: tuple = (1, 16)):
+    """Mamba-2's parameterisation of a log decay: (A_log, dt_bias) with -A = exp(A_log) uniform in
+    ``a_range`` (Mamba-2's [1, 16]; fla's Gated DeltaNet draws from (0, 16)) and dt = softplus(. +
+    dt_bias) starting log-uniform in [dt_min, dt_max] (floored at 1e-4); g = A * dt <= 0. The median
+    head starts at g ~ -0.085 a token: a horizon 1 / |g| of ~12 tokens, from ~0.6 to ~1000."""
+    A_log = torch.empty(n_heads).uniform_(*a_range).clamp_min(1e-4).log()
     dt = torch.exp(torch.rand(n_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
     return nn.Parameter(A_log), nn.Parameter(inverse_softplus(dt.clamp(min=1e-4)))

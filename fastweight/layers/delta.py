@@ -67,7 +67,7 @@ class DeltaRuleMixer(Mixer):
         self.v_conv = ShortConv(n * HV * V, conv, "silu")
         if self.decay == "head":
             self.a_proj = nn.Linear(D, HV, bias=False)
-            self.A_log, self.dt_bias = mamba_decay_init(HV)
+            self.A_log, self.dt_bias = mamba_decay_init(HV, a_range=(0, 16))   # Gated DeltaNet's (fla's) range
         elif self.decay == "channel":
             rank = cfg.kda_gate_rank or K
             self.f_proj = LowRank(D, rank, HV * K, activation=None)

@@ -462,6 +462,26 @@ class _RWKV7Mixer(Mixer):
         self.g_lora = LowRank(D, ranks["g"], V, activation="sigmoid", bias=False)
         self.g_norm = nn.GroupNorm(H, V, eps=eps, affine=True)
 
+    no_weight_decay = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "r_k")   # vectors (fastweight.train.decays)
+
+    @torch.no_grad()
+    def reset_layer_parameters(self, layer_idx: int, n_layers: int) -> None:
+        """The official initial vectors for this layer's depth (``fastweight.layers.rwkv.rwkv7_init``:
+        token-shift mixes, the decay, learning-rate and value-residual logits as the LoRAs' output
+        biases, k_k, k_a, r_k), in place of the zeros the layer is made with; the LM calls it
+        after its generic init (a model trained from scratch; a converted one loads its weights)."""
+        from fastweight.layers.rwkv import rwkv7_init
+        H, K = self.r_k.shape
+        init = rwkv7_init(self.x_r.shape[-1], H, K, self.v_proj.out_features // H, layer_idx, n_layers)
+        for i, c in enumerate("rwkvag"):
+            getattr(self, f"x_{c}").copy_(init["mu"][i].view_as(getattr(self, f"x_{c}")))
+        for lora, name in ((self.w_lora, "w0"), (self.a_lora, "a0"), (self.v_lora, "v0")):
+            if lora is not None:
+                lora.up.bias.copy_(init[name])
+        self.k_k.copy_(init["xi"].flatten())
+        self.k_a.copy_(init["alpha"].flatten())
+        self.r_k.copy_(init["rho"])
+
     def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
         H = self.num_heads
         xx = self.shift(self.shift_x, x, cache, shared) - x

@@ -40,6 +40,52 @@ def _decay_init(n: int, lo: float, hi: float) -> nn.Parameter:
     return nn.Parameter(torch.linspace(lo, hi, n))
 
 
+def rwkv7_init(d_model: int, n_heads: int, head_k: int, head_v: int, layer_idx: int, n_layers: int) -> dict:
+    """RWKV-7's initial per-channel parameters (the official ``RWKV_x070`` training code's values)
+    for layer l = ``layer_idx`` of L = ``n_layers``. Over a width C (d_model for the token-shift
+    mixes, H * head_k for the key side, H * head_v for values), channel c, u_c = c / (C-1) - 1/2,
+    and per head of size N the "zigzag" z_i = s |s|, s = (i - (N-1)/2) / ((N-1)/2), i = c mod N:
+
+    - token-shift mixes ``mu`` [6, d_model] (rows r, w, k, v, a, g): 1 - (c / C)^(p (1 - l / L)),
+      p = 0.2, 0.9, 0.7, 0.7, 0.9, 0.2 (from "all previous token" at c = 0 to "all current" near C);
+    - decay logit ``w0`` [H * head_k]: -6 + 6 (c / (C-1))^(1 + (l / (L-1))^0.3) + 0.5 + 2.5 z_i:
+      every head spans slow to fast channels, down to sigmoid(-8) = 3e-4, a log decay of -2e-4 a
+      token (a horizon of thousands of tokens); the fastest forget at about -0.6 a token;
+    - in-context learning rate logit ``a0``: -0.19 + 0.3 z_i + 0.4 u_c (a = sigmoid ~ 0.45);
+    - removal-key scale ``xi`` [H, head_k]: 0.71 - 0.1 u_c; replacement-key mix ``alpha``: 1.02;
+      bonus ``rho``: -0.04; value-residual logit ``v0`` [H * head_v]: 0.73 - 0.4 u_c;
+    (channel mixing's key mix: :func:`rwkv7_channel_mix_init`).
+    """
+    depth = layer_idx / max(1, n_layers - 1)           # 0 in the first layer, 1 in the last
+    shallow = 1.0 - layer_idx / n_layers               # 1 in the first layer, 1/L in the last
+
+    def ramp(C):                                       # c / C and u_c
+        c = torch.arange(C, dtype=torch.float32)
+        return c / C, c / max(1, C - 1) - 0.5
+
+    def zigzag(C, N):
+        s = ((torch.arange(C) % N) - (N - 1) / 2) / max(1.0, (N - 1) / 2)
+        return s * s.abs()
+
+    frac, _ = ramp(d_model)
+    K = n_heads * head_k
+    _, uk = ramp(K)
+    _, uv = ramp(n_heads * head_v)
+    z = zigzag(K, head_k)
+    powers = torch.tensor([0.2, 0.9, 0.7, 0.7, 0.9, 0.2])[:, None]
+    return dict(mu=1.0 - frac[None, :] ** (powers * shallow),
+                w0=-6.0 + 6.0 * ((uk + 0.5) ** (1.0 + depth ** 0.3)) + 0.5 + 2.5 * z,
+                a0=-0.19 + 0.3 * z + 0.4 * uk, v0=0.73 - 0.4 * uv,
+                xi=(0.71 - 0.1 * uk).view(n_heads, head_k), alpha=torch.full((n_heads, head_k), 1.02),
+                rho=torch.full((n_heads, head_k), -0.04))
+
+
+def rwkv7_channel_mix_init(d_model: int, layer_idx: int, n_layers: int) -> torch.Tensor:
+    """RWKV-7's initial token-shift mix of the channel mixing's key, [d_model]: 1 - (c / C)^((1 - l / L)^4)."""
+    shallow = 1.0 - layer_idx / n_layers
+    return 1.0 - (torch.arange(d_model, dtype=torch.float32) / d_model) ** (shallow ** 4)
+
+
 class RWKV6TimeMix(Mixer):
     """RWKV-6 time mixing (Peng et al. 2024, arXiv:2404.05892)."""
 
@@ -99,6 +145,17 @@ class RWKV7TimeMix(Mixer):
         self.o_norm = GatedRMSNorm(V, cfg.norm_eps, "identity")
         self.o_proj = nn.Linear(H * V, D, bias=False)
 
+    no_weight_decay = ("mu", "xi", "alpha", "rho")    # per-channel vectors kept 2-D (fastweight.train.decays)
+
+    @torch.no_grad()
+    def reset_layer_parameters(self, layer_idx: int, n_layers: int) -> None:
+        """The paper's initial decay, learning-rate, value-residual, key and token-shift parameters
+        for this layer's depth (:func:`rwkv7_init`; the LM calls it after its generic init)."""
+        H, K = self.xi.shape
+        init = rwkv7_init(self.mu.shape[1], H, K, self.v0.shape[0] // H, layer_idx, n_layers)
+        for name in ("mu", "w0", "a0", "v0", "xi", "alpha", "rho"):
+            getattr(self, name).copy_(init[name])
+
     def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
         H = self.n_heads
         xx = self.shift(self.shift_x, x, cache, shared) - x
@@ -131,6 +188,13 @@ class ChannelMix(nn.Module):
         self.value = nn.Linear(width, D, bias=False)
         self.mu_r = nn.Parameter(torch.rand(D)) if receptance else None
         self.receptance = nn.Linear(D, D, bias=False) if receptance else None
+
+    @torch.no_grad()
+    def reset_layer_parameters(self, layer_idx: int, n_layers: int) -> None:
+        """RWKV-7's channel mixing (no receptance): the key's initial token-shift mix for this
+        layer's depth (:func:`rwkv7_channel_mix_init`); RWKV-6's keeps its uniform draw."""
+        if self.receptance is None:
+            self.mu_k.copy_(rwkv7_channel_mix_init(self.mu_k.shape[0], layer_idx, n_layers))
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
         xx = Mixer.shift(self.shift_x, x, cache, shared, "ffn_shift") - x

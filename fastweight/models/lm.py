@@ -92,6 +92,11 @@ class LanguageModel(nn.Module):
         self.norm = build_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(self._init_weights)
+        for i, block in enumerate(self.blocks):
+            for module in block.modules():
+                # a mechanism's own initial parameters, which depend on the layer's depth (RWKV-7's)
+                if hasattr(module, "reset_layer_parameters"):
+                    module.reset_layer_parameters(i, cfg.n_layers)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
