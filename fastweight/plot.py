@@ -6,6 +6,7 @@
     fastweight plot attention   --checkpoint runs/eval/mqar-gdn/checkpoint.pt     A of a trained model
     fastweight plot trained-spectra --checkpoint runs/eval/parity-deltanet-neg/checkpoint.pt
     fastweight plot niah-length --suite runs/eval/suite.json                      accuracy vs length
+    fastweight plot loss-curves --suite runs/eval/suite.json [--group recall]     training loss per mixer
 
 Each writes ``--out`` (a PNG) and prints its path. The data come from
 :mod:`fastweight.analysis`.
@@ -201,6 +202,39 @@ def plot_niah_length(suite: str, out: str) -> str:
     return _save(fig, out)
 
 
+def plot_loss_curves(suite: str, out: str, group: str = "recall") -> str:
+    """The training loss against the step, one line per label of ``group``: the mean over the seeds of
+    the runs the table reports (a sweep: the best rate's, ``evaluate.best_rates``), the band their
+    range; the dotted line is chance, ln(number of answers) where the task has one (MQAR's values)."""
+    from fastweight.evaluate import best_rates
+    with open(suite) as f:
+        results = json.load(f)["results"]
+    best = best_rates(results, group)
+    if not best:
+        raise ValueError(f"`suite`: {suite} holds no {group!r} results")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for label, (lr, _) in best.items():
+        curves = [dict(r["curve"]) for r in results if r["group"] == group and r["label"] == label
+                  and r.get("config", {}).get("lr") == lr]
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        loss = torch.tensor([[c[s] for s in steps] for c in curves])
+        line, = ax.plot(steps, loss.mean(0).numpy(), label=f"{label} (lr {lr:.0e}, {len(curves)} seeds)")
+        ax.fill_between(steps, loss.min(0).values.numpy(), loss.max(0).values.numpy(), color=line.get_color(),
+                        alpha=0.15, lw=0)
+    task = next(r for r in results if r["group"] == group)["config"]["task"]
+    if task.startswith("mqar"):
+        from fastweight.tasks import from_spec
+        vocab = from_spec(task).vocab_size
+        ax.axhline(math.log(vocab - vocab // 2), color="0.5", ls=":", lw=1, label="chance (ln #values)")
+    ax.set_xlabel("step", fontsize=8)
+    ax.set_ylabel("training loss (answer tokens)", fontsize=8)
+    ax.set_title(f"{group}: {task}", fontsize=9)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=7)
+    return _save(fig, out)
+
+
 def _run(args: argparse.Namespace) -> int:
     names = lambda s: [m for m in s.split(",") if m]  # noqa: E731
     if args.figure == "spectra":
@@ -222,6 +256,8 @@ def _run(args: argparse.Namespace) -> int:
         if not args.checkpoint:
             raise SystemExit("fastweight plot attention: --checkpoint is required")
         path = plot_attention(args.checkpoint, args.out or "attention.png", seed=args.seed)
+    elif args.figure == "loss-curves":
+        path = plot_loss_curves(args.suite, args.out or "loss_curves.png", group=args.group)
     else:
         path = plot_niah_length(args.suite, args.out or "niah_length.png")
     print(path)
@@ -238,7 +274,8 @@ def _length(text: str) -> int:
 def register(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("plot", help="analysis figures (PNG)", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("figure", choices=("spectra", "trained-spectra", "state-norm", "attention", "niah-length"))
+    parser.add_argument("figure", choices=("spectra", "trained-spectra", "state-norm", "attention", "niah-length",
+                                           "loss-curves"))
     parser.add_argument("--out", default="", help="PNG path (default: <figure>.png)")
     parser.add_argument("--mechanisms", default="", help="comma-separated registry names")
     parser.add_argument("--length", type=_length, default=0,
@@ -247,7 +284,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--write-bias", type=float, default=0.5, help="state-norm: constant added to k and v")
     parser.add_argument("--checkpoint", default="", help="attention, trained-spectra: a fastweight train "
                         "checkpoint; state-norm: comma-separated checkpoints (trained models instead of random inputs)")
-    parser.add_argument("--suite", default="runs/eval/suite.json", help="niah-length: a fastweight eval result")
+    parser.add_argument("--suite", default="runs/eval/suite.json",
+                        help="niah-length, loss-curves: a fastweight eval result")
+    parser.add_argument("--group", default="recall", help="loss-curves: the suite's group (recall, retrieval, ...)")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=_run)
     return parser

@@ -37,6 +37,28 @@ def test_plots_are_written(tmp_path, capsys):
     assert str(tmp_path / "niah.png") in capsys.readouterr().out
 
 
+def test_loss_curves_plot_the_best_rate_of_each_mixer(tmp_path, monkeypatch):
+    """loss-curves: one line per label at the rate its table row reports (the others are not drawn)."""
+    from fastweight import plot
+    def run(label, lr, seed, loss):
+        return dict(group="recall", label=label, config=dict(lr=lr, seed=seed, task="mqar:seq_len=32,vocab_size=64"),
+                    curve=[[0, 4.2], [5, loss]], eval=[dict(task="mqar:seq_len=32", acc=1 / loss)])
+    results = [run("gdn", 1e-2, 0, 3.4), run("gdn", 1e-3, 0, 1.0), run("gdn", 1e-3, 1, 2.0), run("attn", 3e-3, 0, 0.5)]
+    (tmp_path / "suite.json").write_text(json.dumps(dict(results=results)))
+    drawn = []
+    monkeypatch.setattr(plot, "_save", lambda fig, out: drawn.extend(
+        (line.get_label(), list(line.get_ydata())) for line in fig.axes[0].get_lines()) or out)
+    plot.plot_loss_curves(str(tmp_path / "suite.json"), str(tmp_path / "curves.png"))
+    assert drawn[0] == ("gdn (lr 1e-03, 2 seeds)", [4.2, 1.5]) and drawn[1] == ("attn (lr 3e-03, 1 seeds)", [4.2, 0.5])
+    assert drawn[2][0].startswith("chance") and drawn[2][1][0] == pytest.approx(3.4657, abs=1e-4)   # ln 32
+    monkeypatch.undo()
+    assert cli_main(["plot", "loss-curves", "--suite", str(tmp_path / "suite.json"),
+                     "--out", str(tmp_path / "curves.png")]) == 0
+    _png(tmp_path / "curves.png")
+    with pytest.raises(ValueError, match="retrieval"):
+        plot.plot_loss_curves(str(tmp_path / "suite.json"), str(tmp_path / "c.png"), group="retrieval")
+
+
 def test_negative_length_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         cli_main(["plot", "spectra", "--length", "-3"])
