@@ -84,7 +84,8 @@ class HFTokenizer:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, ids) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        """The text of ``ids``; ids past the tokenizer's (a model's padded vocabulary) are dropped."""
+        return self.tokenizer.decode([i for i in ids if i < self.vocab_size], skip_special_tokens=True)
 
 
 class TaskTokenizer:
@@ -111,7 +112,8 @@ class TaskTokenizer:
     encode_continuation = encode
 
     def decode(self, ids) -> str:
-        return self.tokenizer.decode(ids)
+        """The text of ``ids``; ids past the vocabulary (a model's larger one) are dropped."""
+        return self.tokenizer.decode([i for i in ids if i < self.vocab_size])
 
 
 def as_tokenizer(tokenizer):

@@ -133,7 +133,7 @@ def tiny_fastweight(vocab_size):
                                                         (tiny_fastweight, "word", (1, 2), (160,))])
 def test_a_tiny_random_model_scores_end_to_end(build, name, tasks, lengths):
     tok = TOKENIZERS[name]()
-    model = build(tok.vocab_size)
+    model = build(1024)  # a vocabulary larger than the tokenizer's, as padded ones are: extra ids are dropped
     result = ruler.score(model, tok, tasks=tasks, lengths=lengths, examples=2, depths=2, extra_tokens=1)
     assert len(result.records) == len(tasks) * len(lengths) * 2
     for row in result.scores().values():
@@ -175,3 +175,11 @@ def test_bad_arguments_name_the_argument(kwargs, message):
 def test_a_tokenizer_of_unknown_kind_is_refused():
     with pytest.raises(TypeError, match="`tokenizer`"):
         ruler.score(ReadingStub(None), object(), examples=1)
+
+
+@pytest.mark.parametrize("name", list(TOKENIZERS))
+def test_ids_past_the_tokenizers_vocabulary_are_dropped_from_the_output(name):
+    tok = TOKENIZERS[name]()
+    ids = tok.encode_continuation(" 4182937.")
+    mixed = [tok.vocab_size + 5, *ids[:3], tok.vocab_size, *ids[3:], 10 * tok.vocab_size]
+    assert tok.decode(mixed) == tok.decode(ids) and ruler.matches("4182937", tok.decode(mixed))
