@@ -19,8 +19,8 @@ refused by name. An fla option a class does not implement (its docstring lists t
 error naming it, and so does an unknown keyword (fla's layers ignore those).
 
 ``Comba``, ``HGRN2Attention`` and ``RWKV7Attention`` compute fla's form, which differs from the LM's
-``comba``, ``hgrn2`` and ``rwkv7`` mixers (their docstrings; ``docs/models.md``): their computation is
-here.
+``comba``, ``hgrn2`` and ``rwkv7`` mixers (their docstrings; ``docs/models.md``): RWKV-7's computation
+is here, Comba's and HGRN2's in ``fla_forms.py`` (which ``LMConfig(fla_form=True)`` builds too).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fastweight.dispatch import l2norm
 from fastweight.layers.base import Mixer, sequence_positions, split_heads
 from fastweight.layers.common import at_least_fp32
 from fastweight.layers.delta import DeltaRuleMixer
+from fastweight.layers.fla_forms import CombaFlaMixer, HGRN2FlaMixer
 from fastweight.layers.gated import DecayMixer, Mamba2Mixer
 from fastweight.layers.rwkv import EXP_MINUS_HALF
 
@@ -275,27 +275,7 @@ class GatedLinearAttention(_FlaLayer, DecayMixer):
         self.key_dim, self.value_dim = head_k * num_heads, head_v * num_heads
 
 
-class _CombaMixer(DeltaRuleMixer):
-    """The Comba mixer in fla's form (``Comba``'s docstring): the read key p and the output
-    correction made from the raw key, q, k and p L2-normalised (as fla's kernel does), a sigmoid
-    output gate."""
-
-    def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
-        H, HV = self.n_heads, self.n_v_heads
-        q = split_heads(self.conv(self.q_conv, self.q_proj(x), cache, "conv_q", shared), H)
-        k = split_heads(self.conv(self.k_conv, self.k_proj(x), cache, "conv_k", shared), H)
-        v = split_heads(self.conv(self.v_conv, self.v_proj(x), cache, "conv_v", shared), HV)
-        p = k if self.inner_decay is None else k * torch.sigmoid(self.inner_decay).to(k.dtype)[:, None]
-        if self.D is not None:
-            q = q - self.D.to(q.dtype)[:, None] * p
-        extra = {n: t.to(v.dtype) if n == "beta" else t for n, t in self.gates(x).items()}
-        q, k, p = l2norm(q), l2norm(k), l2norm(p)
-        o = self.recur("comba", cache, shared, scale=self.head_k ** -0.5, q=q, k=k, v=v, p=p, **extra)
-        gate = None if self.g_proj is None else split_heads(self.g_proj(x), HV)
-        return self.o_proj(self.o_norm(o, gate).flatten(-2))
-
-
-class Comba(_FlaLayer, _CombaMixer):
+class Comba(_FlaLayer, CombaFlaMixer):
     """fla's ``Comba`` layer (Hu et al., 2025), as fla 0.6.0 computes it:
 
         q, k, v = SiLU(conv(W_q x)), SiLU(conv(W_k x)), SiLU(conv(W_v x))   (k and q not yet normalised)
@@ -310,7 +290,7 @@ class Comba(_FlaLayer, _CombaMixer):
     class is fla's form, for fla's checkpoints; the LM's ``comba`` mixer is the paper's p = d L2(k)
     without the correction (``docs/models.md``). Grouped value heads: ``num_v_heads``."""
 
-    MIXER = _CombaMixer
+    MIXER = CombaFlaMixer
     FLA_NAMES = {**CONVS, "inner_decay": "decay"}
 
     def __init__(self, hidden_size: int = 2048, expand_v: float = 2, head_dim: int = 256, num_heads: int = 6,
@@ -321,42 +301,22 @@ class Comba(_FlaLayer, _CombaMixer):
         if num_v_heads is not None and (num_v_heads < num_heads or num_v_heads % num_heads):
             raise ValueError(f"Comba: `num_v_heads` ({num_v_heads}) must be a multiple of `num_heads` ({num_heads})")
         _refuse("Comba", use_short_conv=(use_short_conv, True), conv_bias=(conv_bias, False))
-        from fastweight.layers.common import GatedRMSNorm
         from fastweight.models.config import LMConfig
         cfg = LMConfig(vocab_size=1, d_model=hidden_size, n_layers=1, n_heads=num_heads, n_v_heads=num_v_heads,
                        mixer="comba", head_dim=head_dim, expand_v=expand_v, conv_size=conv_size, norm_eps=norm_eps)
         self._fla_setup(cfg, "comba", mode, layer_idx, kwargs)
-        del self.d_logit
-        self.inner_decay = nn.Parameter(torch.ones(num_heads)) if use_inner_decay else None
-        self.D = nn.Parameter(torch.full((num_heads,), float(correction_factor))) if use_output_correction else None
-        if not use_output_gate:
-            self.g_proj = None
-        self.o_norm = GatedRMSNorm(self.head_v, norm_eps, "sigmoid" if use_output_gate else "identity")
+        self.set_options(norm_eps, use_output_gate, use_output_correction, use_inner_decay, correction_factor)
 
 
-class _HGRN2Mixer(DecayMixer):
-    """The HGRN2 mixer in fla's form (``HGRN2Attention``'s docstring)."""
-
-    def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
-        H = self.n_heads
-        g = F.logsigmoid(at_least_fp32(self.k_proj(x)))
-        lower_bound = None if shared is None else shared.get("lower_bound")
-        if lower_bound is not None and self.layer_idx:
-            # alpha = lb + (1 - lb) sigmoid(f), in log space
-            g = torch.logaddexp(lower_bound.log(), torch.log1p(-lower_bound) + g)
-        o = self.recur("hgrn2", cache, shared, scale=self.head_k ** -0.5, q=split_heads(F.silu(self.q_proj(x)), H),
-                       v=split_heads(self.v_proj(x), H), g=split_heads(g, H))
-        return self.o_proj(self.o_norm(o.flatten(-2)))
-
-
-class HGRN2Attention(_FlaLayer, _HGRN2Mixer):
+class HGRN2Attention(_FlaLayer, HGRN2FlaMixer):
     """fla's ``HGRN2Attention`` layer (Qin et al., 2024), as fla 0.6.0 computes it:
 
         q = SiLU(W_q x);  f = W_f x;  i = W_i x;  log alpha = logsigmoid(f)
         with ``lower_bound`` (a forward argument, [hidden_size] in (0, 1); layers after the first):
             alpha = lower_bound + (1 - lower_bound) sigmoid(f)   (HGRN's forget-gate lower bound)
         S_t = Diag(alpha_t) S_{t-1} + (1 - alpha_t) i_t^T,   o_t = S_t^T q_t / sqrt(expand_ratio)
-        y = W_o RMSNorm(o)                               (one RMSNorm over all heads jointly)
+        y = W_o RMSNorm(o)                               (one RMSNorm over all heads jointly, eps 1e-5:
+                                                          fla's rms_norm_linear default, whatever norm_eps)
 
     Heads: ``hidden_size / expand_ratio`` (or ``num_heads`` when ``expand_ratio`` is None), each with
     a forget/key width of ``expand_ratio`` and a value width of ``hidden_size / num_heads``. fla's
@@ -364,7 +324,7 @@ class HGRN2Attention(_FlaLayer, _HGRN2Mixer):
     over layers, cumulative sum); this layer takes one per call, as fla's does. The LM's ``hgrn2``
     mixer normalises per head, without the scale and the lower bound (``docs/models.md``)."""
 
-    MIXER = _HGRN2Mixer
+    MIXER = HGRN2FlaMixer
     FLA_NAMES = {"k_proj.": "f_proj.", "v_proj.": "i_proj.", "o_norm.": "g_norm."}
 
     def __init__(self, mode: str = "chunk", hidden_size: int = 1024, num_heads: int | None = None,
@@ -379,13 +339,11 @@ class HGRN2Attention(_FlaLayer, _HGRN2Mixer):
             raise ValueError(f"HGRN2Attention: `hidden_size` ({hidden_size}) must be a multiple of the number of "
                              f"heads ({num_heads})")
         _refuse("HGRN2Attention", use_short_conv=(use_short_conv, False), elementwise_affine=(elementwise_affine, True))
-        from fastweight.layers.common import RMSNorm
         from fastweight.models.config import LMConfig
         cfg = LMConfig(vocab_size=1, d_model=hidden_size, n_layers=1, n_heads=num_heads, mixer="hgrn2",
                        head_dim=expand_ratio, expand_v=(hidden_size // num_heads) / expand_ratio, norm_eps=norm_eps)
         self._fla_setup(cfg, "hgrn2", mode, layer_idx, kwargs)
         self.expand_ratio, self.forget_dim, self.input_dim = expand_ratio, num_heads * expand_ratio, hidden_size
-        self.o_norm = RMSNorm(hidden_size, norm_eps)
 
     def _shared_inputs(self, kwargs: dict) -> dict:
         return {} if kwargs.get("lower_bound") is None else {"lower_bound": kwargs["lower_bound"]}

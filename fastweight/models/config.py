@@ -36,7 +36,14 @@ class LMConfig:
     gate ``g_proj``); None: ``head_dim`` (fla's KDA: ``head_dim * expand_v``, the same at expand_v 1).
     ``kda_lower_bound``: fla's KDA ``lower_bound`` (< 0): the ``kda`` mixer's log decay becomes
     ``lower_bound * sigmoid(exp(A_log) (W_f x + dt_bias))``, in [lower_bound, 0], in place of
-    ``-exp(A_log) softplus(W_f x + dt_bias)``; None: the latter."""
+    ``-exp(A_log) softplus(W_f x + dt_bias)``; None: the latter.
+
+    ``fla_form``: the ``comba`` and ``hgrn2`` layers compute fla 0.6.0's forms
+    (``fastweight.layers.fla_forms``), the blocks of fla's ``CombaForCausalLM`` / ``HGRN2ForCausalLM``:
+    Comba's read key and output correction from the raw key with a sigmoid output gate; HGRN2's
+    q scale head_dim^-1/2 and one RMSNorm over all heads. ``hgrn2_lower_bounds`` (with ``fla_form``):
+    fla's HGRN2 forget-gate lower bounds (its ``use_lower_bound``), a parameter ``lower_bounds``
+    [n_layers, d_model]; layer l > 0 takes lb_l = cumsum_l(softmax over layers) - softmax_0."""
 
     vocab_size: int = 32000
     d_model: int = 1024
@@ -64,6 +71,8 @@ class LMConfig:
     rwkv7_ranks: tuple | None = None
     kda_gate_rank: int | None = None
     kda_lower_bound: float | None = None
+    fla_form: bool = False
+    hgrn2_lower_bounds: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "conv_size", "window_size",
@@ -103,7 +112,7 @@ class LMConfig:
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         self._check_rwkv7_official()
-        self._check_kda_options()
+        self._check_fla_options()
         if self.head_dim < 1 or self.head_dim % 2:
             raise ValueError(f"LMConfig.head_dim must be a positive even int, got {self.head_dim}")
         if self.expand_v <= 0 or self.head_v_dim != self.head_dim * self.expand_v:
@@ -129,7 +138,7 @@ class LMConfig:
             raise ValueError(f"LMConfig.rwkv7_official: n_heads * head_dim ({self.n_heads} * {self.head_dim}) "
                              f"must be d_model ({self.d_model})")
 
-    def _check_kda_options(self):
+    def _check_fla_options(self):
         bound = self.kda_lower_bound
         if bound is not None and (not isinstance(bound, (int, float)) or isinstance(bound, bool)
                                   or not -float("inf") < bound < 0):
@@ -138,6 +147,16 @@ class LMConfig:
         if (self.kda_gate_rank is not None or bound is not None) and "kda" not in self.pattern:
             raise ValueError(f"LMConfig.kda_gate_rank / kda_lower_bound are options of the kda mixer; mixer is "
                              f"{self.mixer!r}")
+        for name in ("fla_form", "hgrn2_lower_bounds"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LMConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.fla_form and not {"comba", "hgrn2"} & set(self.pattern):
+            raise ValueError(f"LMConfig.fla_form is for the comba and hgrn2 mixers; mixer is {self.mixer!r}")
+        if self.hgrn2_lower_bounds and not (self.fla_form and "hgrn2" in self.pattern):
+            raise ValueError("LMConfig.hgrn2_lower_bounds needs fla_form=True and an hgrn2 layer")
+        if self.hgrn2_lower_bounds and self.n_heads * (self.head_dim or self.d_model // self.n_heads) != self.d_model:
+            raise ValueError(f"LMConfig.hgrn2_lower_bounds: the forget gates' width n_heads * head_dim "
+                             f"({self.n_heads} * {self.head_dim}) must be d_model ({self.d_model}), as the bounds'")
 
     @property
     def rwkv7_lora_ranks(self) -> tuple:

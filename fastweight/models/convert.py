@@ -80,6 +80,14 @@ FLA_MODELS = {
                         ("D_has_hdim", False), ("rmsnorm", True), ("norm_before_gate", False),
                         ("dt_limit", (0.0, float("inf")))),
                        tuple(MAMBA_MODEL_NAMES.items()), tuple(MAMBA_BLOCK_NAMES.items()), "backbone.layers."),
+    # fla's Comba and HGRN2 layers compute other forms than the LM's mixers: LMConfig(fla_form=True).
+    # fla 0.6.0's CombaBlock passes only use_output_gate on: its layers take the defaults of
+    # use_output_correction, use_inner_decay and correction_factor whatever the config says (as here)
+    "comba": FlaModel("comba", fla_layers.Comba, "CombaForCausalLM", (("use_short_conv", True),
+                                                                        ("use_output_gate", True))),
+    "hgrn2": FlaModel("hgrn2", fla_layers.HGRN2Attention, "HGRN2ForCausalLM",
+                      (("use_short_conv", False), ("elementwise_affine", True)),
+                      (("model.lower_bounds", "lower_bounds"), *MODEL_NAMES.items())),
     # fla's RWKV-7 computes the official x070 form (LayerNorm blocks, ln0, the official time and
     # channel mixing): LMConfig(rwkv7_official=True), as convert_rwkv.py's .pth
     "rwkv7": FlaModel("rwkv7", fla_layers.RWKV7Attention, "RWKV7ForCausalLM",
@@ -116,6 +124,8 @@ def lm_config_from_fla(config: dict) -> LMConfig:
                   initializer_range=config.get("initializer_range", 0.02))
     if model_type == "rwkv7":
         return _lm_config_from_fla_rwkv7(config, common)
+    if model_type == "hgrn2":
+        return _lm_config_from_fla_hgrn2(config, common)
     if model_type == "mamba2":
         return LMConfig(**common, n_heads=1, mixer="mamba2", head_dim=config.get("state_size", 128),
                         mamba_expand=config.get("expand", 2), mamba_head_dim=config.get("head_dim", 64),
@@ -126,16 +136,36 @@ def lm_config_from_fla(config: dict) -> LMConfig:
                                                config.get("expand_v", defaults[1]), H)
     else:
         head_k = config["head_dim"]
-        head_v = head_k * config.get("expand_v", 2.0 if model_type == "gated_deltanet" else 1.0)
+        head_v = head_k * config.get("expand_v", 2.0 if model_type in ("gated_deltanet", "comba") else 1.0)
     n_v_heads = config.get("num_v_heads")
     kda = _kda_options(config, head_k, head_v) if model_type == "kda" else {}
     return LMConfig(
         **common, **kda, n_heads=H, mixer=spec.mixer, head_dim=head_k, expand_v=head_v / head_k,
-        n_v_heads=None if n_v_heads in (None, H) else n_v_heads,
+        n_v_heads=None if n_v_heads in (None, H) else n_v_heads, fla_form=model_type == "comba",
         allow_neg_eigval=config.get("allow_neg_eigval", False),
         use_short_conv=config.get("use_short_conv", model_type != "gla"), conv_size=config.get("conv_size", 4),
         intermediate_size=fla_mlp_size(D, config.get("hidden_ratio", 4), config.get("intermediate_size")),
         norm_eps=config.get("norm_eps", 1e-6))
+
+
+def _lm_config_from_fla_hgrn2(config: dict, common: dict) -> LMConfig:
+    """fla's HGRN2Config -> LMConfig(fla_form=True): heads of forget width expand_ratio (our head_dim)
+    and input width hidden_size / num_heads, one resolved from the other as fla does."""
+    D = common["d_model"]
+    H, ratio = config.get("num_heads"), config.get("expand_ratio", 128)
+    if H is None and ratio is None:
+        raise ValueError("fla hgrn2: one of `num_heads` or `expand_ratio` must be given")
+    H = D // ratio if H is None else H
+    ratio = D // H if ratio is None else ratio
+    bounds = config.get("use_lower_bound", True)
+    if D % H or (bounds and H * ratio != D):
+        raise NotImplementedError(f"fla hgrn2: `num_heads={H}`, `expand_ratio={ratio}` with hidden_size {D} are not "
+                                  f"supported by the conversion (num_heads must divide hidden_size, and with "
+                                  f"use_lower_bound num_heads * expand_ratio must be hidden_size)")
+    return LMConfig(**common, n_heads=H, mixer="hgrn2", head_dim=ratio, expand_v=(D // H) / ratio, fla_form=True,
+                    hgrn2_lower_bounds=bool(bounds), use_short_conv=False,
+                    intermediate_size=fla_mlp_size(D, config.get("hidden_ratio", 4), config.get("intermediate_size")),
+                    norm_eps=config.get("norm_eps", 1e-6))
 
 
 def _kda_options(config: dict, head_k: int, head_v: float) -> dict:
@@ -210,6 +240,18 @@ def fla_config_from_lm(cfg: LMConfig) -> dict:
                     decay_low_rank_dim=w, a_low_rank_dim=a,
                     v_low_rank_dim=v, gate_low_rank_dim=g, tie_word_embeddings=cfg.tie_embeddings,
                     initializer_range=cfg.initializer_range, **fixed)
+    if model_type in ("comba", "hgrn2") and not cfg.fla_form:
+        raise NotImplementedError(f"the LM's own {cfg.mixers[0]} mixer is not fla's form; only "
+                                  f"LMConfig(fla_form=True) converts to fla's {spec.architecture}")
+    if model_type == "comba" and (cfg.allow_neg_eigval or not cfg.use_short_conv):
+        raise NotImplementedError("fla's Comba has no allow_neg_eigval and always short convolutions; this model "
+                                  f"has allow_neg_eigval={cfg.allow_neg_eigval}, use_short_conv={cfg.use_short_conv}")
+    if model_type == "hgrn2":
+        return dict(model_type=model_type, architectures=[spec.architecture], vocab_size=cfg.vocab_size,
+                    hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers, num_heads=cfg.n_heads,
+                    expand_ratio=cfg.head_dim, use_lower_bound=cfg.hgrn2_lower_bounds, intermediate_size=cfg.mlp_dim,
+                    hidden_act="swish", norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+                    initializer_range=cfg.initializer_range, **dict(spec.fixed))
     if model_type == "mamba2":
         fixed = dict(spec.fixed, dt_limit=[0.0, {"__float__": "Infinity"}])
         return dict(model_type=model_type, architectures=[spec.architecture], vocab_size=cfg.vocab_size,
@@ -233,7 +275,7 @@ def fla_config_from_lm(cfg: LMConfig) -> dict:
             raise NotImplementedError(f"fla's KDA gate maps have rank head_dim * expand_v ({cfg.head_v_dim}); this "
                                       f"model's kda_gate_rank is {cfg.kda_gate_rank or cfg.head_dim}")
         out.update(lower_bound=cfg.kda_lower_bound, safe_gate=False)
-    if model_type != "gla":
+    if model_type not in ("gla", "comba"):
         out.update(use_short_conv=cfg.use_short_conv, allow_neg_eigval=cfg.allow_neg_eigval)
     return out
 

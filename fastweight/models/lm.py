@@ -8,7 +8,9 @@
 
 ``LMConfig(rwkv7_official=True)`` is the official RWKV-7 (``RWKV_x070``): LayerNorm for every
 RMSNorm, h_0 = LayerNorm(Embed(ids)) (the official ``ln0``), the official time mixing
-(``fastweight.layers.fla_layers.RWKV7OfficialTimeMix``) and channel mix.
+(``fastweight.layers.fla_layers.RWKV7OfficialTimeMix``) and channel mix. ``LMConfig(fla_form=True)``
+builds fla's forms of the comba and hgrn2 layers (``fastweight.layers.fla_forms``; with
+``hgrn2_lower_bounds``, fla's per-layer forget-gate lower bounds ``lower_bounds``).
 
 Generation keeps a :class:`Cache`: per layer the recurrent state, the short-conv inputs,
 the token-shift input and the attention keys/values (a window of W for SWA). For every
@@ -23,6 +25,7 @@ import torch.nn as nn
 from fastweight import checks
 from fastweight.layers import RMSNorm, SwiGLU, build_mixer
 from fastweight.layers.base import sequence_positions
+from fastweight.layers.fla_forms import FLA_FORMS
 from fastweight.models.config import LMConfig
 
 
@@ -64,7 +67,10 @@ class Block(nn.Module):
             self.mixer = RWKV7OfficialTimeMix(cfg, layer_idx)
             self.mlp_norm, self.mlp = build_norm(cfg), ChannelMix(cfg, width=cfg.intermediate_size)
             return
-        self.mixer = build_mixer(mixer, cfg)
+        if cfg.fla_form and mixer in FLA_FORMS:   # fla's Comba / HGRN2 (fla_forms.py)
+            self.mixer = FLA_FORMS[mixer](cfg, layer_idx=layer_idx)
+        else:
+            self.mixer = build_mixer(mixer, cfg)
         if mixer in ("rwkv6", "rwkv7"):
             from fastweight.layers.rwkv import ChannelMix
             self.mlp_norm, self.mlp = RMSNorm(cfg.d_model, cfg.norm_eps), ChannelMix(cfg, receptance=mixer == "rwkv6")
@@ -91,6 +97,8 @@ class LanguageModel(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, m, i) for i, m in enumerate(cfg.mixers))
         self.norm = build_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # fla's HGRN2: the forget gates' lower bounds, one row per layer (cfg.hgrn2_lower_bounds)
+        self.lower_bounds = nn.Parameter(torch.zeros(cfg.n_layers, cfg.d_model)) if cfg.hgrn2_lower_bounds else None
         self.apply(self._init_weights)
         for i, block in enumerate(self.blocks):
             for module in block.modules():
@@ -145,7 +153,13 @@ class LanguageModel(nn.Module):
         x = self.embed(input_ids)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
+        bounds = None
+        if self.lower_bounds is not None:   # fla's HGRN2: lb_l = cumsum_l(softmax over layers) - softmax_0
+            p = self.lower_bounds.softmax(0, dtype=torch.float32)
+            bounds = p.cumsum(0) - p[0]
         for i, block in enumerate(self.blocks):
+            if bounds is not None:
+                shared["lower_bound"] = bounds[i]
             x = block(x, None if cache is None else cache.layers[i], shared)
         if cache is not None:
             cache.seen += input_ids.shape[1]

@@ -28,6 +28,9 @@ TINY = {"gated_deltanet": dict(head_dim=16, num_heads=2, num_v_heads=4, expand_v
         "kda/lower_bound": dict(head_dim=16, num_heads=2, lower_bound=-3.0),
         "kda/safe_gate": dict(head_dim=16, num_heads=2, safe_gate=True, lower_bound=-5.0),
         "delta_net": dict(num_heads=2, expand_k=0.5, expand_v=1.0),
+        "comba": dict(head_dim=16, num_heads=2, num_v_heads=4, expand_v=2.0),
+        "hgrn2": dict(num_heads=2, expand_ratio=None),
+        "hgrn2/no_lower_bound": dict(expand_ratio=16, use_lower_bound=False, tie_word_embeddings=True),
         "gla": dict(num_heads=2, expand_k=0.5, expand_v=1.0, tie_word_embeddings=True),
         "mamba2": dict(head_dim=16, state_size=16, expand=2),
         "rwkv7": dict(hidden_size=128, head_dim=64, decay_low_rank_dim=32, a_low_rank_dim=32, v_low_rank_dim=16,
@@ -117,6 +120,52 @@ def test_kda_config_fields_are_checked():
         LMConfig.preset("tiny", mixer="kda", kda_gate_rank=0)
 
 
+@pytest.mark.parametrize("name, change, message", [
+    ("comba", dict(use_output_gate=False), "use_output_gate"), ("comba", dict(use_short_conv=False), "use_short_conv"),
+    ("hgrn2", dict(use_short_conv=True), "use_short_conv"), ("hgrn2", dict(elementwise_affine=False), "elementwise_affine"),
+    ("hgrn2", dict(num_heads=2, expand_ratio=16), "expand_ratio"),
+    ("hgrn2", dict(attn=dict(layers=[1], num_heads=2)), "hybrid attention")])
+def test_comba_hgrn2_unsupported_options_are_refused_by_name(name, change, message):
+    with pytest.raises(NotImplementedError, match=message):
+        lm_config_from_fla({**_tiny(name), **change})
+
+
+def test_comba_hgrn2_are_fla_forms():
+    """fla's Comba and HGRN2 models load into LMConfig(fla_form=True) (HGRN2's lower bounds a model
+    parameter); the LM's own comba / hgrn2 mixers (other forms) do not go to fla."""
+    from fastweight.models import LMConfig
+    comba, hgrn2 = lm_config_from_fla(_tiny("comba")), lm_config_from_fla(_tiny("hgrn2"))
+    assert comba.fla_form and (comba.n_v_heads, comba.head_v_dim) == (4, 32) and not comba.hgrn2_lower_bounds
+    assert hgrn2.fla_form and hgrn2.hgrn2_lower_bounds and (hgrn2.n_heads, hgrn2.head_dim, hgrn2.head_v_dim) == (2, 32, 32)
+    assert not lm_config_from_fla(_tiny("hgrn2/no_lower_bound")).hgrn2_lower_bounds
+    for mixer in ("comba", "hgrn2"):
+        with pytest.raises(NotImplementedError, match="fla_form"):
+            fla_config_from_lm(LMConfig.preset("tiny", mixer=mixer))
+    with pytest.raises(NotImplementedError, match="allow_neg_eigval"):
+        fla_config_from_lm(comba.replace(allow_neg_eigval=True))
+    with pytest.raises(ValueError, match="fla_form"):
+        LMConfig.preset("tiny", mixer="gdn", fla_form=True)
+    with pytest.raises(ValueError, match="hgrn2_lower_bounds"):
+        LMConfig.preset("tiny", mixer="hgrn2", hgrn2_lower_bounds=True)
+
+
+@pytest.mark.parametrize("name", ["comba", "hgrn2"])
+def test_fla_form_lm_decodes_as_it_prefills(name):
+    """LMConfig(fla_form=True) (HGRN2 with its lower bounds): the cache carries the fla forms' state."""
+    from fastweight.models import LanguageModel
+    torch.manual_seed(0)
+    model = LanguageModel(lm_config_from_fla(_tiny(name))).double().eval()
+    if model.lower_bounds is not None:
+        with torch.no_grad():
+            model.lower_bounds.normal_()
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        steps = [model(ids[:, :7], cache=cache)] + [model(ids[:, t:t + 1], cache=cache) for t in range(7, 12)]
+    assert rel_err(torch.cat(steps, 1), full) < 1e-12
+
+
 def test_rwkv7_is_the_official_form():
     """fla's RWKV7ForCausalLM is LMConfig(rwkv7_official=True), the config of an official .pth;
     the LM's own rwkv7 mixer (another form) does not go to fla."""
@@ -155,7 +204,7 @@ def _recorded_folder(path, model_type):
     return state
 
 
-@pytest.mark.parametrize("model_type", ["gated_deltanet", "gla", "rwkv7"])
+@pytest.mark.parametrize("model_type", ["gated_deltanet", "gla", "rwkv7", "hgrn2"])
 def test_cli_convert_both_ways_and_from_pretrained(model_type, tmp_path):
     pytest.importorskip("transformers")
     from fastweight import cli
