@@ -168,6 +168,8 @@ class Example:
 def make_example(task: int, length: int, index: int, tokenizer, *, seed: int = 0, depths: int = 5,
                  extra_tokens: int = 8) -> Example:
     """Example ``index`` of S-NIAH-``task`` at ``length`` tokens of ``tokenizer`` (see the module doc)."""
+    if task not in TASKS:
+        raise ValueError(f"`task` must be one of {sorted(TASKS)}, got {task!r}")
     spec, tok = TASKS[task], as_tokenizer(tokenizer)
     rng = np.random.default_rng([seed, task, length, index])
     key = f"{ADJECTIVES[int(rng.integers(len(ADJECTIVES)))]}-{NOUNS[int(rng.integers(len(NOUNS)))]}"
@@ -191,12 +193,13 @@ def make_example(task: int, length: int, index: int, tokenizer, *, seed: int = 0
     def count(n: int) -> int:
         return len(tok.encode(render(n)[0]))
 
-    if budget < 1 or count(0) > budget:
+    c_lo = count(0)
+    if c_lo > budget:
         raise ValueError(f"`length` {length} is too short for {spec.name}: the template and needle take "
-                         f"{count(0) if budget >= 1 else '?'} tokens and the answer {max_new_tokens} more")
+                         f"{c_lo} tokens and the answer {max_new_tokens} more")
     # the largest word count that fits: bracketed where tokens-per-word says (counts are nearly
     # linear in the words), then bisection; every word is at least one token, so budget + 1 cannot fit
-    lo, hi, c_lo, c_hi = 0, budget + 1, count(0), count(budget + 1)
+    lo, hi, c_hi = 0, budget + 1, count(budget + 1)
     while c_hi <= budget:
         lo, hi, c_lo, c_hi = hi, 2 * hi, c_hi, count(2 * hi)
     guess = lo + (budget - c_lo) * (hi - lo) // max(c_hi - c_lo, 1)

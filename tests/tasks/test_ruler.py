@@ -172,6 +172,11 @@ def test_bad_arguments_name_the_argument(kwargs, message):
         ruler.score(ReadingStub(tok), tok, **{"examples": 1, **kwargs})
 
 
+def test_make_example_names_a_bad_task():
+    with pytest.raises(ValueError, match="`task` must be one of"):
+        ruler.make_example(4, 1000, 0, TOKENIZERS["word"]())
+
+
 def test_a_tokenizer_of_unknown_kind_is_refused():
     with pytest.raises(TypeError, match="`tokenizer`"):
         ruler.score(ReadingStub(None), object(), examples=1)
