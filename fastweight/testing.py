@@ -109,11 +109,13 @@ def fla_cpu_patches() -> list:
     kernels do not run there, so its layers' op calls go to fla's PyTorch references
     (``fla.ops.*.naive``), fed as fla's kernels prepare their inputs (:func:`fla_reference_op`).
     Comba's and RWKV-7's go to fastweight's reference ops (fla ships no naive RWKV-7; its naive
-    Comba reads the decayed state, its kernels the undecayed one; ``docs/chunk.md``)."""
+    Comba reads the decayed state, its kernels the undecayed one; ``docs/chunk.md``); its
+    attention layers' flash-attn call goes to PyTorch's SDPA."""
     import functools
 
     from triton.runtime import autotuner
 
+    import fla.layers.attn as attn
     import fla.layers.comba as comba
     import fla.layers.delta_net as delta_net
     import fla.layers.gated_deltanet as gated_deltanet
@@ -133,7 +135,24 @@ def fla_cpu_patches() -> list:
     patches += [(comba, name, functools.partial(getattr(ops, name), backend="reference"))
                 for name in ("chunk_comba", "fused_recurrent_comba")]
     patches += [(rwkv7, "chunk_rwkv7", _fla_rwkv7), (rwkv7, "fused_mul_recurrent_rwkv7", _fla_fused_mul_rwkv7)]
+    patches += [(attn, "flash_attn_func", _flash_attn_by_sdpa)]
     return patches
+
+
+def _flash_attn_by_sdpa(q, k, v, causal=True, window_size=(-1, -1), **unused):
+    """flash-attn's ``flash_attn_func`` (q [B, T, H, D], k and v [B, S, H_kv, D], the causal mask
+    aligned to the last key, ``window_size`` (left, right), -1 unbounded) by PyTorch's SDPA, for
+    fla's attention layers on a CPU (flash-attn has no CPU build)."""
+    import torch.nn.functional as F
+    T, S, group = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    query = torch.arange(S - T, S)[:, None]
+    key = torch.arange(S)[None, :]
+    mask = key <= query if causal else torch.ones(T, S, dtype=torch.bool)
+    if window_size[0] >= 0:
+        mask = mask & (key >= query - window_size[0])
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    return o.transpose(1, 2)
 
 
 def _fla_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None,

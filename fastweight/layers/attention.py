@@ -3,12 +3,12 @@
     o_i = sum_{j in window(i)} softmax_j(q_i . k_j / sqrt(d)) v_j,
     window(i) = {j : j <= i}                (full)      {j : i - W < j <= i}   (swa)
 
-Rotary positions on q and k; grouped key/value heads (``cfg.n_kv_heads``). The decode
-cache holds the keys and values seen so far: all of them for full attention (a buffer
-with room for the next max(256, n/8) tokens, so a decode step appends in place), the last W
-for a sliding window (a ring of W slots, constant size: a one-token step overwrites the
-oldest slot in place and attends to the whole ring, since softmax attention does not
-depend on the order of its keys).
+Rotary positions on q and k; ``cfg.attention_heads`` heads (``attn_heads``, else ``n_heads``),
+grouped key/value heads (``cfg.n_kv_heads``). The decode cache holds the keys and values seen
+so far: all of them for full attention (a buffer with room for the next max(256, n/8) tokens,
+so a decode step appends in place), the last W for a sliding window (a ring of W slots,
+constant size: a one-token step overwrites the oldest slot in place and attends to the whole
+ring, since softmax attention does not depend on the order of its keys).
 
 Kernels: on CUDA in fp16/bf16, FlashAttention through ``aten::_flash_attention_forward``,
 whose causal mask is aligned to the last key (query i of T sees the keys up to S - T + i)
@@ -37,7 +37,7 @@ class Attention(Mixer):
 
     def __init__(self, cfg, window: int | None = None):
         super().__init__()
-        D, H = cfg.d_model, cfg.n_heads
+        D, H = cfg.d_model, cfg.attention_heads
         self.n_heads, self.n_kv_heads = H, cfg.n_kv_heads or H
         self.head_dim = D // H
         self.window, self.rope_theta = window, cfg.rope_theta

@@ -43,7 +43,10 @@ class LMConfig:
     Comba's read key and output correction from the raw key with a sigmoid output gate; HGRN2's
     q scale head_dim^-1/2 and one RMSNorm over all heads. ``hgrn2_lower_bounds`` (with ``fla_form``):
     fla's HGRN2 forget-gate lower bounds (its ``use_lower_bound``), a parameter ``lower_bounds``
-    [n_layers, d_model]; layer l > 0 takes lb_l = cumsum_l(softmax over layers) - softmax_0."""
+    [n_layers, d_model]; layer l > 0 takes lb_l = cumsum_l(softmax over layers) - softmax_0.
+
+    ``attn_heads``: the heads of the attention layers (``attn``, ``swa``), None: ``n_heads`` (fla's
+    hybrid models give their attention layers their own count)."""
 
     vocab_size: int = 32000
     d_model: int = 1024
@@ -73,6 +76,7 @@ class LMConfig:
     kda_lower_bound: float | None = None
     fla_form: bool = False
     hgrn2_lower_bounds: bool = False
+    attn_heads: int | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "conv_size", "window_size",
@@ -80,7 +84,7 @@ class LMConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"LMConfig.{name} must be a positive int, got {value!r}")
-        for name in ("head_dim", "n_kv_heads", "n_v_heads", "intermediate_size", "kda_gate_rank"):
+        for name in ("head_dim", "n_kv_heads", "n_v_heads", "intermediate_size", "kda_gate_rank", "attn_heads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"LMConfig.{name} must be None or a positive int, got {value!r}")
@@ -98,11 +102,13 @@ class LMConfig:
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"LMConfig.d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads}) "
                              "unless head_dim is given")
-        if {"attn", "swa"} & set(self.pattern) and self.d_model % self.n_heads:
-            raise ValueError(f"LMConfig.d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads}) "
-                             "for attention layers (head dim d_model / n_heads)")
-        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
-            raise ValueError(f"LMConfig.n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
+        if {"attn", "swa"} & set(self.pattern) and self.d_model % self.attention_heads:
+            raise ValueError(f"LMConfig.d_model ({self.d_model}) must be a multiple of the attention heads "
+                             f"({self.attention_heads}: attn_heads, else n_heads) for attention layers (head dim "
+                             "d_model / heads)")
+        if self.n_kv_heads is not None and self.attention_heads % self.n_kv_heads:
+            raise ValueError(f"LMConfig.n_kv_heads ({self.n_kv_heads}) must divide the attention heads "
+                             f"({self.attention_heads}: attn_heads, else n_heads)")
         if self.n_v_heads is not None and self.n_v_heads % self.n_heads:
             raise ValueError(f"LMConfig.n_v_heads ({self.n_v_heads}) must be a multiple of n_heads ({self.n_heads})")
         grouped = [m for m in self.pattern if m not in ("attn", "swa") and MIXER_SPECS[m].layer != "delta"]
@@ -178,6 +184,11 @@ class LMConfig:
         """The mixer of every layer: the pattern repeated to ``n_layers``."""
         p = self.pattern
         return tuple(p[i % len(p)] for i in range(self.n_layers))
+
+    @property
+    def attention_heads(self) -> int:
+        """The heads of the attn / swa layers: ``attn_heads``, else ``n_heads``."""
+        return self.n_heads if self.attn_heads is None else self.attn_heads
 
     @property
     def v_heads(self) -> int:

@@ -16,10 +16,13 @@ layer class (``fastweight.layers.fla_layers``, ``FLA_NAMES``), so a layer and a 
 Mamba-2 (``backbone.*``, ``mamba_ssm``'s names; norm and mixer blocks without an MLP, as ours),
 RWKV-7 (fla's ``RWKV7ForCausalLM`` is the official x070 form: ``LMConfig(rwkv7_official=True)``,
 block 0's ``pre_norm`` the official ``ln0`` = our ``embed_norm``, ``ffn`` the channel mix; head_dim
-64 only, as fla's ``g_norm`` eps is ``head_dim * norm_eps`` and ours ``64 * norm_eps``).
-A config option that our mixer does not implement (fla's hybrid ``attn`` layers, another MLP
-activation, the layer options the fla layer class refuses) raises an error that names it: a
-conversion is exact or refused. fla's recurrent caches keep the state as ``[N, H, V, K]``
+64 only, as fla's ``g_norm`` eps is ``head_dim * norm_eps`` and ours ``64 * norm_eps``), Comba and
+HGRN2 (fla's forms, ``LMConfig(fla_form=True)``; HGRN2's ``model.lower_bounds``). fla's hybrid
+``attn`` layers are our ``attn`` / ``swa`` layers (:func:`_with_fla_attention`; their names are
+ours, the layer class's ``FLA_NAMES`` do not apply to them). A config option that our model does
+not implement (another MLP activation, attention specs that differ in heads or window, the layer
+options the fla layer class refuses) raises an error that names it: a conversion is exact or
+refused. fla's recurrent caches keep the state as ``[N, H, V, K]``
 (``state_v_first``), ours as ``[N, H, K, V]``: :func:`state_from_fla` transposes one.
 """
 
@@ -63,7 +66,8 @@ class FlaModel:
     layers: str = "model.layers."
 
 
-_COMMON_FIXED = (("attn", None), ("hidden_act", "swish"), ("attnres_block_size", None))
+_COMMON_FIXED = (("hidden_act", "swish"), ("attnres_block_size", None))
+ATTENTION = ("attn", "swa")
 FLA_MODELS = {
     "gated_deltanet": FlaModel("gdn", fla_layers.GatedDeltaNet, "GatedDeltaNetForCausalLM",
                                (("use_gate", True), ("use_short_conv", True))),
@@ -107,7 +111,43 @@ def fla_mlp_size(hidden_size: int, hidden_ratio: float | None = 4, intermediate_
 
 
 def lm_config_from_fla(config: dict) -> LMConfig:
-    """Our LMConfig for fla's ``config.json`` (a dict): the same sizes, heads, norms and options."""
+    """Our LMConfig for fla's ``config.json`` (a dict): the same sizes, heads, norms and options,
+    and fla's hybrid ``attn`` layers as our ``attn`` / ``swa`` ones."""
+    cfg = _lm_config_from_fla_mixer(config)
+    attn = config.get("attn")
+    return cfg if attn is None else _with_fla_attention(cfg, attn, config["model_type"])
+
+
+def _with_fla_attention(cfg: LMConfig, attn, model_type: str) -> LMConfig:
+    """fla's ``attn`` (one spec or a list: ``layers``, ``num_heads``, ``num_kv_heads``, ``qkv_bias``,
+    ``window_size``, ``rope_theta``) as attention layers of the LM: ``attn`` where ``window_size`` is
+    None, else ``swa`` (flash-attn's window (W - 1, 0) is our W keys, the token's own included);
+    the specs must agree on the heads, the window and rope_theta (one each in LMConfig)."""
+    if model_type in ("mamba2", "rwkv7"):
+        raise NotImplementedError(f"fla {model_type}: hybrid attention layers (`attn`) are not supported by the "
+                                  "conversion (the LM's attention blocks are the pre-norm SwiGLU ones)")
+    mixers, seen = list(cfg.mixers), {}
+    for spec in [attn] if isinstance(attn, dict) else attn:
+        if spec.get("qkv_bias", False):
+            raise NotImplementedError("fla attn: `qkv_bias=True` is not supported by the conversion (no biases)")
+        values = dict(num_heads=spec["num_heads"], num_kv_heads=spec.get("num_kv_heads") or spec["num_heads"],
+                      rope_theta=float(spec.get("rope_theta", 10000.0)))
+        if spec.get("window_size") is not None:
+            values["window_size"] = spec["window_size"]
+        for name, value in values.items():
+            if seen.setdefault(name, value) != value:
+                raise NotImplementedError(f"fla attn: specs with different `{name}` ({seen[name]}, {value}) are "
+                                          "not supported by the conversion (one value per model)")
+        for i in spec["layers"]:
+            mixers[i] = "attn" if spec.get("window_size") is None else "swa"
+    H, KV = seen["num_heads"], seen["num_kv_heads"]
+    return cfg.replace(mixer=",".join(mixers), attn_heads=None if H == cfg.n_heads else H,
+                       n_kv_heads=None if KV == H else KV, rope_theta=seen["rope_theta"],
+                       window_size=seen.get("window_size", cfg.window_size))
+
+
+def _lm_config_from_fla_mixer(config: dict) -> LMConfig:
+    """The LMConfig of fla's model with its own mixer in every layer."""
     model_type = config.get("model_type")
     if model_type not in FLA_MODELS:
         raise ValueError(f"fla model_type {model_type!r} is not supported; supported: {', '.join(FLA_MODELS)}")
@@ -115,9 +155,8 @@ def lm_config_from_fla(config: dict) -> LMConfig:
     for name, ours in dict(_COMMON_FIXED + spec.fixed).items():
         value = _json_value(config.get(name, ours))
         if value != ours and not (name == "hidden_act" and {value, ours} == {"silu", "swish"}):
-            what = "hybrid attention layers" if name == "attn" else f"`{name}={value!r}`"
-            raise NotImplementedError(f"fla {model_type}: {what} is not supported by the conversion (only "
-                                      f"{name}={ours!r})")
+            raise NotImplementedError(f"fla {model_type}: `{name}={value!r}` is not supported by the conversion "
+                                      f"(only {name}={ours!r})")
     D, H = config.get("hidden_size", 2048), config.get("num_heads")
     common = dict(vocab_size=config.get("vocab_size", 32000), d_model=D, n_layers=config["num_hidden_layers"],
                   tie_embeddings=config.get("tie_word_embeddings", False),
@@ -219,11 +258,27 @@ def _json_value(value):
 
 
 def fla_config_from_lm(cfg: LMConfig) -> dict:
-    """fla's ``config.json`` for our LMConfig (one of :data:`FLA_MODELS`' mixers in every layer)."""
-    if len(set(cfg.mixers)) != 1 or cfg.mixers[0] not in _MIXER_TO_TYPE:
-        raise NotImplementedError(f"only models of one mixer among {sorted(_MIXER_TO_TYPE)} convert to fla's "
-                                  f"format; this one has mixer {cfg.mixer!r}")
-    model_type = _MIXER_TO_TYPE[cfg.mixers[0]]
+    """fla's ``config.json`` for our LMConfig: one of :data:`FLA_MODELS`' mixers, and attention
+    layers (``attn``, ``swa``) as fla's hybrid ``attn`` specs."""
+    linear = sorted({m for m in cfg.mixers if m not in ATTENTION})
+    if len(linear) != 1 or linear[0] not in _MIXER_TO_TYPE:
+        raise NotImplementedError(f"only models of one mixer among {sorted(_MIXER_TO_TYPE)} (with attn / swa "
+                                  f"layers) convert to fla's format; this one has mixer {cfg.mixer!r}")
+    out = _fla_config_from_lm_mixer(cfg, linear[0])
+    specs = [dict(layers=[i for i, m in enumerate(cfg.mixers) if m == kind], num_heads=cfg.attention_heads,
+                  num_kv_heads=cfg.n_kv_heads or cfg.attention_heads, qkv_bias=False,
+                  window_size=cfg.window_size if kind == "swa" else None, rope_theta=cfg.rope_theta)
+             for kind in ATTENTION if kind in cfg.mixers]
+    if specs and out["model_type"] in ("mamba2", "rwkv7"):
+        raise NotImplementedError(f"fla's {out['model_type']} models have no hybrid attention layers in the "
+                                  f"conversion; this model has mixer {cfg.mixer!r}")
+    if specs:
+        out["attn"] = specs[0] if len(specs) == 1 else specs
+    return out
+
+
+def _fla_config_from_lm_mixer(cfg: LMConfig, mixer: str) -> dict:
+    model_type = _MIXER_TO_TYPE[mixer]
     spec = FLA_MODELS[model_type]
     if model_type == "rwkv7":
         if not cfg.rwkv7_official:
@@ -241,7 +296,7 @@ def fla_config_from_lm(cfg: LMConfig) -> dict:
                     v_low_rank_dim=v, gate_low_rank_dim=g, tie_word_embeddings=cfg.tie_embeddings,
                     initializer_range=cfg.initializer_range, **fixed)
     if model_type in ("comba", "hgrn2") and not cfg.fla_form:
-        raise NotImplementedError(f"the LM's own {cfg.mixers[0]} mixer is not fla's form; only "
+        raise NotImplementedError(f"the LM's own {mixer} mixer is not fla's form; only "
                                   f"LMConfig(fla_form=True) converts to fla's {spec.architecture}")
     if model_type == "comba" and (cfg.allow_neg_eigval or not cfg.use_short_conv):
         raise NotImplementedError("fla's Comba has no allow_neg_eigval and always short convolutions; this model "
@@ -294,6 +349,7 @@ def state_dict_from_fla(state_dict: dict, config: dict) -> dict:
     our tied model holds it); a name that fits neither table is a KeyError."""
     spec = FLA_MODELS[config["model_type"]]
     layer_names = {theirs: ours for ours, theirs in spec.layer.FLA_NAMES.items()}
+    attention = {i for i, m in enumerate(lm_config_from_fla(config).mixers) if m in ATTENTION}
     block = re.compile(re.escape(spec.layers) + r"(\d+)\.(.*)")
     out = {}
     for key, t in state_dict.items():
@@ -302,7 +358,7 @@ def state_dict_from_fla(state_dict: dict, config: dict) -> dict:
             new = _rename(key, dict(spec.model_names))
         else:
             rest = _rename(m.group(2), dict(spec.block_names))
-            if rest is not None and rest.startswith("mixer."):
+            if rest is not None and rest.startswith("mixer.") and int(m.group(1)) not in attention:
                 rest = "mixer." + (_rename(rest[6:], layer_names) or rest[6:])
             new = None if rest is None else f"blocks.{m.group(1)}.{rest}"
         if new is None:
@@ -326,7 +382,7 @@ def state_dict_to_fla(state_dict: dict, cfg: LMConfig) -> dict:
             new = _rename(key, model_names)
         else:
             rest = m.group(2)
-            if rest.startswith("mixer."):
+            if rest.startswith("mixer.") and cfg.mixers[int(m.group(1))] not in ATTENTION:
                 rest = "mixer." + (_rename(rest[6:], layer_names) or rest[6:])
             rest = _rename(rest, block_names)
             new = None if rest is None else f"{spec.layers}{m.group(1)}.{rest}"

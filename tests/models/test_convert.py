@@ -31,6 +31,12 @@ TINY = {"gated_deltanet": dict(head_dim=16, num_heads=2, num_v_heads=4, expand_v
         "comba": dict(head_dim=16, num_heads=2, num_v_heads=4, expand_v=2.0),
         "hgrn2": dict(num_heads=2, expand_ratio=None),
         "hgrn2/no_lower_bound": dict(expand_ratio=16, use_lower_bound=False, tie_word_embeddings=True),
+        # fla's hybrid attention layers (attn: full; with window_size: sliding window)
+        "gated_deltanet/attn": dict(head_dim=16, num_heads=2, attn=dict(layers=[1], num_heads=4, num_kv_heads=2)),
+        "hgrn2/swa": dict(num_heads=2, expand_ratio=None, attn=dict(layers=[0], num_heads=2, window_size=8)),
+        "kda/swa_attn": dict(head_dim=16, num_heads=2, num_hidden_layers=3,
+                             attn=[dict(layers=[0], num_heads=4, window_size=8, rope_theta=500.0),
+                                   dict(layers=[2], num_heads=4, rope_theta=500.0)]),
         "gla": dict(num_heads=2, expand_k=0.5, expand_v=1.0, tie_word_embeddings=True),
         "mamba2": dict(head_dim=16, state_size=16, expand=2),
         "rwkv7": dict(hidden_size=128, head_dim=64, decay_low_rank_dim=32, a_low_rank_dim=32, v_low_rank_dim=16,
@@ -67,7 +73,11 @@ def test_config_round_trip():
         assert lm_config_from_fla(fla_config_from_lm(cfg)) == cfg
 
 
-@pytest.mark.parametrize("change, message", [(dict(attn=dict(layers=[1], num_heads=2)), "hybrid attention"),
+@pytest.mark.parametrize("change, message", [(dict(attn=dict(layers=[1], num_heads=2, qkv_bias=True)), "qkv_bias"),
+                                             (dict(attn=[dict(layers=[0], num_heads=2), dict(layers=[1], num_heads=4)]),
+                                              "num_heads"),
+                                             (dict(attn=[dict(layers=[0], num_heads=2, window_size=4),
+                                                         dict(layers=[1], num_heads=2, window_size=8)]), "window_size"),
                                              (dict(hidden_act="gelu"), "hidden_act"),
                                              (dict(use_gate=False), "use_gate"),
                                              (dict(model_type="mamba3"), "not supported")])
@@ -123,8 +133,7 @@ def test_kda_config_fields_are_checked():
 @pytest.mark.parametrize("name, change, message", [
     ("comba", dict(use_output_gate=False), "use_output_gate"), ("comba", dict(use_short_conv=False), "use_short_conv"),
     ("hgrn2", dict(use_short_conv=True), "use_short_conv"), ("hgrn2", dict(elementwise_affine=False), "elementwise_affine"),
-    ("hgrn2", dict(num_heads=2, expand_ratio=16), "expand_ratio"),
-    ("hgrn2", dict(attn=dict(layers=[1], num_heads=2)), "hybrid attention")])
+    ("hgrn2", dict(num_heads=2, expand_ratio=16), "expand_ratio")])
 def test_comba_hgrn2_unsupported_options_are_refused_by_name(name, change, message):
     with pytest.raises(NotImplementedError, match=message):
         lm_config_from_fla({**_tiny(name), **change})
@@ -166,6 +175,17 @@ def test_fla_form_lm_decodes_as_it_prefills(name):
     assert rel_err(torch.cat(steps, 1), full) < 1e-12
 
 
+def test_hybrid_attention_layers():
+    """fla's attn specs as attn / swa layers of the LM, their heads, window and rope_theta; back the same."""
+    cfg = lm_config_from_fla(_tiny("kda/swa_attn"))
+    assert cfg.mixers == ("swa", "kda", "attn") and cfg.attention_heads == 4 and cfg.n_heads == 2
+    assert (cfg.window_size, cfg.rope_theta, cfg.n_kv_heads) == (8, 500.0, None)
+    back = fla_config_from_lm(cfg)["attn"]
+    assert [(s["layers"], s["window_size"]) for s in back] == [([2], None), ([0], 8)]
+    cfg = lm_config_from_fla(_tiny("gated_deltanet/attn"))
+    assert cfg.mixers == ("gdn", "attn") and (cfg.attn_heads, cfg.n_kv_heads) == (4, 2)
+
+
 def test_rwkv7_is_the_official_form():
     """fla's RWKV7ForCausalLM is LMConfig(rwkv7_official=True), the config of an official .pth;
     the LM's own rwkv7 mixer (another form) does not go to fla."""
@@ -182,7 +202,9 @@ def test_rwkv7_is_the_official_form():
 def test_only_single_mixer_models_go_to_fla():
     from fastweight.models import LMConfig
     with pytest.raises(NotImplementedError, match="one mixer"):
-        fla_config_from_lm(LMConfig.preset("tiny", mixer="gdn,swa"))
+        fla_config_from_lm(LMConfig.preset("tiny", mixer="gdn,mamba2"))
+    with pytest.raises(NotImplementedError, match="hybrid attention"):
+        fla_config_from_lm(LMConfig.preset("tiny", mixer="mamba2,attn"))
 
 
 def test_state_layout():
@@ -270,6 +292,8 @@ def test_fla_checkpoint_logits(name, fla_on_cpu, tmp_path):
 def record(path: str = DATA) -> None:
     """Write ``tests/data/fla_0.6.0_models.json`` from fla's tiny models (needs fla importable)."""
     import fla.models as fla_models
+    for owner, name, value in fla_cpu_patches():   # fla's attention layers need flash-attn otherwise
+        setattr(owner, name, value)
     out = {}
     for name in TINY:
         model = _fla_model(fla_models, name)
