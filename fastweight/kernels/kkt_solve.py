@@ -185,14 +185,15 @@ def store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, 
     b_I42 = -mm(b_I44, mm(b_A42, b_I22) + mm(b_A43, b_I32))
     b_I41 = -mm(b_I44, mm(b_A41, b_I11) + mm(b_A42, b_I21) + mm(b_A43, b_I31))
     b_0 = tl.zeros([16, 16], dtype=tl.float32)
-    _store16(Ai, T, t0, 0, H, BT, b_I11, b_0, b_0, b_0)
-    _store16(Ai, T, t0 + 16, 0, H, BT, b_I21, b_I22, b_0, b_0)
-    _store16(Ai, T, t0 + 32, 0, H, BT, b_I31, b_I32, b_I33, b_0)
-    _store16(Ai, T, t0 + 48, 0, H, BT, b_I41, b_I42, b_I43, b_I44)
+    store_row_blocks(Ai, T, t0, H, BT, b_I11, b_0, b_0, b_0)
+    store_row_blocks(Ai, T, t0 + 16, H, BT, b_I21, b_I22, b_0, b_0)
+    store_row_blocks(Ai, T, t0 + 32, H, BT, b_I31, b_I32, b_I33, b_0)
+    store_row_blocks(Ai, T, t0 + 48, H, BT, b_I41, b_I42, b_I43, b_I44)
 
 
 @triton.jit
-def _store16(Ai, T, r0, c0, H: tl.constexpr, BT: tl.constexpr, b_1, b_2, b_3, b_4):
+def store_row_blocks(Ai, T, r0, H: tl.constexpr, BT: tl.constexpr, b_1, b_2, b_3, b_4):
+    """16 rows (r0 ..) of a per-chunk [T, BT] matrix from its four [16, 16] column blocks."""
     p_1 = tl.make_block_ptr(Ai, (T, BT), (H * BT, 1), (r0, 0), (16, 16), (1, 0))
     p_2 = tl.make_block_ptr(Ai, (T, BT), (H * BT, 1), (r0, 16), (16, 16), (1, 0))
     p_3 = tl.make_block_ptr(Ai, (T, BT), (H * BT, 1), (r0, 32), (16, 16), (1, 0))
