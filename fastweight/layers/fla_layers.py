@@ -541,14 +541,15 @@ class RWKV7OfficialTimeMix(_RWKV7Mixer):
     """The LM's mixer under ``LMConfig(rwkv7_official=True)``: the official RWKV-7 time mixing
     (RWKV7Attention's computation, the LM's call convention; layer ``layer_idx`` 0 writes the value
     residual's ``v_first`` into ``shared``, the later layers read it). The GroupNorm's eps is
-    ``64 * norm_eps`` (the official 64e-5 at 1e-5, whatever the head size)."""
+    ``cfg.rwkv7_ln_x_eps``: ``64 * norm_eps`` (the official 64e-5 at 1e-5, whatever the head size), or
+    ``rwkv7_group_norm_eps`` (fla's ``head_dim * norm_eps``)."""
 
     def __init__(self, cfg, layer_idx: int):
         _RWKV7Mixer.__init__(self, cfg)
         self.recurrent_threshold = cfg.recurrent_threshold
         self.num_heads, self.layer_idx = cfg.n_heads, layer_idx
         self._make_parameters(cfg.d_model, cfg.n_heads, cfg.n_heads * cfg.head_v_dim,
-                              dict(zip("wavg", cfg.rwkv7_lora_ranks)), layer_idx == 0, 64 * cfg.norm_eps)
+                              dict(zip("wavg", cfg.rwkv7_lora_ranks)), layer_idx == 0, cfg.rwkv7_ln_x_eps)
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
         return super().forward(x, cache, {} if shared is None else shared)

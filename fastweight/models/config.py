@@ -30,7 +30,8 @@ class LMConfig:
     (``fastweight.layers.fla_layers.RWKV7Attention``'s computation: a GroupNorm ``ln_x`` per head
     with eps ``64 * norm_eps``, the official 64e-5 at 1e-5, and ``rwkv7_ranks`` = the LoRA ranks
     of w, a, v, g; None: the official suggestions from ``d_model``) and the channel mix of width
-    ``intermediate_size`` (None: ``4 * d_model``).
+    ``intermediate_size`` (None: ``4 * d_model``). ``rwkv7_group_norm_eps``: that GroupNorm's eps
+    (None: ``64 * norm_eps``; fla's RWKV-7 uses ``head_dim * norm_eps``, the same at head_dim 64).
 
     ``kda_gate_rank``: the rank of the ``kda`` mixer's low-rank maps (its decay ``f_proj`` and output
     gate ``g_proj``); None: ``head_dim`` (fla's KDA: ``head_dim * expand_v``, the same at expand_v 1).
@@ -77,6 +78,7 @@ class LMConfig:
     fla_form: bool = False
     hgrn2_lower_bounds: bool = False
     attn_heads: int | None = None
+    rwkv7_group_norm_eps: float | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "conv_size", "window_size",
@@ -136,6 +138,11 @@ class LMConfig:
             object.__setattr__(self, "rwkv7_ranks", tuple(ranks))
             if not self.rwkv7_official:
                 raise ValueError("LMConfig.rwkv7_ranks is for rwkv7_official=True (the rwkv7 mixer has lora_rank)")
+        eps = self.rwkv7_group_norm_eps
+        if eps is not None and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0
+                                or not self.rwkv7_official):
+            raise ValueError(f"LMConfig.rwkv7_group_norm_eps must be None or a number > 0, with rwkv7_official=True; "
+                             f"got {eps!r}")
         if not self.rwkv7_official:
             return
         if self.pattern != ("rwkv7",):
@@ -163,6 +170,11 @@ class LMConfig:
         if self.hgrn2_lower_bounds and self.n_heads * (self.head_dim or self.d_model // self.n_heads) != self.d_model:
             raise ValueError(f"LMConfig.hgrn2_lower_bounds: the forget gates' width n_heads * head_dim "
                              f"({self.n_heads} * {self.head_dim}) must be d_model ({self.d_model}), as the bounds'")
+
+    @property
+    def rwkv7_ln_x_eps(self) -> float:
+        """The eps of the official time mixing's GroupNorm: ``rwkv7_group_norm_eps``, else ``64 * norm_eps``."""
+        return 64 * self.norm_eps if self.rwkv7_group_norm_eps is None else self.rwkv7_group_norm_eps
 
     @property
     def rwkv7_lora_ranks(self) -> tuple:

@@ -15,8 +15,8 @@ layer class (``fastweight.layers.fla_layers``, ``FLA_NAMES``), so a layer and a 
 :data:`FLA_MODELS` lists the models (by fla's ``model_type``): GatedDeltaNet, KDA, DeltaNet, GLA,
 Mamba-2 (``backbone.*``, ``mamba_ssm``'s names; norm and mixer blocks without an MLP, as ours),
 RWKV-7 (fla's ``RWKV7ForCausalLM`` is the official x070 form: ``LMConfig(rwkv7_official=True)``,
-block 0's ``pre_norm`` the official ``ln0`` = our ``embed_norm``, ``ffn`` the channel mix; head_dim
-64 only, as fla's ``g_norm`` eps is ``head_dim * norm_eps`` and ours ``64 * norm_eps``), Comba and
+block 0's ``pre_norm`` the official ``ln0`` = our ``embed_norm``, ``ffn`` the channel mix; fla's
+``g_norm`` eps ``head_dim * norm_eps`` as ``rwkv7_group_norm_eps`` where head_dim is not 64), Comba and
 HGRN2 (fla's forms, ``LMConfig(fla_form=True)``; HGRN2's ``model.lower_bounds``). fla's hybrid
 ``attn`` layers are our ``attn`` / ``swa`` layers (:func:`_with_fla_attention`; their names are
 ours, the layer class's ``FLA_NAMES`` do not apply to them). A config option that our model does
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -224,7 +225,8 @@ def _kda_options(config: dict, head_k: int, head_v: float) -> dict:
 
 def _lm_config_from_fla_rwkv7(config: dict, common: dict) -> LMConfig:
     """fla's RWKV7Config -> LMConfig(rwkv7_official=True). fla's ``g_norm`` (the official ln_x) has
-    eps ``head_dim * norm_eps``, ours ``64 * norm_eps``: hence head_dim 64 only (the official size)."""
+    eps ``head_dim * norm_eps``, the official code's 64e-5 whatever the head size: another head_dim
+    sets ``rwkv7_group_norm_eps``."""
     D, L = common["d_model"], common["n_layers"]
     value_dim = _json_value(config.get("value_dim"))
     if value_dim not in (None, D, (D,) * L):
@@ -233,18 +235,19 @@ def _lm_config_from_fla_rwkv7(config: dict, common: dict) -> LMConfig:
     K = config.get("head_dim", 64)
     K = K if K is not None else D // config["num_heads"]   # fla's rule, head_dim from num_heads
     H = D // K
-    if K != 64 or config.get("num_heads") not in (None, H):
+    if D % K or config.get("num_heads") not in (None, H):
         raise NotImplementedError(f"fla rwkv7: `head_dim={K!r}` (num_heads {config.get('num_heads')}) is not supported "
-                                  f"by the conversion (only head_dim=64 = hidden_size / num_heads: fla's g_norm eps "
-                                  f"is head_dim * norm_eps, ours 64 * norm_eps)")
+                                  f"by the conversion (only head_dim * num_heads = hidden_size)")
     width = config.get("intermediate_size")
     if width is None:
         ratio = config.get("hidden_ratio", 4)
         width = 32 * ((int(D * (4 if ratio is None else ratio)) + 31) // 32)
     ranks = tuple(int(config.get(n, d)) for n, d in (("decay_low_rank_dim", 64), ("a_low_rank_dim", 64),
                                                       ("v_low_rank_dim", 16), ("gate_low_rank_dim", 128)))
+    eps = config.get("norm_eps", 1e-5)
     return LMConfig(**common, n_heads=H, mixer="rwkv7", head_dim=K, rwkv7_official=True, rwkv7_ranks=ranks,
-                    intermediate_size=None if width == 4 * D else width, norm_eps=config.get("norm_eps", 1e-5))
+                    intermediate_size=None if width == 4 * D else width, norm_eps=eps,
+                    rwkv7_group_norm_eps=None if K == 64 else K * eps)
 
 
 def _json_value(value):
@@ -284,13 +287,15 @@ def _fla_config_from_lm_mixer(cfg: LMConfig, mixer: str) -> dict:
         if not cfg.rwkv7_official:
             raise NotImplementedError("the LM's own rwkv7 mixer (per-head RMSNorm, one LoRA rank) has no fla model; "
                                       "only LMConfig(rwkv7_official=True) converts to fla's RWKV7ForCausalLM")
-        if cfg.head_dim != 64:
-            raise NotImplementedError(f"fla's RWKV-7 GroupNorm eps is head_dim * norm_eps, ours 64 * norm_eps: only "
-                                      f"head_dim 64 converts to fla (this model has head_dim {cfg.head_dim})")
+        if not math.isclose(cfg.rwkv7_ln_x_eps, cfg.head_dim * cfg.norm_eps, rel_tol=1e-9):
+            raise NotImplementedError(f"fla's RWKV-7 GroupNorm eps is head_dim * norm_eps "
+                                      f"({cfg.head_dim * cfg.norm_eps}); this model's is {cfg.rwkv7_ln_x_eps} "
+                                      f"(rwkv7_group_norm_eps)")
         fixed = dict(spec.fixed)
         w, a, v, g = cfg.rwkv7_lora_ranks
         return dict(model_type=model_type, architectures=[spec.architecture], vocab_size=cfg.vocab_size,
-                    hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers, num_heads=cfg.n_heads, head_dim=64,
+                    hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers, num_heads=cfg.n_heads,
+                    head_dim=cfg.head_dim,
                     intermediate_size=cfg.intermediate_size or 4 * cfg.d_model, norm_eps=cfg.norm_eps,
                     decay_low_rank_dim=w, a_low_rank_dim=a,
                     v_low_rank_dim=v, gate_low_rank_dim=g, tie_word_embeddings=cfg.tie_embeddings,

@@ -40,7 +40,9 @@ TINY = {"gated_deltanet": dict(head_dim=16, num_heads=2, num_v_heads=4, expand_v
         "gla": dict(num_heads=2, expand_k=0.5, expand_v=1.0, tie_word_embeddings=True),
         "mamba2": dict(head_dim=16, state_size=16, expand=2),
         "rwkv7": dict(hidden_size=128, head_dim=64, decay_low_rank_dim=32, a_low_rank_dim=32, v_low_rank_dim=16,
-                      gate_low_rank_dim=32)}
+                      gate_low_rank_dim=32),
+        "rwkv7/head_dim_32": dict(hidden_size=128, head_dim=32, decay_low_rank_dim=32, a_low_rank_dim=32,
+                                  v_low_rank_dim=16, gate_low_rank_dim=32)}
 COMMON = dict(hidden_size=64, num_hidden_layers=2, vocab_size=128, fuse_cross_entropy=False)
 
 
@@ -86,8 +88,8 @@ def test_unsupported_options_are_refused_by_name(change, message):
         lm_config_from_fla({**_tiny("gated_deltanet"), **change})
 
 
-@pytest.mark.parametrize("change, message", [(dict(head_dim=32), "head_dim"),
-                                             (dict(head_dim=None, num_heads=4), "head_dim"),
+@pytest.mark.parametrize("change, message", [(dict(head_dim=48), "head_dim"),
+                                             (dict(head_dim=32, num_heads=2), "head_dim"),
                                              (dict(norm_first=False), "norm_first"),
                                              (dict(norm_bias=False), "norm_bias"), (dict(value_dim=256), "value_dim"),
                                              (dict(hidden_act="gelu"), "hidden_act"),
@@ -195,8 +197,13 @@ def test_rwkv7_is_the_official_form():
     assert cfg.intermediate_size is None   # fla's 4 * hidden_size, the official width
     with pytest.raises(NotImplementedError, match="rwkv7_official"):
         fla_config_from_lm(LMConfig(vocab_size=16, d_model=128, n_layers=2, n_heads=2, mixer="rwkv7", head_dim=64))
-    with pytest.raises(NotImplementedError, match="head_dim 64"):
-        fla_config_from_lm(cfg.replace(n_heads=4, head_dim=32))
+    with pytest.raises(NotImplementedError, match="rwkv7_group_norm_eps"):
+        fla_config_from_lm(cfg.replace(n_heads=4, head_dim=32))   # the official eps, not fla's at head_dim 32
+    small = lm_config_from_fla(_tiny("rwkv7/head_dim_32"))
+    assert (small.n_heads, small.head_dim, small.rwkv7_ln_x_eps) == (4, 32, 32 * 1e-5)
+    assert fla_config_from_lm(small)["head_dim"] == 32 and cfg.rwkv7_group_norm_eps is None
+    with pytest.raises(ValueError, match="rwkv7_group_norm_eps"):
+        LMConfig.preset("tiny", mixer="rwkv7", rwkv7_group_norm_eps=1e-3)   # the official form's option
 
 
 def test_only_single_mixer_models_go_to_fla():
