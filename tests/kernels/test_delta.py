@@ -243,6 +243,44 @@ def gate_tolerance(g, cu_seqlens, tol):
     return max(tol, 2.0 ** -24 * decay)
 
 
+def gate_condition(op, x, h0, do, dht, cu_seqlens=None):
+    """The condition of the log gate's gradient, float64: ``||M|| / ||dg||`` with ``M_t = sum |dS_t * J_t|``
+    (per channel for a per-channel gate), ``J_t = dS_t/dg_t`` of one step (forward mode) and ``dS_t`` the
+    loss's gradient at the state S_t. Every term of dg_t is one of ``dS_t * J_t``; when they cancel (a strong
+    decay leaves one token's gate carrying the loss, its terms of either sign), no fp32 evaluation does
+    better than a few ulp of M: the fused-recurrent tests' rule (test_fused_recurrent._rounding_tolerances).
+    Measured: test_strong_gates_partial_chunks[comba-1--6.0] at cond 486 (seeds 11924168108258751680,
+    4234913322664183671, 11255000124838202554, 7392606307504237635, 8479246447982133845, the five draws in
+    order): dg 1.07e-5 = 0.19 eps * cond; 12 other seeds 0.015-0.28 eps * cond at cond 4-37."""
+    step = get(MECHANISM[op]).step
+    x = {n: t.detach().double() for n, t in x.items()}
+    T = x["q"].shape[1]
+    cu = cu_seqlens.tolist() if cu_seqlens is not None else [0, T]
+    scale = x["q"].shape[-1] ** -0.5
+    channels = x["g"].dim() == 4
+    states, prev, loss = [], [], 0.
+    for n, (bos, eos) in enumerate(zip(cu[:-1], cu[1:])):
+        S = h0[n:n + 1].double().requires_grad_()
+        for t in range(bos, eos):
+            xt = {m: v[:, t] for m, v in x.items()}
+            prev.append((S.detach(), xt))
+            S = step(S, xt)
+            states.append(S)
+            loss = loss + (do[:, t].double() * torch.einsum("bhkv,bhk->bhv", S, scale * xt["q"])).sum()
+        loss = loss + (dht[n:n + 1].double() * S).sum()
+    dS = torch.autograd.grad(loss, states)
+    mag, dg = [], []
+    for (S_prev, xt), d in zip(prev, dS):
+        def at(g):
+            return step(S_prev, dict(xt, g=g))
+        tangents = [torch.nn.functional.one_hot(torch.full(xt["g"].shape[:-1], i), xt["g"].shape[-1]).double()
+                    for i in range(xt["g"].shape[-1])] if channels else [torch.ones_like(xt["g"])]
+        J = [torch.func.jvp(at, (xt["g"],), (u,))[1] for u in tangents]
+        mag.append(torch.stack([(d * j).abs().sum((-2, -1)) for j in J], -1))
+        dg.append(torch.stack([(d * j).sum((-2, -1)) for j in J], -1))
+    return torch.stack(mag).norm().item() / torch.stack(dg).norm().item()
+
+
 def check_strong(op, x, h0, *, cu_seqlens=None, G=1, qk_l2norm=False, gate=None, dtype=torch.float32):
     pair = run_pair(op, x, h0, dtype, G=G, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, gate=gate)
     (o, ht), _, (o_ref, ht_ref), _, g_ref = pair
@@ -253,6 +291,9 @@ def check_strong(op, x, h0, *, cu_seqlens=None, G=1, qk_l2norm=False, gate=None,
     if "g" in x:
         tols = dict.fromkeys(("g", "A_log", "dt_bias"),
                              gate_tolerance(x["g"] if g_ref is None else g_ref.detach(), cu_seqlens, tol))
+        if g_ref is None and G == 1 and not qk_l2norm:
+            eps = torch.finfo(dtype).eps
+            tols["g"] = max(tols["g"], eps * gate_condition(op, x, h0, do, dht, cu_seqlens))
     check_gradients(*pair, (do.to(dtype), dht), tol, tols=tols)
 
 
