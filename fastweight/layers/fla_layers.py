@@ -420,7 +420,7 @@ class _RWKV7Mixer(Mixer):
         self.g_lora = LowRank(D, ranks["g"], V, activation="sigmoid", bias=False)
         self.g_norm = nn.GroupNorm(H, V, eps=eps, affine=True)
 
-    no_weight_decay = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "r_k")   # vectors (fastweight.train.decays)
+    no_weight_decay = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "r_k")   # vectors (fastweight.optim.decays)
 
     @torch.no_grad()
     def reset_layer_parameters(self, layer_idx: int, n_layers: int) -> None:

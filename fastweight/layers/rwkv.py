@@ -145,7 +145,7 @@ class RWKV7TimeMix(Mixer):
         self.o_norm = GatedRMSNorm(V, cfg.norm_eps, "identity")
         self.o_proj = nn.Linear(H * V, D, bias=False)
 
-    no_weight_decay = ("mu", "xi", "alpha", "rho")    # per-channel vectors kept 2-D (fastweight.train.decays)
+    no_weight_decay = ("mu", "xi", "alpha", "rho")    # per-channel vectors kept 2-D (fastweight.optim.decays)
 
     @torch.no_grad()
     def reset_layer_parameters(self, layer_idx: int, n_layers: int) -> None:
