@@ -14,8 +14,8 @@ takes the pairwise differences directly (16 channels at a time).
 
 One program per (chunk, head) holds a whole row block's channels ([16, K]) and walks the four
 blocks in turn, so that each product is stored (forward) or folded into its gradient (backward)
-as soon as it is formed: no [16, 16] accumulator lives across a loop over channels, which is
-what held the register file (20 of them) when the channels were cut into slices.
+as soon as it is formed: no [16, 16] accumulator lives across a loop over channels, and the
+registers go to the [16, K] rows.
 
 Backward, given dAqk, dAkk (gradients of the raw sums above):
 
@@ -37,11 +37,12 @@ import triton.language as tl
 from fastweight.kernels.common import SAFE_SPAN, Chunks, alloc, mm
 
 # SPAN (``common.SAFE_SPAN``): a diagonal block whose decay over its 16 rows stays under exp(SPAN) in
-# every channel is factored through its first row like the off-diagonal ones, with operands up to
-# e^40 kept in fp32 and multiplied as TF32 for 16-bit inputs (10-bit mantissa; the off-diagonal blocks
-# take the input dtype), exactly for fp32 inputs: with bf16 operands KDA's bf16 dg was 4.3x its rounding floor on the H200, 2.2x with exact
-# fp32 ones (docs/bench/delta.md, KDA bf16 dg); exact fp32 (FMA) products cost the forward 2x on the
-# H200 (docs/bench/runs-2026-12-02-s10.md). Beyond SPAN the exact pairwise form runs.
+# every channel is factored through its first row like the off-diagonal ones, with its operands (up
+# to e^40) in fp32, not in the input dtype as the off-diagonal blocks: bf16 operands put KDA's bf16
+# dg at 4.3x its rounding floor on the H200, fp32 ones at 2.2x (docs/bench/delta.md, KDA bf16 dg).
+# The forward multiplies them as TF32 for 16-bit inputs (exactly for fp32 inputs): exact fp32 (FMA)
+# products cost it 2x on the H200, and TF32 leaves the bf16 dg where it was
+# (docs/bench/runs-2026-12-02-s10.md). Beyond SPAN the exact pairwise form runs.
 
 # (forward, backward) warps: the backward holds three [16, K] column sums across its row blocks and
 # spills at 4 warps from K = 64 on (H200, K = 128: 2.41 ms at 8 warps against 3.62 at 4; the
@@ -90,7 +91,7 @@ def _diag_exact(q, k, g, T, r0, HK: tl.constexpr, H: tl.constexpr, K: tl.constex
     for s in range(tl.cdiv(K, 16)):
         o_k = 16 * s + tl.arange(0, 16)
         m = m_v[:, None] & (o_k < K)[None, :]
-        rows = (r0 + o_i)[:, None]
+        rows = (r0 + o_i).to(tl.int64)[:, None]
         b_g = tl.load(g + rows * (H * K) + o_k[None, :], mask=m, other=0.)
         b_k = tl.load(k + rows * (HK * K) + o_k[None, :], mask=m, other=0.).to(tl.float32)
         b_q = tl.load(q + rows * (HK * K) + o_k[None, :], mask=m, other=0.).to(tl.float32)
@@ -179,7 +180,7 @@ def _diag_exact_bwd(q, k, g, dq, dk, dg, b_dqk, b_dkk, T, r0, HK: tl.constexpr, 
     for s in range(tl.cdiv(K, 16)):
         o_k = 16 * s + tl.arange(0, 16)
         m = m_v[:, None] & (o_k < K)[None, :]
-        rows = (r0 + o_i)[:, None]
+        rows = (r0 + o_i).to(tl.int64)[:, None]
         b_g = tl.load(g + rows * (H * K) + o_k[None, :], mask=m, other=0.)
         b_k = tl.load(k + rows * (HK * K) + o_k[None, :], mask=m, other=0.).to(tl.float32)
         b_q = tl.load(q + rows * (HK * K) + o_k[None, :], mask=m, other=0.).to(tl.float32)
@@ -252,6 +253,7 @@ def _bwd_row(q, k, g, dAqk, dAkk, dq, dk, dg, b_x0, b_x1, b_x2, T, t0, R: tl.con
     tl.store(p_dk, tl.load(p_dk, boundary_check=(0, 1)) + b_dk, boundary_check=(0, 1))
     tl.store(p_dg, tl.load(p_dg, boundary_check=(0, 1)) + b_dg, boundary_check=(0, 1))
     if not fast:
+        # the pairwise part reads back the rows of dq, dk, dg that other threads have just stored
         tl.debug_barrier()
         _diag_exact_bwd(q, k, g, dq, dk, dg, b_dqk, b_dkk, T, r0, HK, H, K)
     return b_x0, b_x1, b_x2
@@ -301,7 +303,9 @@ def intra_fwd(q, k, g_cum, chunks: Chunks, *, num_warps: int | None = None):
 
 def intra_bwd(q, k, g_cum, dAqk, dAkk, dq, dk, dg, chunks: Chunks, *, num_warps: int | None = None,
               num_stages: int = 2):
-    """Adds the intra-chunk parts into dq, dk, dg (float32 [1, T, H, K], in place)."""
+    """Adds the intra-chunk parts into dq, dk, dg (float32 [1, T, H, K], in place). dAqk, dAkk:
+    [1, T, H, BT], read on and below the diagonal (i >= j, i > j). num_warps (None: ``_warps``) and
+    num_stages: the launch, for benchmark variants."""
     _, T, HK, K = k.shape
     H = g_cum.shape[2]
     intra_bwd_kernel[(chunks.NC, H)](q, k, g_cum, dAqk, dAkk, dq, dk, dg, chunks.cu_seqlens, chunks.chunk_indices,

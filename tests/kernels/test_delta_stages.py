@@ -6,7 +6,7 @@ Under TRITON_INTERPRET=1 (fp32). Shapes: T = 100 (one full chunk of 64 and a tai
 import pytest
 import torch
 
-from fastweight.chunk.common import chunk_layout, decayed_scores, local_cumsum, to_chunks
+from fastweight.chunk.common import chunk_layout, decayed_scores, from_chunks, local_cumsum, to_chunks
 from fastweight.chunk.solve_tril import solve_unit_lower
 from fastweight.dispatch import l2norm as l2norm_reference
 from fastweight.kernels import common
@@ -117,6 +117,51 @@ def test_intra_backward():
     assert rel_err(dk, back(kd.grad)) < 1e-5
     assert rel_err(dg, back(Gd.grad)) < 1e-5
 
+
+
+@pytest.mark.parametrize("K", [40, 8])
+def test_intra_varlen_grouped_strong_gate(K):
+    """intra_fwd and intra_bwd against float64 on one set of fp32 inputs: K not a power of two (40) and
+    below 16 (8), grouped heads (HK = 2 for H = 4: value head h reads q, k of head h // 2), sequences of
+    100 (a tail of 36), 0 and 70 (a last chunk of 6 rows, three of its row blocks past T), log gates
+    of -5 per token on some blocks' channels (their 16-row span passes SAFE_SPAN: the pairwise diagonal
+    block) and of at most -0.5 elsewhere (the factored one); dq, dk, dg arrive non-zero and dA is
+    non-zero above the diagonal (never read)."""
+    HV, HK, N = 4, 2, 170
+    cu = torch.tensor([0, 100, 100, 170])
+    gen = generator(4)
+    q = torch.randn(1, N, HK, K, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(1, N, HK, K, generator=gen), dim=-1)
+    gk = -torch.rand(1, N, HV, K, generator=gen) * 0.5
+    strong = ((torch.arange(N) // 16) % 3 == 1)[:, None, None] & (torch.arange(HV)[:, None] < 2) \
+        & (torch.arange(K) < K // 2)
+    gk = torch.where(strong[None], -5.0 * (0.75 + 0.5 * torch.rand(gk.shape, generator=gen)), gk)
+    ch = prepare_chunks(cu, 1, N, 64, "cpu")
+    G_kernel = chunk_cumsum(gk, ch)
+    layout = chunk_layout(1, N, 64, cu, "cpu")
+    chunk = lambda x: to_chunks(x, layout, torch.float64)  # noqa: E731  [3, H, NT, 64, ...]
+    G = chunk(G_kernel)
+    # each 16-row block's span (its first row's G minus its others', padded rows at G = 0 add none)
+    span = G.unflatten(3, (4, 16))
+    span = (span[..., :1, :] - span).amax((-2, -1))  # [3, H, NT, 4]
+    starts = 64 * torch.arange(2)[:, None] + 16 * torch.arange(4)
+    span = span[(torch.tensor([100, 0, 70])[:, None, None] > starts)[:, None].expand_as(span)]
+    assert (span >= common.SAFE_SPAN).any() and (span < common.SAFE_SPAN).any()
+    qd, kd = (chunk(x.repeat_interleave(HV // HK, 2)).requires_grad_() for x in (q, k))
+    Gd = G.clone().requires_grad_()
+    want_qk = decayed_scores(qd, kd, Gd, Gd)
+    want_kk = decayed_scores(kd, kd, Gd, Gd, strict=True)
+    Aqk, Akk = intra_fwd(q, k, G_kernel, ch)
+    assert rel_err(chunk(Aqk), want_qk) < 1e-6
+    assert rel_err(chunk(Akk), want_kk) < 1e-6
+    dqk, dkk = torch.randn(1, N, HV, 64, generator=gen), torch.randn(1, N, HV, 64, generator=gen)
+    causal = torch.ones(64, 64, dtype=torch.float64).tril()
+    ((want_qk * chunk(dqk) * causal).sum() + (want_kk * chunk(dkk) * causal.tril(-1)).sum()).backward()
+    before = [torch.randn(1, N, HV, K, generator=gen) for _ in range(3)]
+    dq, dk, dg = (x.clone() for x in before)
+    intra_bwd(q, k, G_kernel, dqk, dkk, dq, dk, dg, ch)
+    for got, x0, leaf in zip((dq, dk, dg), before, (qd, kd, Gd)):
+        assert rel_err(got.double() - x0, from_chunks(leaf.grad, layout)) < 1e-6
 
 def test_l2norm():
     x = torch.randn(3, 7, 2, 40, generator=generator(), dtype=torch.float64)
