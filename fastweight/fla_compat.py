@@ -14,10 +14,13 @@ three kinds, and each is handled here the same way for every op:
 - accepted without effect on the result: ``chunk_indices`` (fla's precomputed chunk
   bookkeeping; ours is built from the host copy of ``cu_seqlens``), ``disable_recompute`` (a
   memory/speed trade-off in fla's kernels), ``chunk_size`` of 64 (ours), ``safe_gate`` and
-  ``lower_bound`` on the DPLR / RWKV-7 chunk ops (:func:`gate_bound`), the deprecated
+  ``lower_bound`` on the DPLR / RWKV-7 chunk ops (:func:`gate_bound`) and on KDA without the
+  in-kernel gate (:func:`kda_gate`), the deprecated
   ``transpose_state_layout`` (``state_v_first``, with fla's DeprecationWarning);
+- KDA's ``lower_bound`` with ``use_gate_in_kernel``: fla's bounded gate, formed by the op
+  (:func:`kda_gate`);
 - refused with a ValueError naming the option unless left at its default: ``cp_context``
-  (context parallelism), KDA's ``safe_gate`` and ``lower_bound`` (there they change the gate), ``gv``, ``chunk_size``
+  (context parallelism), ``gv``, ``chunk_size``
   other than 64, ``return_intermediate_states``, ``use_graph``, ``max_num_seqs``; ``head_first``
   raises fla's own DeprecationWarning error. Any other keyword is a TypeError (fla ignores
   unknown keywords silently; a typo here must not be).
@@ -56,6 +59,40 @@ def gate_bound(op: str, safe_gate, lower_bound) -> None:
     if lower_bound is not None and not lower_bound < 0:
         raise ValueError(f"`lower_bound={lower_bound!r}` for fastweight's {op}: it must be negative "
                          f"(gk is a log-decay < 0)")
+
+
+def kda_gate(op: str, g, use_gate_in_kernel: bool, safe_gate, lower_bound, A_log, dt_bias):
+    """fla 0.6.0's KDA ``safe_gate`` / ``lower_bound`` -> ``(g, use_gate_in_kernel, A_log, dt_bias)`` for our op.
+
+    With ``use_gate_in_kernel`` and a ``lower_bound`` fla's gate is bounded, ``lower_bound *
+    sigmoid(exp(A_log) (g + dt_bias))`` (``A_log`` may then be None: ``lower_bound * sigmoid(g +
+    dt_bias)``), in [lower_bound, 0): formed here in fp32 (float64 for float64 g; differentiable in g, A_log, dt_bias) and
+    handed to the op as the log decay. ``safe_gate`` only selects fla's tensor-core intra kernel (with
+    the in-kernel gate it needs ``lower_bound`` in [-5, 0), checked as fla does); without the in-kernel
+    gate both are the caller's promise about g and change nothing (our intra kernel needs none).
+    """
+    if not isinstance(safe_gate, bool):
+        raise ValueError(f"`safe_gate={safe_gate!r}` for fastweight's {op}: it must be a bool")
+    if lower_bound is not None and not lower_bound < 0:
+        raise ValueError(f"`lower_bound={lower_bound!r}` for fastweight's {op}: it must be negative (a log decay)")
+    if not use_gate_in_kernel:
+        return g, False, A_log, dt_bias
+    if safe_gate and (lower_bound is None or not -5 <= lower_bound < 0):
+        raise ValueError(f"`safe_gate=True` with `use_gate_in_kernel=True` needs `lower_bound` in [-5, 0) for "
+                         f"fastweight's {op} (as fla), got lower_bound={lower_bound!r}")
+    if lower_bound is None:
+        if A_log is None:
+            raise ValueError(f"`use_gate_in_kernel=True` needs `A_log` for fastweight's {op} when `lower_bound` "
+                             f"is not set")
+        return g, True, A_log, dt_bias
+    HV, K = g.shape[2], g.shape[3]
+    dt = torch.float64 if g.dtype == torch.float64 else torch.float32
+    x = g.to(dt)
+    if dt_bias is not None:
+        x = x + dt_bias.to(dt).view(HV, K)
+    if A_log is not None:
+        x = A_log.to(dt).exp().view(HV, 1) * x
+    return lower_bound * torch.sigmoid(x), False, None, None
 
 
 def extra_kwargs(op: str, kwargs: dict, state_v_first: bool = False, allowed=()) -> tuple[dict, bool]:

@@ -451,19 +451,20 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     beta: [B, T, HV]. Returns (o [B, T, HV, V], final state [N, HV, K, V] or None).
     use_gate_in_kernel (as fla): ``g`` is the pre-activation, the log decay is
     ``-exp(A_log) softplus(g + dt_bias)`` with A_log [HV] and dt_bias [HV * K] (keywords, as fla),
-    formed by the op as ``chunk_gated_delta_rule`` forms its gate. fla's other options:
+    formed by the op as ``chunk_gated_delta_rule`` forms its gate; with ``lower_bound`` fla's bounded
+    gate ``lower_bound sigmoid(exp(A_log) (g + dt_bias))`` (``fla_compat.kda_gate``). fla's other options:
     ``fastweight.fla_compat``.
     """
     extra, v_first = fla_compat.extra_kwargs("chunk_kda", kwargs, state_v_first, allowed=("A_log", "dt_bias"))
-    fla_compat.refuse("chunk_kda", safe_gate=(safe_gate, False), lower_bound=(lower_bound, None),
-                      return_intermediate_states=(return_intermediate_states, False), cp_context=(cp_context, None),
-                      use_graph=(use_graph, False), max_num_seqs=(max_num_seqs, None))
+    fla_compat.refuse("chunk_kda", return_intermediate_states=(return_intermediate_states, False),
+                      cp_context=(cp_context, None), use_graph=(use_graph, False), max_num_seqs=(max_num_seqs, None))
     fla_compat.host_seqlens(cu_seqlens, cu_seqlens_cpu)
+    g, use_gate_in_kernel, A_log, dt_bias = fla_compat.kda_gate("chunk_kda", g, use_gate_in_kernel, safe_gate,
+                                                                lower_bound, extra.get("A_log"), extra.get("dt_bias"))
     beta = fla_compat.beta_sigmoid(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return fla_compat.state_out(_kda(
         "chunk", q, k, v, g, beta, scale, fla_compat.state_in(initial_state, v_first), output_final_state,
-        cu_seqlens, use_qk_l2norm_in_kernel, allow_neg_eigval, backend, use_gate_in_kernel,
-        extra.get("A_log"), extra.get("dt_bias")), v_first)
+        cu_seqlens, use_qk_l2norm_in_kernel, allow_neg_eigval, backend, use_gate_in_kernel, A_log, dt_bias), v_first)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
@@ -472,7 +473,8 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
                         state_v_first=False, cu_seqlens=None, *, backend=None, **kwargs):
     """KDA one token at a time; as ``chunk_kda``."""
     _, v_first = fla_compat.extra_kwargs("fused_recurrent_kda", kwargs, state_v_first)
-    fla_compat.refuse("fused_recurrent_kda", lower_bound=(lower_bound, None))
+    g, use_gate_in_kernel, A_log, dt_bias = fla_compat.kda_gate("fused_recurrent_kda", g, use_gate_in_kernel, False,
+                                                                lower_bound, A_log, dt_bias)
     beta = fla_compat.beta_sigmoid(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return fla_compat.state_out(_kda(
         "fused_recurrent", q, k, v, g, beta, scale, fla_compat.state_in(initial_state, v_first),

@@ -120,8 +120,8 @@ def test_cu_seqlens_cpu_means_no_device_read(monkeypatch):
 
 
 @pytest.mark.parametrize("call, option", [
-    (lambda x: ops.chunk_kda(x["q"], x["k"], x["v"], x["gk"], x["beta"], lower_bound=-5.0), "lower_bound"),
-    (lambda x: ops.chunk_kda(x["q"], x["k"], x["v"], x["gk"], x["beta"], safe_gate=True), "safe_gate"),
+    (lambda x: ops.chunk_kda(x["q"], x["k"], x["v"], x["gk"], x["beta"], lower_bound=5.0), "lower_bound"),
+    (lambda x: ops.chunk_kda(x["q"], x["k"], x["v"], x["gk"], x["beta"], safe_gate=1), "safe_gate"),
     (lambda x: ops.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cp_context=object()),
      "cp_context"),
     (lambda x: ops.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=32), "chunk_size"),
@@ -210,3 +210,49 @@ def test_reverse_runs_each_sequence_backwards(lengths, monkeypatch):
     d = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v", "gk")}
     _reverse_loop(d["q"], d["k"], d["v"], d["gk"], h0, K ** -0.5, lengths)[0].sum().backward()
     assert all(rel_err(f[n].grad, d[n].grad) < 1e-4 for n in f)
+
+
+@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
+@pytest.mark.parametrize("with_A", [True, False])
+def test_kda_lower_bound_gate(mode, with_A):
+    """fla's bounded KDA gate with the in-kernel gate: lower_bound * sigmoid(exp(A_log) (g + dt_bias)) (A_log
+    None: lower_bound * sigmoid(g + dt_bias)), the op on it equal to the op on that gate formed outside, every
+    gradient (g, A_log, dt_bias through the gate) in float64."""
+    x = _x()
+    gen = torch.Generator().manual_seed(3)
+    raw = torch.randn(B, T, H, K, generator=gen, dtype=torch.float64).requires_grad_()
+    A_log = torch.randn(H, generator=gen, dtype=torch.float64).requires_grad_() if with_A else None
+    dt_bias = torch.randn(H * K, generator=gen, dtype=torch.float64).requires_grad_()
+    op = getattr(ops, f"{mode}_kda")
+    gate = dict(A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True, lower_bound=-3.0)
+    if mode == "chunk":
+        gate["safe_gate"] = True
+    o, S = op(x["q"], x["k"], x["v"], raw, x["beta"], output_final_state=True, backend="torch", **gate)
+    a = A_log.exp()[:, None] if with_A else 1.0
+    g = -3.0 * torch.sigmoid(a * (raw + dt_bias.view(H, K)))
+    assert g.min() >= -3.0 and g.max() < 0
+    want, S_want = op(x["q"], x["k"], x["v"], g, x["beta"], output_final_state=True, backend="torch")
+    assert rel_err(o, want) < 1e-14 and rel_err(S, S_want) < 1e-14
+    leaves = [t for t in (raw, A_log, dt_bias) if t is not None]
+    got = torch.autograd.grad((o.sum(), S.sum()), leaves, retain_graph=True)
+    ref = torch.autograd.grad((want.sum(), S_want.sum()), leaves)
+    assert all(rel_err(a_, b_) < 1e-13 for a_, b_ in zip(got, ref))
+
+
+def test_kda_safe_gate_and_lower_bound_checks():
+    """safe_gate with the in-kernel gate needs lower_bound in [-5, 0) (fla's check); without the in-kernel gate
+    both are fla's kernel numerics only: the result is the op's without them."""
+    x = _x()
+    A_log, dt_bias = torch.zeros(H, dtype=torch.float64), torch.zeros(H * K, dtype=torch.float64)
+    for bound in (None, -6.0):
+        with pytest.raises(ValueError, match="`safe_gate=True`"):
+            ops.chunk_kda(x["q"], x["k"], x["v"], x["gk"], x["beta"], use_gate_in_kernel=True, safe_gate=True,
+                          lower_bound=bound, A_log=A_log, dt_bias=dt_bias)
+    with pytest.raises(ValueError, match="`lower_bound="):
+        ops.fused_recurrent_kda(x["q"], x["k"], x["v"], x["gk"], x["beta"], lower_bound=0.5)
+    with pytest.raises(ValueError, match="`A_log`"):
+        ops.chunk_kda(x["q"], x["k"], x["v"], x["gk"], x["beta"], use_gate_in_kernel=True, dt_bias=dt_bias)
+    want, _ = ops.chunk_kda(x["q"], x["k"], x["v"], x["gk"], x["beta"], backend="torch")
+    got, _ = ops.chunk_kda(x["q"], x["k"], x["v"], x["gk"], x["beta"], safe_gate=True, lower_bound=-5.0,
+                           backend="torch")
+    assert rel_err(got, want) == 0
