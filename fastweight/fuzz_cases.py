@@ -29,7 +29,7 @@ GATES = {name: {n: kind == "channel" for n, kind in op.gates.items()} for name, 
 # L2-normalised keys, and the options allow_neg_eigval and use_qk_l2norm_in_kernel
 NEG_EIGVAL = tuple(name for name, op in OPS.items() if op.neg_eigval)
 GATE_IN_KERNEL = tuple(name for name, op in OPS.items() if op.gate_in_kernel)  # where the op's signature has it
-SAME_HEADS = ("rwkv6",)                                             # raise for HV != H (ops.py)
+SAME_HEADS = ("rwkv6",)                                             # raise for HV != H (fastweight.ops)
 
 
 @dataclass(frozen=True)
