@@ -14,9 +14,12 @@ from fastweight.testing import rel_err
 from fastweight.train import TrainConfig, load_checkpoint, train
 
 # fp32, 2 ranks against 1 process (the batch's sums split in two, then averaged). Measured: losses
-# <= 3e-7 relative, weights (rel_err) <= 2e-6, AdamW moments <= 3.3e-5 -- DDP's moments differ as much
-# (2.7e-5): the moments of the conv weights, gradients that are sums with cancellation.
-TOL, TOL_MOMENTS = 1e-5, 1e-4
+# <= 3e-7 relative, weights (rel_err) <= 2e-6; AdamW moments: the gradients that are sums with
+# cancellation differ most, the conv weights' (3.3e-5 at the old gate init; DDP's as much, 2.7e-5) and,
+# since GDN draws A from (0, 16) as fla does, the per-head gate parameters' (A_log, dt_bias: sums over
+# every token and channel): exp_avg 2.0e-4, exp_avg_sq 1.5e-4, and 1.2e-4 on a conv weight's
+# exp_avg_sq. A shard missing, duplicated or gathered in the wrong order is an O(1) error.
+TOL, TOL_MOMENTS = 1e-5, 6e-4   # 3x the largest measured, as before
 
 
 def tiny(out_dir, **kw):
