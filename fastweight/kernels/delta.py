@@ -38,6 +38,17 @@ def _pack(x):
     return None if x is None else x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
 
 
+def _exclusive(g_cum, chunks):
+    """The chunk-local sum one token earlier, g_cum[t - 1] (0 at a chunk's first token), as a shift of
+    g_cum itself: g_cum - g rounds again, and the read key's factor exp(g_read_i - g_cum_j) at j = i - 1,
+    exactly 1, would be exp(+-ulp |g_cum|) (3e-5 relative at |g_cum| ~ 500: Comba at g = -6 per token)."""
+    T = g_cum.shape[1]
+    pos = torch.arange(T, device=g_cum.device)
+    cu = chunks.cu_seqlens
+    start = (pos - cu[torch.searchsorted(cu[1:], pos, right=True)]) % chunks.BT == 0
+    return torch.where(start.view(1, T, *([1] * (g_cum.dim() - 2))), 0., g_cum.roll(1, dims=1))
+
+
 def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks, store_h, p=None, gate=(None, None)):
     """g: None, [1, T, H] (scalar gate) or [1, T, H, K] (per-channel gate, KDA); p: Comba's read key;
     gate: (A_log, dt_bias) when g is the pre-activation of Mamba-2's gate, computed in the cumsum."""
@@ -51,7 +62,7 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
         g_cum = chunk_cumsum(g, chunks, A_log=A_log, dt_bias=dt_bias) if g is not None else None
         if p is not None:
             # Comba reads the undecayed state: its read key sees the exclusive cumsum
-            g_read = g_cum - g.float() if g is not None else None
+            g_read = _exclusive(g_cum, chunks) if g is not None else None
         Ai = kkt_solve(k, beta, g_cum, chunks, p=p, g_read=g_read)
     if p is not None:
         w, u = recompute_w_u(p, v, beta, g_read, Ai, chunks)
