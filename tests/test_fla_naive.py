@@ -1,8 +1,9 @@
-"""Every op both libraries have, against fla 0.6.0's own reference code (``fla.ops.*.naive``), called as fla
-calls them: the same tensors (float64 leaves, handed to fla's references in float32, their dtype), an initial state, the
-output, the final state and every gradient. Runs where fla-core 0.6.0 is importable (``pip install -e ".[compat]"``; its references run on the
-CPU); CI, which installs no fla, checks the signatures from recorded data (tests/test_fla_compat.py). fla has no reference for RWKV-6, RWKV-7 or HGRN2: those are checked against the
-RWKV-LM loops and fla's layer models elsewhere (tests/reference, tests/models/test_convert.py).
+"""Our ops against fla 0.6.0's own reference code (``fla.ops.*.naive``), called as fla calls them: the same
+tensors (float64 leaves, handed to fla's references in float32, their dtype), an initial state, the output,
+the final state and every gradient. Runs where fla-core 0.6.0 is importable (``pip install -e ".[compat]"``;
+its references run on the CPU); CI, which installs no fla, checks the signatures from recorded data
+(tests/test_fla_compat.py). Not here yet: retention and gated_delta_product (fla ships references for both);
+fla has none for RWKV-6, RWKV-7 or HGRN2 (checked against the RWKV-LM loops and fla's models elsewhere).
 """
 
 import pytest
