@@ -18,6 +18,17 @@ SUBCOMMANDS = ("fastweight.verify", "fastweight.train", "fastweight.evaluate", "
                "fastweight.models.convert", "fastweight.niah_eval")
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a positive int, else argparse's error naming the argument."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {value}")
+    return value
+
+
 def build_parser(modules=SUBCOMMANDS) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastweight", description="fastweight: the linear-attention family "
                                      "as fast weights (one DPLR recurrence).")

@@ -23,6 +23,7 @@ import sys
 
 import torch
 
+from fastweight.cli import positive_int
 from fastweight.tasks import ruler
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -177,16 +178,6 @@ def _int_list(name: str, allowed=None):
     return parse
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {value}")
-    return value
-
-
 def register(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("niah", help="RULER's S-NIAH-1/2/3 on any causal LM, zero-shot",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -196,10 +187,10 @@ def register(subparsers) -> argparse.ArgumentParser:
                         "model folder's; the word tokenizer for a train checkpoint)")
     parser.add_argument("--lengths", type=_int_list("--lengths"), default=ruler.PAPER_LENGTHS,
                         help="context lengths in the model's tokens, prompt plus answer (default 1024,2048,4096,8192)")
-    parser.add_argument("--examples", type=_positive, default=100, help="examples per task and length")
+    parser.add_argument("--examples", type=positive_int, default=100, help="examples per task and length")
     parser.add_argument("--tasks", type=_int_list("--tasks", set(ruler.TASKS)), default=(1, 2, 3),
                         help="S-NIAH variants (default 1,2,3)")
-    parser.add_argument("--depths", type=_positive, default=5, help="needle depths, evenly spaced on [0, 1]")
+    parser.add_argument("--depths", type=positive_int, default=5, help="needle depths, evenly spaced on [0, 1]")
     parser.add_argument("--extra-tokens", type=int, default=8, help="tokens generated beyond the value's")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")

@@ -26,6 +26,7 @@ import time
 import torch
 
 from fastweight import theory
+from fastweight.cli import positive_int
 from fastweight.mechanisms import REGISTRY, get
 from fastweight.testing import generator, rel_err
 
@@ -116,18 +117,11 @@ def _main(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
 def register(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("verify", help="check every mechanism against the DPLR core and its objective",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one, printed)")
-    parser.add_argument("--length", type=_positive, default=64, help="sequence length T (default 64)")
+    parser.add_argument("--length", type=positive_int, default=64, help="sequence length T (default 64)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float64", help="computation dtype")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--mechanism", action="append", choices=tuple(REGISTRY),
