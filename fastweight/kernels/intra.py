@@ -41,8 +41,8 @@ from fastweight.kernels.common import SAFE_SPAN, Chunks, alloc, mm
 # to e^40) in fp32, not in the input dtype as the off-diagonal blocks: bf16 operands put KDA's bf16
 # dg at 4.3x its rounding floor on the H200, fp32 ones at 2.2x (docs/bench/delta.md, KDA bf16 dg).
 # The forward multiplies them as TF32 for 16-bit inputs (exactly for fp32 inputs): exact fp32 (FMA)
-# products cost it 2x on the H200, and TF32 leaves the bf16 dg where it was
-# (docs/bench/runs-2026-12-02-s10.md). Beyond SPAN the exact pairwise form runs.
+# products over all of K cost the forward 2x on the H200, and TF32 leaves the bf16 dg where it was
+# (docs/bench/delta.md, KDA's intra kernels). Beyond SPAN the exact pairwise form runs.
 
 # (forward, backward) warps: the backward holds three [16, K] column sums across its row blocks and
 # spills at 4 warps from K = 64 on (H200, K = 128: 2.41 ms at 8 warps against 3.62 at 4; the
