@@ -1,13 +1,18 @@
 """transformers' own Gated DeltaNet and KDA models on fastweight's ops (fastweight.models.transformers_kernels):
 tiny random-init models of Qwen3-Next, Qwen3.5, OLMo-Hybrid and Kimi-Linear, fp32 on the CPU, against
-transformers' PyTorch path: logits, greedy generation (prefill then decode from their cache), gradients."""
+transformers' PyTorch path: logits, greedy generation (prefill then decode from their cache), gradients.
+The PyTorch path whether or not fla is installed (``torch_path``)."""
+
+import importlib
+import inspect
+import sys
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fastweight.models.transformers_kernels import use_fastweight_kernels  # noqa: E402
+from fastweight.models.transformers_kernels import TARGETS, use_fastweight_kernels  # noqa: E402
 from fastweight.testing import rel_err  # noqa: E402
 
 SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -32,6 +37,33 @@ def configs():
             mlp_layer_types=["dense", "dense"], moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
             kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
     return out
+
+
+@pytest.fixture(autouse=True)
+def torch_path(monkeypatch):
+    """The recurrences of the models' modules bound as transformers binds them without fla.
+
+    transformers binds them when a modeling module is imported, to fla's op where ``import fla`` succeeds
+    (``hub_kernels.use_kernel_func_from_hub_with_fallback(<fla's name>, "fla")``); fla's kernels do not run on
+    a CPU. So each is bound again by the same decorator around its PyTorch function (``__wrapped__``), with
+    ``import fla`` failing: transformers' own fallback wrapper, as on a machine without fla.
+    """
+    from transformers.integrations import hub_kernels
+    if not hasattr(hub_kernels, "use_kernel_func_from_hub_with_fallback"):
+        return   # a transformers from before this binding: nothing to rebind
+    rebound = []
+    for module_name, names in TARGETS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # an older transformers without this model
+            continue
+        rebound += [(module, name, fla_name) for name, fla_name in names.items() if fla_name is not None]
+    with monkeypatch.context() as without_fla:
+        without_fla.setitem(sys.modules, "fla", None)
+        fallback = [hub_kernels.use_kernel_func_from_hub_with_fallback(fla_name, "fla")(
+            inspect.unwrap(getattr(module, name))) for module, name, fla_name in rebound]
+    for (module, name, _), fn in zip(rebound, fallback):
+        monkeypatch.setattr(module, name, fn)
 
 
 def model(name):
