@@ -137,6 +137,15 @@ def test_unsupported_options_are_refused_by_name(call, option):
         call(_x())
 
 
+@pytest.mark.parametrize("op", [ops.chunk_linear_attn, ops.fused_recurrent_linear_attn])
+def test_linear_attn_z_state_is_refused_by_name(op):
+    """fla 0.6.0's normalized linear attention also takes (and returns) its normaliser's running key sum z,
+    ``initial_state=(S, z)`` with z [N, 1, H, K]; ours has no z in the state and refuses the pair by name."""
+    x = _x()
+    with pytest.raises(TypeError, match="`initial_state` must be a torch.Tensor, got tuple"):
+        op(x["q"], x["k"], x["v"], initial_state=(x["h0"], x["k"][:, -1:]), normalize=True)
+
+
 @pytest.mark.parametrize("backend", ["reference", "torch"])
 def test_dplr_safe_gate_and_lower_bound_change_nothing(backend):
     """fla's RWKV7Attention calls chunk_rwkv7 with safe_gate=True, lower_bound=-exp(-1/2), chunk_size=64:
