@@ -11,7 +11,7 @@ minimises the cross entropy of ``logits[b, t]`` against ``targets[b, t]`` where
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import numpy as np
@@ -74,10 +74,17 @@ class Task:
                      torch.from_numpy(mask).bool())
 
     def spec(self) -> str:
-        """The string that :func:`fastweight.tasks.from_spec` turns back into this task."""
-        from dataclasses import fields
-        args = ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+        """The string that :func:`fastweight.tasks.from_spec` turns back into this task. A field declared
+        with :func:`optional_field` is left out at its default (the specs written before it existed,
+        and the run folders that record them, stay the same)."""
+        args = ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                        if not (f.metadata.get("optional") and getattr(self, f.name) == f.default))
         return f"{self.name}:{args}" if args else self.name
+
+
+def optional_field(default):
+    """A task field that :meth:`Task.spec` writes only when it is not ``default``."""
+    return field(default=default, metadata={"optional": True})
 
 
 def check_int(name: str, value, low: int) -> None:
