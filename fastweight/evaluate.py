@@ -19,9 +19,17 @@ Two groups of experiments, each a model trained from scratch by
   layer, on parity and S5 (per-position accuracy of the running product), scored
   at the training length and at twice it.
 
+Published small-scale results reproduced side by side (``fastweight.published``): ``--groups
+zoology`` (MQAR against width and length, Arora et al. 2023), ``grazzi`` (parity and modular
+arithmetic with and without negative eigenvalues, Grazzi et al. 2024) and ``deltaproduct`` (S3/S5
+word problems with one and two Householder steps, and RWKV-7), each printed beside the paper's
+figures; ``--estimate`` prints a plan's runs with their estimated H200 seconds instead of training.
+
 ``--tiny`` (default) is sized for a 2-core CPU in under 10 minutes; ``--full`` for
 one GPU. The table goes to stdout and, with the per-run results, to ``--out``
-(``suite.json``, ``table.md``); ``fastweight plot niah-length`` draws its curves.
+(``suite.json``, ``table.md``); ``fastweight plot niah-length`` draws its curves. A run stopped
+by ``--time-limit`` (or killed) resumes: finished runs are read back, and the published groups'
+runs continue from their last checkpoint.
 """
 
 from __future__ import annotations
@@ -33,15 +41,19 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
+from fastweight import published
 from fastweight.tasks import from_spec
 from fastweight.train import TrainConfig, train
 
 RETRIEVAL_MIXERS = ("deltanet", "mamba2", "gdn", "kda", "rwkv7")
 RECALL_MIXERS = ("attn", "mamba2", "gla", "deltanet", "gdn", "kda", "rwkv7")
 GROUPS = ("retrieval", "recall", "state tracking")
+ALL_GROUPS = GROUPS + published.GROUPS
 STATE_TRACKING_MIXERS = (("deltanet", False), ("deltanet", True), ("rwkv7", False), ("mamba2", False))
 TASK_TITLES = {"s_niah_1": "S-NIAH-1", "s_niah_2": "S-NIAH-2", "s_niah_3": "S-NIAH-3", "mqar": "MQAR",
-               "parity": "parity", "s5": "S5"}
+               "parity": "parity", "s5": "S5", "s3": "S3", "parity_check": "parity",
+               "modular_arithmetic": "mod. arith."}
+CHECKPOINT_EVERY = 500   # the published groups' runs: steps lost to a kill, at most
 
 
 @dataclass(frozen=True)
@@ -112,27 +124,34 @@ def niah_specs(scale: Scale, length: int) -> list[str]:
 
 def suite(scale_name: str = "tiny", *, mixers=None, groups=GROUPS, seed: int = 0,
           steps: int | None = None, eval_examples: int | None = None, out_dir: str = "runs/eval",
-          progress: bool = False, threads: int = 0, seeds: int = 1) -> list[Experiment]:
+          progress: bool = False, threads: int = 0, seeds: int = 1, lrs=None, widths=None,
+          lengths=None) -> list[Experiment]:
     """The experiments of a setting, optionally restricted to some mixers or groups; with ``seeds``
-    > 1 every experiment is repeated with seeds ``seed, seed + 1, ...`` (initialisation and data)."""
+    > 1 every experiment is repeated with seeds ``seed, seed + 1, ...`` (initialisation and data).
+    ``lrs`` replaces the rates of the sweeps (recall and the published groups); ``widths`` and
+    ``lengths`` keep only those zoology widths (d_model) and sequence lengths."""
     if not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"`seeds` must be an int >= 1, got {seeds!r}")
     if seeds > 1:
         return [replace(e, config=replace(e.config, seed=seed + i, out_dir=f"{e.config.out_dir}-seed{seed + i}"))
                 for i in range(seeds)
                 for e in suite(scale_name, mixers=mixers, groups=groups, seed=seed, steps=steps,
-                               eval_examples=eval_examples, out_dir=out_dir, progress=progress, threads=threads)]
+                               eval_examples=eval_examples, out_dir=out_dir, progress=progress, threads=threads,
+                               lrs=lrs, widths=widths, lengths=lengths)]
     if scale_name not in SCALES:
         raise ValueError(f"`scale` must be one of {sorted(SCALES)}, got {scale_name!r}")
-    unknown = set(groups) - set(GROUPS)
+    unknown = set(groups) - set(ALL_GROUPS)
     if unknown:
-        raise ValueError(f"`groups` must be among {', '.join(map(repr, GROUPS))}, got {sorted(unknown)}")
-    known = set(RETRIEVAL_MIXERS) | set(RECALL_MIXERS) | {m for m, _ in STATE_TRACKING_MIXERS}
+        raise ValueError(f"`groups` must be among {', '.join(map(repr, ALL_GROUPS))}, got {sorted(unknown)}")
+    known = (set(RETRIEVAL_MIXERS) | set(RECALL_MIXERS) | {m for m, _ in STATE_TRACKING_MIXERS}
+             | {m for m, _ in published.GRAZZI_MIXERS + published.DELTAPRODUCT_MIXERS})
     if mixers and set(mixers) - known:
         raise ValueError(f"`mixers` must be among {sorted(known)}, got {sorted(set(mixers) - known)}")
     for name, value in (("steps", steps), ("eval_examples", eval_examples)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"`{name}` must be None or an int >= 1, got {value!r}")
+    if lrs is not None and (not lrs or any(not isinstance(r, (int, float)) or not r > 0 for r in lrs)):
+        raise ValueError(f"`lrs` must be None or positive rates, got {lrs!r}")
     s = SCALES[scale_name]
     base = TrainConfig(d_model=s.d_model, n_layers=s.n_layers, n_heads=s.n_heads, batch_size=s.batch_size,
                        eval_examples=eval_examples or s.eval_examples, seed=seed, progress=progress,
@@ -160,7 +179,7 @@ def suite(scale_name: str = "tiny", *, mixers=None, groups=GROUPS, seed: int = 0
         for mixer in RECALL_MIXERS:
             if mixers and mixer not in mixers:
                 continue
-            for lr in s.mqar_lrs:
+            for lr in lrs or s.mqar_lrs:
                 experiments.append(Experiment("recall", mixer, sized(
                     s.mqar_steps, mixer=mixer, lr=lr, task=s.mqar, eval_tasks=mqar_eval,
                     out_dir=os.path.join(out_dir, f"mqar-{mixer}-lr{lr:g}"))))
@@ -175,13 +194,34 @@ def suite(scale_name: str = "tiny", *, mixers=None, groups=GROUPS, seed: int = 0
                     task=f"{task}:seq_len={s.state_len}", eval_tasks=f"{task}:seq_len={s.state_len};"
                     f"{task}:seq_len={2 * s.state_len}",
                     out_dir=os.path.join(out_dir, f"{task}-{mixer}{'-neg' if neg else ''}"))))
+    for group in published.GROUPS:
+        if group not in groups:
+            continue
+        for r in published.runs(group, scale_name, widths=widths, lengths=lengths):
+            if mixers and r.fields["mixer"] not in mixers:
+                continue
+            fields = dict(r.fields)
+            if steps:
+                fields.update(steps=steps, warmup=min(fields["warmup"], steps // 5))
+            if eval_examples:
+                fields.update(eval_examples=eval_examples)
+            for lr in lrs or r.lrs:
+                experiments.append(Experiment(group, r.label, replace(
+                    base, **fields, lr=lr, checkpoint_every=CHECKPOINT_EVERY, resume_if_present=True,
+                    out_dir=os.path.join(out_dir, group, f"{r.name}-lr{lr:g}-s{fields['steps']}"))))
     return experiments
 
 
 def column(spec: str) -> str:
-    """'s_niah_2:context_len=128,...' -> 'S-NIAH-2 128' (the task and its length)."""
+    """'s_niah_2:context_len=128,...' -> 'S-NIAH-2 128' (the task and its length; a task of lengths
+    min_len..max_len: 'parity 40-256'; S5 of swaps only: 'S5 swaps 32')."""
     task = from_spec(spec)
-    return f"{TASK_TITLES[task.name]} {task.seq_len}"
+    title, moved = TASK_TITLES[task.name], getattr(task, "max_moved", None)
+    if moved is not None and moved < task.degree:
+        title += " swaps" if moved == 2 else f" moving<={moved}"
+    if hasattr(task, "min_len"):
+        return f"{title} {task.min_len}-{task.max_len}"
+    return f"{title} {task.seq_len}"
 
 
 def finished(cfg: TrainConfig) -> dict | None:
@@ -204,14 +244,19 @@ def finished(cfg: TrainConfig) -> dict | None:
     return res
 
 
-def run(experiments: list[Experiment], *, log=sys.stderr, on_result=None, reuse: bool = True) -> list[dict]:
+def run(experiments: list[Experiment], *, log=sys.stderr, on_result=None, reuse: bool = True,
+        time_limit: float = 0) -> list[dict]:
     """Train and score every experiment; one result dict each (the trainer's, plus group and label).
     ``on_result(results)`` is called after each run (the suite saves what it has, so a run cut
     short by a time limit still leaves its table). ``reuse``: an experiment whose out_dir holds its
-    finished results (:func:`finished`) is read back instead of trained again."""
-    results, start, n = [], time.perf_counter(), len(experiments)
+    finished results (:func:`finished`) is read back instead of trained again. ``time_limit`` (s,
+    0: none): no run is started after that long (the same command continues where it stopped)."""
+    results, start, n, skipped = [], time.perf_counter(), len(experiments), 0
     for i, exp in enumerate(experiments):
         t0 = time.perf_counter()
+        if time_limit and t0 - start > time_limit and not (reuse and finished(exp.config)):
+            skipped += 1
+            continue
         name = f"{exp.group} / {exp.label} / {exp.config.task.split(':')[0]} / lr {_rate(exp.config.lr)}"
         res = finished(exp.config) if reuse else None
         print(f"[{i + 1}/{n}] {name}: " + (f"training {exp.config.steps} steps ..." if res is None else
@@ -227,6 +272,9 @@ def run(experiments: list[Experiment], *, log=sys.stderr, on_result=None, reuse:
               f"{eta}", file=log, flush=True)
         if on_result is not None:
             on_result(results)
+    if skipped:
+        print(f"time limit of {time_limit:.0f} s reached: {skipped} runs not started; the same command continues "
+              "where this one stopped", file=log, flush=True)
     return results
 
 
@@ -285,14 +333,88 @@ def _cell(accs: list) -> str:
     return f"{mean:.1f} ({100 * min(accs):.0f}-{100 * max(accs):.0f})"
 
 
+def score_of(entry: dict, metric: str) -> float:
+    """One eval entry of a run read as a published group's table does (``published.METRIC``)."""
+    if metric == "scaled":
+        chance = 1 / from_spec(entry["task"]).n_classes
+        return (entry["acc"] - chance) / (1 - chance)
+    return entry[metric]
+
+
+def published_table(results: list[dict], group: str) -> str:
+    """A published group's markdown table: one row per label, one column per scored task, each
+    cell the runs of the rate with the best mean at the run's first scored task (per row and
+    training task: zoology picks a rate per width and length, as the paper does), with that rate;
+    after each column the paper's figures have, a "paper" column ("not found" where it has none)."""
+    metric, paper = published.METRIC[group], published.PAPER[group]
+    by_rate = {}
+    for res in results:
+        if res["group"] == group and res["eval"]:
+            key = (res["label"], column(res["eval"][0]["task"]))
+            lr = res.get("config", {}).get("lr")
+            by_rate.setdefault(key, {}).setdefault(lr, []).append(res)
+    if not by_rate:
+        return ""
+    cells, rows, columns = {}, [], []
+    for (label, _), rates in by_rate.items():
+        mean = {lr: sum(score_of(r["eval"][0], metric) for r in runs) / len(runs) for lr, runs in rates.items()}
+        best = max(mean, key=mean.get)
+        for res in rates[best]:
+            for entry in res["eval"]:
+                col = column(entry["task"])
+                columns += [col] if col not in columns else []
+                rows += [label] if label not in rows else []
+                cells.setdefault((label, col), ([], best if len(rates) > 1 else None))[0].append(
+                    score_of(entry, metric))
+    header = [group]
+    for col in columns:
+        header += [col] + ([f"{col} (paper)"] if any(c == col for _, c in paper) else [])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for label in rows:
+        line = [label]
+        for col in columns:
+            values, lr = cells.get((label, col), ([], None))
+            text = "-" if not values else _cell(values) if metric != "scaled" else _fraction(values)
+            line.append(text + (f" @{_rate(lr)}" if lr is not None and values else ""))
+            if any(c == col for _, c in paper):
+                figure = paper.get((label, col))
+                line.append("not found" if figure is None else f"{figure.value:.3f}" if metric == "scaled"
+                            else f"{figure.value:.1f}")
+        lines.append("| " + " | ".join(line) + " |")
+    return "\n".join(lines + ["", published.NOTES[group]])
+
+
+def _fraction(values: list) -> str:
+    mean = sum(values) / len(values)
+    return f"{mean:.3f}" if len(values) == 1 else f"{mean:.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
 def report(results: list[dict], seconds: float, scale: str, planned: int | None = None) -> str:
     done = f"{len(results)} of {planned}" if planned not in (None, len(results)) else f"{len(results)}"
     parts = [f"fastweight eval --{scale}: {done} runs in {seconds:.0f} s"]
-    for group in GROUPS:
-        t = table(results, group)
+    for group in ALL_GROUPS:
+        t = table(results, group) if group in GROUPS else published_table(results, group)
         if t:
             parts.append(t)
     return "\n\n".join(parts) + "\n"
+
+
+def estimate(experiments: list[Experiment]) -> str:
+    """The plan: every run with its estimated H200 seconds (``published.estimate_seconds``), the
+    runs already finished in their out_dir marked, and the total left."""
+    lines, left = [], 0.0
+    for exp in experiments:
+        seconds = published.estimate_seconds(exp.config)
+        done = finished(exp.config) is not None
+        left += 0 if done else seconds
+        lines.append(f"{exp.group} / {exp.label} / {exp.config.task} / lr {_rate(exp.config.lr)} / "
+                     f"{exp.config.steps} steps x {exp.config.batch_size}: {'done' if done else f'~{seconds:.0f} s'}")
+    lines.append(f"{len(experiments)} runs, ~{left:.0f} s of H200 time left (estimate)")
+    return "\n".join(lines)
+
+
+def _numbers(text: str, kind):
+    return tuple(kind(x) for x in text.split(",")) if text else None
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -300,26 +422,37 @@ def _run(args: argparse.Namespace) -> int:
     experiments = suite(scale, mixers=args.mixers.split(",") if args.mixers else None,
                         groups=tuple(g.replace("-", " ") for g in args.groups.split(",")), seed=args.seed,
                         steps=args.steps, eval_examples=args.eval_examples, out_dir=args.out,
-                        progress=args.progress, threads=args.threads, seeds=args.seeds)
+                        progress=args.progress, threads=args.threads, seeds=args.seeds,
+                        lrs=_numbers(args.lrs, float), widths=_numbers(args.widths, int),
+                        lengths=_numbers(args.lengths, int))
     if args.tasks:
         wanted = args.tasks.split(",")
         experiments = [e for e in experiments if e.config.task.split(":")[0] in wanted]
     if not experiments:
         raise ValueError(f"no run of the suite matches --mixers {args.mixers!r} --groups {args.groups!r} "
                          f"--tasks {args.tasks!r}")
+    if args.estimate:
+        print(estimate(experiments))
+        return 0
     t0 = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
 
+    def write(name, text):   # whole or not at all: a kill mid-write leaves the previous file
+        path = os.path.join(args.out, name)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+
     def save(results):
         text = report(results, time.perf_counter() - t0, scale, planned=len(experiments))
-        with open(os.path.join(args.out, "suite.json"), "w") as f:
-            json.dump(dict(scale=scale, scale_config=asdict(SCALES[scale]), seconds=time.perf_counter() - t0,
-                           planned_runs=len(experiments), results=results), f, indent=1)
-        with open(os.path.join(args.out, "table.md"), "w") as f:
-            f.write(text)
+        write("suite.json", json.dumps(dict(scale=scale, scale_config=asdict(SCALES[scale]),
+                                            seconds=time.perf_counter() - t0, planned_runs=len(experiments),
+                                            arguments={k: v for k, v in vars(args).items() if k != "func"},
+                                            results=results), indent=1))
+        write("table.md", text)
         return text
 
-    print(save(run(experiments, on_result=save, reuse=not args.rerun)))
+    print(save(run(experiments, on_result=save, reuse=not args.rerun, time_limit=args.time_limit)))
     return 0
 
 
@@ -330,8 +463,18 @@ def register(subparsers) -> argparse.ArgumentParser:
     size.add_argument("--tiny", action="store_true", help="CPU setting, minutes (the default)")
     size.add_argument("--full", action="store_true", help="one-GPU setting")
     parser.add_argument("--mixers", default="", help="only these mixers (comma-separated)")
-    parser.add_argument("--groups", default="retrieval,recall,state-tracking", help="retrieval, recall, state-tracking")
-    parser.add_argument("--tasks", default="", help="only runs trained on these (s_niah_1, mqar, parity, s5)")
+    parser.add_argument("--groups", default="retrieval,recall,state-tracking",
+                        help="retrieval, recall, state-tracking; the published results: zoology, grazzi, deltaproduct")
+    parser.add_argument("--tasks", default="", help="only runs trained on these (s_niah_1, mqar, parity, s5, s3, "
+                                                    "parity_check, modular_arithmetic)")
+    parser.add_argument("--lrs", default="", help="the rates of the sweeps (recall and published groups), "
+                                                  "comma-separated (default: each setting's)")
+    parser.add_argument("--widths", default="", help="zoology: only these d_model (comma-separated)")
+    parser.add_argument("--lengths", default="", help="zoology: only these sequence lengths (comma-separated)")
+    parser.add_argument("--estimate", action="store_true",
+                        help="print the runs with their estimated H200 seconds (finished ones marked) and stop")
+    parser.add_argument("--time-limit", type=float, default=0,
+                        help="start no run after this many seconds (0: none); the same command continues")
     parser.add_argument("--rerun", action="store_true",
                         help="train every run again (default: a run whose --out folder holds its finished results "
                              "with the same settings is read back, so a stopped sweep resumes)")

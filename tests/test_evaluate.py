@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from fastweight import evaluate
 from fastweight.cli import main as cli_main
 from fastweight.evaluate import RECALL_MIXERS, RETRIEVAL_MIXERS, SCALES, column, finished, report, suite, table
 
@@ -128,6 +129,69 @@ def test_bad_suite_arguments_name_them(kw, name):
         suite("tiny", **kw)
 
 
+def test_unknown_group_and_bad_rates_name_them():
+    with pytest.raises(ValueError, match="zoology"):
+        suite("tiny", groups=("zoo",))
+    with pytest.raises(ValueError, match="lrs"):
+        suite("tiny", groups=("recall",), lrs=(0.0,))
+    assert {e.config.lr for e in suite("tiny", groups=("recall", "zoology"), lrs=(5e-4,))} == {5e-4}
+
+
 def test_eval_with_no_matching_run_is_an_error(tmp_path, capsys):
     assert cli_main(["eval", "--tiny", "--tasks", "bogus", "--out", str(tmp_path)]) == 2
     assert "tasks" in capsys.readouterr().err
+
+
+def test_published_groups_run_tiny_and_resume(tmp_path, capsys, monkeypatch):
+    """The three published groups train (2 steps each), print their tables, and a second run of the
+    same command reads every run back."""
+    out = tmp_path / "pub"
+    argv = ["eval", "--tiny", "--groups", "zoology,grazzi,deltaproduct", "--steps", "2", "--eval-examples", "2",
+            "--mixers", "deltanet,gdp", "--widths", "16", "--lengths", "32", "--out", str(out)]
+    assert cli_main(argv) == 0
+    printed = capsys.readouterr()
+    assert "| zoology | MQAR 32 |" in printed.out and "| deltanet d16 |" in printed.out
+    assert "| grazzi | parity 10-20 | mod. arith. 10-20 |" in printed.out and "| deltanet [-1,1] |" in printed.out
+    assert "| deltaproduct | S3 8 | S3 16 | S5 8 | S5 16 | S5 swaps 8 | S5 swaps 16 |" in printed.out
+    assert "| gdp (n_h 2) [-1,1] |" in printed.out and "not found" in printed.out
+    saved = json.load(open(out / "suite.json"))
+    assert saved["planned_runs"] == len(saved["results"]) == 2 + 4 + 6
+    assert saved["arguments"]["groups"] == "zoology,grazzi,deltaproduct"
+    assert all(r["config"]["resume_if_present"] and r["config"]["checkpoint_every"] for r in saved["results"])
+    monkeypatch.setattr(evaluate, "train", lambda cfg: pytest.fail(f"{cfg.out_dir} trained again"))
+    assert cli_main(argv) == 0 and "12 runs" in capsys.readouterr().out
+
+
+def test_published_table_picks_a_rate_per_cell_and_prints_the_papers():
+    def res(label, spec, lr, acc, group="grazzi"):
+        return dict(group=group, label=label, config=dict(lr=lr), eval=[dict(task=spec, acc=acc, seq_acc=acc)])
+    parity = "parity_check:min_len=40,max_len=256"
+    results = [res("deltanet [-1,1]", parity, 1e-3, 0.99), res("deltanet [-1,1]", parity, 1e-3, 1.0),
+               res("gdn [-1,1]", parity, 1e-3, 0.75)]
+    lines = evaluate.published_table(results, "grazzi").splitlines()
+    assert lines[0] == "| grazzi | parity 40-256 | parity 40-256 (paper) |"
+    assert lines[2] == "| deltanet [-1,1] | 0.990 (0.980-1.000) | 1.000 |"   # scaled: 2 acc - 1
+    assert lines[3] == "| gdn [-1,1] | 0.500 | not found |"
+    mqar = [res("gdn d64", f"mqar:seq_len={n},n_pairs=4,vocab_size=256", lr, acc, "zoology")
+            for n, lr, acc in ((64, 1e-3, 0.2), (64, 1e-2, 0.9), (128, 1e-3, 0.7), (128, 1e-2, 0.1))]
+    assert evaluate.published_table(mqar, "zoology").splitlines()[2] == "| gdn d64 | 90.0 @1e-2 | 70.0 @1e-3 |"
+    assert evaluate.published_table(mqar, "grazzi") == ""
+
+
+def test_estimate_and_time_limit(tmp_path, monkeypatch, capsys):
+    def fail(cfg):
+        raise AssertionError("--estimate trains nothing")
+    monkeypatch.setattr(evaluate, "train", fail)
+    assert cli_main(["eval", "--full", "--groups", "grazzi", "--estimate", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("grazzi / ") == 6 and "6 runs, ~" in printed and "H200" in printed
+    clock = [0.0]
+    monkeypatch.setattr(evaluate.time, "perf_counter", lambda: clock[0])
+
+    def fake_train(cfg):
+        clock[0] += 10
+        return dict(final_loss=0.0, eval=[dict(task=cfg.eval_specs[0], acc=0.5)])
+    monkeypatch.setattr(evaluate, "train", fake_train)
+    log = io.StringIO()
+    done = evaluate.run(suite("tiny", groups=("grazzi",), out_dir=str(tmp_path)), log=log, time_limit=15)
+    assert len(done) == 2 and "time limit" in log.getvalue() and "4 runs not started" in log.getvalue()
