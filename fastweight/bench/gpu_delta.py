@@ -145,12 +145,15 @@ def stages(op, B, T, H, K, device):
         for nw in (1, 2, 4):
             res[f"kkt_solve_nw{nw}"] = bench_ms(lambda: kkt_solve(k, beta, gc, ch, num_warps=nw))
         Ai = kkt_solve(k, beta, gc, ch)
-    res["wy_fwd"] = bench_ms(lambda: recompute_w_u(k, v, beta, g_cum, Ai, ch, gk_cum=gk_cum))
-    w, u = recompute_w_u(k, v, beta, g_cum, Ai, ch, gk_cum=gk_cum)
+    # the per-channel gate: W/U also forms the state pass's gated rows (delta.delta_fwd)
+    qx = dict(q=q) if per_channel else {}
+    res["wy_fwd"] = bench_ms(lambda: recompute_w_u(k, v, beta, g_cum, Ai, ch, gk_cum=gk_cum, **qx))
+    w, u, *gated = recompute_w_u(k, v, beta, g_cum, Ai, ch, gk_cum=gk_cum, **qx)
+    qs, ks = gated if per_channel else (q, k)
     gate = g_cum if gk_cum is None else gk_cum
-    fwd = dict(g=gate, w=w, u=u, q=q, A=Aqk, scale=scale, fuse_output=True)
-    res["state_fwd"] = bench_ms(lambda: state_fwd("delta", k, u, ch, **fwd, store_h=False))
-    res["state_fwd_store_h"] = bench_ms(lambda: state_fwd("delta", k, u, ch, **fwd, store_h=True, store_r=True))
+    fwd = dict(g=gate, w=w, u=u, q=qs, A=Aqk, scale=scale, fuse_output=True, prescaled=per_channel)
+    res["state_fwd"] = bench_ms(lambda: state_fwd("delta", ks, u, ch, **fwd, store_h=False))
+    res["state_fwd_store_h"] = bench_ms(lambda: state_fwd("delta", ks, u, ch, **fwd, store_h=True, store_r=True))
     _, _, saved = delta_fwd(q, k, v, g, beta, scale, None, False, ch, True)
     g_cum, gk_cum, _, Ai, Aqk, Akk, w, h, v_new = saved
     do = torch.randn_like(v)

@@ -57,20 +57,24 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
     if g is not None and g.dim() == 4:
         gk_cum = chunk_cumsum(g, chunks, A_log=A_log, dt_bias=dt_bias)
         Aqk, Akk = intra_fwd(q, k, gk_cum, chunks)
-        Ai = solve(Akk, beta, chunks, dtype=k.dtype)
+        Ai = solve(Akk, beta, chunks, dtype=k.dtype, precision_of=k.dtype)
     else:
         g_cum = chunk_cumsum(g, chunks, A_log=A_log, dt_bias=dt_bias) if g is not None else None
         if p is not None:
             # Comba reads the undecayed state: its read key sees the exclusive cumsum
             g_read = _exclusive(g_cum, chunks) if g is not None else None
         Ai = kkt_solve(k, beta, g_cum, chunks, p=p, g_read=g_read)
+    qs, ks = q, k
     if p is not None:
         w, u = recompute_w_u(p, v, beta, g_read, Ai, chunks)
+    elif gk_cum is not None:
+        # the per-channel gate's rows gated here, in parallel, not on the state pass's serial path
+        w, u, qs, ks = recompute_w_u(k, v, beta, None, Ai, chunks, gk_cum=gk_cum, q=q)
     else:
-        w, u = recompute_w_u(k, v, beta, g_cum, Ai, chunks, gk_cum=gk_cum)
-    h, v_new, o, ht = state_fwd("delta", k, u, chunks, g=g_cum if gk_cum is None else gk_cum, w=w, u=u, q=q, A=Aqk,
-                                scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                                store_h=store_h, store_r=store_h, fuse_output=True)
+        w, u = recompute_w_u(k, v, beta, g_cum, Ai, chunks)
+    h, v_new, o, ht = state_fwd("delta", ks, u, chunks, g=g_cum if gk_cum is None else gk_cum, w=w, u=u, q=qs,
+                                A=Aqk, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                                store_h=store_h, store_r=store_h, fuse_output=True, prescaled=gk_cum is not None)
     return o, ht, (g_cum, gk_cum, g_read, Ai, Aqk, Akk, w, h, v_new)
 
 

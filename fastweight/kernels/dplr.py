@@ -74,7 +74,7 @@ def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch
     gc, gp = chunk_cumsum(gk, chunks, exclusive=True)
     Aqk, Aqb, Aak, Aab = dplr_intra_fwd(q, k, a, b, gc, gp, scale, chunks, span=launch.span,
                                         wide_kernel=launch.wide_kernel, config=launch.intra_config)
-    Ai = solve(Aab, torch.full((1, T, H), -1.0, device=q.device), chunks)
+    Ai = solve(Aab, torch.full((1, T, H), -1.0, device=q.device), chunks, precision_of=q.dtype)
     w, ut = dplr_wy_fwd(a, v, gp, Ai, Aak, chunks)
     return gc, gp, Aqk, Aqb, Aak, Ai, w, ut
 

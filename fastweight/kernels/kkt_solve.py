@@ -6,10 +6,14 @@ Per chunk of BT = 64 tokens (local index i, j; ``g`` the chunk-local cumsum of t
     Ai    = (I + A)^{-1}                           unit lower triangular
 
 The solve: the chunk is cut into 4 blocks of 16; each diagonal block is inverted by forward
-substitution (row i of the inverse from rows < i), then the blocks are merged exactly,
+substitution (row i of the inverse from rows < i), then the blocks are merged,
 block forward substitution on the 4 x 4 block matrix:
 
     Ai_rr = (I + A_rr)^{-1}       Ai_rc = -Ai_rr sum_{c <= m < r} A_rm Ai_mc      (r > c)
+
+The substitution is exact fp32; the merge's dots are too for fp32 inputs, and run on the tensor
+cores for 16-bit ones (``merge_precision``: 3 x TF32 for fp16, TF32 for bf16, whose Ai is stored
+in bf16, 8 times coarser than one TF32 rounding).
 
 Output: ``Ai`` [1, T, H, BT] (solved in float32, stored in k's dtype; row t holds its chunk's
 row of the inverse; the columns
@@ -25,6 +29,7 @@ import triton
 import triton.language as tl
 
 from fastweight.kernels.common import Chunks, alloc, mm
+from fastweight.kernels.decay_intra import diag_precision
 
 BT_DELTA = 64
 # 16 x 16 blocks: one warp keeps the substitution's row reductions inside the warp
@@ -70,7 +75,8 @@ def _gamma(g, gr, bos, T, H: tl.constexpr, i_h, r0, c0, USE_G: tl.constexpr, STR
 
 @triton.jit
 def kkt_solve_kernel(k, p, beta, g, gr, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
-                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr, USE_P: tl.constexpr):
+                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr, USE_P: tl.constexpr,
+                     MERGE_PRECISION: tl.constexpr):
     """Rows read with p and the gate gr (USE_P: Comba's read key and its exclusive cumsum), columns
     with k and g; without USE_P both are k and g."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -126,11 +132,12 @@ def kkt_solve_kernel(k, p, beta, g, gr, Ai, cu_seqlens, chunk_indices, H: tl.con
     b_A43 *= b_b4 * _gamma(g, gr, bos, T, H, i_h, t0 + 48, t0 + 32, USE_G, False)
     b_A44 *= b_b4 * _gamma(g, gr, bos, T, H, i_h, t0 + 48, t0 + 48, USE_G, True)
     store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44,
-                 Ai + (bos * H + i_h) * BT, T, t0, H, BT)
+                 Ai + (bos * H + i_h) * BT, T, t0, H, BT, MERGE_PRECISION)
 
 
 @triton.jit
-def solve_kernel(Akk, beta, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, BT: tl.constexpr):
+def solve_kernel(Akk, beta, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, BT: tl.constexpr,
+                 MERGE_PRECISION: tl.constexpr):
     """Ai = (I + Diag(beta) Akk)^{-1} for an Akk already formed (strictly lower, [T, H, BT], e.g. by intra.py)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
@@ -155,7 +162,7 @@ def solve_kernel(Akk, beta, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, BT: 
     b_A43 = _load16(Akk, T, t0 + 48, 32, H, BT) * b_b4
     b_A44 = tl.where(m_strict, _load16(Akk, T, t0 + 48, 48, H, BT), 0.) * b_b4
     store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44,
-                 Ai + (bos * H + i_h) * BT, T, t0, H, BT)
+                 Ai + (bos * H + i_h) * BT, T, t0, H, BT, MERGE_PRECISION)
 
 
 @triton.jit
@@ -171,19 +178,24 @@ def _load16(A, T, r0, c0, H: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
+def _mm(a, b, P: tl.constexpr):
+    return tl.dot(a, b, input_precision=P)
+
+
+@triton.jit
 def store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44,
-                 Ai, T, t0, H: tl.constexpr, BT: tl.constexpr):
+                 Ai, T, t0, H: tl.constexpr, BT: tl.constexpr, P: tl.constexpr):
     """Invert I + A (A given as its 10 lower 16 x 16 blocks) and store the 64 x 64 inverse rows.
 
     Ai points at the sequence's first row for this head; rows are ``H * BT`` apart.
     """
     b_I11, b_I22, b_I33, b_I44 = invert_unit_lower16x4(b_A11, b_A22, b_A33, b_A44)
-    b_I21 = -mm(b_I22, mm(b_A21, b_I11))
-    b_I32 = -mm(b_I33, mm(b_A32, b_I22))
-    b_I43 = -mm(b_I44, mm(b_A43, b_I33))
-    b_I31 = -mm(b_I33, mm(b_A31, b_I11) + mm(b_A32, b_I21))
-    b_I42 = -mm(b_I44, mm(b_A42, b_I22) + mm(b_A43, b_I32))
-    b_I41 = -mm(b_I44, mm(b_A41, b_I11) + mm(b_A42, b_I21) + mm(b_A43, b_I31))
+    b_I21 = -_mm(b_I22, _mm(b_A21, b_I11, P), P)
+    b_I32 = -_mm(b_I33, _mm(b_A32, b_I22, P), P)
+    b_I43 = -_mm(b_I44, _mm(b_A43, b_I33, P), P)
+    b_I31 = -_mm(b_I33, _mm(b_A31, b_I11, P) + _mm(b_A32, b_I21, P), P)
+    b_I42 = -_mm(b_I44, _mm(b_A42, b_I22, P) + _mm(b_A43, b_I32, P), P)
+    b_I41 = -_mm(b_I44, _mm(b_A41, b_I11, P) + _mm(b_A42, b_I21, P) + _mm(b_A43, b_I31, P), P)
     b_0 = tl.zeros([16, 16], dtype=tl.float32)
     store_row_blocks(Ai, T, t0, H, BT, b_I11, b_0, b_0, b_0)
     store_row_blocks(Ai, T, t0 + 16, H, BT, b_I21, b_I22, b_0, b_0)
@@ -204,6 +216,13 @@ def store_row_blocks(Ai, T, r0, H: tl.constexpr, BT: tl.constexpr, b_1, b_2, b_3
     tl.store(p_4, b_4.to(p_4.dtype.element_ty), boundary_check=(0, 1))
 
 
+def merge_precision(dtype: torch.dtype) -> str:
+    """The merge's [16, 16] dots by the op's input dtype: exact fp32 (ieee) for fp32 inputs, else on
+    the tensor cores, as the diagonal sub-chunks (``decay_intra.diag_precision``): 3 x TF32 for fp16,
+    TF32 for bf16. The FMA (ieee) form held 255 registers a thread and spilled ~0.8 KB."""
+    return diag_precision(dtype)
+
+
 def kkt_solve(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor | None, chunks: Chunks,
               num_warps: int = SOLVE_WARPS, p: torch.Tensor | None = None,
               g_read: torch.Tensor | None = None) -> torch.Tensor:
@@ -221,15 +240,16 @@ def kkt_solve(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor | None, c
     use_p = p is not None
     kkt_solve_kernel[(chunks.NC, H)](k, p if use_p else k, beta, g_cum, g_read if use_p else g_cum, Ai,
                                      chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK, K=K, BT=BT, BK=BK,
-                                     USE_G=g_cum is not None, USE_P=use_p, num_warps=num_warps)
+                                     USE_G=g_cum is not None, USE_P=use_p,
+                                     MERGE_PRECISION=merge_precision(k.dtype), num_warps=num_warps)
     return Ai
 
 
 def solve(Akk: torch.Tensor, beta: torch.Tensor, chunks: Chunks, dtype=torch.float32,
-          num_warps: int = SOLVE_WARPS) -> torch.Tensor:
+          num_warps: int = SOLVE_WARPS, precision_of: torch.dtype = torch.float32) -> torch.Tensor:
     """Akk: [1, T, H, 64] strictly lower per chunk (fp32); beta: [1, T, H] -> Ai [1, T, H, 64] in ``dtype``."""
     _, T, H, BT = Akk.shape
     Ai = alloc((1, T, H, BT), device=Akk.device, dtype=dtype)
     solve_kernel[(chunks.NC, H)](Akk, beta, Ai, chunks.cu_seqlens, chunks.chunk_indices, H=H, BT=BT,
-                                 num_warps=num_warps)
+                                 MERGE_PRECISION=merge_precision(precision_of), num_warps=num_warps)
     return Ai

@@ -84,8 +84,9 @@ def _state_block(x, i, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, i_k, i
 def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H: tl.constexpr,
               HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
               BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr, FUSE_OUTPUT: tl.constexpr,
-              STORE_H: tl.constexpr, STORE_R: tl.constexpr):
-    """One chunk of the forward pass; returns the state at the chunk's end."""
+              STORE_H: tl.constexpr, STORE_R: tl.constexpr, PRESCALED: tl.constexpr):
+    """One chunk of the forward pass; returns the state at the chunk's end. PRESCALED (per-channel
+    gate): q and k hold the gated rows qg = q exp(G) and kd = k exp(G_C - G) (``wy.recompute_w_u``)."""
     o_i = tl.arange(0, BT)
     m_row = i_t * BT + o_i < T
     i_hk = i_h // (H // HK)
@@ -123,11 +124,19 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, o, h, r, bos, T, boh, i_h, i_k, 
     if GATE == 1:
         b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT)
     if GATE == 2 and TRANSITION != DPLR:
-        b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
-        b_ek = tl.where(m_row[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)
+        if PRESCALED:
+            o_k = i_k * BK + tl.arange(0, BK)
+            b_gklast = tl.load(g + ((bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h) * K + o_k, mask=o_k < K,
+                               other=0.)
+        else:
+            b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
+            b_ek = tl.where(m_row[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)
     if FUSE_OUTPUT:
         if GATE == 2:
-            b_o = mm((b_q * tl.exp(b_gk)).to(dt), b_hc)
+            if PRESCALED:
+                b_o = mm(b_q, b_hc)
+            else:
+                b_o = mm((b_q * tl.exp(b_gk)).to(dt), b_hc)
             p_A = tl.make_block_ptr(A + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_t * BT, 0), (BT, BT), (1, 0))
             b_A = tl.load(p_A, boundary_check=(0, 1))
         else:
@@ -152,7 +161,8 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, o, h, r, bos, T, boh, i_h, i_k, 
         b_x = b_x * tl.exp(b_glast - b_g)[:, None]
         b_h = b_h * tl.exp(b_glast)
     if GATE == 2:
-        b_kd = (b_k * b_ek).to(dt)
+        if not PRESCALED:
+            b_kd = (b_k * b_ek).to(dt)
         b_h = b_h * tl.exp(b_gklast)[:, None]
     b_h += mm(tl.trans(b_kd), b_x.to(dt))
     if TRANSITION == DPLR:
@@ -167,7 +177,7 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, h0, o, ht, h, r, cu_seqlens, chunk_
                      BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
                      FUSE_OUTPUT: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
                      STORE_H: tl.constexpr, STORE_R: tl.constexpr, UNIFORM: tl.constexpr,
-                     WHILE_LOOP: tl.constexpr):
+                     WHILE_LOOP: tl.constexpr, PRESCALED: tl.constexpr):
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -182,7 +192,7 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, h0, o, ht, h, r, cu_seqlens, chunk_
         i_t = 0
         while i_t < NT:
             b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H, HK, K,
-                            V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R)
+                            V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R, PRESCALED)
             i_t += 1
     else:
         # compiled: a for loop, which Triton software-pipelines (the next chunk's loads overlap); its
@@ -193,7 +203,7 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, h0, o, ht, h, r, cu_seqlens, chunk_
             NT = tl.cdiv(T, BT)
         for i_t in range(0, NT):
             b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H, HK, K,
-                            V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R)
+                            V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R, PRESCALED)
     if STORE_HT:
         tl.store(_state_block(ht, i_nh, H, K, V, i_k, i_v, BK, BV), b_h, boundary_check=(0, 1))
 
@@ -326,12 +336,14 @@ def _gate_kind(g) -> int:
 
 def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, b=None, q=None, A=None,
               scale: float = 1.0, initial_state=None, output_final_state: bool = False, store_h: bool = True,
-              store_r: bool = False, fuse_output: bool = False, state_dtype=None, block_v=None):
+              store_r: bool = False, fuse_output: bool = False, state_dtype=None, block_v=None,
+              prescaled: bool = False):
     """The forward state pass (module docstring).
 
     k: [1, T, HK, K] (q likewise, with ``fuse_output``); v: [1, T, H, V]; w, b: [1, T, H, K]; u:
     [1, T, H, V]; g: None, [1, T, H] or [1, T, H, K] (fp32 chunk-local cumsum); A: [1, T, H, BT];
-    initial_state: [N, H, K, V]. Returns (h [NC, H, K, V] in ``state_dtype`` (default k's) or None,
+    initial_state: [N, H, K, V]; ``prescaled`` (delta, per-channel g): k and q are the gated rows
+    kd, qg [1, T, H, K] of ``wy.recompute_w_u``. Returns (h [NC, H, K, V] in ``state_dtype`` (default k's) or None,
     R [1, T, H, V] in v's dtype or None, o [1, T, H, V] in v's dtype or None, final state fp32 or None)."""
     _, T, HK, K = k.shape
     H, V = v.shape[2], v.shape[-1]
@@ -351,7 +363,7 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
                            BV=BV, TRANSITION=TRANSITIONS[transition], GATE=_gate_kind(g), FUSE_OUTPUT=fuse_output,
                            USE_H0=initial_state is not None, STORE_HT=output_final_state, STORE_H=store_h,
                            STORE_R=store_r, UNIFORM=uniform,
-                           WHILE_LOOP=while_loops(), num_warps=warps, num_stages=stages)
+                           WHILE_LOOP=while_loops(), PRESCALED=prescaled, num_warps=warps, num_stages=stages)
     return h, r, o, ht
 
 

@@ -34,9 +34,11 @@ def _gate_tile(g, bos, T, i_t, i_k, H: tl.constexpr, i_h, K: tl.constexpr, BT: t
 
 
 @triton.jit
-def recompute_w_u_kernel(k, v, beta, g, Ai, w, u, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
-                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                         BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr):
+def recompute_w_u_kernel(k, v, beta, g, Ai, w, u, q, qg, kd, cu_seqlens, chunk_indices, H: tl.constexpr,
+                         HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                         BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, PRESCALE: tl.constexpr):
+    """W, U of one (chunk, head); PRESCALE (per-channel gate): also the state pass's gated rows,
+    qg = q exp(G) and kd = k exp(G_C - G) (0 past the end), in k's dtype, per value head."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
@@ -56,7 +58,24 @@ def recompute_w_u_kernel(k, v, beta, g, Ai, w, u, cu_seqlens, chunk_indices, H: 
         b_k = tl.load(p_k, boundary_check=(0, 1))
         b_kb = b_k * b_kscale[:, None]
         if USE_GK:
-            b_kb *= _gate_tile(g, bos, T, i_t, i_k, H, i_h, K, BT, BK)
+            p_g = tl.make_block_ptr(g + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK),
+                                    (1, 0))
+            b_g = tl.load(p_g, boundary_check=(0, 1))
+            b_kb *= tl.exp(b_g)
+            if PRESCALE:
+                p_q = tl.make_block_ptr(q + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1),
+                                        (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+                p_qg = tl.make_block_ptr(qg + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK),
+                                         (BT, BK), (1, 0))
+                p_kd = tl.make_block_ptr(kd + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK),
+                                         (BT, BK), (1, 0))
+                o_k = i_k * BK + tl.arange(0, BK)
+                b_glast = tl.load(g + ((bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h) * K + o_k, mask=o_k < K,
+                                  other=0.)
+                b_ek = tl.where(m_t[:, None], tl.exp(b_glast[None, :] - b_g), 0.)
+                tl.store(p_qg, (tl.load(p_q, boundary_check=(0, 1)) * tl.exp(b_g)).to(p_qg.dtype.element_ty),
+                         boundary_check=(0, 1))
+                tl.store(p_kd, (b_k * b_ek).to(p_kd.dtype.element_ty), boundary_check=(0, 1))
         b_w = mm(b_Ai.to(b_k.dtype), b_kb.to(b_k.dtype))
         tl.store(p_w, b_w.to(p_w.dtype.element_ty), boundary_check=(0, 1))
     for i_v in range(tl.cdiv(V, BV)):
@@ -213,17 +232,22 @@ def _blocks(K, V):
     return MIN_DOT_BLOCK, MIN_DOT_BLOCK
 
 
-def recompute_w_u(k, v, beta, g_cum, Ai, chunks: Chunks, gk_cum=None):
+def recompute_w_u(k, v, beta, g_cum, Ai, chunks: Chunks, gk_cum=None, q=None, num_warps: int = 4):
     """k: [1, T, HK, K]; v: [1, T, H, V]; beta, g_cum: [1, T, H]; Ai: [1, T, H, BT]; gk_cum: [1, T, H, K]
-    (per-channel gate, instead of g_cum) -> (w [1, T, H, K], u [1, T, H, V])."""
+    (per-channel gate, instead of g_cum) -> (w [1, T, H, K], u [1, T, H, V]). With ``q`` [1, T, HK, K]
+    and ``gk_cum``: (w, u, qg, kd), the state pass's gated rows qg = q exp(G), kd = k exp(G_C - G)
+    [1, T, H, K] (state.py reads them instead of forming them chunk after chunk on its serial path)."""
     _, T, HK, K = k.shape
     H, V = v.shape[2], v.shape[-1]
     BK, BV = _blocks(K, V)
     w, u = alloc((1, T, H, K), dtype=k.dtype, device=k.device), alloc(v.shape, dtype=v.dtype, device=v.device)
-    recompute_w_u_kernel[(chunks.NC, H)](k, v, beta, g_cum if gk_cum is None else gk_cum, Ai, w, u, chunks.cu_seqlens,
-                                         chunks.chunk_indices, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
-                                         USE_G=g_cum is not None, USE_GK=gk_cum is not None)
-    return w, u
+    prescale = q is not None and gk_cum is not None
+    qg, kd = ((alloc((1, T, H, K), dtype=k.dtype, device=k.device) for _ in range(2)) if prescale else (None, None))
+    recompute_w_u_kernel[(chunks.NC, H)](k, v, beta, g_cum if gk_cum is None else gk_cum, Ai, w, u, q, qg, kd,
+                                         chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK, K=K, V=V, BT=chunks.BT,
+                                         BK=BK, BV=BV, USE_G=g_cum is not None, USE_GK=gk_cum is not None,
+                                         PRESCALE=prescale, num_warps=num_warps)
+    return (w, u, qg, kd) if prescale else (w, u)
 
 
 def wy_bwd(k, v, beta, g_cum, Ai, dw, du, dk, dg, chunks: Chunks, gk_cum=None, Akk=None, dk_dtype=torch.float32,
