@@ -35,10 +35,16 @@ from fastweight.kernels.common import Chunks, SAFE_SPAN, chunk_bounds, dot_preci
 from fastweight.kernels.decay_intra import diag_precision, factor, span_ref
 
 
-def fwd_launch_config(K: int) -> tuple[int, tuple[int, int]]:
+def fwd_launch_config(K: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, tuple[int, int]]:
     """(BK, (num_warps, num_stages)) of dplr_intra_fwd_kernel at key size K: K blocks of 32 (16 at
-    K <= 16), 4 warps, 2 stages at every K, one program per (chunk, head) for both the q and the a
-    rows: on the H200, 4 warps beat 8 and one program per chunk beat two (docs/bench/decay_dplr.md)."""
+    K <= 16), all of K = 64 in one block for bf16 inputs; 4 warps, 2 stages; one program per (chunk,
+    head) for both the q and the a rows. On the H200 (bf16): at K = 64 one block of 64 beats two of 32
+    (8.14 against 9.88 ms at (8, 16384, 64, 64)); at K = 128 blocks of 32 were the fastest timed; 4
+    warps beat 8; one program per chunk beat two, and one pass over K for the four matrices beat a
+    pass per row side (docs/bench/decay_dplr.md). fp16 and fp32 keep 32: their 3xTF32 / FMA dots
+    spill more at 64 (sm_90 compile: fp32 6 KB -> 23 KB a thread; fp16 not timed)."""
+    if dtype == torch.bfloat16 and K == 64:
+        return 64, (4, 2)
     return min(32, max(16, triton.next_power_of_2(K))), (4, 2)
 
 
@@ -157,40 +163,10 @@ def _fwd_sub(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_
 
 
 @triton.jit
-def _fwd_pair(r, gr, k, b, gc, gp, A1, A2, sc, bos, o_t, m_t, i_h, H: tl.constexpr, K: tl.constexpr,
-              BT: tl.constexpr, BK: tl.constexpr, DIAG_PRECISION: tl.constexpr, INCL: tl.constexpr):
-    """Two of a factored chunk's four matrices: rows r (read at gate gr: G for q, G^- for a) against
-    k (into A1) and b (into A2), times sc; the inclusive lower triangle (INCL: q's rows) or the strict."""
-    b_1 = tl.zeros([BT, BT], dtype=tl.float32)
-    b_2 = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        m_tk = m_t[:, None] & m_k[None, :]
-        b_g = load_rows(gc, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-        _, b_ref = span_ref(load_rows(gp, bos, o_t, m_t, i_h, o_k, m_k, H, K), b_g, m_tk)
-        b_fc = factor(1., b_g, b_ref, m_tk, False)
-        b_kg = tl.trans(load_rows(k, bos, o_t, m_t, i_h, o_k, m_k, H, K) * b_fc)
-        b_bg = tl.trans(load_rows(b, bos, o_t, m_t, i_h, o_k, m_k, H, K) * b_fc)
-        b_rg = factor(load_rows(r, bos, o_t, m_t, i_h, o_k, m_k, H, K),
-                      load_rows(gr, bos, o_t, m_t, i_h, o_k, m_k, H, K), b_ref, m_tk, True)
-        b_1 += tl.dot(b_rg, b_kg, input_precision=DIAG_PRECISION)
-        b_2 += tl.dot(b_rg, b_bg, input_precision=DIAG_PRECISION)
-    o_r = tl.arange(0, BT)
-    if INCL:
-        m_A = o_r[:, None] >= o_r[None, :]
-    else:
-        m_A = o_r[:, None] > o_r[None, :]
-    p_A = ((bos + o_t) * H + i_h)[:, None] * BT + o_r[None, :]
-    tl.store(A1 + p_A, tl.where(m_A, b_1 * sc, 0.), mask=m_t[:, None])
-    tl.store(A2 + p_A, tl.where(m_A, b_2 * sc, 0.), mask=m_t[:, None])
-
-
-@triton.jit
 def dplr_intra_fwd_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, wide, cu_seqlens, chunk_indices, scale,
                           H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                           DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr,
-                          FLAG: tl.constexpr, PASSES: tl.constexpr):
+                          FLAG: tl.constexpr):
     """One program per (chunk, head). A chunk whose gates span less than SPAN is factored whole
     through the per-channel midpoint of its gates (four [BT, BT] dots per K block). A wider one
     takes the sub-chunk path (``_fwd_sub``): here, or (FLAG) in ``dplr_intra_wide_kernel``, which
@@ -203,12 +179,7 @@ def dplr_intra_fwd_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, wide, cu_seqle
     is_wide = chunk_span(gc, gp, bos, o_t, m_t, i_h, H, K, BK) >= SPAN
     if FLAG:
         tl.store(wide + i_t * H + i_h, is_wide.to(tl.int8))
-    if not is_wide and PASSES == 2:
-        # q's rows, then a's: two [BT, BT] accumulators live instead of four (k, b and the gates
-        # read twice, the second time from cache)
-        _fwd_pair(q, gc, k, b, gc, gp, Aqk, Aqb, scale, bos, o_t, m_t, i_h, H, K, BT, BK, DIAG_PRECISION, True)
-        _fwd_pair(a, gp, k, b, gc, gp, Aak, Aab, 1.0, bos, o_t, m_t, i_h, H, K, BT, BK, DIAG_PRECISION, False)
-    elif not is_wide:
+    if not is_wide:
         b_qk = tl.zeros([BT, BT], dtype=tl.float32)
         b_qb = tl.zeros([BT, BT], dtype=tl.float32)
         b_ak = tl.zeros([BT, BT], dtype=tl.float32)
@@ -435,23 +406,23 @@ def chunk_spans(g: torch.Tensor, BK: int, BT: int = 64) -> torch.Tensor:
 
 
 def dplr_intra_fwd(q, k, a, b, gc, gp, scale: float, chunks: Chunks, *, span: float = SAFE_SPAN,
-                   wide_kernel: bool = True, config: tuple[int, tuple[int, int]] | None = None, passes: int = 1):
+                   wide_kernel: bool = True, config: tuple[int, tuple[int, int]] | None = None):
     """A_qk, A_qb (scale folded in), A_ak, A_ab: [1, T, H, BT] fp32, row t holding its chunk's row;
     only the (strict) lower triangle is written. A chunk whose gates span less than ``span`` is
     factored whole; a wider one goes sub-chunk by sub-chunk, in ``dplr_intra_wide_kernel``
     (``wide_kernel``) or inside the main kernel (its registers then count there too). ``config``:
-    (BK, (num_warps, num_stages)) of the main kernel instead of ``fwd_launch_config(K)``'s."""
+    (BK, (num_warps, num_stages)) of the main kernel instead of ``fwd_launch_config(K, q.dtype)``'s."""
     _, T, H, K = q.shape
     BT, BC = chunks.BT, 16
-    BK, (warps, stages) = config or fwd_launch_config(K)
+    BK, (warps, stages) = config or fwd_launch_config(K, q.dtype)
     BK = min(BK, max(16, triton.next_power_of_2(K)))
     As = [torch.empty(1, T, H, BT, dtype=torch.float32, device=q.device) for _ in range(4)]
     wide = torch.empty(chunks.NC, H, dtype=torch.int8, device=q.device)
     meta = dict(H=H, K=K, BT=BT, BC=BC, BK=BK, DOT_PRECISION=dot_precision(q.dtype),
                 DIAG_PRECISION=diag_precision(q.dtype), SPAN=span)
     args = (q, k, a, b, gc, gp, *As, wide, chunks.cu_seqlens, chunks.chunk_indices, scale)
-    dplr_intra_fwd_kernel[(chunks.NC, H)](*args, **meta, FLAG=wide_kernel, PASSES=passes, num_warps=warps,
-                                          num_stages=stages)
+    dplr_intra_fwd_kernel[(chunks.NC, H)](*args, **meta, FLAG=wide_kernel, num_warps=warps, num_stages=stages)
     if wide_kernel:
-        dplr_intra_wide_kernel[(chunks.NC * (BT // BC), H)](*args, **meta, num_warps=4)
+        # the sub-chunk path keeps K blocks of 32 (its [16, 16] tiles gain nothing from a wider K block)
+        dplr_intra_wide_kernel[(chunks.NC * (BT // BC), H)](*args, **{**meta, "BK": min(BK, 32)}, num_warps=4)
     return As

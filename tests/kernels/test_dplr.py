@@ -150,6 +150,17 @@ def test_rwkv7_chunk_paths(wide_kernel):
     _check("rwkv7", x, cu_seqlens=torch.tensor([0, 70, 150]), gen=gen, launch=launch)
 
 
+def test_rwkv7_intra_whole_k_block():
+    """bf16's intra launch at K = 64 (all of K in one block, ``dplr_intra.fwd_launch_config``), run
+    here in fp32 with the sub-chunk path inside the main kernel: a wide first chunk, factored ones
+    after it, a short last chunk, varlen."""
+    assert dplr_intra.fwd_launch_config(64, torch.bfloat16)[0] == 64
+    launch = DplrLaunch(wide_kernel=False, intra_config=(64, (4, 2)))
+    gen = generator()
+    x = _inputs("rwkv7", 150, H=1, K=64, V=16, gen=gen, w_scale=torch.where(torch.arange(150) < 64, 8.0, 1.0))
+    _check("rwkv7", x, cu_seqlens=torch.tensor([0, 70, 150]), gen=gen, launch=launch)
+
+
 @pytest.mark.parametrize("path", ["exact", "factored"])
 def test_diagonal_paths(path):
     """Each path on its own (span 0: sub-chunks, diagonal ones token at a time; 1e30: every
