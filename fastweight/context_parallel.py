@@ -43,6 +43,8 @@ import inspect
 import torch
 import torch.distributed as dist
 
+from fastweight.ops.decay import _split_z
+
 
 # arguments shared by every token (replicated on every rank); every other tensor is per token
 REPLICATED = ("initial_state", "g_gamma", "u", "A_log", "dt_bias")
@@ -188,18 +190,25 @@ def context_parallel(op, *args, group=None, **kwargs):
 
 
 def _normalized(op, x, ctx):
-    """linear attention's normaliser scale q_t . sum_{s <= t} k_s is linear attention with v = 1
-    from a zero state: one more value column (state column 0 at the start), one exchange, then
-    the division of ``ops._normalize_output``."""
-    v, h0 = x["v"], x.get("initial_state")
-    V = v.shape[-1]
+    """linear attention's normaliser scale q_t . z_t, z_t = z_0 + sum_{s <= t} k_s, is linear attention
+    with v = 1 from the state z_0: one more value column (z_0 as its initial state column, 0 without
+    one), one exchange, then the division of ``ops._normalize_output``; z_state is that column of the
+    final state. Returns (o, (final state or None, z_state [N, 1, H, K])) as the op does."""
+    v, key = x["v"], x["k"]
+    h0, z0 = _split_z(x.get("initial_state"), True, key, x.get("cu_seqlens"))
+    N, HV, V = (v.shape[0] if x.get("cu_seqlens") is None else len(x["cu_seqlens"]) - 1), v.shape[2], v.shape[-1]
+    H, K = key.shape[2], key.shape[3]
     wide = torch.cat([v, v.new_ones(*v.shape[:3], 1)], dim=-1)
-    if h0 is not None:
-        h0 = torch.cat([h0, h0.new_zeros(*h0.shape[:3], 1)], dim=-1)
-    o, S = _run(op, dict(x, v=wide, initial_state=h0, normalize=False), ctx)
+    column = (z0.squeeze(1).repeat_interleave(HV // H, dim=1)[..., None] if z0 is not None
+              else key.new_zeros(N, HV, K, 1))
+    if h0 is not None or z0 is not None:
+        h0 = h0 if h0 is not None else column.new_zeros(N, HV, K, V)
+        h0 = torch.cat([h0, column.to(h0.dtype)], dim=-1)
+    o, S = _run(op, dict(x, v=wide, initial_state=h0, normalize=False, output_final_state=True), ctx)
     dt = torch.float64 if o.dtype == torch.float64 else torch.float32
     o = (o[..., :V].to(dt) / (o[..., V:].to(dt) + 1e-10)).to(o.dtype)
-    return o, None if S is None else S[..., :V]
+    z_state = S[:, ::HV // H, :, V].unsqueeze(1).to(key.dtype)     # [N, 1, H, K]
+    return o, (S[..., :V] if x.get("output_final_state") else None, z_state)
 
 
 def _run(op, x, ctx):

@@ -114,6 +114,9 @@ def forward_backward(case: Case, inputs: dict, backend: str, cotangents: dict, d
         cu = torch.tensor([0, *torch.tensor(case.lengths).cumsum(0).tolist()], dtype=getattr(torch, case.cu_dtype),
                           device=device)
     (o, S), called = _call(case, leaves, backend, cu, form_gate=truth)
+    z = None
+    if isinstance(S, tuple):   # normalised linear attention: fla's (S, z_state)
+        S, z = S
     out = {"o": o, "final_state": S}
     outputs, grads = [], []
     for name, (base, view) in cotangents.items():
@@ -121,6 +124,8 @@ def forward_backward(case: Case, inputs: dict, backend: str, cotangents: dict, d
         outputs.append(y)
         grads.append(view(base.to(y.dtype).to(device)))
     torch.autograd.backward(outputs, grads)
+    if z is not None:
+        out["z_state"] = z
     out["_problems"] = []
     for n, t in leaves.items():
         out["dh0" if n == "initial_state" else f"d{n}"] = t.grad

@@ -79,17 +79,23 @@ def _worker(rank, world, port, out, dtype_name):
             tensors, opt = _args(case, leaves)
             call = (lambda *a, **k: context_parallel(fn, *a, **k)) if local else fn
             o, S = call(**tensors, output_final_state=True, cu_seqlens=cu, **opt)
-            return o, S, leaves
+            # the normalised linear attention returns fla's (S, z_state): z the normaliser's key sum
+            S, z = S if isinstance(S, tuple) else (S, None)
+            return o, S, z, leaves
 
-        o, S, full = run(x, local=False)
+        o, S, z, full = run(x, local=False)
         do = torch.randn(o.shape, generator=gen, dtype=dtype)
         dS = torch.randn(S.shape, generator=gen, dtype=S.dtype)
-        torch.autograd.backward([o, S], [do, dS])
+        dz = torch.randn(z.shape, generator=gen, dtype=z.dtype) if z is not None else None
+        torch.autograd.backward([o, S] + ([z] if z is not None else []), [do, dS] + ([dz] if z is not None else []))
         mine = {n: t if n in REPLICATED else t[:, a:b] for n, t in x.items()}
-        o_cp, S_cp, part = run(mine, local=True)
-        torch.autograd.backward([o_cp, S_cp], [do[:, a:b], dS])
+        o_cp, S_cp, z_cp, part = run(mine, local=True)
+        torch.autograd.backward([o_cp, S_cp] + ([z_cp] if z is not None else []),
+                                [do[:, a:b], dS] + ([dz] if z is not None else []))
         rel = lambda got, want: ((got - want).norm() / want.norm().clamp_min(1e-30)).item()  # noqa: E731
         err = {"o": rel(o_cp, o[:, a:b]), "final_state": rel(S_cp, S)}
+        if z is not None:
+            err["z_state"] = rel(z_cp, z)
         for n, t in part.items():
             g = t.grad
             if n in REPLICATED:

@@ -137,13 +137,83 @@ def test_unsupported_options_are_refused_by_name(call, option):
         call(_x())
 
 
+def _positive(x):
+    """Positive feature maps (as the normaliser is used): its denominator stays away from zero."""
+    return {n: torch.nn.functional.softplus(x[n]) for n in "qk"}
+
+
 @pytest.mark.parametrize("op", [ops.chunk_linear_attn, ops.fused_recurrent_linear_attn])
-def test_linear_attn_z_state_is_refused_by_name(op):
-    """fla 0.6.0's normalized linear attention also takes (and returns) its normaliser's running key sum z,
-    ``initial_state=(S, z)`` with z [N, 1, H, K]; ours has no z in the state and refuses the pair by name."""
+@pytest.mark.parametrize("cu", [None, [0, 5, 5, B * T]])
+def test_linear_attn_z_state_chains(op, cu):
+    """fla 0.6.0's normalised linear attention takes initial_state=(S, z), z [N, 1, H, K] the key sum
+    carried over, and returns (final state, z_state): the two halves of a sequence chained through
+    the pair give the whole (varlen with an empty sequence: its z is its z_0)."""
     x = _x()
-    with pytest.raises(TypeError, match="`initial_state` must be a torch.Tensor, got tuple"):
-        op(x["q"], x["k"], x["v"], initial_state=(x["h0"], x["k"][:, -1:]), normalize=True)
+    qk = _positive(x)
+    if cu is not None:
+        q, k, v = (t.reshape(1, B * T, *t.shape[2:]) for t in (qk["q"], qk["k"], x["v"]))
+        cu_t = torch.tensor(cu)
+        o, (S, z) = op(q, k, v, normalize=True, output_final_state=True, cu_seqlens=cu_t, backend="reference")
+        # each sequence alone: the same o, S and z
+        for i, (b, e) in enumerate(zip(cu[:-1], cu[1:])):
+            if b == e:
+                assert (z[i] == 0).all() and (S[i] == 0).all()   # an empty sequence: its (zero) initial pair
+                continue
+            o_i, (S_i, z_i) = op(q[:, b:e], k[:, b:e], v[:, b:e], normalize=True, output_final_state=True,
+                                 backend="reference")
+            assert rel_err(o[:, b:e], o_i) < 1e-12 and rel_err(S[i:i + 1], S_i) < 1e-12
+            assert rel_err(z[i:i + 1], z_i) < 1e-12
+        return
+    q, k, v = qk["q"], qk["k"], x["v"]
+    o, (S, z) = op(q, k, v, normalize=True, output_final_state=True, backend="reference")
+    assert z.shape == (B, 1, H, K) and rel_err(z, k.sum(1, keepdim=True)) < 1e-14
+    h = T // 2
+    o1, (S1, z1) = op(q[:, :h], k[:, :h], v[:, :h], normalize=True, output_final_state=True, backend="reference")
+    o2, (S2, z2) = op(q[:, h:], k[:, h:], v[:, h:], initial_state=(S1, z1), normalize=True,
+                      output_final_state=True, backend="reference")
+    assert rel_err(torch.cat([o1, o2], 1), o) < 1e-12
+    assert rel_err(S2, S) < 1e-12 and rel_err(z2, z) < 1e-12
+    # without output_final_state: fla's (None, z_state)
+    _, (none, z_only) = op(q, k, v, normalize=True, backend="reference")
+    assert none is None and rel_err(z_only, z) == 0
+
+
+def test_linear_attn_z_state_gradient():
+    """z_state = z_0 + sum_t k_t: a loss on it reaches every k_t and z_0 with its own cotangent."""
+    x = _x()
+    qk = _positive(x)
+    k = qk["k"].detach().requires_grad_()
+    z0 = torch.rand(B, 1, H, K, dtype=torch.float64, requires_grad=True)
+    _, (_, z) = ops.chunk_linear_attn(qk["q"], k, x["v"], initial_state=(x["h0"], z0), normalize=True,
+                                      backend="reference")
+    dz = torch.randn(z.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    dk, dz0 = torch.autograd.grad((z * dz).sum(), [k, z0])
+    assert rel_err(dk, dz.expand_as(k)) < 1e-15 and rel_err(dz0, dz) < 1e-15
+
+
+def test_linear_attn_reverse_normalize():
+    """fused_recurrent_linear_attn(reverse=True, normalize=True), as fla: the key sum runs from the end,
+    z_t = sum_{s >= t} k_s, and z_state is the whole sum (the reversed sequence's)."""
+    x = _x()
+    qk = _positive(x)
+    q, k, v = qk["q"], qk["k"], x["v"]
+    o, (_, z) = ops.fused_recurrent_linear_attn(q, k, v, reverse=True, normalize=True, output_final_state=True,
+                                                backend="reference")
+    want, (_, zw) = ops.fused_recurrent_linear_attn(q.flip(1), k.flip(1), v.flip(1), normalize=True,
+                                                    output_final_state=True, backend="reference")
+    assert rel_err(o, want.flip(1)) < 1e-14 and rel_err(z, zw) < 1e-14
+
+
+@pytest.mark.parametrize("bad, what", [
+    (lambda x: (x["h0"], x["k"][:, :1, :, :2]), "`initial_state`'s z must be"),
+    (lambda x: (x["h0"],), "pair"),
+])
+def test_linear_attn_bad_z_state_is_refused(bad, what):
+    x = _x()
+    with pytest.raises((TypeError, ValueError), match=what):
+        ops.chunk_linear_attn(x["q"], x["k"], x["v"], initial_state=bad(x), normalize=True)
+    with pytest.raises(TypeError, match="normalize=False"):
+        ops.chunk_linear_attn(x["q"], x["k"], x["v"], initial_state=(x["h0"], x["k"][:, :1]), normalize=False)
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch"])

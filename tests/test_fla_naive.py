@@ -72,7 +72,15 @@ def _linear_attn(x, h0, scale, normalize=False):
     from fla.ops.linear_attn.naive import naive_recurrent_linear_attn
     o, S = naive_recurrent_linear_attn(x["q"], x["k"], x["v"], scale=scale, initial_state=h0, output_final_state=True,
                                        normalize=normalize)
-    return (o, S[0]) if normalize else (o, S)   # normalized: fla's state is (S, z); ours is S (z not returned)
+    if normalize and S[1].shape[1] == 0:   # an empty sequence: fla's naive z is k_cum[:, -1:] of nothing
+        S = (S[0], S[1].new_zeros(S[1].shape[0], 1, *S[1].shape[2:]))
+    return o, _state(S)
+
+
+def _state(S):
+    """The final state as one tensor: the normalised linear attention's (S, z_state) as S with z [N, 1, H, K]
+    appended as one more value column (both libraries return the pair)."""
+    return torch.cat([S[0], S[1].squeeze(1)[..., None].to(S[0].dtype)], dim=-1) if isinstance(S, tuple) else S
 
 
 def _retention(x, h0, scale):
@@ -196,12 +204,13 @@ def _call(case, mode, form, x, h0, cu_seqlens=None):
     tensors = {rename.get(n, n): x[n] for n in case.inputs}
     rest = dict(**case.options, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
     if form == "keyword":
-        return (*ours(**tensors, scale=SCALE, **rest), SCALE)
+        o, S = ours(**tensors, scale=SCALE, **rest)
+        return o, _state(S), SCALE
     params = inspect.signature(fla).parameters
     names = list(params)[:max(list(params).index(n) for n in tensors) + 1]
     o, S = ours(*[tensors[n] if n in tensors else params[n].default for n in names], **rest)
     scale = params["scale"].default
-    return o, S, K ** -0.5 if scale is None else scale
+    return o, _state(S), K ** -0.5 if scale is None else scale
 
 
 def _leaves(case, x):

@@ -13,25 +13,58 @@ __all__ = [  # the public functions, re-exported by fastweight.ops
     "fused_recurrent_rwkv6", "chunk_hgrn2", "fused_recurrent_hgrn2"]
 
 
-def _normalize_output(q, k, o, scale, cu_seqlens):
-    """o_t / (scale q_t . sum_{s <= t} k_s): the running key-sum normaliser (initial state not counted)."""
+def _normalize_output(q, k, o, scale, cu_seqlens, z_init=None):
+    """o_t / (scale q_t . z_t) with z_t = z_init + sum_{s <= t} k_s, the running key sum of each
+    sequence (the kv initial state not counted, as in fla). q, k: [B, T, H, K]; o: [B, T, HV, V];
+    z_init: [N, 1, H, K] or None. Returns (o, z_state [N, 1, H, K] in k's dtype: z at each
+    sequence's last token, z_init for an empty one), fla's normaliser state."""
     dt = torch.float64 if o.dtype == torch.float64 else torch.float32
-    k = k.to(dt)
+    kd = k.to(dt)
+    z0 = None if z_init is None else z_init.to(dt)
     if cu_seqlens is None:
-        k_sum = k.cumsum(1)
+        k_sum = kd.cumsum(1) if z0 is None else kd.cumsum(1) + z0
+        z_state = k_sum[:, -1:] if k.shape[1] else (z0 if z0 is not None else kd.new_zeros(k.shape[0], 1, *k.shape[2:]))
     else:
         bounds = checks.host_bounds(cu_seqlens)
-        k_sum = torch.cat([k[:, b:e].cumsum(1) for b, e in zip(bounds[:-1], bounds[1:])], dim=1)
+        sums, ends = [], []
+        for i, (b, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+            c = kd[:, b:e].cumsum(1)
+            start = z0[i:i + 1] if z0 is not None else kd.new_zeros(1, 1, *k.shape[2:])
+            c = c + start
+            sums.append(c)
+            ends.append(c[:, -1:] if e > b else start)
+        k_sum, z_state = torch.cat(sums, dim=1), torch.cat(ends, dim=0)
     z = (scale * q.to(dt) * k_sum).sum(-1, keepdim=True)
     z = z.repeat_interleave(o.shape[2] // q.shape[2], dim=2)
-    return (o.to(dt) / (z + 1e-10)).to(o.dtype)
+    return (o.to(dt) / (z + 1e-10)).to(o.dtype), z_state.to(k.dtype)
+
+
+def _split_z(initial_state, normalize, k, cu_seqlens):
+    """fla's normalised linear attention takes ``initial_state=(S, z)``, z [N, 1, H, K] the key sum
+    carried over: (S, z), z None for a plain tensor (or None)."""
+    if not isinstance(initial_state, (tuple, list)) or not torch.is_tensor(k) or k.dim() != 4:
+        return initial_state, None      # the op's own checks name a bad argument
+    if not normalize:
+        raise TypeError("`initial_state` must be a torch.Tensor with normalize=False, got a tuple (fla's (S, z) pair "
+                        "is the normalised form's state)")
+    if len(initial_state) != 2 or not torch.is_tensor(initial_state[1]):
+        raise TypeError("`initial_state` with normalize=True must be a tensor or a pair (S, z) with z a tensor "
+                        f"[N, 1, H, K], got {type(initial_state).__name__} of {len(initial_state)}")
+    S, z = initial_state
+    N = k.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
+    want = (N, 1, k.shape[2], k.shape[3])
+    if tuple(z.shape) != want:
+        raise ValueError(f"`initial_state`'s z must be [N, 1, H, K] = {list(want)}, got {list(z.shape)}")
+    return S, z
 
 
 def _linear_attn(mode, q, k, v, scale, initial_state, output_final_state, normalize, cu_seqlens, backend):
+    initial_state, z_init = _split_z(initial_state, normalize, k, cu_seqlens)
     o, final_state = _op("linear_attn", mode, backend, dict(q=q, k=k, v=v), scale=scale,
                          initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     if normalize:
-        o = _normalize_output(q, k, o, checks.check_scale(scale, q.shape[-1]), cu_seqlens)
+        o, z_state = _normalize_output(q, k, o, checks.check_scale(scale, q.shape[-1]), cu_seqlens, z_init)
+        return o, (final_state, z_state)
     return o, final_state
 
 
@@ -40,8 +73,10 @@ def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_stat
     """Linear attention: S_t = S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V]. Returns (o [B, T, HV, V], final state [N, HV, K, V] or None).
-    ``normalize=True`` (fla's default here) divides o_t by ``scale q_t . sum_{s <= t} k_s``
-    (Katharopoulos et al.'s normaliser; the initial state is not counted, as in fla).
+    ``normalize=True`` (fla's default here) divides o_t by ``scale q_t . z_t``, z_t = z_0 + sum_{s <= t}
+    k_s (Katharopoulos et al.'s normaliser; the kv initial state is not counted, as in fla), and, as
+    fla, takes ``initial_state`` as S or a pair (S, z_0), z_0 [N, 1, H, K], and returns the pair
+    (final state or None, z_state [N, 1, H, K]) in place of the final state.
     """
     return _linear_attn("chunk", q, k, v, scale, initial_state, output_final_state, normalize, cu_seqlens,
                         backend)
@@ -50,9 +85,8 @@ def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_stat
 def fused_recurrent_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False,
                                 reverse=False, normalize=False, cu_seqlens=None, *, backend=None):
     """Linear attention one token at a time; as ``chunk_linear_attn`` (``normalize`` defaults to
-    False here, as in fla)."""
-    if reverse and normalize:
-        raise ValueError("`reverse=True` with `normalize=True` is not supported by fused_recurrent_linear_attn")
+    False here, as in fla). ``reverse``: the sequence read from its end (the normaliser's key sum
+    too, z_t = z_0 + sum_{s >= t} k_s)."""
     x, back = fla_compat.time_reversed(reverse, cu_seqlens, dict(q=q, k=k, v=v))
     o, S = _linear_attn("fused_recurrent", x["q"], x["k"], x["v"], scale, initial_state, output_final_state,
                         normalize, cu_seqlens, backend)

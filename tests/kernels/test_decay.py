@@ -105,6 +105,10 @@ def _check(op, inputs, dtype=torch.float32, initial_state=True, cu_seqlens=None,
     o, ht = kernel(**low, output_final_state=final, cu_seqlens=cu_seqlens, **extra)
     ro, rht = fn(**ref, output_final_state=final, cu_seqlens=cu_seqlens, backend="reference", **extra)
     tol = TOL[dtype]
+    z = rz = None
+    if normalize:   # fla's (final state, z_state): z the normaliser's key sum at each sequence's end
+        (ht, z), (rht, rz) = ht, rht
+        assert rel_err(z, rz) < tol, f"z_state: {rel_err(z, rz):.3g}"
     assert o.dtype == dtype
     assert rel_err(o, ro) < tol, f"o: {rel_err(o, ro):.3g}"
     if final:
@@ -118,8 +122,9 @@ def _check(op, inputs, dtype=torch.float32, initial_state=True, cu_seqlens=None,
         do = torch.randn(o.shape, generator=gen)
         dht = torch.randn(ht.shape, generator=gen) if final else None
         cotangents = lambda dt, st: (do.to(dt), None if dht is None else dht.to(st))  # noqa: E731
-    for outs, cots in (((o, ht), cotangents(dtype, torch.float32)), ((ro, rht), cotangents(torch.float64,
-                                                                                           torch.float64))):
+    dz = torch.randn(z.shape, generator=gen) if z is not None else None
+    for outs, cots in (((o, ht, z), (*cotangents(dtype, torch.float32), None if dz is None else dz.to(dtype))),
+                       ((ro, rht, rz), (*cotangents(torch.float64, torch.float64), None if dz is None else dz.double()))):
         torch.autograd.backward(*zip(*[(x, c) for x, c in zip(outs, cots) if c is not None]))
     for n in leaves:
         assert low[n].grad is not None, f"d{n}: missing"
