@@ -78,12 +78,14 @@ def run(op, args, device, rank, world):
     # check: the context-parallel run against one device's whole-stream run
     leaves = {n: t.clone().requires_grad_() for n, t in mine.items() if t.is_floating_point()}
     o, S = context_parallel(fn, **leaves, output_final_state=True, **options)
+    S = S[0] if isinstance(S, tuple) else S   # linear attention's (S, z): the state S is checked
     torch.manual_seed(1)
     do_full = torch.randn(args.B, T_r * world, *o.shape[2:], device=device, dtype=o.dtype)
     dS = torch.randn(S.shape, device=device, dtype=S.dtype)
     torch.autograd.backward([o, S], [do_full[:, a:b], dS])
     full = {n: t.clone().requires_grad_() for n, t in x.items() if t.is_floating_point()}
     ro, rS = fn(**full, output_final_state=True, **options)
+    rS = rS[0] if isinstance(rS, tuple) else rS
     torch.autograd.backward([ro, rS], [do_full, dS])
     err = {"o": rel_err(o, ro[:, a:b]), "final_state": rel_err(S, rS)}
     for n, t in leaves.items():

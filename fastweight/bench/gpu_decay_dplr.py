@@ -103,11 +103,13 @@ def check(op, dtype, T=200, H=3, K=64, cu_seqlens=None, V=None, B=2, strong=Fals
     torch.empty_like = lambda *a, **kw: (lambda t: nan_like(t) if t.is_floating_point() else t)(empty_like(*a, **kw))
     try:
         o, ht = fn(**low, output_final_state=True, cu_seqlens=cu_seqlens, backend="triton")
+        ht = ht[0] if isinstance(ht, tuple) else ht   # linear attention's (S, z): the kernels' state S
         do, dht = torch.randn_like(o, dtype=torch.float32), torch.randn_like(ht)
         torch.autograd.backward([o, ht], [do.to(o.dtype), dht])
     finally:
         torch.empty, torch.empty_like = empty, empty_like
     ro, rht = fn(**ref, output_final_state=True, cu_seqlens=cu_seqlens, backend="reference")
+    rht = rht[0] if isinstance(rht, tuple) else rht
     torch.autograd.backward([ro, rht], [do.double(), dht.double()])
     errs = {"o": rel_err(o, ro), "ht": rel_err(ht, rht)}
     errs.update({f"d{n}": rel_err(low[n].grad, ref[n].grad) for n in low})

@@ -83,6 +83,8 @@ def main(argv=None):
     bound = {"chunk": mod.torch_chunk_gated_delta_rule, "rec": mod.torch_recurrent_gated_delta_rule}
     variants = {"fastweight": None}
     try:
+        if dev.type != "cuda":
+            raise RuntimeError("fla's ops are Triton kernels for the GPU (not run on the CPU)")
         fla = importlib.import_module("fla.ops.gated_delta_rule")
         variants["fla"] = {"chunk": fla.chunk_gated_delta_rule, "rec": fla.fused_recurrent_gated_delta_rule}
         fla_error = None
