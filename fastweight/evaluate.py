@@ -144,7 +144,7 @@ def suite(scale_name: str = "tiny", *, mixers=None, groups=GROUPS, seed: int = 0
     if unknown:
         raise ValueError(f"`groups` must be among {', '.join(map(repr, ALL_GROUPS))}, got {sorted(unknown)}")
     known = (set(RETRIEVAL_MIXERS) | set(RECALL_MIXERS) | {m for m, _ in STATE_TRACKING_MIXERS}
-             | {m for m, _ in published.GRAZZI_MIXERS + published.DELTAPRODUCT_MIXERS})
+             | {m[0] for m in published.GRAZZI_MIXERS + published.DELTAPRODUCT_MIXERS})
     if mixers and set(mixers) - known:
         raise ValueError(f"`mixers` must be among {sorted(known)}, got {sorted(set(mixers) - known)}")
     for name, value in (("steps", steps), ("eval_examples", eval_examples)):

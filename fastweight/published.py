@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 GROUPS = ("zoology", "grazzi", "deltaproduct")
 ZOOLOGY_MIXERS = ("attn", "mamba2", "gla", "deltanet", "gdn", "kda", "rwkv7")
 GRAZZI_MIXERS = (("mamba2", False), ("deltanet", False), ("deltanet", True))
-DELTAPRODUCT_MIXERS = (("deltanet", True), ("gdn", True), ("gdp", True), ("rwkv7", False))
+# (mixer, negative eigenvalues, Householder steps a token: the gdp mixer's n_h)
+DELTAPRODUCT_MIXERS = (("deltanet", True, 1), ("gdn", True, 1), ("gdp", True, 2), ("gdp", True, 3), ("gdp", True, 4),
+                       ("rwkv7", False, 1))
 
 
 @dataclass(frozen=True)
@@ -132,13 +134,16 @@ def deltaproduct(scale: str, widths=None, lengths=None) -> list[Run]:
         extra = f",{extra}" if extra else ""
         train = f"{name}:seq_len={s['train_len']}{extra}"
         tests = ";".join(f"{name}:seq_len={n}{extra}" for n in s["eval_lens"])
-        for mixer, neg in DELTAPRODUCT_MIXERS:
-            label = "rwkv7" if mixer == "rwkv7" else f"{mixer}{' (n_h 2)' if mixer == 'gdp' else ''} {_sign(neg)}"
-            runs.append(Run("deltaproduct", label, f"{title.replace(' ', '-')}-{mixer}{'-neg' if neg else ''}",
+        for mixer, neg, n_h in DELTAPRODUCT_MIXERS:
+            gdp = mixer == "gdp"
+            label = "rwkv7" if mixer == "rwkv7" else f"{mixer}{f' (n_h {n_h})' if gdp else ''} {_sign(neg)}"
+            args = "use_short_conv=false" + (f",num_householder={n_h}" if gdp else "")
+            runs.append(Run("deltaproduct", label, f"{title.replace(' ', '-')}-{mixer}{n_h if gdp else ''}"
+                            f"{'-neg' if neg else ''}",
                             s["lrs"], dict(mixer=mixer, allow_neg_eigval=neg, task=train, eval_tasks=tests,
                                            d_model=s["d_model"], n_layers=1, n_heads=s["n_heads"],
                                            batch_size=s["batch"], steps=s["steps"], warmup=s["warmup"],
-                                           weight_decay=s["weight_decay"], model_args="use_short_conv=false",
+                                           weight_decay=s["weight_decay"], model_args=args,
                                            eval_examples=s["eval_examples"])))
     return runs
 
@@ -196,6 +201,7 @@ def estimate_seconds(cfg) -> float:
     task = from_spec(cfg.train_specs[0])
     tokens, vocab_size = cfg.batch_size * task.seq_len, task.vocab_size
     d, layers = cfg.d_model or 64, cfg.n_layers or 2
-    n_householder = 2 if cfg.mixer == "gdp" else 1
+    steps = dict(item.split("=", 1) for item in filter(None, cfg.model_args.split(",")) if "=" in item)
+    n_householder = int(steps.get("num_householder", 2)) if cfg.mixer == "gdp" else 1
     flops = 6 * tokens * (12 * layers * d * d * n_householder + 2 * vocab_size * d)
     return cfg.steps * (LAUNCH_S + LAUNCH_PER_LAYER_S * layers + flops / FLOPS) + RUN_OVERHEAD_S

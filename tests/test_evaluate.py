@@ -153,13 +153,13 @@ def test_published_groups_run_tiny_and_resume(tmp_path, capsys, monkeypatch):
     assert "| zoology | MQAR 32 |" in printed.out and "| deltanet d16 |" in printed.out
     assert "| grazzi | parity 10-20 | mod. arith. 10-20 |" in printed.out and "| deltanet [-1,1] |" in printed.out
     assert "| deltaproduct | S3 8 | S3 16 | S5 8 | S5 16 | S5 swaps 8 | S5 swaps 16 |" in printed.out
-    assert "| gdp (n_h 2) [-1,1] |" in printed.out and "not found" in printed.out
+    assert "| gdp (n_h 2) [-1,1] |" in printed.out and "| gdp (n_h 4) [-1,1] |" in printed.out and "not found" in printed.out
     saved = json.load(open(out / "suite.json"))
-    assert saved["planned_runs"] == len(saved["results"]) == 2 + 4 + 6
+    assert saved["planned_runs"] == len(saved["results"]) == 2 + 4 + 12   # deltaproduct: 3 tasks x (deltanet, gdp at n_h 2, 3, 4)
     assert saved["arguments"]["groups"] == "zoology,grazzi,deltaproduct"
     assert all(r["config"]["resume_if_present"] and r["config"]["checkpoint_every"] for r in saved["results"])
     monkeypatch.setattr(evaluate, "train", lambda cfg: pytest.fail(f"{cfg.out_dir} trained again"))
-    assert cli_main(argv) == 0 and "12 runs" in capsys.readouterr().out
+    assert cli_main(argv) == 0 and "18 runs" in capsys.readouterr().out
 
 
 def test_published_table_picks_a_rate_per_cell_and_prints_the_papers():

@@ -36,6 +36,8 @@ def test_grazzi_and_deltaproduct_settings():
     assert {r.fields["task"] for r in words} == {"s3:seq_len=32", "s5:seq_len=32", "s5:seq_len=32,max_moved=2"}
     assert {r.fields["n_layers"] for r in words} == {1}
     assert {r.fields["mixer"] for r in words if r.fields["allow_neg_eigval"]} == {"deltanet", "gdn", "gdp"}
+    assert {r.fields["model_args"] for r in words if r.fields["mixer"] == "gdp"} == {
+        f"use_short_conv=false,num_householder={n}" for n in (2, 3, 4)}
     assert all("use_short_conv=false" in r.fields["model_args"] for r in words)
     with pytest.raises(ValueError, match="group"):
         published.runs("nope", "full")

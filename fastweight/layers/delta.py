@@ -49,7 +49,9 @@ class DeltaRuleMixer(Mixer):
         spec = {"decay": None, "gate": None, "read_key": False, "implicit": False, "diagonal_step": False,
                 "num_householder": 1, **mixer.options}
         self.variant, self.op, self.decay = variant, mixer.op, spec["decay"]
-        self.num_householder = n = spec["num_householder"]
+        # Gated DeltaProduct's steps a token: the config's, for the mixer that takes several
+        n = spec["num_householder"]
+        self.num_householder = n = cfg.num_householder if cfg.num_householder is not None and n > 1 else n
         self.implicit, self.read_key = spec["implicit"], spec["read_key"]
         self.diagonal_step = spec["diagonal_step"]
         self.gate_in_kernel = OPS[mixer.op].gate_in_kernel
@@ -94,7 +96,7 @@ class DeltaRuleMixer(Mixer):
         if self.allow_neg_eigval:
             beta = 2 * beta
         out = dict(beta=beta)
-        if self.num_householder > 1:   # [B, T, n * HV] -> fla's [B, T*n, HV]
+        if self.op == "gated_delta_product":   # [B, T, n * HV] -> fla's [B, T*n, HV]
             out.update(beta=beta.reshape(beta.shape[0], -1, self.n_v_heads), num_householder=self.num_householder)
         if self.decay is not None and in_kernel:
             pre = self.a_proj(x) if self.decay == "head" else split_heads(self.f_proj(x), self.n_v_heads)

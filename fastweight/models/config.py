@@ -47,7 +47,10 @@ class LMConfig:
     [n_layers, d_model]; layer l > 0 takes lb_l = cumsum_l(softmax over layers) - softmax_0.
 
     ``attn_heads``: the heads of the attention layers (``attn``, ``swa``), None: ``n_heads`` (fla's
-    hybrid models give their attention layers their own count)."""
+    hybrid models give their attention layers their own count).
+
+    ``num_householder``: the ``gdp`` mixer's delta steps a token (Gated DeltaProduct's n_h, each with
+    its own key, value and beta); None: its default, 2."""
 
     vocab_size: int = 32000
     d_model: int = 1024
@@ -79,6 +82,7 @@ class LMConfig:
     hgrn2_lower_bounds: bool = False
     attn_heads: int | None = None
     rwkv7_group_norm_eps: float | None = None
+    num_householder: int | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "conv_size", "window_size",
@@ -86,7 +90,8 @@ class LMConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"LMConfig.{name} must be a positive int, got {value!r}")
-        for name in ("head_dim", "n_kv_heads", "n_v_heads", "intermediate_size", "kda_gate_rank", "attn_heads"):
+        for name in ("head_dim", "n_kv_heads", "n_v_heads", "intermediate_size", "kda_gate_rank", "attn_heads",
+                     "num_householder"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"LMConfig.{name} must be None or a positive int, got {value!r}")
@@ -111,6 +116,10 @@ class LMConfig:
         if self.n_kv_heads is not None and self.attention_heads % self.n_kv_heads:
             raise ValueError(f"LMConfig.n_kv_heads ({self.n_kv_heads}) must divide the attention heads "
                              f"({self.attention_heads}: attn_heads, else n_heads)")
+        if self.num_householder is not None and not any(
+                MIXER_SPECS[m].options.get("num_householder", 1) > 1 for m in self.pattern if m in MIXER_SPECS):
+            raise ValueError(f"LMConfig.num_householder is the Gated DeltaProduct mixer's (`gdp`) steps a token; "
+                             f"no layer of mixer {self.mixer!r} takes it")
         if self.n_v_heads is not None and self.n_v_heads % self.n_heads:
             raise ValueError(f"LMConfig.n_v_heads ({self.n_v_heads}) must be a multiple of n_heads ({self.n_heads})")
         grouped = [m for m in self.pattern if m not in ("attn", "swa") and MIXER_SPECS[m].layer != "delta"]

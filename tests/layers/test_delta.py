@@ -57,3 +57,23 @@ def test_grouped_value_heads_are_checked():
         LMConfig(n_heads=4, n_v_heads=6)
     with pytest.raises(ValueError, match="grouped value heads are for the delta-rule mixers.*mamba2"):
         LMConfig(n_heads=4, n_v_heads=8, mixer="gdn,mamba2")
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_deltaproduct_householder_steps(n):
+    """LMConfig.num_householder sets the gdp mixer's steps a token (its k, v, beta projections n times
+    as wide); the model decodes from its cache as it prefills; other mixers refuse the field by name."""
+    cfg = LMConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2, mixer="gdp", num_householder=n)
+    torch.manual_seed(0)
+    model = LanguageModel(cfg).double().eval()
+    mixer = model.layers[0].mixer if hasattr(model, "layers") else next(m for m in model.modules()
+                                                                       if hasattr(m, "num_householder"))
+    assert mixer.num_householder == n
+    ids = torch.randint(0, 32, (2, 13), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        parts = [model(ids[:, :5], cache=cache)] + [model(ids[:, t:t + 1], cache=cache) for t in range(5, 13)]
+    assert rel_err(torch.cat(parts, 1), full) < 1e-10
+    with pytest.raises(ValueError, match="num_householder is the Gated DeltaProduct mixer's"):
+        LMConfig(mixer="gdn", num_householder=3)
