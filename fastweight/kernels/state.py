@@ -60,10 +60,17 @@ def chunk_gates_k(g, bos, T, i_t, H: tl.constexpr, i_h, i_k, K: tl.constexpr, BT
     """(per-channel G of the chunk's rows [BT, BK] in key block i_k, G at its last row [BK]); rows
     past the end repeat the last row, as in ``chunk_gates``."""
     p_g = tl.make_block_ptr(g + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
-    o_k = i_k * BK + tl.arange(0, BK)
     m_t = i_t * BT + tl.arange(0, BT) < T
-    b_glast = tl.load(g + ((bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h) * K + o_k, mask=o_k < K, other=0.)
+    b_glast = chunk_gate_last_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
     return tl.where(m_t[:, None], tl.load(p_g, boundary_check=(0, 1)), b_glast[None, :]), b_glast
+
+
+@triton.jit
+def chunk_gate_last_k(g, bos, T, i_t, H: tl.constexpr, i_h, i_k, K: tl.constexpr, BT: tl.constexpr,
+                      BK: tl.constexpr):
+    """G at the chunk's last row [BK], key block i_k, of the per-channel cumsum g [1, T, H, K]."""
+    o_k = i_k * BK + tl.arange(0, BK)
+    return tl.load(g + ((bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h) * K + o_k, mask=o_k < K, other=0.)
 
 
 @triton.jit
@@ -125,9 +132,7 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, o, h, r, bos, T, boh, i_h, i_k, 
         b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT)
     if GATE == 2 and TRANSITION != DPLR:
         if PRESCALED:
-            o_k = i_k * BK + tl.arange(0, BK)
-            b_gklast = tl.load(g + ((bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h) * K + o_k, mask=o_k < K,
-                               other=0.)
+            b_gklast = chunk_gate_last_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
         else:
             b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
             b_ek = tl.where(m_row[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)

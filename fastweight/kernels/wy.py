@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from fastweight.kernels.common import Chunks, MIN_DOT_BLOCK, alloc, mm
+from fastweight.kernels.state import chunk_gate_last_k
 
 
 @triton.jit
@@ -69,9 +70,7 @@ def recompute_w_u_kernel(k, v, beta, g, Ai, w, u, q, qg, kd, cu_seqlens, chunk_i
                                          (BT, BK), (1, 0))
                 p_kd = tl.make_block_ptr(kd + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK),
                                          (BT, BK), (1, 0))
-                o_k = i_k * BK + tl.arange(0, BK)
-                b_glast = tl.load(g + ((bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h) * K + o_k, mask=o_k < K,
-                                  other=0.)
+                b_glast = chunk_gate_last_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
                 b_ek = tl.where(m_t[:, None], tl.exp(b_glast[None, :] - b_g), 0.)
                 tl.store(p_qg, (tl.load(p_q, boundary_check=(0, 1)) * tl.exp(b_g)).to(p_qg.dtype.element_ty),
                          boundary_check=(0, 1))
