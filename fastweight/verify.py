@@ -1,6 +1,8 @@
 """``fastweight verify``: every mechanism is one DPLR recurrence and one gradient step.
 
-One row per registry entry, on fresh random inputs (or ``--seed``):
+One row per registry entry, and one per variant form of an entry right after it
+(``Mechanism.variants``: another form its op computes under an option, such as a ``diagonal_step``
+flag), on fresh random inputs (or ``--seed``):
 
 - the mechanism's DPLR parameters in words;
 - ``dplr``: rel err of its own recurrence (as in its paper) against the generic DPLR
@@ -27,12 +29,23 @@ import torch
 
 from fastweight import theory
 from fastweight.cli import positive_int
-from fastweight.mechanisms import REGISTRY, get
+from fastweight.mechanisms import REGISTRY, Mechanism, get
 from fastweight.testing import generator, rel_err
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 # Rounding of a T-step recurrence in the dtype, with room for T up to a few thousand.
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+
+def forms() -> dict[str, Mechanism]:
+    """Every form verified, by name: each registry entry, then its variants (``Mechanism.variants``)."""
+    out = {}
+    for mechanism in REGISTRY.values():
+        for form in (mechanism, *mechanism.variants):
+            if form.name in out or (form is not mechanism and form.name in REGISTRY):
+                raise ValueError(f"variant {form.name!r} of {mechanism.name!r}: the name is taken")
+            out[form.name] = form
+    return out
 
 
 def verify_mechanism(mechanism, *, seed: int, length: int, dtype: torch.dtype, batch: int = 2, heads: int = 2,
@@ -77,10 +90,15 @@ def verify_facts(*, seed: int, dtype: torch.dtype, K: int = 16, V: int = 16, n: 
 
 
 def run(*, seed: int | None = None, length: int = 64, dtype: str = "float64", names=None) -> dict:
-    """Verify every registry entry (or ``names``); returns dict(seed, length, dtype, rows, facts, ok)."""
+    """Verify every form of :func:`forms` (or those in ``names``); returns dict(seed, length, dtype, rows, facts,
+    ok)."""
     seed = random.randrange(2 ** 31) if seed is None else seed
     dt = DTYPES[dtype]
-    rows = [verify_mechanism(get(n), seed=seed, length=length, dtype=dt) for n in (names or REGISTRY)]
+    every = forms()
+    unknown = [n for n in names or () if n not in every]
+    if unknown:
+        raise ValueError(f"unknown mechanism {unknown[0]!r}; known: {', '.join(every)}")
+    rows = [verify_mechanism(every[n], seed=seed, length=length, dtype=dt) for n in (names or every)]
     facts = verify_facts(seed=seed, dtype=dt)
     ok = all(r["ok"] for r in rows) and all(f["ok"] for f in facts)
     return dict(seed=seed, length=length, dtype=dtype, tolerance=TOLERANCE[dt], rows=rows, facts=facts, ok=ok)
@@ -124,8 +142,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--length", type=positive_int, default=64, help="sequence length T (default 64)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float64", help="computation dtype")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    parser.add_argument("--mechanism", action="append", choices=tuple(REGISTRY),
-                        help="verify only this mechanism (repeatable)")
+    parser.add_argument("--mechanism", action="append", choices=tuple(forms()),
+                        help="verify only this mechanism or variant form (repeatable)")
     parser.set_defaults(func=_main)
     return parser
 

@@ -13,15 +13,40 @@ from fastweight.mechanisms import REGISTRY, get
 def test_verify_passes_and_prints_every_mechanism(capsys):
     assert cli.main(["verify", "--seed", "0", "--length", "63"]) == 0
     out = capsys.readouterr().out
-    for name, m in REGISTRY.items():
+    for name, m in verify.forms().items():
         assert name in out and m.dplr_in_words in out
     assert "all passed" in out and "FAIL" not in out
+
+
+def test_verify_has_a_row_for_each_variant_form_after_its_mechanism():
+    """Longhorn's diagonal_step=True (longhorn.DIAGONAL) is a row of its own, not a registry entry."""
+    from fastweight.mechanisms.longhorn import DIAGONAL
+    names = list(verify.forms())
+    assert [n for n in names if n in REGISTRY] == list(REGISTRY) and "longhorn_diagonal" not in REGISTRY
+    assert names.index("longhorn_diagonal") == names.index("longhorn") + 1
+    assert verify.forms()["longhorn_diagonal"] is DIAGONAL and get("longhorn").variants == (DIAGONAL,)
+    result = verify.run(seed=4, length=7, names=["longhorn_diagonal"])
+    assert [r["mechanism"] for r in result["rows"]] == ["longhorn_diagonal"] and result["ok"]
+    assert result["rows"][0]["dplr"] == DIAGONAL.dplr_in_words
+    with pytest.raises(ValueError, match="unknown mechanism 'nope'"):
+        verify.run(length=2, names=["nope"])
+
+
+def test_verify_fails_on_a_broken_variant(monkeypatch, capsys):
+    longhorn = get("longhorn")
+    (diagonal,) = longhorn.variants
+    bad = dataclasses.replace(diagonal, step=longhorn.step)   # the exact step is not the diagonal one
+    monkeypatch.setitem(REGISTRY, "longhorn", dataclasses.replace(longhorn, variants=(bad,)))
+    assert cli.main(["verify", "--seed", "5", "--length", "4", "--mechanism", "longhorn",
+                     "--mechanism", "longhorn_diagonal"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED: longhorn_diagonal" in out and "FAILED: longhorn," not in out
 
 
 def test_verify_json_and_float32(capsys):
     assert cli.main(["verify", "--seed", "1", "--length", "5", "--dtype", "float32", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert [r["mechanism"] for r in result["rows"]] == list(REGISTRY)
+    assert [r["mechanism"] for r in result["rows"]] == list(verify.forms())
     assert result["ok"] and result["dtype"] == "float32" and result["seed"] == 1
     assert all(r["dplr_err"] <= 1e-5 and r["step_err"] <= 1e-5 for r in result["rows"])
 

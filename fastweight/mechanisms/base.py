@@ -24,6 +24,9 @@ A mechanism file defines, for its own paper's recurrence:
   steps (token t at rows t*n ... t*n+n-1, its output read at the last), ``cu_seqlens`` counts
   tokens (the checkers scale it by n), and ``objective(S, x, substep)`` is the objective of
   substep j at the state after substep j - 1: the token's update is their composition.
+- ``variants``: the other forms its op computes under an option (Longhorn's ``diagonal_step``),
+  each a :class:`Mechanism` with its own name, ``to_op`` passing the option: not registry entries
+  (the registry holds one mechanism per op), but each gets its row in ``fastweight verify``.
 
 A mechanism file also declares the public op it owns (:class:`Op`, fla's name; RetNet owns
 ``retention``, Mamba-2 ``simple_gla``) and the layer mixer built on it (:class:`Mixer`).
@@ -61,10 +64,15 @@ class Mechanism:
     op: str | None = None
     to_op: Callable | None = None
     dplr_steps: int | Callable = 1
+    variants: tuple = ()
 
     def __post_init__(self):
         if self.kernel_path not in KERNEL_PATHS:
             raise ValueError(f"kernel_path must be one of {KERNEL_PATHS}, got {self.kernel_path!r}")
+        for variant in self.variants:
+            if variant.op != self.op or variant.variants:
+                raise ValueError(f"variant {variant.name!r} of {self.name!r} must serve the same op "
+                                 f"({self.op!r}) and have no variants of its own")
 
     def steps(self, inputs: dict) -> int:
         """How many DPLR steps one token of ``inputs`` takes (``dplr_steps``)."""

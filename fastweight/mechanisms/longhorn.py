@@ -55,22 +55,6 @@ def objective(S, x):
     return S, [(x["beta"][..., None, None], regression(x["k"], x["v"]))], True
 
 
-MECHANISM = register(Mechanism(
-    name="longhorn",
-    title="Longhorn",
-    paper="arXiv:2407.14207",
-    kernel_path="delta",
-    dplr_in_words="w=1, a=-eps k, b=k, write (eps k, v), eps=beta/(1+beta k.k)",
-    input_names=("q", "k", "v", "beta"),
-    sample=sample,
-    step=step,
-    to_dplr=to_dplr,
-    objective=objective,
-    op="longhorn",
-    to_op=lambda x: dict(q=x["q"], k=x["k"], v=x["v"], beta=x["beta"]),
-))
-
-
 def diagonal_gate(k, beta):
     """The released step's log decay g = log(1 - eps k * k) [..., K] and write key eps k, from k
     [..., K] and beta [...] >= 0, as ``log(1 + beta (k^T k - k_i^2)) - log(1 + beta k^T k)``: no
@@ -99,9 +83,8 @@ def diagonal_objective(S, x):
     return S, [(eps, weight_decay(1 - k * k)), (eps, hebbian(k, x["v"]))], False
 
 
-# Not a registry entry (the registry holds one mechanism per op): the form ``diagonal_step=True``
-# of the Longhorn op computes, checked against the DPLR core and its objective by
-# tests/mechanisms/test_longhorn.py.
+# The form ``diagonal_step=True`` of the Longhorn op: a variant of MECHANISM, not a registry entry
+# (the registry holds one mechanism per op); ``fastweight verify`` checks it in its own row.
 DIAGONAL = Mechanism(
     name="longhorn_diagonal",
     title="Longhorn (released diagonal step)",
@@ -116,6 +99,23 @@ DIAGONAL = Mechanism(
     op="longhorn",
     to_op=lambda x: dict(q=x["q"], k=x["k"], v=x["v"], beta=x["beta"], diagonal_step=True),
 )
+
+MECHANISM = register(Mechanism(
+    name="longhorn",
+    title="Longhorn",
+    paper="arXiv:2407.14207",
+    kernel_path="delta",
+    dplr_in_words="w=1, a=-eps k, b=k, write (eps k, v), eps=beta/(1+beta k.k)",
+    input_names=("q", "k", "v", "beta"),
+    sample=sample,
+    step=step,
+    to_dplr=to_dplr,
+    objective=objective,
+    op="longhorn",
+    to_op=lambda x: dict(q=x["q"], k=x["k"], v=x["v"], beta=x["beta"]),
+    variants=(DIAGONAL,),
+))
+
 
 _EXACT_REFERENCE, _DIAGONAL_REFERENCE = reference_op(MECHANISM), reference_op(DIAGONAL)
 

@@ -1,8 +1,11 @@
 """Longhorn: the closed form is the proximal step; the write is eps k v^T, not beta k v^T.
 
-The released Longhorn code's diagonal step (``diagonal_step=True``; ``longhorn.DIAGONAL``) against
+The released Longhorn code's diagonal step (``diagonal_step=True``; ``longhorn.DIAGONAL``, a variant of
+the mechanism with its own ``fastweight verify`` row) against
 its definition (the per-token step ``Diag(1 - eps k * k) S + eps k v^T``) in float64 on the PyTorch
 chunk path, under the Triton interpreter in fp32, every gradient; its DPLR form and objective."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ from fastweight import ops, theory
 from fastweight.analysis.attention import recorded_recurrences
 from fastweight.layers import build_mixer
 from fastweight.layers.linear_op import force_generic
-from fastweight.mechanisms import OPS, get
+from fastweight.mechanisms import OPS, REGISTRY, get
 from fastweight.mechanisms.base import kT_S, outer
 from fastweight.mechanisms.longhorn import DIAGONAL, diagonal_gate, step_size
 from fastweight.models import LMConfig
@@ -61,6 +64,14 @@ def test_diagonal_step_is_a_dplr_recurrence_and_a_gradient_step(T):
     assert theory.check_gradient_step(DIAGONAL, x, initial_state=h0) <= TOL64
     # not the exact (proximal) step: that one is checked against the same objective above
     assert theory.check_gradient_step(get("longhorn"), x, initial_state=h0, step=DIAGONAL.step) > 1e-3
+
+
+def test_diagonal_step_is_a_variant_of_longhorn_not_a_registry_entry():
+    m = get("longhorn")
+    assert m.variants == (DIAGONAL,) and DIAGONAL.op == m.op and DIAGONAL.name not in REGISTRY
+    assert DIAGONAL.to_op({n: None for n in DIAGONAL.input_names})["diagonal_step"] is True
+    with pytest.raises(ValueError, match="same op"):
+        dataclasses.replace(m, variants=(dataclasses.replace(DIAGONAL, op="delta_rule"),))
 
 
 def test_diagonal_gate_is_log_of_1_minus_eps_k2_and_finite_for_any_key():
