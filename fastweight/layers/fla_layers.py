@@ -13,10 +13,13 @@ against ``fla.layers`` and the state dicts of fla checkpoints carry over.
 Padding: ``attention_mask`` [B, T] (1 = token, 0 = padding, on either side) packs the tokens into
 one varlen batch, as fla does, and the output is zero at padded positions. Packed input:
 ``cu_seqlens`` [N+1] with B = 1. Caching: ``past_key_values`` is this library's per-layer dict
-(``fastweight.layers.base``: the state and the convolutions' tails); fla's ``Cache`` objects are
-refused by name. An fla option a class does not implement (its docstring lists them: KDA's
-``num_v_heads``, GatedDeltaNet's ``use_gate=False``, GLA's short convolutions, ...) raises an
-error naming it, and so does an unknown keyword (fla's layers ignore those).
+(``fastweight.layers.base``: the state and the convolutions' tails; ``use_cache=True`` without one
+returns a new one), or fla's ``Cache`` (or any object with its protocol, as
+``fastweight.layers.fla_cache.LayerCache``): read at ``layer_idx`` and written back in fla's state
+layouts, and returned, as fla's layers do (``fastweight/layers/fla_cache.py``). An fla option a
+class does not implement (its docstring lists them: KDA's ``num_v_heads``, GatedDeltaNet's
+``use_gate=False``, GLA's short convolutions, ...) raises an error naming it, and so does an
+unknown keyword (fla's layers ignore those).
 
 ``Comba``, ``HGRN2Attention`` and ``RWKV7Attention`` compute fla's form, which differs from the LM's
 ``comba``, ``hgrn2`` and ``rwkv7`` mixers (their docstrings; ``docs/models.md``): RWKV-7's computation
@@ -32,12 +35,15 @@ import torch.nn.functional as F
 from fastweight.layers.base import Mixer, sequence_positions, split_heads
 from fastweight.layers.common import at_least_fp32
 from fastweight.layers.delta import DeltaRuleMixer
+from fastweight.layers.fla_cache import FlaLayout, is_protocol_cache, read_layer, write_layer
 from fastweight.layers.fla_forms import CombaFlaMixer, HGRN2FlaMixer
 from fastweight.layers.gated import DecayMixer, Mamba2Mixer
 from fastweight.layers.rwkv import EXP_MINUS_HALF
 
 # our submodule name -> fla's, in the state dict
 CONVS = {"q_conv.": "q_conv1d.", "k_conv.": "k_conv1d.", "v_conv.": "v_conv1d."}
+# the q, k, v convolutions' cache keys, in the order of fla's conv_state tuple
+QKV_CONVS = ("conv_q", "conv_k", "conv_v")
 
 
 def _refuse(layer: str, **given):
@@ -60,9 +66,11 @@ def _head_dims(layer: str, hidden_size: int, expand_k: float, expand_v: float, n
 
 class _FlaLayer:
     """fla's call convention over one of our mixers (module docstring; mixed in before the mixer's
-    class); ``FLA_NAMES`` renames the state dict's keys to fla's and back."""
+    class); ``FLA_NAMES`` renames the state dict's keys to fla's and back; ``FLA_CACHE`` is where
+    fla's layer of that name keeps its state in fla's cache (``fastweight.layers.fla_cache``)."""
 
     FLA_NAMES: dict = CONVS
+    FLA_CACHE: FlaLayout
 
     def _fla_setup(self, cfg, variant: str, mode: str, layer_idx, unknown: dict):
         if mode not in ("chunk", "fused_recurrent"):
@@ -78,12 +86,23 @@ class _FlaLayer:
         self.register_load_state_dict_pre_hook(_from_fla_names)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                past_key_values: dict | None = None, use_cache: bool | None = False,
+                past_key_values=None, use_cache: bool | None = False,
                 output_attentions: bool | None = False, cu_seqlens: torch.Tensor | None = None, **kwargs):
+        """``hidden_states`` [B, T, hidden_size] -> ``(o [B, T, hidden_size], None, cache)``.
+        ``past_key_values``: None, this library's per-layer dict (updated in place), or a cache with
+        fla's protocol (read at ``layer_idx``, written back; ``fastweight.layers.fla_cache``); the cache
+        returned is the one passed, else a new dict with ``use_cache``, else None."""
         name = type(self).__name__
+        shared_cache = None   # fla's cache protocol (fastweight.layers.fla_cache): read here, written back below
         if past_key_values is not None and not isinstance(past_key_values, dict):
-            raise TypeError(f"{name}: `past_key_values` must be fastweight's per-layer dict (or None), got "
-                            f"{type(past_key_values).__name__} (fla's Cache is not supported)")
+            if not is_protocol_cache(past_key_values):
+                raise ValueError(f"{name}: `past_key_values` must be fastweight's per-layer dict, an object with "
+                                 f"fla's cache protocol (fla's Cache, fastweight.layers.fla_cache.LayerCache) "
+                                 f"or None, got {type(past_key_values).__name__}")
+            if self.layer_idx is None:
+                raise ValueError(f"{name}: `past_key_values` as fla's cache needs the layer's `layer_idx`")
+            shared_cache, past_key_values = past_key_values, read_layer(past_key_values, self.layer_idx,
+                                                                        self.FLA_CACHE)
         cache = past_key_values if past_key_values is not None else ({} if use_cache else None)
         x, B, T = hidden_states, hidden_states.shape[0], hidden_states.shape[1]
         keep = None
@@ -109,6 +128,9 @@ class _FlaLayer:
         o = super().forward(x, cache, shared)
         if keep is not None:
             o = o.new_zeros(B * T, o.shape[-1]).index_copy(0, keep.nonzero().squeeze(1), o[0]).view(B, T, -1)
+        if shared_cache is not None:
+            write_layer(shared_cache, self.layer_idx, self.FLA_CACHE, cache, T)
+            return o, None, shared_cache
         return o, None, cache
 
     def _shared_inputs(self, kwargs: dict) -> dict:
@@ -122,6 +144,7 @@ class _FlaLayer:
 
 class _FlaDeltaLayer(_FlaLayer, DeltaRuleMixer):
     MIXER = DeltaRuleMixer
+    FLA_CACHE = FlaLayout(v_first=True, conv=QKV_CONVS)   # fla's GDN and KDA: state_v_first=True
 
 
 class DeltaNet(_FlaDeltaLayer):
@@ -134,6 +157,8 @@ class DeltaNet(_FlaDeltaLayer):
 
     with fla's arguments: key and value widths ``hidden_size * expand_k`` and ``hidden_size *
     expand_v``, split into ``num_heads`` heads; ``d_model`` is an alias of ``hidden_size``."""
+
+    FLA_CACHE = FlaLayout(v_first=False, conv=QKV_CONVS)
 
     def __init__(self, mode: str = "chunk", d_model: int | None = None, hidden_size: int = 1024,
                  expand_k: float = 1.0, expand_v: float = 1.0, num_heads: int = 4, use_beta: bool = True,
@@ -251,6 +276,7 @@ class GatedLinearAttention(_FlaLayer, DecayMixer):
 
     MIXER = DecayMixer
     FLA_NAMES = {"gk_proj.down.": "gk_proj.0.", "gk_proj.up.": "gk_proj.1.", "o_norm.": "g_norm_swish_gate."}
+    FLA_CACHE = FlaLayout(v_first=True)
 
     def __init__(self, mode: str = "chunk", hidden_size: int = 1024, expand_k: float = 0.5, expand_v: float = 1.0,
                  num_heads: int = 4, num_kv_heads: int | None = None, feature_map: str | None = None,
@@ -292,6 +318,7 @@ class Comba(_FlaLayer, CombaFlaMixer):
 
     MIXER = CombaFlaMixer
     FLA_NAMES = {**CONVS, "inner_decay": "decay"}
+    FLA_CACHE = FlaLayout(v_first=False, conv=QKV_CONVS)
 
     def __init__(self, hidden_size: int = 2048, expand_v: float = 2, head_dim: int = 256, num_heads: int = 6,
                  num_v_heads: int | None = None, mode: str = "chunk", use_short_conv: bool = True,
@@ -326,6 +353,7 @@ class HGRN2Attention(_FlaLayer, HGRN2FlaMixer):
 
     MIXER = HGRN2FlaMixer
     FLA_NAMES = {"k_proj.": "f_proj.", "v_proj.": "i_proj.", "o_norm.": "g_norm."}
+    FLA_CACHE = FlaLayout(v_first=True)
 
     def __init__(self, mode: str = "chunk", hidden_size: int = 1024, num_heads: int | None = None,
                  expand_ratio: int | None = 128, use_short_conv: bool = False, conv_size: int = 4,
@@ -363,6 +391,7 @@ class Mamba2(_FlaLayer, Mamba2Mixer):
 
     MIXER = Mamba2Mixer
     FLA_NAMES = {}
+    FLA_CACHE = FlaLayout(v_first=True, conv=("conv",))   # mamba's ssm_state [N, H, head_dim, state_size]
 
     def __init__(self, num_heads: int | None = None, head_dim: int = 64, hidden_size: int = 2048,
                  state_size: int = 128, expand: int = 2, n_groups: int = 1, conv_kernel: int = 4,
@@ -487,6 +516,7 @@ class RWKV7Attention(_FlaLayer, _RWKV7Mixer):
     MIXER = _RWKV7Mixer
     FLA_NAMES = {f"{n}_lora.{ours}.": f"{n}_lora.lora.{theirs}." for n in "wavg"
                  for ours, theirs in (("down", 0), ("up", 2))}
+    FLA_CACHE = FlaLayout(v_first=False, conv=("shift",))
 
     def __init__(self, mode: str = "chunk", hidden_size: int = 1024, head_dim: int | None = 64,
                  num_heads: int | None = None, decay_low_rank_dim: int | None = None,
@@ -517,7 +547,7 @@ class RWKV7Attention(_FlaLayer, _RWKV7Mixer):
         self._make_parameters(hidden_size, H, value_dim, ranks, layer_idx == 0, K * norm_eps)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                past_key_values: dict | None = None, use_cache: bool | None = False,
+                past_key_values=None, use_cache: bool | None = False,
                 output_attentions: bool | None = False, v_first: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, **kwargs):
         """fla's call: ``(o, None, past_key_values, v_first)``; ``v_first`` [B, T, value_dim] is

@@ -205,6 +205,7 @@ def test_deltanet_sizes_as_fla_does():
 
 
 def test_foreign_cache_is_refused():
+    """Neither our dict nor fla's cache protocol (``tests/layers/test_fla_cache.py`` has the protocol)."""
     layer = _layer()
-    with pytest.raises(TypeError, match="past_key_values"):
+    with pytest.raises(ValueError, match="past_key_values"):
         layer(torch.randn(1, 4, 32, dtype=torch.float64), past_key_values=object())
