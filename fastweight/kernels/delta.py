@@ -49,9 +49,15 @@ def _exclusive(g_cum, chunks):
     return torch.where(start.view(1, T, *([1] * (g_cum.dim() - 2))), 0., g_cum.roll(1, dims=1))
 
 
-def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks, store_h, p=None, gate=(None, None)):
+def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks, store_h, p=None, gate=(None, None),
+              fuse_wy=None):
     """g: None, [1, T, H] (scalar gate) or [1, T, H, K] (per-channel gate, KDA); p: Comba's read key;
-    gate: (A_log, dt_bias) when g is the pre-activation of Mamba-2's gate, computed in the cumsum."""
+    gate: (A_log, dt_bias) when g is the pre-activation of Mamba-2's gate, computed in the cumsum;
+    fuse_wy: the read R = U - W S formed in the state pass from Ai and the raw rows
+    (``state.state_fwd(Ai=...)``), W and U never written, where it applies (no p, no per-channel
+    gate); default: for inference only (``store_h`` False). On the H200 (GDN (4, 8192, 16, 128),
+    bf16) it saves W/U's 0.18 ms and costs the state pass 0.11; keeping h it costs 0.20 there and a
+    backward must recompute W (docs/bench/delta.md, session 12)."""
     g_cum = gk_cum = Aqk = Akk = g_read = None
     A_log, dt_bias = gate
     if g is not None and g.dim() == 4:
@@ -65,6 +71,13 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
             g_read = _exclusive(g_cum, chunks) if g is not None else None
         Ai = kkt_solve(k, beta, g_cum, chunks, p=p, g_read=g_read)
     qs, ks = q, k
+    if fuse_wy is None:
+        fuse_wy = not store_h
+    if fuse_wy and p is None and gk_cum is None:
+        h, v_new, o, ht = state_fwd("delta", k, v, chunks, g=g_cum, q=q, Ai=Ai, beta=beta, scale=scale,
+                                    initial_state=initial_state, output_final_state=output_final_state,
+                                    store_h=store_h, store_r=store_h, fuse_output=True)
+        return o, ht, (g_cum, gk_cum, g_read, Ai, Aqk, Akk, None, h, v_new)
     if p is not None:
         w, u = recompute_w_u(p, v, beta, g_read, Ai, chunks)
     elif gk_cum is not None:
@@ -80,6 +93,8 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
 
 def delta_bwd(q, k, v, beta, saved, do, dht, scale, chunks, need_dh0, p=None):
     g_cum, gk_cum, g_read, Ai, Aqk, Akk, w, h, v_new = saved
+    if w is None:
+        w, _ = recompute_w_u(k, v, beta, g_cum, Ai, chunks, need_u=False)
     dh, dv_tilde, dh0 = state_bwd("delta", q, do, chunks, g=g_cum if gk_cum is None else gk_cum, k=k, w=w, A=Aqk,
                                   scale=scale, dht=dht, need_dh0=need_dh0)
     # gradients still to be accumulated (grouped heads, the per-channel intra part) stay fp32

@@ -88,12 +88,15 @@ def _state_block(x, i, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, i_k, i
 
 
 @triton.jit
-def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H: tl.constexpr,
-              HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-              BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr, FUSE_OUTPUT: tl.constexpr,
-              STORE_H: tl.constexpr, STORE_R: tl.constexpr, PRESCALED: tl.constexpr):
+def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, Ai, beta, o, h, r, bos, T, boh, i_h, i_k, i_v, scale,
+              H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+              BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
+              FUSE_OUTPUT: tl.constexpr, STORE_H: tl.constexpr, STORE_R: tl.constexpr, PRESCALED: tl.constexpr,
+              FUSE_WY: tl.constexpr):
     """One chunk of the forward pass; returns the state at the chunk's end. PRESCALED (per-channel
-    gate): q and k hold the gated rows qg = q exp(G) and kd = k exp(G_C - G) (``wy.recompute_w_u``)."""
+    gate): q and k hold the gated rows qg = q exp(G) and kd = k exp(G_C - G) (``wy.recompute_w_u``).
+    FUSE_WY (DELTA, scalar or no gate): the read from Ai and the raw rows, R = Ai Diag(beta) (V -
+    Diag(gamma) K S), so W and U are never formed (v is V, w and u unused)."""
     o_i = tl.arange(0, BT)
     m_row = i_t * BT + o_i < T
     i_hk = i_h // (H // HK)
@@ -113,22 +116,35 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, o, h, r, bos, T, boh, i_h, i_k, 
         b_hc = b_h.to(dt)
         b_w = tl.load(_rows(w, bos, T, i_t, H, i_h, K, 0, BT, BK), boundary_check=(0, 1))
     if TRANSITION == DELTA:
-        b_w = tl.load(_rows(w, bos, T, i_t, H, i_h, K, 0, BT, BK), boundary_check=(0, 1))
+        if FUSE_WY:
+            b_Ai = tl.load(_rows(Ai, bos, T, i_t, H, i_h, BT, 0, BT, BT), boundary_check=(0, 1))
+            b_beta = tl.load(beta + (bos + i_t * BT + o_i) * H + i_h, mask=m_row, other=0.).to(tl.float32)
+        else:
+            b_w = tl.load(_rows(w, bos, T, i_t, H, i_h, K, 0, BT, BK), boundary_check=(0, 1))
         b_hc = b_h.to(dt)
     if STORE_H and TRANSITION != DPLR:
         p_h = _state_block(h, (boh + i_t) * H + i_h, H, K, V, i_k, i_v, BK, BV)
         tl.store(p_h, b_h.to(p_h.dtype.element_ty), boundary_check=(0, 1))
     if TRANSITION != DECAY:
         # the read R = U -/+ W S against the state at the chunk's start
-        b_u = tl.load(_rows(u, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(tl.float32)
-        if TRANSITION == DELTA:
-            b_r = b_u - mm(b_w, b_hc)
+        if FUSE_WY:
+            b_vr = tl.load(_rows(v, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(tl.float32)
+            b_ks = b_beta
+            if GATE == 1:
+                b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT)
+                b_ks = b_beta * tl.exp(b_g)
+            b_xr = b_vr * b_beta[:, None] - mm((b_k * b_ks[:, None]).to(dt), b_hc)
+            b_r = mm(b_Ai.to(dt), b_xr.to(dt))
         else:
-            b_r = b_u + mm(b_w, b_hc)
+            b_u = tl.load(_rows(u, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(tl.float32)
+            if TRANSITION == DELTA:
+                b_r = b_u - mm(b_w, b_hc)
+            else:
+                b_r = b_u + mm(b_w, b_hc)
         if STORE_R:
             p_r = _rows(r, bos, T, i_t, H, i_h, V, i_v, BT, BV)
             tl.store(p_r, b_r.to(p_r.dtype.element_ty), boundary_check=(0, 1))
-    if GATE == 1:
+    if GATE == 1 and not FUSE_WY:
         b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT)
     if GATE == 2 and TRANSITION != DPLR:
         if PRESCALED:
@@ -177,12 +193,12 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, o, h, r, bos, T, boh, i_h, i_k, 
 
 
 @triton.jit
-def state_fwd_kernel(q, k, v, w, u, b, g, A, h0, o, ht, h, r, cu_seqlens, chunk_offsets, scale, NT_ALL,
+def state_fwd_kernel(q, k, v, w, u, b, g, A, Ai, beta, h0, o, ht, h, r, cu_seqlens, chunk_offsets, scale, NT_ALL,
                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
                      FUSE_OUTPUT: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
                      STORE_H: tl.constexpr, STORE_R: tl.constexpr, UNIFORM: tl.constexpr,
-                     WHILE_LOOP: tl.constexpr, PRESCALED: tl.constexpr):
+                     WHILE_LOOP: tl.constexpr, PRESCALED: tl.constexpr, FUSE_WY: tl.constexpr):
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -196,8 +212,9 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, h0, o, ht, h, r, cu_seqlens, chunk_
         NT = tl.cdiv(T, BT)
         i_t = 0
         while i_t < NT:
-            b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H, HK, K,
-                            V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R, PRESCALED)
+            b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, Ai, beta, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H,
+                            HK, K, V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R, PRESCALED,
+                            FUSE_WY)
             i_t += 1
     else:
         # compiled: a for loop, which Triton software-pipelines (the next chunk's loads overlap); its
@@ -207,8 +224,9 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, h0, o, ht, h, r, cu_seqlens, chunk_
         else:
             NT = tl.cdiv(T, BT)
         for i_t in range(0, NT):
-            b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H, HK, K,
-                            V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R, PRESCALED)
+            b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, Ai, beta, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H,
+                            HK, K, V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R, PRESCALED,
+                            FUSE_WY)
     if STORE_HT:
         tl.store(_state_block(ht, i_nh, H, K, V, i_k, i_v, BK, BV), b_h, boundary_check=(0, 1))
 
@@ -342,13 +360,15 @@ def _gate_kind(g) -> int:
 def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, b=None, q=None, A=None,
               scale: float = 1.0, initial_state=None, output_final_state: bool = False, store_h: bool = True,
               store_r: bool = False, fuse_output: bool = False, state_dtype=None, block_v=None,
-              prescaled: bool = False):
+              prescaled: bool = False, Ai=None, beta=None):
     """The forward state pass (module docstring).
 
     k: [1, T, HK, K] (q likewise, with ``fuse_output``); v: [1, T, H, V]; w, b: [1, T, H, K]; u:
     [1, T, H, V]; g: None, [1, T, H] or [1, T, H, K] (fp32 chunk-local cumsum); A: [1, T, H, BT];
     initial_state: [N, H, K, V]; ``prescaled`` (delta, per-channel g): k and q are the gated rows
-    kd, qg [1, T, H, K] of ``wy.recompute_w_u``. Returns (h [NC, H, K, V] in ``state_dtype`` (default k's) or None,
+    kd, qg [1, T, H, K] of ``wy.recompute_w_u``. ``Ai`` [1, T, H, BT] and ``beta`` [1, T, H] (delta,
+    scalar or no gate) in place of w and u: the read is formed from v, R = Ai Diag(beta) (V -
+    Diag(gamma) K S) (one [BT, BT] product more a chunk; W and U are not formed). Returns (h [NC, H, K, V] in ``state_dtype`` (default k's) or None,
     R [1, T, H, V] in v's dtype or None, o [1, T, H, V] in v's dtype or None, final state fp32 or None)."""
     _, T, HK, K = k.shape
     H, V = v.shape[2], v.shape[-1]
@@ -363,12 +383,16 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     o = alloc(v.shape, dtype=v.dtype, device=dev) if fuse_output else None
     ht = alloc((chunks.N, H, K, V), dtype=torch.float32, device=dev) if output_final_state else None
     grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), chunks.N * H)
-    state_fwd_kernel[grid](q, k, v, w, u, b, g, A, initial_state, o, ht, h, r, chunks.cu_seqlens,
+    fuse_wy = Ai is not None
+    if fuse_wy and (transition != "delta" or _gate_kind(g) == 2 or beta is None):
+        raise ValueError("`Ai` (the fused W/U read) needs the delta transition, a scalar or no gate and `beta`")
+    state_fwd_kernel[grid](q, k, v, w, u, b, g, A, Ai, beta, initial_state, o, ht, h, r, chunks.cu_seqlens,
                            chunks.chunk_offsets, scale, chunks.NT or 0, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK,
                            BV=BV, TRANSITION=TRANSITIONS[transition], GATE=_gate_kind(g), FUSE_OUTPUT=fuse_output,
                            USE_H0=initial_state is not None, STORE_HT=output_final_state, STORE_H=store_h,
                            STORE_R=store_r, UNIFORM=uniform,
-                           WHILE_LOOP=while_loops(), PRESCALED=prescaled, num_warps=warps, num_stages=stages)
+                           WHILE_LOOP=while_loops(), PRESCALED=prescaled, FUSE_WY=fuse_wy, num_warps=warps,
+                           num_stages=stages)
     return h, r, o, ht
 
 

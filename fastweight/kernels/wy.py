@@ -37,7 +37,8 @@ def _gate_tile(g, bos, T, i_t, i_k, H: tl.constexpr, i_h, K: tl.constexpr, BT: t
 @triton.jit
 def recompute_w_u_kernel(k, v, beta, g, Ai, w, u, q, qg, kd, cu_seqlens, chunk_indices, H: tl.constexpr,
                          HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                         BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, PRESCALE: tl.constexpr):
+                         BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, PRESCALE: tl.constexpr,
+                         STORE_U: tl.constexpr):
     """W, U of one (chunk, head); PRESCALE (per-channel gate): also the state pass's gated rows,
     qg = q exp(G) and kd = k exp(G_C - G) (0 past the end), in k's dtype, per value head."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -77,13 +78,16 @@ def recompute_w_u_kernel(k, v, beta, g, Ai, w, u, q, qg, kd, cu_seqlens, chunk_i
                 tl.store(p_kd, (b_k * b_ek).to(p_kd.dtype.element_ty), boundary_check=(0, 1))
         b_w = mm(b_Ai.to(b_k.dtype), b_kb.to(b_k.dtype))
         tl.store(p_w, b_w.to(p_w.dtype.element_ty), boundary_check=(0, 1))
-    for i_v in range(tl.cdiv(V, BV)):
-        p_v = tl.make_block_ptr(v + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        p_u = tl.make_block_ptr(u + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV), (1, 0))
-        b_v = tl.load(p_v, boundary_check=(0, 1))
-        b_vb = (b_v * b_beta[:, None]).to(b_v.dtype)
-        b_u = mm(b_Ai.to(b_v.dtype), b_vb)
-        tl.store(p_u, b_u.to(p_u.dtype.element_ty), boundary_check=(0, 1))
+    if STORE_U:
+        for i_v in range(tl.cdiv(V, BV)):
+            p_v = tl.make_block_ptr(v + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV),
+                                    (1, 0))
+            p_u = tl.make_block_ptr(u + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_t * BT, i_v * BV), (BT, BV),
+                                    (1, 0))
+            b_v = tl.load(p_v, boundary_check=(0, 1))
+            b_vb = (b_v * b_beta[:, None]).to(b_v.dtype)
+            b_u = mm(b_Ai.to(b_v.dtype), b_vb)
+            tl.store(p_u, b_u.to(p_u.dtype.element_ty), boundary_check=(0, 1))
 
 
 @triton.jit
@@ -231,23 +235,26 @@ def _blocks(K, V):
     return MIN_DOT_BLOCK, MIN_DOT_BLOCK
 
 
-def recompute_w_u(k, v, beta, g_cum, Ai, chunks: Chunks, gk_cum=None, q=None, num_warps: int | None = None):
+def recompute_w_u(k, v, beta, g_cum, Ai, chunks: Chunks, gk_cum=None, q=None, num_warps: int | None = None,
+                  need_u: bool = True):
     """k: [1, T, HK, K]; v: [1, T, H, V]; beta, g_cum: [1, T, H]; Ai: [1, T, H, BT]; gk_cum: [1, T, H, K]
     (per-channel gate, instead of g_cum) -> (w [1, T, H, K], u [1, T, H, V]). With ``q`` [1, T, HK, K]
     and ``gk_cum``: (w, u, qg, kd), the state pass's gated rows qg = q exp(G), kd = k exp(G_C - G)
     [1, T, H, K] (state.py reads them instead of forming them chunk after chunk on its serial path).
-    ``num_warps``: default 4, 8 with the gated rows (H200, KDA (4, 8192, 16, 128): 0.446 against 0.474 ms)."""
+    ``num_warps``: default 4, 8 with the gated rows (H200, KDA (4, 8192, 16, 128): 0.446 against 0.474 ms).
+    ``need_u=False``: W alone (u is None), for a backward whose forward formed the read from Ai."""
     _, T, HK, K = k.shape
     H, V = v.shape[2], v.shape[-1]
     BK, BV = _blocks(K, V)
-    w, u = alloc((1, T, H, K), dtype=k.dtype, device=k.device), alloc(v.shape, dtype=v.dtype, device=v.device)
+    w = alloc((1, T, H, K), dtype=k.dtype, device=k.device)
+    u = alloc(v.shape, dtype=v.dtype, device=v.device) if need_u else None
     prescale = q is not None and gk_cum is not None
     num_warps = num_warps or (8 if prescale else 4)
     qg, kd = ((alloc((1, T, H, K), dtype=k.dtype, device=k.device) for _ in range(2)) if prescale else (None, None))
     recompute_w_u_kernel[(chunks.NC, H)](k, v, beta, g_cum if gk_cum is None else gk_cum, Ai, w, u, q, qg, kd,
                                          chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK, K=K, V=V, BT=chunks.BT,
                                          BK=BK, BV=BV, USE_G=g_cum is not None, USE_GK=gk_cum is not None,
-                                         PRESCALE=prescale, num_warps=num_warps)
+                                         PRESCALE=prescale, STORE_U=need_u, num_warps=num_warps)
     return (w, u, qg, kd) if prescale else (w, u)
 
 

@@ -172,3 +172,46 @@ def test_l2norm():
     (y * dy.float()).sum().backward()
     (y_ref * dy).sum().backward()
     assert rel_err(y, y_ref) < 1e-6 and rel_err(mine.grad, ref.grad) < 1e-5
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_state_pass_fused_read_matches_w_u(gated):
+    """The state pass forming R = Ai Diag(beta) (V - Diag(gamma) K S) from the raw rows (``Ai=``)
+    gives the outputs, states and reads of the pass that reads W and U (fp32, varlen with an empty
+    and a partial sequence, initial state, grouped value heads: k at HK = 1, v at H = 2)."""
+    from fastweight.kernels.state import state_fwd
+    from fastweight.kernels.wy import recompute_w_u
+    q, k, _, beta, g, _ = inputs(5)
+    q, k = q[:, :, :1].contiguous(), k[:, :, :1].contiguous()
+    v = torch.randn(1, T, H, 48, generator=generator(6))
+    cu = torch.tensor([0, 0, 37, T])
+    ch = prepare_chunks(cu, 1, T, 64, "cpu")
+    h0 = torch.randn(3, H, K, 48, generator=generator(7))
+    gc = chunk_cumsum(g, ch) if gated else None
+    Ai = kkt_solve(k, beta, gc, ch)
+    w, u = recompute_w_u(k, v, beta, gc, Ai, ch)
+    kw = dict(g=gc, q=q, scale=0.3, initial_state=h0, output_final_state=True, store_h=True, store_r=True,
+              fuse_output=True)
+    h1, r1, o1, ht1 = state_fwd("delta", k, u, ch, w=w, u=u, **kw)
+    h2, r2, o2, ht2 = state_fwd("delta", k, v, ch, Ai=Ai, beta=beta, **kw)
+    for a, b in ((h1, h2), (r1, r2), (o1, o2), (ht1, ht2)):
+        assert rel_err(b, a) < 1e-5
+    with pytest.raises(ValueError, match="Ai"):
+        state_fwd("decay", k, v, ch, g=gc, Ai=Ai, beta=beta)
+
+
+def test_delta_forward_fused_read_backward():
+    """A forward that formed the read in the state pass (no W kept) recomputes W for its backward:
+    the gradients equal those of the forward that wrote W and U (fp32)."""
+    from fastweight.kernels import delta
+    q, k, _, beta, g, _ = inputs(8)
+    v = torch.randn(1, T, H, K, generator=generator(9))
+    ch = prepare_chunks(None, 1, T, 64, "cpu")
+    do = torch.randn(1, T, H, K, generator=generator(10))
+    grads = []
+    for fuse in (False, True):
+        o, _, saved = delta.delta_fwd(q, k, v, g, beta, 0.3, None, False, ch, True, fuse_wy=fuse)
+        assert (saved[6] is None) == fuse
+        grads.append((o,) + delta.delta_bwd(q, k, v, beta, saved, do, None, 0.3, ch, False)[:5])
+    for a, b in zip(*grads):
+        assert rel_err(b, a) < 1e-5
