@@ -208,3 +208,23 @@ def test_longhorn_diagonal_mixer_takes_the_released_step():
     assert rel_err(y_diagonal, y_exact) > 1e-3
     with force_generic():
         assert rel_err(diagonal(x), y_diagonal) <= 1e-10
+
+
+@pytest.mark.parametrize("diagonal_step", [False, True])
+def test_a_step_size_per_value_channel_is_the_op_on_value_heads_of_dim_1(diagonal_step):
+    """The released code's eps per value channel (Mamba's dt) is one transition per column of S: the op with
+    grouped value heads of value dim 1 sharing q, k (docs/objectives.md measures it against the per-head
+    mean this package takes). Equal beta over a head's channels gives the per-head op."""
+    x = op_inputs(2, 37, 2, 8, 6, seed=11)
+    q, k, v = x["q"], x["k"], x["v"]
+
+    def per_channel(beta):   # beta [B, T, H, V]
+        return torch.stack([ops.chunk_longhorn(q[:, :, h:h + 1], k[:, :, h:h + 1], v[:, :, h, :, None],
+                                               beta[:, :, h],
+                                               diagonal_step=diagonal_step, backend="reference")[0][..., 0]
+                            for h in range(2)], dim=2)
+
+    o, _ = ops.chunk_longhorn(q, k, v, x["beta"], diagonal_step=diagonal_step, backend="reference")
+    assert rel_err(per_channel(x["beta"][..., None].expand(v.shape)), o) <= TOL64
+    spread = x["beta"][..., None] * (1 + 0.5 * torch.randn(v.shape, dtype=torch.float64, generator=generator(12)))
+    assert rel_err(per_channel(spread.abs()), o) > 1e-2
