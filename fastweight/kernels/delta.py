@@ -57,7 +57,7 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
     (``state.state_fwd(Ai=...)``), W and U never written, where it applies (no p, no per-channel
     gate); default: for inference only (``store_h`` False). On the H200 (GDN (4, 8192, 16, 128),
     bf16) it saves W/U's 0.18 ms and costs the state pass 0.11; keeping h it costs 0.20 there and a
-    backward must recompute W (docs/bench/delta.md, session 12)."""
+    backward must recompute W (docs/bench/delta.md)."""
     g_cum = gk_cum = Aqk = Akk = g_read = None
     A_log, dt_bias = gate
     if g is not None and g.dim() == 4:
