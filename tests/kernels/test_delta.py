@@ -254,7 +254,13 @@ def step_conditions(op, x, h0, do, dht, names, cu_seqlens=None):
     7392606307504237635, 8479246447982133845: dg 1.07e-5 at cond 486 (0.19 eps * cond; 12 other seeds
     0.015-0.28 at cond 4-37); [comba-127--6.0] 17845690251909294010, 3135429533073024125,
     9880699503634298048, 10420659269316444195, 15729653926906720588: dp 1.17e-5 at cond 5.7, 17 eps * cond: an
-    error of the cumsum's resolution, not of cancellation (``gate_tolerance``; 12 other dg / dp there: 0.19-12)."""
+    error of the cumsum's resolution, not of cancellation (``gate_tolerance``; 12 other dg / dp there: 0.19-12).
+
+    ``"q"`` in ``names``: the read's condition, ``M_t = scale |S_t| |do_t|`` against ``dq_t = scale S_t do_t``:
+    the state a strong decay leaves is nearly ``beta k v^T``, and do_t nearly orthogonal to v_t cancels it.
+    Measured: [kda-1--6.0] 9194427910455049046, 3674478706583738824, 9311711050457256991, 13157704062382684694,
+    17204304255137660027: dq 1.27e-5 at cond 145 (0.74 eps * cond; the fp32 step itself: 3.4e-6; 0 of 650
+    fresh seeds over the flat 1e-5 otherwise)."""
     step = get(MECHANISM[op]).step
     x = {n: t.detach().double() for n, t in x.items()}
     T = x["q"].shape[1]
@@ -272,7 +278,11 @@ def step_conditions(op, x, h0, do, dht, names, cu_seqlens=None):
         loss = loss + (dht[n:n + 1].double() * S).sum()
     dS = torch.autograd.grad(loss, states)
     out = {}
-    for name in names:
+    if "q" in names:  # states run over t = 0 .. T - 1 in order, sequence after sequence
+        dot = [(scale * S.detach().abs() @ do[:, t].double().abs().unsqueeze(-1),
+                scale * S.detach() @ do[:, t].double().unsqueeze(-1)) for t, S in enumerate(states)]
+        out["q"] = torch.stack([m for m, _ in dot]).norm().item() / torch.stack([d for _, d in dot]).norm().item()
+    for name in (n for n in names if n != "q"):
         mag, grad = [], []
         for (S_prev, xt), d in zip(prev, dS):
             def at(value):
@@ -302,7 +312,7 @@ def check_strong(op, x, h0, *, cu_seqlens=None, G=1, qk_l2norm=False, gate=None,
     if g_ref is None and G == 1 and not qk_l2norm:
         # the step inputs whose gradients contract the state (the gate; Comba's read key p)
         eps = torch.finfo(dtype).eps
-        conds = step_conditions(op, x, h0, do, dht, [n for n in ("g", "p") if n in x], cu_seqlens)
+        conds = step_conditions(op, x, h0, do, dht, ["q"] + [n for n in ("g", "p") if n in x], cu_seqlens)
         tols.update({n: max(tols.get(n, tol), eps * c) for n, c in conds.items()})
     check_gradients(*pair, (do.to(dtype), dht), tol, tols=tols)
 
