@@ -7,8 +7,9 @@ A mixer maps ``x [B, T, D] -> y [B, T, D]``. ``forward(x, cache=None, shared=Non
   (fp32), the short-conv inputs ``"conv_*"``, the last token ``"shift"``, the SWA window.
   Its size does not grow with the sequence for any linear mixer.
 - ``shared`` is a per-call dict the model passes through all layers: ``"offset"`` (tokens
-  already in the cache, for rotary positions), for packed sequences (B = 1, no cache)
-  ``"cu_seqlens"`` [N+1] and ``"positions"`` [T] (each token's index in its own sequence),
+  already in the cache, for rotary positions), for packed sequences (B = 1; with a cache, one
+  state and one convolution tail per sequence, where the layer supports it) ``"cu_seqlens"`` [N+1]
+  and ``"positions"`` [T] (each token's index in its own sequence),
   and values one layer hands to later ones (RWKV-7's value residual ``"v_first"``); under
   context parallelism ``"context_parallel"`` (a :class:`fastweight.context_parallel.ContextGroup`:
   the recurrence, the short convolutions and the token shift then reach across ranks).
@@ -62,7 +63,9 @@ class Mixer(nn.Module):
         if ctx is not None and conv.kernel_size > 1:
             from fastweight.context_parallel import halo
             return conv(x, halo(x, conv.kernel_size - 1, ctx))[0]
-        y, tail = conv(x, None if cache is None else cache.get(name), packed(shared, "positions"))
+        # packed sequences with a cache: per-sequence histories (cu_seqlens); without one, none kept
+        cu = packed(shared, "cu_seqlens") if cache is not None else None
+        y, tail = conv(x, None if cache is None else cache.get(name), packed(shared, "positions"), cu)
         if cache is not None:
             cache[name] = tail
         return y
@@ -76,7 +79,8 @@ class Mixer(nn.Module):
         if ctx is not None:
             from fastweight.context_parallel import halo
             return shift(x, halo(x, 1, ctx))[0]
-        prev, last = shift(x, None if cache is None else cache.get(name), packed(shared, "positions"))
+        cu = packed(shared, "cu_seqlens") if cache is not None else None
+        prev, last = shift(x, None if cache is None else cache.get(name), packed(shared, "positions"), cu)
         if cache is not None:
             cache[name] = last
         return prev

@@ -91,7 +91,9 @@ class ShortConv(nn.Module):
 
     x: [B, T, C]. ``cache`` holds the last W-1 inputs ``[B, W-1, C]`` (zeros at the start);
     ``forward`` returns ``(y, new_cache)`` so decoding one token costs O(W C). With ``positions``
-    (packed sequences, B = 1) no tap reaches into the previous sequence (and no cache is kept).
+    (packed sequences, B = 1) no tap reaches into the previous sequence, and no cache is kept unless
+    ``cu_seqlens`` [N+1] is given too: then ``cache`` (None: zeros) is ``[N, W-1, C]``, sequence n's
+    history, and the tails come back per sequence (an empty sequence keeps its own).
     """
 
     def __init__(self, channels: int, kernel_size: int = 4, activation: str | None = "silu", bias: bool = False):
@@ -107,9 +109,14 @@ class ShortConv(nn.Module):
         self.fused = activation in ("silu", "identity", None) and not bias
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
-    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None, positions: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None):
         B, T, C = x.shape
         W = self.kernel_size
+        if cu_seqlens is not None:
+            weight, bias = self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
+            y, tail = packed_conv_cached(x, weight, bias, positions, cu_seqlens, cache)
+            return self.act(y), tail
         if cache is None and positions is None and self.fused and _fused_conv_usable(x):
             # one pass over [B, T, C] in and out (conv1d needs channels first: two transposed copies)
             from fastweight.kernels.conv import short_conv
@@ -153,6 +160,50 @@ def packed_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y if bias is None else y + bias
 
 
+def packed_history(x: torch.Tensor, cache: torch.Tensor | None, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                   lag: int, width: int) -> torch.Tensor:
+    """x_{t - lag} for each of T packed tokens (x [1, T, C]): from x within the token's sequence, else
+    from its sequence's ``cache`` [N, width, C] (its last ``width`` inputs, newest last; None: zeros)."""
+    T = x.shape[1]
+    back = torch.arange(T, device=x.device) - lag
+    inside = x[0, back.clamp(min=0)] if T else x[0]
+    if cache is None:
+        return (inside * (positions >= lag)[:, None].to(x.dtype))[None]
+    seq = torch.searchsorted(cu_seqlens[1:], torch.arange(T, device=x.device), right=True)
+    before = cache.to(x.dtype)[seq, (width - (lag - positions)).clamp(0, width - 1)]
+    return torch.where((positions >= lag)[:, None], inside, before)[None]
+
+
+def packed_tails(x: torch.Tensor, cache: torch.Tensor | None, cu_seqlens: torch.Tensor, width: int) -> torch.Tensor:
+    """Each packed sequence's last ``width`` inputs [N, width, C], newest last, reaching into its
+    ``cache`` [N, width, C] (None: zeros) where the sequence is shorter."""
+    N, T = cu_seqlens.numel() - 1, x.shape[1]
+    p = cu_seqlens.diff()[:, None] - width + torch.arange(width, device=x.device)   # in-sequence positions
+    if T == 0:
+        inside = x.new_zeros(N, width, x.shape[2])
+    else:
+        inside = x[0, (cu_seqlens[:-1, None] + p).clamp(0, T - 1)]
+    before = (x.new_zeros(N, width, x.shape[2]) if cache is None else
+              cache.to(x.dtype)[torch.arange(N, device=x.device)[:, None], (width + p).clamp(0, width - 1)])
+    return torch.where((p >= 0)[..., None], inside, before)
+
+
+def packed_conv_cached(x, weight, bias, positions, cu_seqlens, cache):
+    """ShortConv's convolution (no activation) over packed sequences that continue from a cache:
+    ``cache`` [N, W-1, C] (None: zeros) holds sequence n's last W-1 inputs. Returns (y, the new
+    [N, W-1, C] tails)."""
+    W = weight.shape[-1]
+    cu = cu_seqlens.to(device=x.device, dtype=torch.int64)
+    if cache is not None and cache.shape[:2] != (cu.numel() - 1, W - 1):
+        raise ValueError(f"the convolution cache is {tuple(cache.shape)}, expected [N, W-1, C] = "
+                         f"[{cu.numel() - 1}, {W - 1}, C] for {cu.numel() - 1} packed sequences")
+    y = x * weight[:, 0, W - 1]
+    for lag in range(1, W):
+        y = y + packed_history(x, cache, positions, cu, lag, W - 1) * weight[:, 0, W - 1 - lag]
+    y = y if bias is None else y + bias
+    return y, packed_tails(x, cache, cu, W - 1)
+
+
 def _fused_conv_usable(x: torch.Tensor) -> bool:
     """Whether the Triton short conv runs: on CUDA, or on the CPU under TRITON_INTERPRET=1 inside
     ``use_backend("triton")`` (fp32/fp16); never in float64 (the PyTorch path is the exact one)
@@ -179,7 +230,16 @@ class TokenShift(nn.Module):
     """RWKV's token shift: x_{t-1} for every t (the cache is the last token ``[B, 1, D]``; zero
     before the first token of a sequence)."""
 
-    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None, positions: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None):
+        """With ``cu_seqlens`` (packed sequences that continue from a cache): ``cache`` [N, 1, D] (None:
+        zeros) is each sequence's last token; returns (shifted, each sequence's new last token)."""
+        if cu_seqlens is not None:
+            cu = cu_seqlens.to(device=x.device, dtype=torch.int64)
+            if cache is not None and cache.shape[:2] != (cu.numel() - 1, 1):
+                raise ValueError(f"the token-shift cache is {tuple(cache.shape)}, expected [N, 1, D] = "
+                                 f"[{cu.numel() - 1}, 1, D] for {cu.numel() - 1} packed sequences")
+            return packed_history(x, cache, positions, cu, 1, 1), packed_tails(x, cache, cu, 1)
         prev = x.new_zeros(x.shape[0], 1, x.shape[2]) if cache is None else cache.to(x.dtype)
         shifted = torch.cat([prev, x[:, :-1]], dim=1)
         if positions is not None:  # packed sequences: the first token of each has no predecessor

@@ -167,10 +167,50 @@ class LayerCache:
         layer_idx = layer_idx or 0
         return self.seen[layer_idx] if layer_idx < len(self.seen) else 0
 
+    def _map(self, function) -> None:
+        """``function`` applied to every tensor of every entry (tuples and lists kept as such)."""
+        def apply(value):
+            if isinstance(value, torch.Tensor):
+                return function(value)
+            return type(value)(apply(v) for v in value) if isinstance(value, (tuple, list)) else value
+        self.states = [None if e is None else {n: apply(v) for n, v in e.items()} for e in self.states]
+
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Keep the sequences ``beam_idx`` (beam search), in every tensor of every entry."""
-        def pick(value):
-            if isinstance(value, torch.Tensor):
-                return value.index_select(0, beam_idx.to(value.device))
-            return type(value)(pick(v) for v in value) if isinstance(value, (tuple, list)) else value
-        self.states = [None if e is None else {n: pick(v) for n, v in e.items()} for e in self.states]
+        self._map(lambda value: value.index_select(0, beam_idx.to(value.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the sequences ``indices`` (transformers' contrastive search): :meth:`reorder_cache`."""
+        self.reorder_cache(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each sequence ``repeats`` times in a row (transformers expands a prompt's cache so)."""
+        self._map(lambda value: value.repeat_interleave(repeats, dim=0))
+
+    def crop(self, max_length: int) -> None:
+        """Forget the tokens past ``max_length`` (negative: that many from the end), as fla's cache
+        does: only an attention-only entry can roll back (its key/value along time, not cut by a
+        window); a recurrent state, a convolution tail or a token shift cannot (NotImplementedError:
+        the states before those tokens are not kept), and nothing changes then."""
+        lengths = []
+        for i, (entry, seen) in enumerate(zip(self.states, self.seen)):
+            length = max(0, seen + max_length) if max_length < 0 else max_length
+            if length < seen and entry is not None:
+                if any(entry.get(n) is not None for n in ("recurrent_state", "conv_state", "ffn_state")):
+                    raise NotImplementedError(f"LayerCache.crop({max_length}): layer {i} holds a recurrent state "
+                                              f"after {seen} tokens; rolling it back needs the states it "
+                                              f"does not keep")
+                kv = entry.get("attn_state")
+                if kv is not None and kv[0].shape[1] < seen:
+                    raise NotImplementedError(f"LayerCache.crop({max_length}): layer {i}'s sliding window "
+                                              f"dropped its oldest tokens")
+            lengths.append(min(length, seen))
+        for entry, length in zip(self.states, lengths):
+            if entry is not None and entry.get("attn_state") is not None:
+                entry["attn_state"] = tuple(t[:, :length] for t in entry["attn_state"])
+        self.seen = lengths
+
+    def reset(self) -> None:
+        """Every layer back to no past (the slots stay)."""
+        self.states = [None] * len(self.states)
+        self.seen = [0] * len(self.seen)

@@ -10,9 +10,10 @@ against ``fla.layers`` and the state dicts of fla checkpoints carry over.
     layer = GatedDeltaNet(hidden_size=1024, head_dim=128, num_heads=8, expand_v=2)
     o, _, _ = layer(x)                                    # x [B, T, hidden_size]
 
-Padding: ``attention_mask`` [B, T] (1 = token, 0 = padding, on either side) packs the tokens into
-one varlen batch, as fla does, and the output is zero at padded positions. Packed input:
-``cu_seqlens`` [N+1] with B = 1. Caching: ``past_key_values`` is this library's per-layer dict
+Padding: ``attention_mask`` [B, S] (1 = token, 0 = padding, on either side; its last T columns
+are this call's, as generation passes it) packs the tokens into one varlen batch of B sequences, as
+fla does, and the output is zero at padded positions. Packed input: ``cu_seqlens`` [N+1] with B = 1.
+Both work with a cache (one state and one set of convolution tails per sequence). Caching: ``past_key_values`` is this library's per-layer dict
 (``fastweight.layers.base``: the state and the convolutions' tails; ``use_cache=True`` without one
 returns a new one), or fla's ``Cache`` (or any object with its protocol, as
 ``fastweight.layers.fla_cache.LayerCache``): read at ``layer_idx`` and written back in fla's state
@@ -107,22 +108,22 @@ class _FlaLayer:
         x, B, T = hidden_states, hidden_states.shape[0], hidden_states.shape[1]
         keep = None
         if attention_mask is not None:
-            if attention_mask.shape != (B, T):
-                raise ValueError(f"`attention_mask` must be [batch, seq_len] = {(B, T)}, "
-                                 f"got {tuple(attention_mask.shape)}")
-            if cu_seqlens is not None:
-                raise ValueError("`attention_mask` and `cu_seqlens` cannot be combined")
-            if not bool(attention_mask.bool().all()):
-                if cache is not None:
-                    raise ValueError(f"{name}: a padding `attention_mask` with a cache is not supported")
-                keep = attention_mask.bool().flatten()
-                lengths = attention_mask.bool().sum(1)
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T:
+                raise ValueError(f"`attention_mask` must be [batch, seq_len] with seq_len >= {T} (its last {T} "
+                                 f"columns are this call's tokens), got {tuple(attention_mask.shape)}")
+            mask = attention_mask[:, -T:].bool()
+            if not bool(mask.all()):
+                if cu_seqlens is not None:
+                    raise ValueError("a padding `attention_mask` and `cu_seqlens` cannot be combined")
+                # one sequence per row (a row of padding only: an empty one, its state carried over)
+                keep = mask.flatten()
+                lengths = mask.sum(1)
                 cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
                 x = x.flatten(0, 1)[keep][None]
         shared = self._shared_inputs(kwargs) or None
         if cu_seqlens is not None:
-            if cache is not None:
-                raise ValueError(f"{name}: `cu_seqlens` (packed sequences) with a cache is not supported")
+            if x.shape[0] != 1:
+                raise ValueError(f"`cu_seqlens` packs sequences along time: batch size 1, got {x.shape[0]}")
             shared = dict(shared or {}, cu_seqlens=cu_seqlens,
                           positions=sequence_positions(cu_seqlens, x.shape[1], x.device))
         o = super().forward(x, cache, shared)

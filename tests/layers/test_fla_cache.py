@@ -215,16 +215,63 @@ def test_transformers_attention_cache_is_refused():
         layer(x, past_key_values=cache_utils.DynamicCache())
 
 
+@pytest.mark.parametrize("make", [dict, LayerCache], ids=["dict", "LayerCache"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_padded_and_packed_prefill_then_decode(kind, make):
+    """A left-padded batch (generation's mask [B, past + T] every call) and packed sequences (one of
+    them empty) prefill a cache, then decode token by token: each sequence as if alone (float64)."""
+    layer = _layer(kind).double()
+    D = LAYERS[kind][1]["hidden_size"]
+    gen = generator()
+    seqs = [torch.randn(1, n, D, dtype=torch.float64, generator=gen) for n in (7, 3, 0)]
+    steps = torch.randn(3, 2, D, dtype=torch.float64, generator=gen)
+    with torch.no_grad():
+        alone = []
+        for s, step in zip(seqs, steps):
+            first = layer(s, use_cache=True) if s.shape[1] else None
+            outs, cache = ([first[0]], first[2]) if first else ([], {})
+            for t in range(2):
+                outs.append(layer(step[None, t:t + 1], past_key_values=cache, use_cache=True)[0])
+            alone.append(torch.cat(outs, 1))
+        # left padding: rows of 7 and 3 tokens (and a row of padding only: the empty sequence)
+        x = torch.zeros(3, 7, D, dtype=torch.float64)
+        mask = torch.zeros(3, 7, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            if s.shape[1]:
+                x[i, 7 - s.shape[1]:], mask[i, 7 - s.shape[1]:] = s[0], 1
+        o, cache = layer(x, attention_mask=mask, past_key_values=make(), use_cache=True)[::2]
+        assert o[mask == 0].abs().max() == 0
+        got = [o[i, 7 - s.shape[1]:] for i, s in enumerate(seqs)]
+        for t in range(2):
+            mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+            o = layer(steps[:, t:t + 1], attention_mask=mask, past_key_values=cache, use_cache=True)[0]
+            got = [torch.cat([g, o[i]]) for i, g in enumerate(got)]
+        for g, a in zip(got, alone):
+            assert rel_err(g, a[0]) < 1e-12
+        # packed: cu_seqlens [0, 7, 10, 10], the same three sequences, then a batch of 3 decodes
+        o, cache = layer(torch.cat(seqs, 1), cu_seqlens=torch.tensor([0, 7, 10, 10]), past_key_values=make(),
+                         use_cache=True)[::2]
+        got = [o[0, :7], o[0, 7:10], o[0, 10:]]
+        for t in range(2):
+            o = layer(steps[:, t:t + 1], past_key_values=cache, use_cache=True)[0]
+            got = [torch.cat([g, o[i]]) for i, g in enumerate(got)]
+        for g, a in zip(got, alone):
+            assert rel_err(g, a[0]) < 1e-12
+
+
 def test_refusals_leave_the_cache_untouched():
     layer, x = _layer("gdn", layer_idx=None), _input("gdn", B=1, T=6)
     cache = LayerCache()
     with pytest.raises(ValueError, match="layer_idx"):
         layer(x, past_key_values=cache)
     layer.layer_idx = 0
-    with pytest.raises(ValueError, match="cu_seqlens"):   # packed sequences: no cache, with ours either
-        layer(x, past_key_values=cache, cu_seqlens=torch.tensor([0, 2, 6]))
+    with pytest.raises(ValueError, match="attention_mask.*cu_seqlens"):
+        layer(x, past_key_values=cache, cu_seqlens=torch.tensor([0, 2, 6]),
+              attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]]))
     with pytest.raises(ValueError, match="attention_mask"):
-        layer(x, past_key_values=cache, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]]))
+        layer(x, past_key_values=cache, attention_mask=torch.tensor([[1, 1, 1]]))
+    with pytest.raises(ValueError, match="cu_seqlens.*batch size 1"):
+        layer(_input("gdn", B=2, T=6), past_key_values=cache, cu_seqlens=torch.tensor([0, 2, 6]))
     assert len(cache) == 0
 
 
@@ -251,6 +298,35 @@ def test_layer_cache_protocol():
     assert torch.equal(cache[0]["attn_state"][0], torch.cat([k, k + 10], 1)[:, -4:])
     cache.reorder_cache(torch.tensor([1, 1]))
     assert torch.equal(cache[1]["conv_state"][0], torch.tensor([[1.0], [1.0]]))
+
+
+def test_layer_cache_batch_and_crop():
+    """transformers' batch expansions (repeat_interleave, select) on every tensor; crop rolls back an
+    attention-only entry and refuses a recurrent one (fla's rule), changing nothing then."""
+    cache = LayerCache()
+    state, conv = torch.arange(2.0).view(2, 1), (torch.arange(2.0).view(2, 1, 1), None)
+    cache.update(recurrent_state=state, conv_state=conv, layer_idx=0, offset=3)
+    cache.batch_repeat_interleave(2)
+    assert torch.equal(cache[0]["recurrent_state"], torch.tensor([[0.0], [0.0], [1.0], [1.0]]))
+    assert cache[0]["conv_state"][0].shape == (4, 1, 1) and cache[0]["conv_state"][1] is None
+    cache.batch_select_indices(torch.tensor([3]))
+    assert torch.equal(cache[0]["recurrent_state"], torch.tensor([[1.0]]))
+    with pytest.raises(NotImplementedError, match="layer 0 holds a recurrent state"):
+        cache.crop(2)
+    assert cache.get_seq_length(0) == 3
+    cache.crop(5)   # past what it holds: nothing to forget
+    assert cache.get_seq_length(0) == 3
+    attn = LayerCache()
+    k = torch.arange(5.0).view(1, 5, 1)
+    attn.update(attn_state=(k, k), layer_idx=0, offset=5)
+    attn.crop(-2)
+    assert attn.get_seq_length(0) == 3 and torch.equal(attn[0]["attn_state"][0], k[:, :3])
+    window = LayerCache()
+    window.update(attn_state=(k, k), layer_idx=0, offset=5, cache_kwargs=dict(window_size=4))
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        window.crop(2)
+    attn.reset()
+    assert len(attn) == 1 and attn[0] is None and attn.get_seq_length(0) == 0
 
 
 def test_write_then_read_round_trips():
