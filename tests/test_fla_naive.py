@@ -12,7 +12,7 @@ Covered: every op both libraries have that fla has a reference for: linear_attn 
 (``naive_retention``; with a state, as fla's chunk_retention defines it: simple_gla at RetNet's decays), simple_gla,
 gla, rwkv6 (``naive_recurrent_rwkv6``), delta_rule, gated_delta_rule, gated_delta_product, kda, comba (its chunk
 reference: see ``_comba``), dplr_delta_rule and rwkv7 (fla's rwkv7 ops are its DPLR ops with gk = w, so
-``dplr_recurrence``). fla has no HGRN-2 or Longhorn op; its ``naive_recurrent_hgrn`` is HGRN-1 (no state matrix).
+``dplr_recurrence``). fla has no HGRN-2 or Longhorn op; its ``naive_recurrent_hgrn`` is HGRN-1 (no state matrix: ``test_hgrn_against_fla_reference``).
 """
 
 import inspect
@@ -275,3 +275,17 @@ def test_retention_is_fla_naive_retention():
     for n, a, b in zip("qkv", torch.autograd.grad((o * do).sum(), [*leaves.values()]),
                        torch.autograd.grad((o_f.double() * do).sum(), [*leaves.values()])):
         assert rel_err(a, b) < TOL, f"d{n} {rel_err(a, b):.2e}"
+
+
+@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
+def test_hgrn_against_fla_reference(mode):
+    """HGRN-1 (fla's ``naive_recurrent_hgrn``: no state matrix, [B, T, D]), positional as fla's tests call it."""
+    from fla.ops.hgrn.naive import naive_recurrent_hgrn
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(B, T, 24, generator=gen, dtype=torch.float64).requires_grad_()
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, 24, generator=gen, dtype=torch.float64)).requires_grad_()
+    h0 = torch.randn(B, 24, generator=gen, dtype=torch.float64).requires_grad_()
+    o, S = getattr(ops, f"{mode}_hgrn")(x, g, h0, True)
+    o_f, S_f = naive_recurrent_hgrn(x.float(), g.float(), h0.float(), True)
+    errors = _errors({"x": x, "g": g}, h0, (o, S), (o_f, S_f))
+    assert max(errors.values()) < TOL, ", ".join(f"{n} {e:.2e}" for n, e in errors.items())

@@ -10,7 +10,7 @@ from fastweight.ops.common import _op
 __all__ = [  # the public functions, re-exported by fastweight.ops
     "chunk_linear_attn", "fused_recurrent_linear_attn", "chunk_retention", "fused_recurrent_retention",
     "chunk_simple_gla", "fused_recurrent_simple_gla", "chunk_gla", "fused_recurrent_gla", "chunk_rwkv6",
-    "fused_recurrent_rwkv6", "chunk_hgrn2", "fused_recurrent_hgrn2"]
+    "fused_recurrent_rwkv6", "chunk_hgrn", "fused_recurrent_hgrn", "chunk_hgrn2", "fused_recurrent_hgrn2"]
 
 
 def _normalize_output(q, k, o, scale, cu_seqlens, z_init=None):
@@ -211,6 +211,45 @@ def fused_recurrent_rwkv6(r, k, v, w, u, scale=None, initial_state=None, output_
     o, S = _rwkv6("fused_recurrent", x["r"], x["k"], x["v"], x["w"], u, scale, initial_state, output_final_state,
                   cu_seqlens, backend)
     return back(o), S
+
+
+def _hgrn(mode, x, g, initial_state, output_final_state, cu_seqlens, backend):
+    """HGRN's elementwise recurrence is scalar-gated linear attention with one head per channel and
+    K = V = 1 (q = k = 1, v = x): every path, gradient and check of ``simple_gla`` serves it."""
+    name = f"{mode}_hgrn"
+    for arg, t in (("x", x), ("g", g)):
+        if not torch.is_tensor(t) or t.dim() != 3:
+            raise ValueError(f"{name}: `{arg}` must be a tensor [B, T, D], got "
+                             f"{list(t.shape) if torch.is_tensor(t) else type(t).__name__}")
+    if g.shape != x.shape:
+        raise ValueError(f"{name}: `g` must have x's shape {list(x.shape)}, got {list(g.shape)}")
+    if initial_state is not None:
+        N = x.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
+        if not torch.is_tensor(initial_state) or tuple(initial_state.shape) != (N, x.shape[2]):
+            raise ValueError(f"{name}: `initial_state` must be [N, D] = {[N, x.shape[2]]}, got "
+                             f"{list(initial_state.shape) if torch.is_tensor(initial_state) else type(initial_state).__name__}")
+        initial_state = initial_state[..., None, None]
+    ones = x.new_ones(()).expand(*x.shape, 1)
+    o, S = _simple_gla(mode, ones, ones, x[..., None], g, None, 1.0, initial_state, output_final_state, cu_seqlens,
+                       backend)
+    return o[..., 0], None if S is None else S[..., 0, 0]
+
+
+def chunk_hgrn(x, g, initial_state=None, output_final_state=False, *, cu_seqlens=None, backend=None):
+    """HGRN (Qin et al. 2023, arXiv:2311.04823), its recurrence alone: h_t = exp(g_t) * h_{t-1} + x_t,
+    elementwise over D (o_t = h_t); the layer forms x_t = (1 - exp g_t) * i_t itself.
+
+    In the fast-weight view each channel is a 1 x 1 state with a scalar decay: ``chunk_simple_gla``
+    with D heads, K = V = 1, q = k = 1, v = x (run as that). x, g (log forget gate, <= 0): [B, T, D];
+    initial_state [N, D]. Returns (o [B, T, D] in x's dtype, final state [N, D] (fp32; fp64 for fp64)
+    or None). ``cu_seqlens`` (keyword: fla's chunk_hgrn has none) packs sequences as elsewhere.
+    """
+    return _hgrn("chunk", x, g, initial_state, output_final_state, cu_seqlens, backend)
+
+
+def fused_recurrent_hgrn(x, g, initial_state=None, output_final_state=False, cu_seqlens=None, *, backend=None):
+    """HGRN one token at a time; as ``chunk_hgrn``."""
+    return _hgrn("fused_recurrent", x, g, initial_state, output_final_state, cu_seqlens, backend)
 
 
 def _hgrn2(mode, q, v, g, scale, initial_state, output_final_state, cu_seqlens, backend):

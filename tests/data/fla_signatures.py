@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-OPS = ("linear_attn", "retention", "simple_gla", "gla", "rwkv6", "hgrn2", "delta_rule", "gated_delta_rule",
+OPS = ("linear_attn", "retention", "simple_gla", "gla", "rwkv6", "hgrn", "hgrn2", "delta_rule", "gated_delta_rule",
        "gated_delta_product", "kda", "comba", "longhorn", "dplr_delta_rule", "rwkv7")
 
 
