@@ -89,16 +89,18 @@ class ShortConv(nn.Module):
 
         y_t[c] = act( sum_{j<W} weight[c, j] * x_{t-W+1+j}[c] )
 
-    x: [B, T, C]. ``cache`` holds the last W-1 inputs ``[B, W-1, C]`` (zeros at the start);
-    ``forward`` returns ``(y, new_cache)`` so decoding one token costs O(W C). With ``positions``
+    x: [B, T, C]. ``cache`` holds the last ``tail_width`` inputs ``[B, tail_width, C]`` (zeros at the
+    start; W-1, the ones the next output reads, unless set to W: fla's conv_state keeps W, the oldest
+    unread); ``forward`` returns ``(y, new_cache)`` so decoding one token costs O(W C). With ``positions``
     (packed sequences, B = 1) no tap reaches into the previous sequence, and no cache is kept unless
-    ``cu_seqlens`` [N+1] is given too: then ``cache`` (None: zeros) is ``[N, W-1, C]``, sequence n's
-    history, and the tails come back per sequence (an empty sequence keeps its own).
+    ``cu_seqlens`` [N+1] is given too: then ``cache`` (None: zeros) is ``[N, tail_width, C]``, sequence
+    n's history, and the tails come back per sequence (an empty sequence keeps its own).
     """
 
     def __init__(self, channels: int, kernel_size: int = 4, activation: str | None = "silu", bias: bool = False):
         super().__init__()
         self.channels, self.kernel_size = channels, kernel_size
+        self.tail_width = kernel_size - 1
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
         self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
         self.act = ACTIVATIONS[activation]
@@ -112,25 +114,27 @@ class ShortConv(nn.Module):
     def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None):
         B, T, C = x.shape
-        W = self.kernel_size
+        W, n = self.kernel_size, self.tail_width
+        if cache is not None and (cache.dim() != 3 or cache.shape[1] < W - 1 or cache.shape[2] != C):
+            raise ValueError(f"the convolution cache must be [batch, >= {W - 1}, {C}] (its last inputs), "
+                             f"got {tuple(cache.shape)}")
         if cu_seqlens is not None:
             weight, bias = self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
-            y, tail = packed_conv_cached(x, weight, bias, positions, cu_seqlens, cache)
+            y, tail = packed_conv_cached(x, weight, bias, positions, cu_seqlens, cache, n)
             return self.act(y), tail
         if cache is None and positions is None and self.fused and _fused_conv_usable(x):
             # one pass over [B, T, C] in and out (conv1d needs channels first: two transposed copies)
             from fastweight.kernels.conv import short_conv
             y = short_conv(x, self.weight.view(C, W), self.bias, silu=self.act is F.silu)
-            return y, F.pad(x[:, max(T - (W - 1), 0):], (0, 0, max(W - 1 - T, 0), 0))
+            return y, last_inputs(None, x, n)
         weight, bias = self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
         if positions is not None:
             return self.act(self._packed(x, weight, bias, positions)), None
         if cache is None:
             # zero history: pad inside the conv, keep the first T outputs (no copy of x)
             y = F.conv1d(x.transpose(1, 2), weight, bias, padding=W - 1, groups=C)[..., :T]
-            tail = F.pad(x[:, max(T - (W - 1), 0):], (0, 0, max(W - 1 - T, 0), 0))
-            return self.act(y.transpose(1, 2)), tail
-        xx = torch.cat([cache.to(x.dtype), x], dim=1)  # [B, T + W - 1, C]
+            return self.act(y.transpose(1, 2)), last_inputs(None, x, n)
+        xx = torch.cat([cache[:, cache.shape[1] - (W - 1):].to(x.dtype), x], dim=1)  # [B, T + W - 1, C]
         if T == 1:
             # a decode step: W products summed (conv1d on a 4-long input may pick a general kernel)
             y = (xx * weight[:, 0].t()).sum(1, keepdim=True)
@@ -138,11 +142,10 @@ class ShortConv(nn.Module):
         elif self.fused and _fused_conv_usable(x):
             from fastweight.kernels.conv import short_conv
             y = short_conv(xx, self.weight.view(C, W), self.bias, silu=self.act is F.silu)[:, W - 1:]
-            return y, xx[:, xx.shape[1] - (W - 1):].clone()
+            return y, last_inputs(cache, x, n)
         else:
             y = F.conv1d(xx.transpose(1, 2), weight, bias, groups=C).transpose(1, 2)
-        tail = xx[:, xx.shape[1] - (W - 1):]
-        return self.act(y), (tail if T == 1 else tail.clone())  # a view would keep all of xx alive
+        return self.act(y), last_inputs(cache, x, n)
 
     def _packed(self, x, weight, bias, positions):
         return packed_conv(x, weight, bias, positions)
@@ -158,6 +161,14 @@ def packed_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         shifted = F.pad(x[:, :T - lag], (0, 0, lag, 0)) * (positions >= lag)[None, :, None].to(x.dtype)
         y = y + shifted * weight[:, 0, W - 1 - lag]
     return y if bias is None else y + bias
+
+
+def last_inputs(prev: torch.Tensor | None, x: torch.Tensor, n: int) -> torch.Tensor:
+    """The last ``n`` rows along time of ``[prev; x]`` (prev None: zeros before x), in their own memory
+    (a view would keep all of x alive in a cache)."""
+    seq = x if prev is None else torch.cat([prev.to(x.dtype), x], dim=1)
+    L = seq.shape[1]
+    return seq[:, L - n:].clone() if L >= n else F.pad(seq, (0, 0, n - L, 0))
 
 
 def packed_history(x: torch.Tensor, cache: torch.Tensor | None, positions: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -188,20 +199,23 @@ def packed_tails(x: torch.Tensor, cache: torch.Tensor | None, cu_seqlens: torch.
     return torch.where((p >= 0)[..., None], inside, before)
 
 
-def packed_conv_cached(x, weight, bias, positions, cu_seqlens, cache):
+def packed_conv_cached(x, weight, bias, positions, cu_seqlens, cache, width):
     """ShortConv's convolution (no activation) over packed sequences that continue from a cache:
-    ``cache`` [N, W-1, C] (None: zeros) holds sequence n's last W-1 inputs. Returns (y, the new
-    [N, W-1, C] tails)."""
+    ``cache`` [N, >= W-1, C] (None: zeros) holds sequence n's last inputs. Returns (y, the new
+    [N, width, C] tails)."""
     W = weight.shape[-1]
     cu = cu_seqlens.to(device=x.device, dtype=torch.int64)
-    if cache is not None and cache.shape[:2] != (cu.numel() - 1, W - 1):
-        raise ValueError(f"the convolution cache is {tuple(cache.shape)}, expected [N, W-1, C] = "
-                         f"[{cu.numel() - 1}, {W - 1}, C] for {cu.numel() - 1} packed sequences")
+    if cache is not None and cache.shape[0] != cu.numel() - 1:
+        raise ValueError(f"the convolution cache is {tuple(cache.shape)}: {cache.shape[0]} sequences, "
+                         f"`cu_seqlens` packs {cu.numel() - 1}")
     y = x * weight[:, 0, W - 1]
+    held = W - 1 if cache is None else cache.shape[1]
     for lag in range(1, W):
-        y = y + packed_history(x, cache, positions, cu, lag, W - 1) * weight[:, 0, W - 1 - lag]
+        y = y + packed_history(x, cache, positions, cu, lag, held) * weight[:, 0, W - 1 - lag]
     y = y if bias is None else y + bias
-    return y, packed_tails(x, cache, cu, W - 1)
+    if cache is not None and cache.shape[1] < width:   # an older cache, narrower: zeros before it
+        cache = F.pad(cache, (0, 0, width - cache.shape[1], 0))
+    return y, packed_tails(x, None if cache is None else cache[:, cache.shape[1] - width:], cu, width)
 
 
 def _fused_conv_usable(x: torch.Tensor) -> bool:

@@ -16,7 +16,7 @@ Layouts (N sequences, H heads; ours: ``fastweight.layers.base``), per layer clas
 | entry                      | fla                                          | ours                     |
 |----------------------------|----------------------------------------------|--------------------------|
 | recurrent_state            | [N, H, K, V]; [N, H, V, K] where ``v_first`` | ``"state"`` [N, H, K, V] |
-| conv_state (a conv)        | [N, D, W]: the last W inputs, newest last    | ``"conv_*"`` [N, W-1, D] |
+| conv_state (a conv)        | [N, D, W]: the last W inputs, newest last    | ``"conv_*"`` [N, W, D]   |
 | conv_state (a token shift) | [N, D]: the last token (RWKV-7)              | ``"shift"`` [N, 1, D]    |
 
 ``v_first``: where fla's layer passes ``state_v_first=True`` to its op (GatedDeltaNet, KDA, GLA,
@@ -25,11 +25,11 @@ RWKV-7 keep [N, H, K, V], as we do. For the V-first ones the transpose costs one
 on the way in and one on the way out, per call (our ops take [N, H, K, V]).
 
 conv_state is one tensor for a layer with one convolution (Mamba-2) or token shift (RWKV-7), and a
-tuple in the layer's order for several (q, k, v). The conversions are exact (a transpose, a slice,
-a reshape) but for one column: fla keeps W inputs where a width-W causal convolution reads W-1 (the
-next output reads the W-1 before it and itself; fla's decode step rolls the oldest column out
-unread), and our convolution keeps those W-1, so a state written here has zeros in fla's oldest
-column. A cache is advanced whenever one is passed (``use_cache`` or not), as this library's dict is.
+tuple in the layer's order for several (q, k, v). The conversions are exact (a transpose, a
+reshape): fla keeps W inputs where a width-W causal convolution reads W-1 (its decode step rolls the
+oldest column out unread), and the fla-named layers' convolutions keep W as well
+(``ShortConv.tail_width``), so the entry written is the one fla's layer writes. A cache is advanced
+whenever one is passed (``use_cache`` or not), as this library's dict is.
 
 :class:`LayerCache` is the protocol without fla or transformers: a stack of fla-named layers (distinct
 ``layer_idx``) shares one, as fla's models share their ``Cache``.
@@ -41,7 +41,6 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 ENTRIES = ("recurrent_state", "attn_state", "conv_state", "ffn_state")
 
@@ -99,8 +98,8 @@ def read_layer(cache, layer_idx: int, layout: FlaLayout) -> dict:
                              f"{'one tensor' if one else f'a tuple of {len(layout.conv)}'} (another layer's entry?)")
         for key, value in zip(layout.conv, convs):
             if value is not None:
-                # [N, D] -> [N, 1, D];  [N, D, W] -> [N, W-1, D] (the oldest column is never read)
-                ours[key] = value[:, None] if key == "shift" else value[..., 1:].transpose(1, 2)
+                # [N, D] -> [N, 1, D];  [N, D, W] -> [N, W, D]
+                ours[key] = value[:, None] if key == "shift" else value.transpose(1, 2)
     return ours
 
 
@@ -113,9 +112,9 @@ def write_layer(cache, layer_idx: int, layout: FlaLayout, ours: dict, T: int) ->
     for key in layout.conv:
         value = ours.get(key)
         if value is not None:
-            # [N, 1, D] -> [N, D] (own memory: fla's decode kernels update their cache in place);
-            # [N, W-1, D] -> [N, D, W], the oldest column (never read) zero
-            value = value[:, 0].clone() if key == "shift" else F.pad(value.transpose(1, 2), (1, 0))
+            # [N, 1, D] -> [N, D] and [N, W, D] -> [N, D, W], in their own memory (fla's decode kernels
+            # update their cache in place)
+            value = value[:, 0].clone() if key == "shift" else value.transpose(1, 2).contiguous()
         convs.append(value)
     conv = None if not convs or all(c is None for c in convs) else convs[0] if len(convs) == 1 else tuple(convs)
     cache.update(recurrent_state=state, conv_state=conv, layer_idx=layer_idx, offset=T)

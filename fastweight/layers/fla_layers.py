@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fastweight.layers.base import Mixer, sequence_positions, split_heads
-from fastweight.layers.common import at_least_fp32
+from fastweight.layers.common import ShortConv, at_least_fp32
 from fastweight.layers.delta import DeltaRuleMixer
 from fastweight.layers.fla_cache import FlaLayout, is_protocol_cache, read_layer, write_layer
 from fastweight.layers.fla_forms import CombaFlaMixer, HGRN2FlaMixer
@@ -83,6 +83,9 @@ class _FlaLayer:
         self.hidden_size, self.num_heads, self.head_dim = cfg.d_model, cfg.n_heads, cfg.head_dim
         self.num_v_heads = cfg.v_heads
         self.head_v_dim, self.layer_idx, self.fla_mode = cfg.head_v_dim, layer_idx, mode
+        for module in self.modules():   # fla's conv_state keeps W inputs (fastweight/layers/fla_cache.py)
+            if isinstance(module, ShortConv):
+                module.tail_width = module.kernel_size
         self.register_state_dict_post_hook(_to_fla_names)
         self.register_load_state_dict_pre_hook(_from_fla_names)
 

@@ -114,8 +114,8 @@ def test_decode_through_fla_cache(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_entries_are_fla_layouts_of_our_state(kind):
     """The same prefill into our dict and into a protocol cache: fla's entry is our state in fla's
-    layout (transposed for the V-first layers), bit for bit; the convolutions' W-1 inputs, with the
-    unread oldest column zero; and reading it back gives our dict."""
+    layout (transposed for the V-first layers), bit for bit, the convolutions' last W inputs too (the
+    oldest, which no output reads, is x_{T-W}: nonzero); and reading it back gives our dict."""
     layer, x = _layer(kind), _input(kind, T=9)
     with torch.no_grad():
         ours = layer(x, use_cache=True)[2]
@@ -133,7 +133,7 @@ def test_entries_are_fla_layouts_of_our_state(kind):
         if key == "shift":
             assert torch.equal(conv, ours[key][:, 0])
         else:
-            assert torch.equal(conv[..., 1:], ours[key].transpose(1, 2)) and not conv[..., 0].any()
+            assert torch.equal(conv, ours[key].transpose(1, 2)) and conv[..., 0].abs().min() > 0
     back = read_layer(cache, 0, layout)
     assert set(back) == set(ours) and all(torch.equal(back[k], ours[k]) for k in ours)
 
@@ -168,8 +168,8 @@ def test_cache_advances_without_use_cache():
 @pytest.mark.parametrize("kind", ["gdn", "kda", "deltanet", "gla", "comba", "hgrn2", "mamba2", "rwkv7"])
 def test_fla_layer_prefills_ours_decodes(kind, monkeypatch):
     """fla's own layer (same weights, fp32) prefills into fla's Cache; ours decodes from it, token by
-    token, to fla's full forward; ours prefilling writes the entry fla's layer writes (but for the
-    convolutions' unread oldest column)."""
+    token, to fla's full forward; ours prefilling writes the entry fla's layer writes (the
+    convolutions' W inputs, the unread oldest too)."""
     fla_layers = pytest.importorskip("fla.layers")
     fla_utils = pytest.importorskip("fla.models.utils")
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -197,7 +197,7 @@ def test_fla_layer_prefills_ours_decodes(kind, monkeypatch):
                                       (mine[0]["conv_state"], theirs_entry["conv_state"]))) if a is not None]
     assert len(convs) == len(ours.FLA_CACHE.conv)
     for a, b in convs:
-        assert a.shape == b.shape and (rel_err(a[..., 1:], b[..., 1:]) if a.dim() == 3 else rel_err(a, b)) <= 1e-5
+        assert a.shape == b.shape and rel_err(a, b) <= 1e-5
 
 
 def test_wrong_cache_type_names_past_key_values():
@@ -330,7 +330,7 @@ def test_layer_cache_batch_and_crop():
 
 
 def test_write_then_read_round_trips():
-    """write_layer then read_layer gives back our dict (the convolutions' W-1 columns, the token shift)."""
+    """write_layer then read_layer gives back our dict (the convolutions' W columns, the token shift)."""
     layout = RWKV7Attention.FLA_CACHE
     ours = {"state": torch.randn(2, 4, 16, 16, generator=generator()),
             "shift": torch.randn(2, 1, 64, generator=generator())}

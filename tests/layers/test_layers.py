@@ -194,3 +194,29 @@ def test_flash_probe_accepts_the_right_kernel_and_rejects_a_wrong_one(monkeypatc
     monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", fake_flash_op(shift=1))
     with pytest.warns(UserWarning, match="disagrees"):
         assert not attention._probe(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("width", [3, 4], ids=["W-1", "W"])
+def test_short_conv_tails_over_calls_and_packed(width):
+    """A stream cut into calls of 2, 1 and 3 tokens (shorter than the kernel: the tail reaches into the
+    cache) gives the full call's outputs, and each tail is the stream's last ``tail_width`` inputs;
+    packed sequences continuing from per-sequence caches do the same, an empty one keeping its cache."""
+    conv = ShortConv(5, 4, "silu").double()
+    conv.tail_width = width
+    gen = generator()
+    x = torch.randn(2, 6, 5, dtype=torch.float64, generator=gen)
+    full, _ = conv(x)
+    outs, cache = [], None
+    for a, b in ((0, 2), (2, 3), (3, 6)):
+        y, cache = conv(x[:, a:b], cache)
+        outs.append(y)
+        want = torch.nn.functional.pad(x[:, :b], (0, 0, max(width - b, 0), 0))[:, -width:]
+        assert cache.shape == (2, width, 5) and torch.equal(cache, want)
+    assert rel_err(torch.cat(outs, 1), full) < 1e-12
+    # packed: sequence 0 continues with 2 more tokens, sequence 1 with none
+    more = torch.randn(1, 2, 5, dtype=torch.float64, generator=gen)
+    y, tails = conv(more, cache, positions=torch.arange(2), cu_seqlens=torch.tensor([0, 2, 2]))
+    alone, tail0 = conv(more, cache[:1])
+    assert rel_err(y, alone) < 1e-12 and torch.equal(tails[0], tail0[0]) and torch.equal(tails[1], cache[1])
+    with pytest.raises(ValueError, match="convolution cache"):
+        conv(more, cache[:, :2])
