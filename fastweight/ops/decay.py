@@ -215,7 +215,9 @@ def fused_recurrent_rwkv6(r, k, v, w, u, scale=None, initial_state=None, output_
 
 def _hgrn(mode, x, g, initial_state, output_final_state, cu_seqlens, backend):
     """HGRN's elementwise recurrence is scalar-gated linear attention with one head per channel and
-    K = V = 1 (q = k = 1, v = x): every path, gradient and check of ``simple_gla`` serves it."""
+    K = V = 1 (q = k = 1, v = x): the PyTorch and reference paths run it as that; Triton (the
+    default on CUDA) as its own scan kernel (``fastweight.kernels.hgrn``), simple_gla's tiles at K = V = 1
+    being 70x slower than fla's kernel on the H200 (docs/bench/runs-2026-12-03-s14.md)."""
     name = f"{mode}_hgrn"
     for arg, t in (("x", x), ("g", g)):
         if not torch.is_tensor(t) or t.dim() != 3:
@@ -228,10 +230,19 @@ def _hgrn(mode, x, g, initial_state, output_final_state, cu_seqlens, backend):
         if not torch.is_tensor(initial_state) or tuple(initial_state.shape) != (N, x.shape[2]):
             raise ValueError(f"{name}: `initial_state` must be [N, D] = {[N, x.shape[2]]}, got "
                              f"{list(initial_state.shape) if torch.is_tensor(initial_state) else type(initial_state).__name__}")
-        initial_state = initial_state[..., None, None]
+    if backend == "triton" or (backend is None and x.is_cuda and x.dtype != torch.float64):
+        # the scan kernel (one per mode: a token is D fused multiply-adds, nothing to chunk)
+        from fastweight.dispatch import resolve
+        from fastweight.kernels.hgrn import hgrn
+        resolve("simple_gla", mode, "triton", x.device, x.dtype)   # the device and dtype refusals
+        checks.check_same_device(x=x, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens)
+        checks.check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1])
+        checks.check_finite(x=x, initial_state=initial_state)
+        checks.check_log_gate("g", g)
+        return hgrn(x, g, initial_state, output_final_state, cu_seqlens)
     ones = x.new_ones(()).expand(*x.shape, 1)
-    o, S = _simple_gla(mode, ones, ones, x[..., None], g, None, 1.0, initial_state, output_final_state, cu_seqlens,
-                       backend)
+    h0 = None if initial_state is None else initial_state[..., None, None]
+    o, S = _simple_gla(mode, ones, ones, x[..., None], g, None, 1.0, h0, output_final_state, cu_seqlens, backend)
     return o[..., 0], None if S is None else S[..., 0, 0]
 
 
@@ -240,7 +251,8 @@ def chunk_hgrn(x, g, initial_state=None, output_final_state=False, *, cu_seqlens
     elementwise over D (o_t = h_t); the layer forms x_t = (1 - exp g_t) * i_t itself.
 
     In the fast-weight view each channel is a 1 x 1 state with a scalar decay: ``chunk_simple_gla``
-    with D heads, K = V = 1, q = k = 1, v = x (run as that). x, g (log forget gate, <= 0): [B, T, D];
+    with D heads, K = V = 1, q = k = 1, v = x (the PyTorch path runs it as that; Triton as a scan
+    over time, in both modes: there is nothing to chunk in a state of D floats). x, g (log forget gate, <= 0): [B, T, D];
     initial_state [N, D]. Returns (o [B, T, D] in x's dtype, final state [N, D] (fp32; fp64 for fp64)
     or None). ``cu_seqlens`` (keyword: fla's chunk_hgrn has none) packs sequences as elsewhere.
     """
