@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 GROUPS = ("zoology", "grazzi", "deltaproduct")
 ZOOLOGY_MIXERS = ("attn", "mamba2", "gla", "deltanet", "gdn", "kda", "rwkv7")
-GRAZZI_MIXERS = (("mamba2", False), ("deltanet", False), ("deltanet", True))
+GRAZZI_MIXERS = (("mamba2", False), ("mamba2", True), ("deltanet", False), ("deltanet", True))
 # (mixer, negative eigenvalues, Householder steps a token: the gdp mixer's n_h)
 DELTAPRODUCT_MIXERS = (("deltanet", True, 1), ("gdn", True, 1), ("gdp", True, 2), ("gdp", True, 3), ("gdp", True, 4),
                        ("rwkv7", False, 1))
@@ -161,6 +161,8 @@ PAPER = {
     "grazzi": {
         ("mamba2 [0,1]", "parity 40-256"): Figure(0.000, _GRAZZI_T3 + ": Mamba-1 [0,1]"),
         ("mamba2 [0,1]", "mod. arith. 40-256"): Figure(0.095, _GRAZZI_T3 + ": Mamba-1 [0,1]"),
+        ("mamba2 [-1,1]", "parity 40-256"): Figure(1.000, _GRAZZI_T3 + ": Mamba-1 [-1,1]"),
+        ("mamba2 [-1,1]", "mod. arith. 40-256"): Figure(0.241, _GRAZZI_T3 + ": Mamba-1 [-1,1]"),
         ("deltanet [0,1]", "parity 40-256"): Figure(0.017, _GRAZZI_T3),
         ("deltanet [0,1]", "mod. arith. 40-256"): Figure(0.314, _GRAZZI_T3),
         ("deltanet [-1,1]", "parity 40-256"): Figure(1.000, _GRAZZI_T3),
@@ -172,8 +174,8 @@ PAPER = {
 NOTES = {
     "zoology": "paper: Arora et al. 2023, Fig. 2 plots these cells; no numbers found in the sources reached "
                "(docs/results/published.md)",
-    "grazzi": "paper: Table 3 reports best of 3 runs (compare with the top of our range); its Mamba is Mamba-1, "
-              "and its Mamba [-1,1] (1.000 / 0.241) has no row here (this repo's mamba2 has no allow_neg_eigval)",
+    "grazzi": "paper: Table 3 reports best of 3 runs (compare with the top of our range); its Mamba is Mamba-1 "
+              "(ours Mamba-2; [-1,1] as theirs: a_t = 2 exp(dt A) - 1)",
     "deltaproduct": "paper: Grazzi et al. 2024, Fig. 4 (text): on S5 restricted to swaps one DeltaNet [-1,1] layer "
                     "learns the task; on full S5 every model has 0 sequence accuracy before length 30. "
                     "DeltaProduct's (arXiv:2502.10297) and RWKV-7's figures: not found",

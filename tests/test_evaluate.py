@@ -184,7 +184,7 @@ def test_estimate_and_time_limit(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(evaluate, "train", fail)
     assert cli_main(["eval", "--full", "--groups", "grazzi", "--estimate", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    assert printed.count("grazzi / ") == 6 and "6 runs, ~" in printed and "H200" in printed
+    assert printed.count("grazzi / ") == 8 and "8 runs, ~" in printed and "H200" in printed
     clock = [0.0]
     monkeypatch.setattr(evaluate.time, "perf_counter", lambda: clock[0])
 
@@ -194,4 +194,4 @@ def test_estimate_and_time_limit(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(evaluate, "train", fake_train)
     log = io.StringIO()
     done = evaluate.run(suite("tiny", groups=("grazzi",), out_dir=str(tmp_path)), log=log, time_limit=15)
-    assert len(done) == 2 and "time limit" in log.getvalue() and "4 runs not started" in log.getvalue()
+    assert len(done) == 2 and "time limit" in log.getvalue() and "6 runs not started" in log.getvalue()

@@ -29,7 +29,7 @@ def test_grazzi_and_deltaproduct_settings():
     assert {(r.fields["task"], r.fields["eval_tasks"]) for r in grazzi} == {
         (f"{t}:min_len=3,max_len=40", f"{t}:min_len=40,max_len=256") for t in ("parity_check", "modular_arithmetic")}
     assert {(r.fields["mixer"], r.fields["allow_neg_eigval"]) for r in grazzi} == {
-        ("mamba2", False), ("deltanet", False), ("deltanet", True)}
+        ("mamba2", False), ("mamba2", True), ("deltanet", False), ("deltanet", True)}
     assert {(r.fields["batch_size"], r.fields["steps"], r.fields["warmup"], r.lrs) for r in grazzi} == {
         (256, 20_000, 2000, (1e-3,))}
     words = published.runs("deltaproduct", "full")

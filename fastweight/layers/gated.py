@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fastweight.layers.base import Mixer, positions, split_heads
+from fastweight.layers.base import Mixer, packed, positions, split_heads
 from fastweight.layers.common import GatedRMSNorm, LowRank, RMSNorm, ShortConv, at_least_fp32, mamba_decay_init, rotary
 
 GATE_LOGIT_NORMALIZER = 16
@@ -72,6 +72,16 @@ class Mamba2Mixer(Mixer):
 
     d_inner = cfg.mamba_expand * d_model split in heads of ``cfg.mamba_head_dim``; the state
     size N = cfg.head_dim; B, C shared by all heads (one group).
+
+    ``cfg.allow_neg_eigval`` (Grazzi et al. 2024, arXiv:2411.12537: Mamba with eigenvalues in
+    [-1, 1]): the transition is a_t = 2 exp(dt_t A) - 1 in place of exp(dt_t A). The op takes log
+    decays, so the sign is moved out exactly: with s_t = prod_{u<=t} sign(a_u) (each sequence from
+    s = 1 at the call's first token) and S~_t = s_t S_t,
+
+        S~_t = |a_t| S~_{t-1} + k_t (s_t v_t)^T,    o_t = s_t S~_t^T q_t,    S_T = s_T S~_T
+
+    i.e. simple_gla with g = log |a_t| on v s_t, its output times s_t and its final state times s_T
+    (the initial state is S~_0 = S_0). |a_t| below 1e-12 is held there (a reset either way).
     """
 
     def __init__(self, cfg):
@@ -85,6 +95,7 @@ class Mamba2Mixer(Mixer):
         self.in_proj = nn.Linear(D, 2 * self.d_inner + 2 * N + self.n_heads, bias=False)
         self.conv1d = ShortConv(self.d_inner + 2 * N, cfg.conv_size, "silu", bias=True)
         self.A_log, self.dt_bias = mamba_decay_init(self.n_heads)
+        self.allow_neg_eigval = cfg.allow_neg_eigval
         self.D = nn.Parameter(torch.ones(self.n_heads))
         self.norm = RMSNorm(self.d_inner, cfg.norm_eps)
         self.out_proj = nn.Linear(self.d_inner, D, bias=False)
@@ -99,7 +110,36 @@ class Mamba2Mixer(Mixer):
         xs = split_heads(xs, H)
         q, k = (t[:, :, None].expand(B, T, H, N) for t in (c, b))
         v = xs * dt[..., None].to(xs.dtype)
-        o = self.recur("simple_gla", cache, shared, scale=1.0, q=q, k=k, v=v, g=g)
+        if self.allow_neg_eigval:
+            o = self._signed_recur(cache, shared, q, k, v, g)
+        else:
+            o = self.recur("simple_gla", cache, shared, scale=1.0, q=q, k=k, v=v, g=g)
         y = o + self.D.to(xs.dtype)[:, None] * xs
         y = y.flatten(-2) * F.silu(z)
         return self.out_proj(self.norm(y))
+
+    def _signed_recur(self, cache, shared, q, k, v, g):
+        """The recurrence with a_t = 2 exp(g_t) - 1 (class docstring): g [B, T, H] fp32."""
+        if packed(shared, "context_parallel") is not None:
+            raise NotImplementedError("Mamba-2 with allow_neg_eigval under context parallelism (the running sign "
+                                      "would have to cross ranks)")
+        a = 2 * g.exp() - 1
+        negative = (a < 0).to(torch.int64)
+        flips = negative.cumsum(1)
+        cu = packed(shared, "cu_seqlens")
+        if cu is not None:   # each packed sequence starts from s = +1: remove the flips before its start
+            cu = cu.to(device=g.device, dtype=torch.int64)
+            start = torch.searchsorted(cu[1:], torch.arange(g.shape[1], device=g.device), right=True)
+            before = F.pad(flips, (0, 0, 1, 0))[:, cu[:-1]]            # [B, N, H]: flips before each start
+            flips = flips - before[:, start]
+        s = 1 - 2 * (flips % 2).to(g.dtype)                            # [B, T, H] in {-1, +1}
+        o = self.recur("simple_gla", cache, shared, scale=1.0, q=q, k=k, v=v * s[..., None].to(v.dtype),
+                       g=a.abs().clamp_min(1e-12).log())
+        if cache is not None and g.shape[1]:
+            if cu is None:
+                last = s[:, -1]
+            else:   # s at each sequence's last token; +1 for an empty one
+                ends = (cu[1:] - 1).clamp(min=0)
+                last = torch.where((cu[1:] > cu[:-1])[:, None], s[0, ends], torch.ones_like(s[0, ends]))
+            cache["state"] = cache["state"] * last[..., None, None].to(cache["state"].dtype)
+        return o * s[..., None].to(o.dtype)

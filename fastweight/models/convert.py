@@ -313,6 +313,9 @@ def _fla_config_from_lm_mixer(cfg: LMConfig, mixer: str) -> dict:
                     hidden_act="swish", norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
                     initializer_range=cfg.initializer_range, **dict(spec.fixed))
     if model_type == "mamba2":
+        if cfg.allow_neg_eigval:
+            raise NotImplementedError("fla's Mamba2 has no allow_neg_eigval (a_t = 2 exp(dt A) - 1); this model has "
+                                      "allow_neg_eigval=True")
         fixed = dict(spec.fixed, dt_limit=[0.0, {"__float__": "Infinity"}])
         return dict(model_type=model_type, architectures=[spec.architecture], vocab_size=cfg.vocab_size,
                     hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers, state_size=cfg.head_dim,

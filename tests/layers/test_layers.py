@@ -220,3 +220,69 @@ def test_short_conv_tails_over_calls_and_packed(width):
     assert rel_err(y, alone) < 1e-12 and torch.equal(tails[0], tail0[0]) and torch.equal(tails[1], cache[1])
     with pytest.raises(ValueError, match="convolution cache"):
         conv(more, cache[:, :2])
+
+
+def _signed_loop(q, k, v, g, h0, cu):
+    """S_t = (2 exp(g_t) - 1) S_{t-1} + k_t v_t^T, o_t = S_t^T q_t per sequence of ``cu`` (B = 1)."""
+    outs, finals = [], []
+    for n, (bos, eos) in enumerate(zip(cu[:-1], cu[1:])):
+        S = h0[n]
+        for t in range(bos, eos):
+            S = (2 * g[0, t].exp() - 1)[:, None, None] * S + k[0, t][:, :, None] * v[0, t][:, None, :]
+            outs.append(torch.einsum("hkv,hk->hv", S, q[0, t]))
+        finals.append(S)
+    return torch.stack(outs)[None], torch.stack(finals)
+
+
+@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
+def test_mamba2_negative_eigenvalues_are_the_signed_recurrence(mode):
+    """Mamba-2 with ``allow_neg_eigval`` (a_t = 2 exp(g_t) - 1, both signs drawn): the mixer's recurrence
+    equals the signed one written out, float64, packed with an empty sequence and per-sequence caches,
+    a partial chunk, every gradient; two calls through a cache equal one."""
+    layer = build_mixer("mamba2", cfg("mamba2", allow_neg_eigval=True)).double()
+    layer.train(mode == "chunk")
+    gen = generator()
+    cu, H, N, P = [0, 70, 70, 75], 2, 4, 3
+    T = cu[-1]
+    q, k, v = (torch.randn(1, T, H, d, dtype=torch.float64, generator=gen) for d in (N, N, P))
+    g = torch.rand(1, T, H, dtype=torch.float64, generator=gen).log()          # a uniform in (-1, 1)
+    h0 = torch.randn(3, H, N, P, dtype=torch.float64, generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, h0)]
+    cache = {"state": leaves[4]}
+    shared = dict(cu_seqlens=torch.tensor(cu), positions=torch.cat([torch.arange(70), torch.arange(5)]))
+    o = layer._signed_recur(cache, shared, *leaves[:4])
+    o_ref, S_ref = _signed_loop(*leaves, cu)
+    assert (2 * g.exp() - 1).min() < -0.5 and rel_err(o, o_ref) < 1e-12 and rel_err(cache["state"], S_ref) < 1e-12
+    do, dS = torch.randn_like(o_ref), torch.randn_like(S_ref)
+    got = torch.autograd.grad((o * do).sum() + (cache["state"] * dS).sum(), leaves)
+    want = torch.autograd.grad((o_ref * do).sum() + (S_ref * dS).sum(), leaves)
+    for name, a, b in zip(("q", "k", "v", "g", "initial_state"), got, want):
+        assert rel_err(a, b) < 1e-10, f"d{name}: {rel_err(a, b):.3g}"
+    with torch.no_grad():   # one sequence in two calls through the cache
+        one = {"state": h0[:1].clone()}
+        whole = layer._signed_recur(one, None, q[:, :70], k[:, :70], v[:, :70], g[:, :70])
+        two = {"state": h0[:1].clone()}
+        parts = [layer._signed_recur(two, None, *(t[:, a:b] for t in (q, k, v, g))) for a, b in ((0, 33), (33, 70))]
+    assert rel_err(torch.cat(parts, 1), whole) < 1e-12 and rel_err(two["state"], one["state"]) < 1e-12
+
+
+def test_mamba2_negative_eigenvalues_in_the_model():
+    """The flag reaches the layer (it was ignored before): outputs differ from [0, 1], the LM trains a
+    step and decodes token by token as it prefills."""
+    from fastweight.models import LanguageModel
+    torch.manual_seed(0)
+    pos, neg = (build_mixer("mamba2", cfg("mamba2", allow_neg_eigval=f)).double() for f in (False, True))
+    neg.load_state_dict(pos.state_dict())
+    inp = x(seed=4).double()
+    assert rel_err(neg(inp), pos(inp)) > 1e-3
+    model = LanguageModel(cfg("mamba2", allow_neg_eigval=True)).double()
+    ids = torch.randint(0, 64, (2, 12), generator=generator())
+    loss = torch.nn.functional.cross_entropy(model(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    model.eval()
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        steps = [model(ids[:, :5], cache)] + [model(ids[:, t:t + 1], cache) for t in range(5, 12)]
+    assert rel_err(torch.cat(steps, 1), full) < 1e-10

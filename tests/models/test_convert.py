@@ -212,6 +212,8 @@ def test_only_single_mixer_models_go_to_fla():
         fla_config_from_lm(LMConfig.preset("tiny", mixer="gdn,mamba2"))
     with pytest.raises(NotImplementedError, match="hybrid attention"):
         fla_config_from_lm(LMConfig.preset("tiny", mixer="mamba2,attn"))
+    with pytest.raises(NotImplementedError, match="allow_neg_eigval"):   # fla's Mamba2 has only [0, 1]
+        fla_config_from_lm(LMConfig.preset("tiny", mixer="mamba2", allow_neg_eigval=True))
 
 
 def test_state_layout():
