@@ -295,5 +295,5 @@ def test_hgrn_refusals_name_the_argument():
         ops.fused_recurrent_hgrn(x, x[:, :4])
     with pytest.raises(ValueError, match="`initial_state` must be \\[N, D\\] = \\[2, 4\\]"):
         ops.chunk_hgrn(x, -x.abs(), initial_state=torch.zeros(2, 4, 1, 1))
-    with pytest.raises(ValueError, match="g"):   # a gate above 0 (a growing state): the op's own check
+    with pytest.raises(ValueError, match="`g` is a log-space decay"):   # a gate above 0 (a growing state)
         ops.chunk_hgrn(x, x.abs() + 0.1)

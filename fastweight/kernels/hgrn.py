@@ -91,6 +91,7 @@ class _HGRN(torch.autograd.Function):
         B, T, D = x.shape
         N = B if cu_seqlens is None else cu_seqlens.numel() - 1
         x, g = x.contiguous(), g.contiguous()
+        cu_seqlens = None if cu_seqlens is None else cu_seqlens.contiguous()
         h0c = None if h0 is None else h0.float().contiguous()
         o = torch.empty_like(x)
         ht = x.new_empty(N, D, dtype=torch.float32) if output_final_state else None

@@ -119,6 +119,7 @@ class ShortConv(nn.Module):
             raise ValueError(f"the convolution cache must be [batch, >= {W - 1}, {C}] (its last inputs), "
                              f"got {tuple(cache.shape)}")
         if cu_seqlens is not None:
+            positions = packed_positions(x, positions, cu_seqlens)
             weight, bias = self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
             y, tail = packed_conv_cached(x, weight, bias, positions, cu_seqlens, cache, n)
             return self.act(y), tail
@@ -161,6 +162,17 @@ def packed_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         shifted = F.pad(x[:, :T - lag], (0, 0, lag, 0)) * (positions >= lag)[None, :, None].to(x.dtype)
         y = y + shifted * weight[:, 0, W - 1 - lag]
     return y if bias is None else y + bias
+
+
+def packed_positions(x: torch.Tensor, positions: torch.Tensor | None, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Each packed token's index in its own sequence (``positions``, or formed from ``cu_seqlens``);
+    packed input has batch size 1."""
+    if x.shape[0] != 1:
+        raise ValueError(f"`cu_seqlens` packs sequences along time: batch size 1, got {x.shape[0]}")
+    if positions is not None:
+        return positions
+    from fastweight.layers.base import sequence_positions
+    return sequence_positions(cu_seqlens, x.shape[1], x.device)
 
 
 def last_inputs(prev: torch.Tensor | None, x: torch.Tensor, n: int) -> torch.Tensor:
@@ -249,6 +261,7 @@ class TokenShift(nn.Module):
         """With ``cu_seqlens`` (packed sequences that continue from a cache): ``cache`` [N, 1, D] (None:
         zeros) is each sequence's last token; returns (shifted, each sequence's new last token)."""
         if cu_seqlens is not None:
+            positions = packed_positions(x, positions, cu_seqlens)
             cu = cu_seqlens.to(device=x.device, dtype=torch.int64)
             if cache is not None and cache.shape[:2] != (cu.numel() - 1, 1):
                 raise ValueError(f"the token-shift cache is {tuple(cache.shape)}, expected [N, 1, D] = "

@@ -114,7 +114,7 @@ class _FlaLayer:
             if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] < T:
                 raise ValueError(f"`attention_mask` must be [batch, seq_len] with seq_len >= {T} (its last {T} "
                                  f"columns are this call's tokens), got {tuple(attention_mask.shape)}")
-            mask = attention_mask[:, -T:].bool()
+            mask = attention_mask[:, attention_mask.shape[1] - T:].bool()   # T = 0: no columns
             if not bool(mask.all()):
                 if cu_seqlens is not None:
                     raise ValueError("a padding `attention_mask` and `cu_seqlens` cannot be combined")

@@ -241,6 +241,9 @@ def test_mamba2_negative_eigenvalues_are_the_signed_recurrence(mode):
     a partial chunk, every gradient; two calls through a cache equal one."""
     layer = build_mixer("mamba2", cfg("mamba2", allow_neg_eigval=True)).double()
     layer.train(mode == "chunk")
+    if mode == "fused_recurrent":   # the packed call's 75 tokens would otherwise take the chunk path
+        layer.recurrent_threshold = 10 ** 6
+    assert layer.mode(75) == mode and layer.mode(33) == mode
     gen = generator()
     cu, H, N, P = [0, 70, 70, 75], 2, 4, 3
     T = cu[-1]
@@ -286,3 +289,15 @@ def test_mamba2_negative_eigenvalues_in_the_model():
         cache = model.new_cache()
         steps = [model(ids[:, :5], cache)] + [model(ids[:, t:t + 1], cache) for t in range(5, 12)]
     assert rel_err(torch.cat(steps, 1), full) < 1e-10
+
+
+def test_packed_caches_refuse_a_batch_and_form_positions():
+    conv, shift = ShortConv(5, 4, None).double(), TokenShift()
+    x = torch.randn(1, 6, 5, dtype=torch.float64, generator=generator())
+    cu = torch.tensor([0, 2, 6])
+    for module in (conv, shift):
+        given = module(x, None, torch.tensor([0, 1, 0, 1, 2, 3]), cu)
+        formed = module(x, None, None, cu)
+        assert all(torch.equal(a, b) for a, b in zip(given, formed))
+        with pytest.raises(ValueError, match="cu_seqlens.*batch size 1"):
+            module(x.expand(2, 6, 5), None, None, cu)
