@@ -192,9 +192,11 @@ def runs(group: str, scale: str, widths=None, lengths=None) -> list[Run]:
     return BUILDERS[group](scale, widths, lengths)
 
 
-# H200 cost model (docs/results/full.md: 2-layer steps ~12 ms and 1-layer ~7 ms while launch-bound,
-# first-use compiling and scoring ~10 s a run); GEMM work at an assumed 100 TFLOP/s in bf16
-LAUNCH_S, LAUNCH_PER_LAYER_S, RUN_OVERHEAD_S, FLOPS = 0.002, 0.005, 10.0, 100e12
+# H200 cost model, fitted to the runs of docs/bench/runs-2026-12-03-s14.md: 2-layer steps ~17 ms while
+# launch-bound (Grazzi parity, batch 256 x 40: 17-19 ms), first-use compiling and scoring ~10 s a run,
+# the GEMM-bound rest at an effective 16 TFLOP/s in bf16 (Zoology T 128, d 128, batch 512: 72-100 ms a
+# step; the mixers' own work is not in the FLOP count, hence the low rate)
+LAUNCH_S, LAUNCH_PER_LAYER_S, RUN_OVERHEAD_S, FLOPS = 0.007, 0.005, 10.0, 16e12
 
 
 def estimate_seconds(cfg) -> float:

@@ -64,3 +64,11 @@ def test_estimate_follows_the_h200_record():
     big = TrainConfig(task="mqar:seq_len=512,n_pairs=64,vocab_size=8192", d_model=512, n_layers=2, steps=800,
                       batch_size=128)
     assert published.estimate_seconds(big) > 2 * published.estimate_seconds(cfg)
+    # docs/bench/runs-2026-12-03-s14.md: Zoology T 128 d 128 (781 steps x 512) took 67-80 s a run, Grazzi
+    # parity (6,000 steps x 256) 112-116 s
+    zoology = [r for r in published.runs("zoology", "full", widths=(128,), lengths=(128,)) if r.label.startswith("gdn")]
+    seconds = published.estimate_seconds(TrainConfig(**{**zoology[0].fields, "lr": zoology[0].lrs[0]}))
+    assert 55 < seconds < 95
+    grazzi = TrainConfig(task="parity_check:min_len=3,max_len=40", mixer="deltanet", d_model=64, n_layers=2,
+                         steps=6000, batch_size=256)
+    assert 90 < published.estimate_seconds(grazzi) < 140
