@@ -126,6 +126,15 @@ class LMConfig:
         if self.v_heads != self.n_heads and grouped:
             raise ValueError(f"LMConfig.n_v_heads: grouped value heads are for the delta-rule mixers; "
                              f"{grouped} take n_heads value heads")
+        if self.allow_neg_eigval:
+            # the delta rules (beta in [0, 2]) and Mamba-2 (a_t = 2 exp(dt A) - 1) have the [-1, 1] form and
+            # take the flag; the other layers of a hybrid keep theirs; with no such layer it would do nothing
+            if not any(m == "mamba2" or (m in MIXER_SPECS and MIXER_SPECS[m].layer == "delta"
+                                         and not MIXER_SPECS[m].options.get("implicit")
+                                         and not (self.fla_form and m == "comba")) for m in self.pattern):
+                raise ValueError(f"LMConfig.allow_neg_eigval: no layer of mixer {self.mixer!r} has a "
+                                 "negative-eigenvalue form (the delta rules but Longhorn and fla-form Comba, and "
+                                 "Mamba-2 have one)")
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         self._check_rwkv7_official()

@@ -152,7 +152,7 @@ def test_comba_hgrn2_are_fla_forms():
     for mixer in ("comba", "hgrn2"):
         with pytest.raises(NotImplementedError, match="fla_form"):
             fla_config_from_lm(LMConfig.preset("tiny", mixer=mixer))
-    with pytest.raises(NotImplementedError, match="allow_neg_eigval"):
+    with pytest.raises(ValueError, match="allow_neg_eigval"):   # fla-form Comba has no [-1, 1] form at all
         fla_config_from_lm(comba.replace(allow_neg_eigval=True))
     with pytest.raises(ValueError, match="fla_form"):
         LMConfig.preset("tiny", mixer="gdn", fla_form=True)
