@@ -33,6 +33,10 @@ class LMConfig:
     ``intermediate_size`` (None: ``4 * d_model``). ``rwkv7_group_norm_eps``: that GroupNorm's eps
     (None: ``64 * norm_eps``; fla's RWKV-7 uses ``head_dim * norm_eps``, the same at head_dim 64).
 
+    ``allow_neg_eigval`` (Grazzi et al. 2024): transitions with eigenvalues in [-1, 1], on the layers
+    that have that form: the delta rules' beta in (0, 2) (all but Longhorn and fla-form Comba) and
+    Mamba-2's a_t = 2 exp(dt A) - 1; a hybrid's other layers keep theirs; with no such layer, refused.
+
     ``kda_gate_rank``: the rank of the ``kda`` mixer's low-rank maps (its decay ``f_proj`` and output
     gate ``g_proj``); None: ``head_dim`` (fla's KDA: ``head_dim * expand_v``, the same at expand_v 1).
     ``kda_lower_bound``: fla's KDA ``lower_bound`` (< 0): the ``kda`` mixer's log decay becomes
