@@ -260,7 +260,9 @@ def step_conditions(op, x, h0, do, dht, names, cu_seqlens=None):
     the state a strong decay leaves is nearly ``beta k v^T``, and do_t nearly orthogonal to v_t cancels it.
     Measured: [kda-1--6.0] 9194427910455049046, 3674478706583738824, 9311711050457256991, 13157704062382684694,
     17204304255137660027: dq 1.27e-5 at cond 145 (0.74 eps * cond; the fp32 step itself: 3.4e-6; 0 of 650
-    fresh seeds over the flat 1e-5 otherwise)."""
+    fresh seeds over the flat 1e-5 otherwise). beta, a scalar per token, the same way: [comba-1--6.0]
+    13513970004908866791, 5582614484561406430, 8141741780904877003, 1236952885443319409,
+    14281876575782766917: dbeta 1.47e-5 at cond 697 (0.18 eps * cond)."""
     step = get(MECHANISM[op]).step
     x = {n: t.detach().double() for n, t in x.items()}
     T = x["q"].shape[1]
@@ -310,9 +312,9 @@ def check_strong(op, x, h0, *, cu_seqlens=None, G=1, qk_l2norm=False, gate=None,
         tols = dict.fromkeys(("g", "A_log", "dt_bias") + (("p",) if "p" in x else ()),
                              gate_tolerance(x["g"] if g_ref is None else g_ref.detach(), cu_seqlens, tol))
     if g_ref is None and G == 1 and not qk_l2norm:
-        # the step inputs whose gradients contract the state (the gate; Comba's read key p)
+        # the step inputs whose gradients contract the state (the read q, the gate, Comba's read key p, beta)
         eps = torch.finfo(dtype).eps
-        conds = step_conditions(op, x, h0, do, dht, ["q"] + [n for n in ("g", "p") if n in x], cu_seqlens)
+        conds = step_conditions(op, x, h0, do, dht, ["q"] + [n for n in ("g", "p", "beta") if n in x], cu_seqlens)
         tols.update({n: max(tols.get(n, tol), eps * c) for n, c in conds.items()})
     check_gradients(*pair, (do.to(dtype), dht), tol, tols=tols)
 
