@@ -192,10 +192,10 @@ def runs(group: str, scale: str, widths=None, lengths=None) -> list[Run]:
     return BUILDERS[group](scale, widths, lengths)
 
 
-# H200 cost model, fitted to the runs of docs/bench/runs-2026-12-03-s14.md: 2-layer steps ~17 ms while
-# launch-bound (Grazzi parity, batch 256 x 40: 17-19 ms), first-use compiling and scoring ~10 s a run,
-# the GEMM-bound rest at an effective 16 TFLOP/s in bf16 (Zoology T 128, d 128, batch 512: 72-100 ms a
-# step; the mixers' own work is not in the FLOP count, hence the low rate)
+# H200 cost model of one run: a launch-bound floor per step (~17 ms at 2 layers), ~10 s of first-use
+# compiling and scoring, and the model's GEMM FLOPs at an effective 16 TFLOP/s in bf16, a rate that
+# also covers the mixers' own work (not in the FLOP count); the figures it is fitted to are in
+# docs/results/published.md and tests/test_published.py
 LAUNCH_S, LAUNCH_PER_LAYER_S, RUN_OVERHEAD_S, FLOPS = 0.007, 0.005, 10.0, 16e12
 
 

@@ -22,16 +22,23 @@ import triton.language as tl
 BD = 64
 
 
-@triton.jit(do_not_specialize=["T"])
-def hgrn_fwd_kernel(x, g, o, h0, ht, cu_seqlens, T, D, BD: tl.constexpr, USE_H0: tl.constexpr,
-                    STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    i_d, i_n = tl.program_id(0), tl.program_id(1)
+@triton.jit
+def _sequence(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
+    """(first token, length) of sequence ``i_n``: from ``cu_seqlens``, else the i_n-th row of T."""
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
     else:
         bos = i_n.to(tl.int64) * T
-    o_d = i_d * BD + tl.arange(0, BD)
+    return bos, T
+
+
+@triton.jit(do_not_specialize=["T"])
+def hgrn_fwd_kernel(x, g, o, h0, ht, cu_seqlens, T, D, BD: tl.constexpr, USE_H0: tl.constexpr,
+                    STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    i_n = tl.program_id(1)
+    bos, T = _sequence(cu_seqlens, i_n, T, IS_VARLEN)
+    o_d = tl.program_id(0) * BD + tl.arange(0, BD)
     m_d = o_d < D
     h = tl.zeros([BD], dtype=tl.float32)
     if USE_H0:
@@ -53,13 +60,9 @@ def hgrn_fwd_kernel(x, g, o, h0, ht, cu_seqlens, T, D, BD: tl.constexpr, USE_H0:
 @triton.jit(do_not_specialize=["T"])
 def hgrn_bwd_kernel(g, o, h0, do, dht, dx, dg, dh0, cu_seqlens, T, D, BD: tl.constexpr, USE_H0: tl.constexpr,
                     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr):
-    i_d, i_n = tl.program_id(0), tl.program_id(1)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    else:
-        bos = i_n.to(tl.int64) * T
-    o_d = i_d * BD + tl.arange(0, BD)
+    i_n = tl.program_id(1)
+    bos, T = _sequence(cu_seqlens, i_n, T, IS_VARLEN)
+    o_d = tl.program_id(0) * BD + tl.arange(0, BD)
     m_d = o_d < D
     dh = tl.zeros([BD], dtype=tl.float32)
     if USE_DHT:

@@ -183,18 +183,20 @@ def last_inputs(prev: torch.Tensor | None, x: torch.Tensor, n: int) -> torch.Ten
     return seq[:, L - n:].clone() if L >= n else F.pad(seq, (0, 0, n - L, 0))
 
 
-def packed_history(x: torch.Tensor, cache: torch.Tensor | None, positions: torch.Tensor, cu_seqlens: torch.Tensor,
-                   lag: int, width: int) -> torch.Tensor:
-    """x_{t - lag} for each of T packed tokens (x [1, T, C]): from x within the token's sequence, else
-    from its sequence's ``cache`` [N, width, C] (its last ``width`` inputs, newest last; None: zeros)."""
-    T = x.shape[1]
-    back = torch.arange(T, device=x.device) - lag
-    inside = x[0, back.clamp(min=0)] if T else x[0]
-    if cache is None:
-        return (inside * (positions >= lag)[:, None].to(x.dtype))[None]
-    seq = torch.searchsorted(cu_seqlens[1:], torch.arange(T, device=x.device), right=True)
+def packed_history(x: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, seq: torch.Tensor,
+                   lag: int) -> torch.Tensor:
+    """x_{t - lag} for each of T packed tokens (x [1, T, C]; ``seq`` [T] each token's sequence): from x
+    within the token's sequence, else from its sequence's ``cache`` [N, width, C] (its last inputs,
+    newest last)."""
+    T, width = x.shape[1], cache.shape[1]
+    inside = x[0, (torch.arange(T, device=x.device) - lag).clamp(min=0)] if T else x[0]
     before = cache.to(x.dtype)[seq, (width - (lag - positions)).clamp(0, width - 1)]
     return torch.where((positions >= lag)[:, None], inside, before)[None]
+
+
+def token_sequences(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """The sequence of each of T packed tokens ([T], int64)."""
+    return torch.searchsorted(cu_seqlens[1:], torch.arange(T, device=cu_seqlens.device), right=True)
 
 
 def packed_tails(x: torch.Tensor, cache: torch.Tensor | None, cu_seqlens: torch.Tensor, width: int) -> torch.Tensor:
@@ -220,11 +222,14 @@ def packed_conv_cached(x, weight, bias, positions, cu_seqlens, cache, width):
     if cache is not None and cache.shape[0] != cu.numel() - 1:
         raise ValueError(f"the convolution cache is {tuple(cache.shape)}: {cache.shape[0]} sequences, "
                          f"`cu_seqlens` packs {cu.numel() - 1}")
-    y = x * weight[:, 0, W - 1]
-    held = W - 1 if cache is None else cache.shape[1]
-    for lag in range(1, W):
-        y = y + packed_history(x, cache, positions, cu, lag, held) * weight[:, 0, W - 1 - lag]
-    y = y if bias is None else y + bias
+    if cache is None:   # zeros before every sequence: the uncached packed convolution
+        y = packed_conv(x, weight, bias, positions)
+    else:
+        seq = token_sequences(cu, x.shape[1])
+        y = x * weight[:, 0, W - 1]
+        for lag in range(1, W):
+            y = y + packed_history(x, cache, positions, seq, lag) * weight[:, 0, W - 1 - lag]
+        y = y if bias is None else y + bias
     if cache is not None and cache.shape[1] < width:   # an older cache, narrower: zeros before it
         cache = F.pad(cache, (0, 0, width - cache.shape[1], 0))
     return y, packed_tails(x, None if cache is None else cache[:, cache.shape[1] - width:], cu, width)
@@ -266,7 +271,11 @@ class TokenShift(nn.Module):
             if cache is not None and cache.shape[:2] != (cu.numel() - 1, 1):
                 raise ValueError(f"the token-shift cache is {tuple(cache.shape)}, expected [N, 1, D] = "
                                  f"[{cu.numel() - 1}, 1, D] for {cu.numel() - 1} packed sequences")
-            return packed_history(x, cache, positions, cu, 1, 1), packed_tails(x, cache, cu, 1)
+            if cache is not None:
+                return packed_history(x, cache, positions, token_sequences(cu, x.shape[1]), 1), \
+                    packed_tails(x, cache, cu, 1)
+            cache_out = packed_tails(x, None, cu, 1)
+            return self.forward(x, None, positions)[0], cache_out
         prev = x.new_zeros(x.shape[0], 1, x.shape[2]) if cache is None else cache.to(x.dtype)
         shifted = torch.cat([prev, x[:, :-1]], dim=1)
         if positions is not None:  # packed sequences: the first token of each has no predecessor

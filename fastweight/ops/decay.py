@@ -216,8 +216,8 @@ def fused_recurrent_rwkv6(r, k, v, w, u, scale=None, initial_state=None, output_
 def _hgrn(mode, x, g, initial_state, output_final_state, cu_seqlens, backend):
     """HGRN's elementwise recurrence is scalar-gated linear attention with one head per channel and
     K = V = 1 (q = k = 1, v = x): the PyTorch and reference paths run it as that; Triton (the
-    default on CUDA) as its own scan kernel (``fastweight.kernels.hgrn``), simple_gla's tiles at K = V = 1
-    being 70x slower than fla's kernel on the H200 (docs/bench/runs-2026-12-03-s14.md)."""
+    default on CUDA) as its own scan kernel (``fastweight.kernels.hgrn``): simple_gla's tiles, sized for
+    K, V >= 16, would do 16 x 16 work per channel and token at K = V = 1."""
     name = f"{mode}_hgrn"
     for arg, t in (("x", x), ("g", g)):
         if not torch.is_tensor(t) or t.dim() != 3:
