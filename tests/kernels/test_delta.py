@@ -221,7 +221,23 @@ def test_cotangent_layouts(op, gate_in_kernel):
                    for c, layout in zip(cotangents, (layout_o, layout_s)))
         check_gradients(*pair, cotangents, TOL[torch.float32], f"cotangents {layout_o}, {layout_s}: ")
     # S.sum(): the final state's cotangent is one value broadcast with every stride 0
-    check_gradients(*pair, (None, torch.ones(()).expand(ht.shape)), TOL[torch.float32], "S.sum(): ")
+    ones = torch.ones(()).expand(ht.shape)
+    check_gradients(*pair, (None, ones), TOL[torch.float32], "S.sum(): ",
+                    tols={"initial_state": state_only_tolerance(pair, ones, TOL[torch.float32])})
+
+
+def state_only_tolerance(pair, dht, tol):
+    """dinitial_state's tolerance for a loss on the final state alone: max(tol, eps ||dS_T|| / ||dS_0||).
+
+    dS_0 is dS_T carried back through every transition; a strong decay (the in-kernel gate reaches -1.8 a
+    token) shrinks it by kappa = ||dS_T|| / ||dS_0|| up to ~1e4 in 70 tokens, and the chunk form's terms
+    (the decay and the WY correction of each chunk) cancel down to it: its error is absolute, a fraction of
+    one ulp of the cotangent that arrived, ``c eps ||dS_T||``. Measured (kda, gate in the kernel, 31 fresh
+    seeds): c 0.0004-0.14; the seeds 11823597139144645753, 16478359916797463711 (a CI run): dS_0 1.16e-5 at
+    kappa 6551 (c = 0.015). The tolerance takes c = 1."""
+    _, _, ref_outs, ref_leaves, _ = pair
+    dh0 = torch.autograd.grad(ref_outs[1], ref_leaves["initial_state"], dht.double(), retain_graph=True)[0]
+    return max(tol, torch.finfo(torch.float32).eps * dht.double().norm().item() / dh0.norm().item())
 
 
 def strong_gates(x, gate, seed=None):
