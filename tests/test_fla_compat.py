@@ -106,6 +106,16 @@ def test_fused_gated_delta_rule_gk_is_kda():
         ops.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["gk"], beta=x["beta"])
 
 
+def test_fla_short_names():
+    """fla.ops exports the gated delta rule also as chunk_gdn / fused_recurrent_gdn (the same functions, so the
+    recorded signatures cover them); code that imports the short names gets ours."""
+    assert ops.chunk_gdn is ops.chunk_gated_delta_rule
+    assert ops.fused_recurrent_gdn is ops.fused_recurrent_gated_delta_rule
+    fla_ops = pytest.importorskip("fla.ops")
+    assert fla_ops.chunk_gdn is fla_ops.chunk_gated_delta_rule
+    assert fla_ops.fused_recurrent_gdn is fla_ops.fused_recurrent_gated_delta_rule
+
+
 def test_cu_seqlens_cpu_means_no_device_read(monkeypatch):
     x = _x()
     cu = torch.tensor([0, 5, 21])

@@ -9,9 +9,9 @@ from fastweight.ops.common import _op, _beta_max, _default_beta
 
 __all__ = [  # the public functions, re-exported by fastweight.ops
     "chunk_delta_rule", "fused_recurrent_delta_rule", "chunk_gated_delta_rule",
-    "fused_recurrent_gated_delta_rule", "chunk_gated_delta_product", "fused_recurrent_gated_delta_product",
-    "chunk_kda", "fused_recurrent_kda", "chunk_comba", "fused_recurrent_comba", "chunk_longhorn",
-    "fused_recurrent_longhorn"]
+    "fused_recurrent_gated_delta_rule", "chunk_gdn", "fused_recurrent_gdn", "chunk_gated_delta_product",
+    "fused_recurrent_gated_delta_product", "chunk_kda", "fused_recurrent_kda", "chunk_comba", "fused_recurrent_comba",
+    "chunk_longhorn", "fused_recurrent_longhorn"]
 
 
 def _delta_rule(mode, q, k, v, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -124,6 +124,11 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
     return fla_compat.state_out(_gated_delta("fused_recurrent", q, k, v, g, beta, scale, h0, output_final_state,
                                              cu_seqlens, use_qk_l2norm_in_kernel, allow_neg_eigval, backend,
                                              use_gate_in_kernel, A_log, dt_bias), v_first)
+
+
+# fla 0.6.0's short names (fla.ops exports both spellings of the gated delta rule: the same functions)
+chunk_gdn = chunk_gated_delta_rule
+fused_recurrent_gdn = fused_recurrent_gated_delta_rule
 
 
 def _gated_delta_product(mode, q, k, v, g, beta, num_householder, scale, initial_state, output_final_state,
