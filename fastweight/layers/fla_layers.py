@@ -377,6 +377,14 @@ class HGRN2Attention(_FlaLayer, HGRN2FlaMixer):
         self._fla_setup(cfg, "hgrn2", mode, layer_idx, kwargs)
         self.expand_ratio, self.forget_dim, self.input_dim = expand_ratio, num_heads * expand_ratio, hidden_size
 
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                past_key_values=None, use_cache: bool | None = False, output_attentions: bool | None = False,
+                lower_bound: torch.Tensor | None = None, **kwargs):
+        """fla's call, ``lower_bound`` [hidden_size] its sixth parameter as in fla (fla's models pass it by
+        name; a positional call lands on it too); the rest as ``_FlaLayer.forward``."""
+        return super().forward(hidden_states, attention_mask, past_key_values, use_cache, output_attentions,
+                               lower_bound=lower_bound, **kwargs)
+
     def _shared_inputs(self, kwargs: dict) -> dict:
         return {} if kwargs.get("lower_bound") is None else {"lower_bound": kwargs["lower_bound"]}
 

@@ -1,13 +1,16 @@
 """fla's layer classes on fastweight (``fastweight.layers.fla_layers``): fla's constructor, call and
 return convention and parameter names, checked against the layer's formula written out here in
 float64 from the parameters alone (short convolutions by F.conv1d, the recurrence by the per-token
-reference), padding masks, packed input, the cache, and the refusals."""
+reference), padding masks, packed input, the cache, and the refusals; where fla is importable, every
+fla-named class's signatures against fla's."""
+
+import inspect
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from fastweight import ops
+from fastweight import layers, ops
 from fastweight.layers import DeltaNet, GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention
 from fastweight.testing import generator, rel_err
 
@@ -209,3 +212,20 @@ def test_foreign_cache_is_refused():
     layer = _layer()
     with pytest.raises(ValueError, match="past_key_values"):
         layer(torch.randn(1, 4, 32, dtype=torch.float64), past_key_values=object())
+
+
+def _named(fn) -> list:
+    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+@pytest.mark.parametrize("name", ["GatedDeltaNet", "KimiDeltaAttention", "DeltaNet", "GatedLinearAttention", "Comba",
+                                  "HGRN2Attention", "Mamba2", "RWKV7Attention"])
+def test_signatures_are_fla(name):
+    """The constructor and ``forward`` start with fla 0.6.0's named parameters, in fla's order with fla's
+    defaults, so positional and keyword calls written for fla bind alike (ours may add parameters after
+    them: ``cu_seqlens``, which fla's layers read from ``**kwargs``)."""
+    fla_layers = pytest.importorskip("fla.layers")
+    for method in ("__init__", "forward"):
+        theirs = _named(getattr(getattr(fla_layers, name), method))
+        assert _named(getattr(getattr(layers, name), method))[:len(theirs)] == theirs, method

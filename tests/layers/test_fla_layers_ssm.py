@@ -118,6 +118,8 @@ def test_hgrn2_lower_bound():
         want = _formula("hgrn2", layer.state_dict(), x, lb, layer_idx)
         assert rel_err(layer(x, lower_bound=lb)[0], want) < 1e-12
     assert rel_err(layer(x)[0], want) > 1e-3
+    # fla's forward signature: lower_bound is the sixth parameter, so a positional call reaches it
+    assert torch.equal(layer(x, None, None, False, False, lb)[0], layer(x, lower_bound=lb)[0])
 
 
 @pytest.mark.parametrize("kind", KINDS)
