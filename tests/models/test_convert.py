@@ -235,7 +235,9 @@ def _recorded_folder(path, model_type):
     return state
 
 
-@pytest.mark.parametrize("model_type", ["gated_deltanet", "gla", "rwkv7", "hgrn2", "comba", "kda/swa_attn"])
+# every family fla's hub holds (fla's model_type; a hybrid KDA with window and full attention layers)
+@pytest.mark.parametrize("model_type", ["gated_deltanet", "kda", "delta_net", "gla", "mamba2", "rwkv7", "hgrn2", "comba",
+                                        "kda/swa_attn"])
 def test_cli_convert_both_ways_and_from_pretrained(model_type, tmp_path):
     pytest.importorskip("transformers")
     from fastweight import cli
