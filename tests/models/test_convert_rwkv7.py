@@ -3,11 +3,15 @@
 
 A tiny official-format state dict with random weights (the official names and shapes: n_embd 128,
 head size 64, vocab 256) is converted and our model's logits are compared with a float64
-per-token loop of the official forward written here from the official recurrence.
+per-token loop of the official forward written here from the official recurrence, and, where the
+``rwkv`` package is installed (the compat extra), with that package's own ``RWKV_x070`` model.
 """
 
+import importlib.util
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -169,6 +173,37 @@ def test_logits_match_float64_official_loop(train, backend):
     print(f"rel err vs float64 official loop ({backend}, {'chunk' if train else 'fused_recurrent'}): {err:.2e}")
     assert err <= 1e-5
 
+
+# the rwkv package's RWKV_x070 on the CPU in fp32: a .pth path without its suffix, token ids -> logits [T, vocab]
+RWKV_PACKAGE = """
+import os, sys, torch
+os.environ["RWKV_V7_ON"] = "1"
+from rwkv.model import RWKV_x070
+ids = torch.load(sys.argv[1])
+for i, name in enumerate(sys.argv[3:]):
+    torch.save(RWKV_x070(name, "cpu fp32").forward(ids.tolist(), None, full_output=True)[0], f"{sys.argv[2]}{i}.pt")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("rwkv") is None, reason="the rwkv package (compat extra) is not installed")
+def test_logits_match_the_rwkv_package(tmp_path):
+    """The rwkv package's own x070 model (its CPU fp32 path) on an official ``.pth`` and on the ``.pth`` we write
+    back: our logits within fp32 rounding of both. The package runs in a child process: importing it with
+    RWKV_V7_ON=1 sets process-wide torch flags (TF32, cudnn.benchmark, the TorchScript autocast mode)."""
+    sd = official_state_dict()
+    torch.save(sd, tmp_path / "official.pth")
+    model = load_rwkv7(str(tmp_path / "official.pth")).eval()
+    save_rwkv7(model, str(tmp_path / "ours.pth"))
+    ids = _ids(B=1, T=16)[0]
+    torch.save(ids, tmp_path / "ids.pt")
+    subprocess.run([sys.executable, "-c", RWKV_PACKAGE, str(tmp_path / "ids.pt"), str(tmp_path / "logits"),
+                    str(tmp_path / "official"), str(tmp_path / "ours")], check=True, capture_output=True)
+    with torch.no_grad():
+        ours = {mode: getattr(model, mode)()(ids[None])[0] for mode in ("eval", "train")}   # fused_recurrent, chunk
+    for i in range(2):
+        theirs = torch.load(tmp_path / f"logits{i}.pt")
+        for mode, logits in ours.items():
+            assert rel_err(logits, theirs) <= 1e-5, (i, mode, rel_err(logits, theirs))
 
 def test_decode_from_cache_matches_full_forward():
     model = from_rwkv7(official_state_dict()).eval()
