@@ -170,12 +170,14 @@ def variants():
 
 
 def bench(op, shape, backward):
+    """(median ms, peak GiB allocated during one call, inputs and do included) of the forward or forward+backward."""
     B, T, H, K = SHAPES[shape]
     x = inputs(op, B, T, H, K, torch.bfloat16)
     fn = getattr(ops, f"chunk_{op}")
     leaves = {n: t.detach().clone().requires_grad_(backward) for n, t in x.items()}
     o = fn(**leaves, backend="triton")[0]
     do = torch.randn_like(o)
+    del o
 
     def run():
         out = fn(**leaves, backend="triton")[0]
@@ -183,19 +185,27 @@ def bench(op, shape, backward):
             out.backward(do)
     run()
     torch.cuda.synchronize()
-    return triton.testing.do_bench(run, warmup=25, rep=150, return_mode="median")
+    for t in leaves.values():
+        t.grad = None
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 2 ** 30
+    return triton.testing.do_bench(run, warmup=25, rep=150, return_mode="median"), peak
 
 
 def timing(op, shape):
     t0 = time.time()
-    fwd = bench(op, shape, False)
-    fb = bench(op, shape, True)
+    fwd, _ = bench(op, shape, False)
+    fb, peak = bench(op, shape, True)
     fla = ANCHORS.get((op, shape), (None, None))
-    row = dict(kind="time", op=op, shape=shape, fwd_ms=fwd, fwdbwd_ms=fb, fla_fwd_ms=fla[0], fla_fwdbwd_ms=fla[1],
+    row = dict(kind="time", op=op, shape=shape, fwd_ms=fwd, fwdbwd_ms=fb, peak_gib_fwdbwd=peak, fla_fwd_ms=fla[0],
+               fla_fwdbwd_ms=fla[1],
                ratio_fwd=fwd / fla[0] if fla[0] else None, ratio_fwdbwd=fb / fla[1] if fla[1] else None,
                wall_s=time.time() - t0)
     record(row)
-    print(f"time {op} {shape}: fwd {fwd:.3f} ms, fwd+bwd {fb:.3f} ms (fla {fla[0]} / {fla[1]})", flush=True)
+    print(f"time {op} {shape}: fwd {fwd:.3f} ms, fwd+bwd {fb:.3f} ms, peak {peak:.2f} GiB "
+          f"(fla {fla[0]} / {fla[1]})", flush=True)
     torch.cuda.empty_cache()
 
 
