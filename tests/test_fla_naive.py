@@ -289,3 +289,26 @@ def test_hgrn_against_fla_reference(mode):
     o_f, S_f = naive_recurrent_hgrn(x.float(), g.float(), h0.float(), True)
     errors = _errors({"x": x, "g": g}, h0, (o, S), (o_f, S_f))
     assert max(errors.values()) < TOL, ", ".join(f"{n} {e:.2e}" for n, e in errors.items())
+
+
+@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
+def test_hgrn_varlen_against_fla_reference_per_sequence(mode):
+    """HGRN-1 on one packed batch (``cu_seqlens``: fla's fused_recurrent_hgrn takes it; ours also on chunk_hgrn, as a
+    keyword), by keyword, against fla's ``naive_recurrent_hgrn`` run on each sequence alone (an empty and a
+    one-token sequence among them): o, the final states and every gradient."""
+    from fla.ops.hgrn.naive import naive_recurrent_hgrn
+    gen = torch.Generator().manual_seed(4)
+    D, N = 24, len(CU_SEQLENS) - 1
+    x = torch.randn(1, CU_SEQLENS[-1], D, generator=gen, dtype=torch.float64).requires_grad_()
+    g = torch.nn.functional.logsigmoid(torch.randn(1, CU_SEQLENS[-1], D, generator=gen, dtype=torch.float64))
+    g = g.requires_grad_()
+    h0 = torch.randn(N, D, generator=gen, dtype=torch.float64).requires_grad_()
+    o, S = getattr(ops, f"{mode}_hgrn")(x=x, g=g, initial_state=h0, output_final_state=True,
+                                        cu_seqlens=torch.tensor(CU_SEQLENS))
+    outs, states = [], []
+    for i, (bos, eos) in enumerate(zip(CU_SEQLENS[:-1], CU_SEQLENS[1:])):
+        o_i, S_i = naive_recurrent_hgrn(x[:, bos:eos].float(), g[:, bos:eos].float(), h0[i:i + 1].float(), True)
+        outs.append(o_i)
+        states.append(S_i)
+    errors = _errors({"x": x, "g": g}, h0, (o, S), (torch.cat(outs, 1), torch.cat(states)))
+    assert max(errors.values()) < TOL, ", ".join(f"{n} {e:.2e}" for n, e in errors.items())
