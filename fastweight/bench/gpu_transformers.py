@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import inspect
 import json
 import os
 import time
@@ -72,7 +73,7 @@ def main(argv=None):
             return 1e3 * (time.perf_counter() - t0)
     import transformers
 
-    from fastweight.models.transformers_kernels import use_fastweight_kernels
+    from fastweight.models.transformers_kernels import function_of, use_fastweight_kernels
     from fastweight.testing import rel_err
 
     mod = importlib.import_module("transformers.models.qwen3_next.modeling_qwen3_next")
@@ -96,7 +97,7 @@ def main(argv=None):
             fla_error = "fla's Hopper guard for Triton < 3.7.1 (its #640) lifted for timing: its gradients may be wrong"
     except Exception as e:  # noqa: BLE001  (fla is optional here)
         fla_error = _short(e)
-    variants["transformers PyTorch"] = {k: getattr(f, "__wrapped__", f) for k, f in bound.items()}
+    variants["transformers PyTorch"] = {k: inspect.unwrap(function_of(f)) for k, f in bound.items()}
 
     @contextlib.contextmanager
     def bind(fns):

@@ -41,7 +41,7 @@ TARGETS = {
 }
 
 
-def _function_of(original):
+def function_of(original):
     """The Python function behind a binding: with the ``kernels`` package (a dependency of transformers
     >= 5.2x), transformers turns each such function into an ``nn.Module`` instance whose ``forward``
     calls it (``kernels.use_kernel_forward_from_hub``); its signature and name are the function's."""
@@ -56,7 +56,7 @@ def _function_of(original):
 def _bridge(original, op_name: str):
     """A function with ``original``'s calling convention that runs ``fastweight.ops.<op_name>``."""
     fn = getattr(ops, op_name)
-    theirs = inspect.signature(_function_of(original))
+    theirs = inspect.signature(function_of(original))
     ours = inspect.signature(fn).parameters
 
     def call(*args, **kwargs):
@@ -73,7 +73,7 @@ def _bridge(original, op_name: str):
             named.setdefault("allow_neg_eigval", True)
         return fn(**{n: x for n, x in named.items() if n in ours and n != "backend"})
 
-    name = _function_of(original).__name__
+    name = function_of(original).__name__
     call.__name__, call.__doc__ = name, f"fastweight.ops.{op_name} in place of {name}"
     call.__wrapped_fastweight__ = original
     return call
@@ -97,7 +97,7 @@ def _packed_conv(original):
             y = ACT2FN[activation](y)
         return y.to(hidden_states.dtype)
 
-    name = _function_of(original).__name__
+    name = function_of(original).__name__
     call.__name__, call.__doc__ = name, f"a packed-batch-aware {name}"
     call.__wrapped_fastweight__ = original
     return call

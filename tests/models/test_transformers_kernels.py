@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fastweight.models.transformers_kernels import TARGETS, _function_of, use_fastweight_kernels  # noqa: E402
+from fastweight.models.transformers_kernels import TARGETS, function_of, use_fastweight_kernels  # noqa: E402
 from fastweight.testing import rel_err  # noqa: E402
 
 SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -46,7 +46,7 @@ def torch_path(monkeypatch):
     transformers binds them when a modeling module is imported, to fla's op where ``import fla`` succeeds
     (``hub_kernels.use_kernel_func_from_hub_with_fallback(<fla's name>, "fla")``); fla's kernels do not run on
     a CPU. So each is bound again by the same decorator around its PyTorch function (``__wrapped__``; with the
-    ``kernels`` package the binding is an ``nn.Module`` around it, ``_function_of``), with ``import fla``
+    ``kernels`` package the binding is an ``nn.Module`` around it, ``function_of``), with ``import fla``
     failing: transformers' own fallback wrapper, as on a machine without fla.
     """
     from transformers.integrations import hub_kernels
@@ -62,7 +62,7 @@ def torch_path(monkeypatch):
     with monkeypatch.context() as without_fla:
         without_fla.setitem(sys.modules, "fla", None)
         fallback = [hub_kernels.use_kernel_func_from_hub_with_fallback(fla_name, "fla")(
-            inspect.unwrap(_function_of(getattr(module, name)))) for module, name, fla_name in rebound]
+            inspect.unwrap(function_of(getattr(module, name)))) for module, name, fla_name in rebound]
     for (module, name, _), fn in zip(rebound, fallback):
         monkeypatch.setattr(module, name, fn)
 
