@@ -13,15 +13,16 @@ three kinds, and each is handled here the same way for every op:
   call then reads nothing from the device);
 - accepted without effect on the result: ``chunk_indices`` (fla's precomputed chunk
   bookkeeping; ours is built from the host copy of ``cu_seqlens``), ``disable_recompute`` (a
-  memory/speed trade-off in fla's kernels), ``chunk_size`` of 64 (ours), ``safe_gate`` and
+  memory/speed trade-off in fla's kernels), ``chunk_size`` of 16, 32 or 64 (fla's choices: the tokens
+  its kernels take a chunk, which changes rounding, not the recurrence; ours take 64), ``safe_gate`` and
   ``lower_bound`` on the DPLR / RWKV-7 chunk ops (:func:`gate_bound`) and on KDA without the
   in-kernel gate (:func:`kda_gate`), the deprecated
   ``transpose_state_layout`` (``state_v_first``, with fla's DeprecationWarning);
 - KDA's ``lower_bound`` with ``use_gate_in_kernel``: fla's bounded gate, formed by the op
   (:func:`kda_gate`);
 - refused with a ValueError naming the option unless left at its default: ``cp_context``
-  (context parallelism), ``gv``, ``chunk_size``
-  other than 64, ``return_intermediate_states``, ``use_graph``, ``max_num_seqs``; ``head_first``
+  (context parallelism), ``gv``, a ``chunk_size`` fla does not take either (not 16, 32 or 64),
+  ``return_intermediate_states``, ``use_graph``, ``max_num_seqs``; ``head_first``
   raises fla's own DeprecationWarning error. Any other keyword is a TypeError (fla ignores
   unknown keywords silently; a typo here must not be).
 """
@@ -108,7 +109,9 @@ def extra_kwargs(op: str, kwargs: dict, state_v_first: bool = False, allowed=())
         state_v_first = bool(kwargs.pop("transpose_state_layout"))
     chunk_size = kwargs.pop("chunk_size", None)
     kwargs.pop("disable_recompute", None)
-    refuse(op, chunk_size=(64 if chunk_size is None else chunk_size, 64))
+    if chunk_size is not None and chunk_size not in (16, 32, 64):
+        raise ValueError(f"`chunk_size={chunk_size!r}` is not supported by fastweight's {op}: fla's chunk sizes are "
+                         f"16, 32 and 64 (ours is 64; the result is the same recurrence)")
     out = {n: kwargs.pop(n) for n in allowed if n in kwargs}
     if kwargs:
         raise TypeError(f"{op}() got an unexpected keyword argument '{next(iter(kwargs))}'")

@@ -1,6 +1,7 @@
 """fla 0.6.0 parity of the public ops: signatures against the recorded data, and fla's options."""
 
 import inspect
+import itertools
 import json
 import os
 import warnings
@@ -134,7 +135,8 @@ def test_cu_seqlens_cpu_means_no_device_read(monkeypatch):
     (lambda x: ops.chunk_kda(x["q"], x["k"], x["v"], x["gk"], x["beta"], safe_gate=1), "safe_gate"),
     (lambda x: ops.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], cp_context=object()),
      "cp_context"),
-    (lambda x: ops.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=32), "chunk_size"),
+    (lambda x: ops.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], chunk_size=48), "chunk_size"),
+    (lambda x: ops.chunk_rwkv7(x["q"], x["gk"], x["k"], x["v"], -x["k"], x["k"], chunk_size=128), "chunk_size"),
     (lambda x: ops.fused_recurrent_gla(x["q"], x["k"], x["v"], gv=x["v"]), "gv"),
     (lambda x: ops.chunk_rwkv7(x["q"], x["gk"], x["k"], x["v"], -x["k"], x["k"], cp_context=object()),
      "cp_context"),
@@ -230,11 +232,12 @@ def test_linear_attn_bad_z_state_is_refused(bad, what):
 def test_dplr_safe_gate_and_lower_bound_change_nothing(backend):
     """fla's RWKV7Attention calls chunk_rwkv7 with safe_gate=True, lower_bound=-exp(-1/2), chunk_size=64:
     options of fla's kernel numerics only, so the result is the op's without them (also when the
-    gates break the promised bound: nothing is clamped, in fla or here)."""
+    gates break the promised bound: nothing is clamped, in fla or here); so are fla's other chunk
+    sizes, 16 (its default without a safe bound) and 32."""
     x = _x()
     kk = torch.nn.functional.normalize(x["k"], dim=-1)
-    for w in (-0.6065306597126334 * torch.sigmoid(x["gk"]), x["gk"] * 30):
-        fla_args = dict(safe_gate=True, lower_bound=-0.6065306597126334, chunk_size=64)
+    for w, chunk_size in itertools.product((-0.6065306597126334 * torch.sigmoid(x["gk"]), x["gk"] * 30), (16, 32, 64)):
+        fla_args = dict(safe_gate=True, lower_bound=-0.6065306597126334, chunk_size=chunk_size)
         for op, args in ((ops.chunk_rwkv7, (x["q"], w, x["k"], x["v"], -kk, kk * 0.5)),
                          (ops.chunk_dplr_delta_rule, (x["q"], x["k"], x["v"], -kk, kk * 0.5, w))):
             want, S = op(*args, output_final_state=True, backend=backend)
