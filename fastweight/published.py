@@ -82,9 +82,11 @@ def zoology(scale: str, widths=None, lengths=None) -> list[Run]:
             if widths and d not in widths:
                 continue
             for mixer in ZOOLOGY_MIXERS:
+                # no MLP: zoology's blocks are the mixer alone (state_mixer: Identity)
                 runs.append(Run("zoology", f"{mixer} d{d}", f"{mixer}-d{d}-T{seq_len}", s["lrs"], dict(
                     mixer=mixer, task=task, eval_tasks=task, d_model=d, n_layers=2, n_heads=max(1, d // 64),
-                    batch_size=batch, steps=steps, warmup=max(1, steps // 20), eval_examples=s["eval_examples"])))
+                    model_args="use_mlp=false", batch_size=batch, steps=steps, warmup=max(1, steps // 20),
+                    eval_examples=s["eval_examples"])))
     return runs
 
 

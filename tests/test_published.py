@@ -15,6 +15,7 @@ def test_zoology_full_is_the_papers_grid():
     assert {(t.seq_len, t.n_pairs) for t in tasks} == {(64, 4), (128, 8), (256, 16), (512, 64)}
     assert {(t.vocab_size, t.power_a, t.distinct_values) for t in tasks} == {(8192, 0.01, 1)}
     assert {r.fields["d_model"] for r in runs} == {64, 128, 256, 512} and {r.fields["n_layers"] for r in runs} == {2}
+    assert {r.fields["model_args"] for r in runs} == {"use_mlp=false"}   # state_mixer: Identity
     assert {r.fields["mixer"] for r in runs} == {"attn", "mamba2", "gla", "deltanet", "gdn", "kda", "rwkv7"}
     assert {(from_spec(r.fields["task"]).seq_len, r.fields["batch_size"]) for r in runs} == {
         (64, 512), (128, 512), (256, 256), (512, 128)}

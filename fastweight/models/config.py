@@ -54,7 +54,11 @@ class LMConfig:
     hybrid models give their attention layers their own count).
 
     ``num_householder``: the ``gdp`` mixer's delta steps a token (Gated DeltaProduct's n_h, each with
-    its own key, value and beta); None: its default, 2."""
+    its own key, value and beta); None: its default, 2.
+
+    ``use_mlp``: False leaves out every block's MLP (the SwiGLU, RWKV's channel mix), so a block is
+    its mixer alone, as in Zoology's MQAR models (``state_mixer: Identity``); Mamba-2 blocks have
+    none either way."""
 
     vocab_size: int = 32000
     d_model: int = 1024
@@ -87,6 +91,7 @@ class LMConfig:
     attn_heads: int | None = None
     rwkv7_group_norm_eps: float | None = None
     num_householder: int | None = None
+    use_mlp: bool = True
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "conv_size", "window_size",

@@ -283,6 +283,9 @@ def fla_config_from_lm(cfg: LMConfig) -> dict:
 def _fla_config_from_lm_mixer(cfg: LMConfig, mixer: str) -> dict:
     model_type = _MIXER_TO_TYPE[mixer]
     spec = FLA_MODELS[model_type]
+    if not cfg.use_mlp and model_type != "mamba2":
+        raise NotImplementedError(f"fla's {spec.architecture} has an MLP in every block; this model has "
+                                  "use_mlp=False")
     if model_type == "rwkv7":
         if not cfg.rwkv7_official:
             raise NotImplementedError("the LM's own rwkv7 mixer (per-head RMSNorm, one LoRA rank) has no fla model; "

@@ -101,6 +101,8 @@ def state_dict_to_rwkv7(state_dict: dict, cfg: LMConfig) -> dict:
     """Our names and shapes -> the official ones (the inverse of :func:`state_dict_from_rwkv7`)."""
     if not cfg.rwkv7_official:
         raise NotImplementedError("only an LMConfig(rwkv7_official=True) model converts to the official RWKV-7")
+    if not cfg.use_mlp:
+        raise NotImplementedError("the official RWKV-7 has a channel mix in every block; this model has use_mlp=False")
     model = {ours: theirs for theirs, ours in MODEL.items()}
     block = {ours: (theirs, how) for theirs, (ours, how) in BLOCK.items()}
     out = {}

@@ -65,12 +65,15 @@ class Block(nn.Module):
             from fastweight.layers.fla_layers import RWKV7OfficialTimeMix
             from fastweight.layers.rwkv import ChannelMix
             self.mixer = RWKV7OfficialTimeMix(cfg, layer_idx)
-            self.mlp_norm, self.mlp = build_norm(cfg), ChannelMix(cfg, width=cfg.intermediate_size)
+            if cfg.use_mlp:
+                self.mlp_norm, self.mlp = build_norm(cfg), ChannelMix(cfg, width=cfg.intermediate_size)
             return
         if cfg.fla_form and mixer in FLA_FORMS:   # fla's Comba / HGRN2 (fla_forms.py)
             self.mixer = FLA_FORMS[mixer](cfg, layer_idx=layer_idx)
         else:
             self.mixer = build_mixer(mixer, cfg)
+        if not cfg.use_mlp:
+            return
         if mixer in ("rwkv6", "rwkv7"):
             from fastweight.layers.rwkv import ChannelMix
             self.mlp_norm, self.mlp = RMSNorm(cfg.d_model, cfg.norm_eps), ChannelMix(cfg, receptance=mixer == "rwkv6")

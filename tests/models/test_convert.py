@@ -188,6 +188,15 @@ def test_hybrid_attention_layers():
     assert cfg.mixers == ("gdn", "attn") and (cfg.attn_heads, cfg.n_kv_heads) == (4, 2)
 
 
+def test_a_model_without_mlp_goes_to_fla_only_as_mamba2():
+    """fla's blocks all have an MLP but Mamba-2's, which has none in either library."""
+    from fastweight.models import LMConfig
+    with pytest.raises(NotImplementedError, match="use_mlp"):
+        fla_config_from_lm(LMConfig.preset("tiny", mixer="gdn", use_mlp=False))
+    mamba2 = LMConfig.preset("tiny", mixer="mamba2")
+    assert fla_config_from_lm(mamba2.replace(use_mlp=False)) == fla_config_from_lm(mamba2)
+
+
 def test_rwkv7_is_the_official_form():
     """fla's RWKV7ForCausalLM is LMConfig(rwkv7_official=True), the config of an official .pth;
     the LM's own rwkv7 mixer (another form) does not go to fla."""

@@ -240,6 +240,9 @@ def test_config_refuses_other_patterns():
     with pytest.raises(ValueError, match="rwkv7_ranks"):
         LMConfig(vocab_size=16, d_model=128, n_layers=2, n_heads=2, mixer="rwkv7", rwkv7_ranks=(32, 32, 32, 32))
     assert not LMConfig().rwkv7_official   # the default LM is unchanged
+    with pytest.raises(NotImplementedError, match="use_mlp"):   # the official blocks all have a channel mix
+        state_dict_to_rwkv7({}, LMConfig(vocab_size=16, d_model=128, n_layers=2, n_heads=2, mixer="rwkv7",
+                                         rwkv7_official=True, use_mlp=False))
 
 
 def test_cli_convert_pth_to_folder_and_back(tmp_path):

@@ -99,6 +99,26 @@ def test_config_errors():
             LMConfig.preset("tiny", **{field: value})
 
 
+@pytest.mark.parametrize("mixer, kw", [("gdn", {}), ("attn", {}), ("rwkv7", {}), ("mamba2", {}),
+                                        ("rwkv7", dict(rwkv7_official=True))])
+def test_use_mlp_false_leaves_each_block_its_mixer(mixer, kw):
+    """Zoology's blocks (state_mixer: Identity): no MLP, no channel mix, no norm before them; Mamba-2
+    blocks have none anyway. The model still trains and decodes as one pass."""
+    with_mlp, without = tiny(mixer, **kw), tiny(mixer, use_mlp=False, **kw)
+    assert all(b.mlp is None and b.mlp_norm is None for b in without.blocks)
+    n = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert n(without) == n(with_mlp) if mixer == "mamba2" else n(without) < n(with_mlp)
+    x = ids(seed=1)
+    logits = without(x)
+    logits.float().logsumexp(-1).mean().backward()
+    assert torch.isfinite(logits).all() and torch.isfinite(without.embed.weight.grad).all()
+    cache = without.new_cache()
+    with torch.no_grad():
+        steps = torch.cat([without(x[:, :13], cache=cache)] + [without(x[:, t:t + 1], cache=cache)
+                                                                for t in range(13, x.shape[1])], dim=1)
+    assert rel_err(steps, logits.detach()) < 5e-5   # the bound of test_prefill_then_decode_matches_one_pass
+
+
 def test_input_errors():
     model = tiny("gdn")
     for bad in (64, -1):
