@@ -7,6 +7,7 @@
     fastweight plot trained-spectra --checkpoint runs/eval/parity-deltanet-neg/checkpoint.pt
     fastweight plot niah-length --suite runs/eval/suite.json                      accuracy vs length
     fastweight plot loss-curves --suite runs/eval/suite.json [--group recall]     training loss per mixer
+    fastweight plot zoology     --suite runs/published/suite.json                 MQAR accuracy vs width
 
 Each writes ``--out`` (a PNG) and prints its path. The data come from
 :mod:`fastweight.analysis`.
@@ -235,6 +236,30 @@ def plot_loss_curves(suite: str, out: str, group: str = "recall") -> str:
     return _save(fig, out)
 
 
+def plot_zoology(suite: str, out: str) -> str:
+    """Zoology's Fig. 2 layout: MQAR accuracy against model width, one panel per sequence length, one
+    line per mixer; each point the best rate's mean over the seeds, the band their range."""
+    with open(suite) as f:
+        panels = analysis.accuracy_by_width(json.load(f)["results"])
+    if not panels:
+        raise ValueError(f"`suite`: {suite} holds no zoology results")
+    fig, axes = _grid(len(panels), size=3.2)
+    for ax, (seq_len, by_mixer) in zip(axes, panels.items()):
+        for mixer, points in by_mixer.items():
+            d, mean, low, high = zip(*points)
+            line, = ax.plot(d, [100 * a for a in mean], marker="o", label=mixer)
+            ax.fill_between(d, [100 * a for a in low], [100 * a for a in high], color=line.get_color(), alpha=0.15,
+                            lw=0)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-5, 105)
+        ax.set_title(f"MQAR, sequence length {seq_len}", fontsize=9)
+        ax.set_xlabel("model dimension", fontsize=8)
+        ax.set_ylabel("accuracy (%)", fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[0].legend(fontsize=7)
+    return _save(fig, out)
+
+
 def _run(args: argparse.Namespace) -> int:
     names = lambda s: [m for m in s.split(",") if m]  # noqa: E731
     if args.figure == "spectra":
@@ -258,6 +283,8 @@ def _run(args: argparse.Namespace) -> int:
         path = plot_attention(args.checkpoint, args.out or "attention.png", seed=args.seed)
     elif args.figure == "loss-curves":
         path = plot_loss_curves(args.suite, args.out or "loss_curves.png", group=args.group)
+    elif args.figure == "zoology":
+        path = plot_zoology(args.suite, args.out or "zoology.png")
     else:
         path = plot_niah_length(args.suite, args.out or "niah_length.png")
     print(path)
@@ -275,7 +302,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("plot", help="analysis figures (PNG)", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("figure", choices=("spectra", "trained-spectra", "state-norm", "attention", "niah-length",
-                                           "loss-curves"))
+                                           "loss-curves", "zoology"))
     parser.add_argument("--out", default="", help="PNG path (default: <figure>.png)")
     parser.add_argument("--mechanisms", default="", help="comma-separated registry names")
     parser.add_argument("--length", type=_length, default=0,
@@ -285,7 +312,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", default="", help="attention, trained-spectra: a fastweight train "
                         "checkpoint; state-norm: comma-separated checkpoints (trained models instead of random inputs)")
     parser.add_argument("--suite", default="runs/eval/suite.json",
-                        help="niah-length, loss-curves: a fastweight eval result")
+                        help="niah-length, loss-curves, zoology: a fastweight eval result")
     parser.add_argument("--group", default="recall", help="loss-curves: the suite's group (recall, retrieval, ...)")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=_run)

@@ -63,3 +63,23 @@ def test_negative_length_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         cli_main(["plot", "spectra", "--length", "-3"])
     assert "--length" in capsys.readouterr().err
+
+
+def test_zoology_plot_has_a_panel_per_length_and_a_line_per_mixer(tmp_path, monkeypatch):
+    from fastweight import plot
+    def run(mixer, d, T, acc):
+        return dict(group="zoology", label=f"{mixer} d{d}", config=dict(mixer=mixer, d_model=d, lr=1e-3,
+                    task=f"mqar:seq_len={T},n_pairs=4"), eval=[dict(task=f"mqar:seq_len={T},n_pairs=4", acc=acc)])
+    results = [run(m, d, T, 0.5) for m in ("attn", "gdn") for d in (64, 128) for T in (64, 128)]
+    (tmp_path / "suite.json").write_text(json.dumps(dict(results=results)))
+    drawn = []
+    monkeypatch.setattr(plot, "_save", lambda fig, out: drawn.extend(
+        (ax.get_title(), [line.get_label() for line in ax.get_lines()]) for ax in fig.axes) or out)
+    plot.plot_zoology(str(tmp_path / "suite.json"), str(tmp_path / "z.png"))
+    assert drawn == [(f"MQAR, sequence length {T}", ["attn", "gdn"]) for T in (64, 128)]
+    monkeypatch.undo()
+    assert cli_main(["plot", "zoology", "--suite", str(tmp_path / "suite.json"), "--out", str(tmp_path / "z.png")]) == 0
+    _png(tmp_path / "z.png")
+    (tmp_path / "empty.json").write_text(json.dumps(dict(results=[])))
+    with pytest.raises(ValueError, match="zoology"):
+        plot.plot_zoology(str(tmp_path / "empty.json"), str(tmp_path / "e.png"))

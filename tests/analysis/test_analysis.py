@@ -1,8 +1,9 @@
 import torch
 
 from fastweight.analysis.spectra import recurrence_eigenvalues
-from fastweight.analysis import (accuracy_by_length, layer_attention_maps, model_state_norms, recorded_recurrences,
-                                 recurrence_attention_map, sample_spectra, sample_state_norms, state_norms)
+from fastweight.analysis import (accuracy_by_length, accuracy_by_width, layer_attention_maps, model_state_norms,
+                                 recorded_recurrences, recurrence_attention_map, sample_spectra, sample_state_norms,
+                                 state_norms)
 from fastweight.dispatch import l2norm
 from fastweight.mechanisms import get
 from fastweight.models import LanguageModel, LMConfig
@@ -80,6 +81,17 @@ def test_accuracy_by_length():
                                        dict(task="s_niah_1:context_len=64,value_len=3", acc=1.0),
                                        dict(task="mqar", acc=0.3)])]
     assert accuracy_by_length(results) == {"s_niah_1": {"gdn": [(64, 1.0), (128, 0.5)]}}
+
+
+def test_accuracy_by_width_keeps_each_cells_best_rate():
+    """Zoology's Fig. 2: per (length, mixer, width), the rate with the best mean over its seeds."""
+    def run(mixer, d, T, lr, acc, group="zoology"):
+        return dict(group=group, config=dict(mixer=mixer, d_model=d, lr=lr, task=f"mqar:seq_len={T},n_pairs=4"),
+                    eval=[dict(task=f"mqar:seq_len={T},n_pairs=4", acc=acc)])
+    results = [run("gdn", 128, 64, 1e-3, 0.75), run("gdn", 128, 64, 1e-3, 0.25), run("gdn", 128, 64, 1e-2, 0.4),
+               run("gdn", 64, 64, 1e-2, 0.2), run("attn", 64, 128, 1e-3, 1.0), run("gdn", 64, 64, 1e-3, 1.0, "recall")]
+    assert accuracy_by_width(results) == {64: {"gdn": [(64, 0.2, 0.2, 0.2), (128, 0.5, 0.25, 0.75)]},
+                                          128: {"attn": [(64, 1.0, 1.0, 1.0)]}}
 
 
 def test_eigenvalues_of_a_model_layer():
