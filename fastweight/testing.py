@@ -108,7 +108,7 @@ def fla_cpu_patches() -> list:
     config per autotuned kernel (no benchmarking: the interpreter has no timer); its recurrence
     kernels do not run there, so its layers' op calls go to fla's PyTorch references
     (``fla.ops.*.naive``), fed as fla's kernels prepare their inputs (:func:`fla_reference_op`).
-    Comba's and RWKV-7's go to fastweight's reference ops (fla ships no naive RWKV-7; its naive
+    HGRN's go to fla's ``naive_recurrent_hgrn``. Comba's and RWKV-7's go to fastweight's reference ops (fla ships no naive RWKV-7; its naive
     Comba reads the decayed state, its kernels the undecayed one; ``docs/chunk.md``); its
     attention layers' flash-attn call goes to PyTorch's SDPA."""
     import functools
@@ -120,6 +120,7 @@ def fla_cpu_patches() -> list:
     import fla.layers.delta_net as delta_net
     import fla.layers.gated_deltanet as gated_deltanet
     import fla.layers.gla as gla
+    import fla.layers.hgrn as hgrn
     import fla.layers.hgrn2 as hgrn2
     import fla.layers.kda as kda
     import fla.layers.rwkv7 as rwkv7
@@ -136,7 +137,16 @@ def fla_cpu_patches() -> list:
                 for name in ("chunk_comba", "fused_recurrent_comba")]
     patches += [(rwkv7, "chunk_rwkv7", _fla_rwkv7), (rwkv7, "fused_mul_recurrent_rwkv7", _fla_fused_mul_rwkv7)]
     patches += [(attn, "flash_attn_func", _flash_attn_by_sdpa)]
+    patches += [(hgrn, name, _fla_hgrn) for name in ("chunk_hgrn", "fused_recurrent_hgrn")]
     return patches
+
+
+def _fla_hgrn(x, g, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """fla's HGRN op calls by fla's ``naive_recurrent_hgrn`` (no ``cu_seqlens``)."""
+    from fla.ops.hgrn.naive import naive_recurrent_hgrn
+    if cu_seqlens is not None:
+        raise NotImplementedError("_fla_hgrn: no cu_seqlens")
+    return naive_recurrent_hgrn(x, g, initial_state, output_final_state)
 
 
 def _flash_attn_by_sdpa(q, k, v, causal=True, window_size=(-1, -1), **unused):

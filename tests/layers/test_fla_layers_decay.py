@@ -1,0 +1,130 @@
+"""fla's decay-family layer classes in ``fastweight.layers.fla_layers_decay``: fla's parameter names;
+where fla is importable (with ``TRITON_INTERPRET=1``: ``fastweight.testing.fla_cpu_patches``), fla's
+own layer at random init, its state dict loaded strictly into ours, the same outputs (fp32); padding,
+packed input and a cache (ours, fla's ``Cache``, fla's layer prefilling and ours decoding) against
+the full forward; the refusals."""
+
+import os
+
+import pytest
+import torch
+
+from fastweight.layers import HGRNAttention
+from fastweight.testing import fla_cpu_patches, generator, rel_err
+
+FLA_KEYS = {"hgrn": {"i_proj.weight", "f_proj.weight", "g_proj.weight", "g_norm.weight", "o_proj.weight"}}
+LAYERS = {"hgrn": (HGRNAttention, dict(hidden_size=32, expand_ratio=2))}
+FLA_CLASSES = {"hgrn": "HGRNAttention"}
+KINDS = list(LAYERS)
+
+
+def _layer(kind, dtype=torch.float32, layer_idx=1, **kw):
+    torch.manual_seed(0)
+    cls, base = LAYERS[kind]
+    layer = cls(**{**base, **kw}, layer_idx=layer_idx).to(dtype)
+    for p in layer.parameters():   # away from the initialisation's ones and zeros
+        p.data.add_(0.1 * torch.randn_like(p))
+    return layer
+
+
+def _call(kind, dtype=torch.float32):
+    """The forward keywords a kind takes besides x (HGRN's lower bound)."""
+    if kind == "hgrn":
+        return dict(lower_bound=torch.rand(64, generator=generator()).to(dtype))
+    return {}
+
+
+def _fla(kind, monkeypatch, ours):
+    """fla's layer of ``kind`` holding ``ours``' weights (strict load), runnable on a CPU."""
+    fla_layers = pytest.importorskip("fla.layers")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("fla's norms need TRITON_INTERPRET=1 on a CPU")
+    for owner, name, value in fla_cpu_patches():
+        monkeypatch.setattr(owner, name, value)
+    cls, base = LAYERS[kind]
+    theirs = getattr(fla_layers, FLA_CLASSES[kind])(**base, layer_idx=ours.layer_idx).train(ours.training)
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    return theirs
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_against_fla_layer(kind, monkeypatch):
+    """fla's own layer at its random init plus noise, its state dict into ours: the same output
+    (fp32), in fla's training path and its eval path."""
+    ours = _layer(kind).train()
+    assert set(ours.state_dict()) == FLA_KEYS[kind]
+    theirs = _fla(kind, monkeypatch, ours)
+    x = torch.randn(2, 70, LAYERS[kind][1]["hidden_size"], generator=generator())
+    call = _call(kind)
+    for training in (True, False):
+        ours.train(training), theirs.train(training)
+        with torch.no_grad():
+            got, want = ours(x, **call)[0], theirs(x, **call)[0]
+        assert rel_err(got, want) < 1e-5, (training, rel_err(got, want))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_padding_packed_and_cache(kind):
+    layer = _layer(kind, torch.float64).eval()
+    gen = generator()
+    D = LAYERS[kind][1]["hidden_size"]
+    a, b = (torch.randn(1, n, D, dtype=torch.float64, generator=gen) for n in (9, 5))
+    call = _call(kind, torch.float64)
+    x = torch.zeros(2, 9, D, dtype=torch.float64)
+    x[0], x[1, 4:] = a[0], b[0]
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :4] = 0
+    o, _, _ = layer(x, attention_mask=mask, **call)
+    alone_a, alone_b = layer(a, **call)[0], layer(b, **call)[0]
+    assert rel_err(o[0], alone_a[0]) < 1e-12 and rel_err(o[1, 4:], alone_b[0]) < 1e-12
+    assert o[1, :4].abs().max() == 0
+    packed, _, _ = layer(torch.cat([a, b], 1), cu_seqlens=torch.tensor([0, 9, 14]), **call)
+    assert rel_err(packed, torch.cat([alone_a, alone_b], 1)) < 1e-12
+    o1, _, cache = layer(a[:, :6], use_cache=True, **call)
+    o2, _, _ = layer(a[:, 6:], past_key_values=cache, use_cache=True, **call)
+    assert rel_err(torch.cat([o1, o2], 1), alone_a) < 1e-12
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_through_fla_cache(kind):
+    """Prefill 7 tokens, then 5 one by one, through fla's ``Cache``: the full forward (fp32)."""
+    fla_utils = pytest.importorskip("fla.models.utils")
+    layer = _layer(kind, layer_idx=0).eval()
+    x = torch.randn(2, 12, LAYERS[kind][1]["hidden_size"], generator=generator())
+    call = _call(kind)
+    with torch.no_grad():
+        full = layer(x, **call)[0]
+        cache = fla_utils.Cache()
+        outs = [layer(x[:, :7], past_key_values=cache, use_cache=True, **call)]
+        outs += [layer(x[:, t:t + 1], past_key_values=cache, use_cache=True, **call) for t in range(7, 12)]
+    assert all(out[2] is cache for out in outs) and cache.get_seq_length(0) == 12
+    assert rel_err(torch.cat([out[0] for out in outs], 1), full) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fla_layer_prefills_ours_decodes(kind, monkeypatch):
+    """fla's layer prefills into fla's ``Cache``; ours decodes from it to fla's full forward, and
+    ours prefilling writes the state fla's writes."""
+    fla_utils = pytest.importorskip("fla.models.utils")
+    ours = _layer(kind, layer_idx=0).eval()
+    theirs = _fla(kind, monkeypatch, ours)
+    x = torch.randn(2, 9, LAYERS[kind][1]["hidden_size"], generator=generator())
+    call = _call(kind)
+    with torch.no_grad():
+        want = theirs(x, **call)[0]
+        cache = fla_utils.Cache()
+        outs = [theirs(x[:, :6], past_key_values=cache, use_cache=True, **call)[0]]
+        entry = dict(cache[0])
+        outs += [ours(x[:, t:t + 1], past_key_values=cache, use_cache=True, **call)[0] for t in range(6, 9)]
+        mine = fla_utils.Cache()
+        ours(x[:, :6], past_key_values=mine, use_cache=True, **call)
+    assert rel_err(torch.cat(outs, 1), want) <= 1e-5
+    assert rel_err(mine[0]["recurrent_state"], entry["recurrent_state"]) <= 1e-5
+
+
+@pytest.mark.parametrize("kind,kw", [("hgrn", dict(use_short_conv=True)), ("hgrn", dict(elementwise_affine=False))])
+def test_refusals_name_the_argument(kind, kw):
+    with pytest.raises(NotImplementedError, match=next(iter(kw))):
+        LAYERS[kind][0](**{**LAYERS[kind][1], **kw})
+    with pytest.raises(TypeError, match="not_an_option"):
+        LAYERS[kind][0](**LAYERS[kind][1], not_an_option=1)
