@@ -108,7 +108,8 @@ def fla_cpu_patches() -> list:
     config per autotuned kernel (no benchmarking: the interpreter has no timer); its recurrence
     kernels do not run there, so its layers' op calls go to fla's PyTorch references
     (``fla.ops.*.naive``), fed as fla's kernels prepare their inputs (:func:`fla_reference_op`).
-    HGRN's go to fla's ``naive_recurrent_hgrn``. Comba's and RWKV-7's go to fastweight's reference ops (fla ships no naive RWKV-7; its naive
+    HGRN's and linear attention's go to fla's ``naive_recurrent_hgrn`` and
+    ``naive_recurrent_linear_attn``. Comba's and RWKV-7's go to fastweight's reference ops (fla ships no naive RWKV-7; its naive
     Comba reads the decayed state, its kernels the undecayed one; ``docs/chunk.md``); its
     attention layers' flash-attn call goes to PyTorch's SDPA."""
     import functools
@@ -123,6 +124,7 @@ def fla_cpu_patches() -> list:
     import fla.layers.hgrn as hgrn
     import fla.layers.hgrn2 as hgrn2
     import fla.layers.kda as kda
+    import fla.layers.linear_attn as linear_attn
     import fla.layers.rwkv7 as rwkv7
     from fastweight import ops
     patches = [(autotuner.Autotuner, "_bench", lambda self, *a, config, **kw: [0.0, 0.0, 0.0]),
@@ -138,6 +140,8 @@ def fla_cpu_patches() -> list:
     patches += [(rwkv7, "chunk_rwkv7", _fla_rwkv7), (rwkv7, "fused_mul_recurrent_rwkv7", _fla_fused_mul_rwkv7)]
     patches += [(attn, "flash_attn_func", _flash_attn_by_sdpa)]
     patches += [(hgrn, name, _fla_hgrn) for name in ("chunk_hgrn", "fused_recurrent_hgrn")]
+    patches += [(linear_attn, name, _fla_linear_attn)
+                for name in ("chunk_linear_attn", "fused_chunk_linear_attn", "fused_recurrent_linear_attn")]
     return patches
 
 
@@ -147,6 +151,15 @@ def _fla_hgrn(x, g, initial_state=None, output_final_state=False, cu_seqlens=Non
     if cu_seqlens is not None:
         raise NotImplementedError("_fla_hgrn: no cu_seqlens")
     return naive_recurrent_hgrn(x, g, initial_state, output_final_state)
+
+
+def _fla_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=False,
+                     cu_seqlens=None, **unused):
+    """fla's linear-attention op calls by fla's ``naive_recurrent_linear_attn`` (no ``cu_seqlens``)."""
+    from fla.ops.linear_attn.naive import naive_recurrent_linear_attn
+    if cu_seqlens is not None:
+        raise NotImplementedError("_fla_linear_attn: no cu_seqlens")
+    return naive_recurrent_linear_attn(q, k, v, scale, initial_state, output_final_state, normalize)
 
 
 def _flash_attn_by_sdpa(q, k, v, causal=True, window_size=(-1, -1), **unused):

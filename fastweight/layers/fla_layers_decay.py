@@ -95,3 +95,90 @@ class HGRNAttention(_FlaLayer, _OwnParameters):
         if cache is not None:
             cache["state"] = state
         return self.o_proj(self.g_norm(o, self.g_proj(x)))
+
+
+class _Hadamard(nn.Module):
+    """fla's ``HadamardFeatureMap``: phi(x) = (W_1 x + b_1) * (W_2 x + b_2), per head."""
+
+    def __init__(self, head_dim: int):
+        super().__init__()
+        self.layer1 = nn.Linear(head_dim, head_dim)
+        self.layer2 = nn.Linear(head_dim, head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer1(x) * self.layer2(x)
+
+
+# fla's parameter-free feature maps (fla's elu_p1 is ELU + 1)
+FEATURE_MAPS = {"elu": lambda x: F.elu(x) + 1, "relu": F.relu, "identity": lambda x: x}
+
+
+class LinearAttention(_FlaLayer, _OwnParameters):
+    """fla's ``LinearAttention`` layer (Katharopoulos et al., 2020), as fla 0.6.0 computes it:
+
+        q, k, v = W_q x, W_k x, W_v x   (k, v: ``num_kv_heads`` heads, each repeated for its
+                                         ``num_heads / num_kv_heads`` query heads)
+        q, k = phi_q(q), phi_k(k)         (``feature_map``: fla's ``elementwise_product``, a learned
+                                         Hadamard map (W_1 x + b_1) * (W_2 x + b_2) per head, or
+                                         ``elu`` (ELU + 1), ``relu``, ``identity``)
+        q <- q / (sum q + 1e-4) with ``norm_q``; k likewise with ``norm_k``
+        S_t = S_{t-1} + k_t v_t^T,  o_t = S_t^T q_t / sqrt(d_k)   (``chunk_linear_attn``; with
+              ``do_feature_map_norm``, divided by q_t . sum_{s<=t} k_s / sqrt(d_k), its state (S, z))
+        y = W_o RMSNorm(o)                (per head; ``output_norm="identity"``: no norm)
+
+    Key and value widths ``hidden_size * expand_k`` and ``hidden_size * expand_v`` split into
+    ``num_heads`` heads. fla's ``fused_chunk`` mode is the same function (run as ``chunk``).
+    Refused by name: the ``hedgehog``, ``t2r`` and ``dpfp`` feature maps, ``elementwise_affine=False``."""
+
+    FLA_NAMES = {}
+    FLA_CACHE = FlaLayout(v_first=False)
+    MIXER = _OwnParameters
+
+    def __init__(self, mode: str = "chunk", hidden_size: str = 1024, expand_k: float = 1.0, expand_v: float = 1.0,
+                 num_heads: int = 8, num_kv_heads: int | None = None, feature_map: str = "elementwise_product",
+                 tie_feature_map_qk: bool = False, output_norm: str = "rmsnorm", norm_q: bool = False,
+                 norm_k: bool = False, do_feature_map_norm: bool = False, elementwise_affine: bool = True,
+                 norm_eps: float = 1e-5, layer_idx: int | None = None, **kwargs):
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"LinearAttention: `num_heads` ({num_heads}) must be a multiple of `num_kv_heads` "
+                             f"({num_kv_heads})")
+        if feature_map not in ("elementwise_product", *FEATURE_MAPS):
+            raise NotImplementedError(f"LinearAttention: `feature_map={feature_map!r}` is not supported (only "
+                                      f"'elementwise_product', 'elu', 'relu', 'identity')")
+        if output_norm not in ("rmsnorm", "identity"):
+            raise ValueError(f"LinearAttention: `output_norm` must be 'rmsnorm' or 'identity', got {output_norm!r}")
+        _refuse("LinearAttention", elementwise_affine=(elementwise_affine, True))
+        head_k, head_v = _head_dims("LinearAttention", hidden_size, expand_k, expand_v, num_heads)
+        self._fla_setup(_sizes(hidden_size, num_heads, head_k, head_v), None,
+                        "chunk" if mode == "fused_chunk" else mode, layer_idx, kwargs)
+        self.expand_k, self.expand_v, self.num_kv_heads = expand_k, expand_v, num_kv_heads
+        self.num_kv_groups = num_heads // num_kv_heads
+        self.key_dim, self.value_dim = head_k * num_heads, head_v * num_heads
+        self.head_k_dim, self.head_v_dim = head_k, head_v
+        self.norm_q, self.norm_k, self.do_feature_map_norm = norm_q, norm_k, do_feature_map_norm
+        if feature_map == "elementwise_product":
+            self.feature_map_q = _Hadamard(head_k)
+            self.feature_map_k = self.feature_map_q if tie_feature_map_qk else _Hadamard(head_k)
+        else:
+            self.feature_map_q = self.feature_map_k = FEATURE_MAPS[feature_map]
+        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, self.key_dim // self.num_kv_groups, bias=False)
+        self.v_proj = nn.Linear(hidden_size, self.value_dim // self.num_kv_groups, bias=False)
+        self.norm = RMSNorm(head_v, norm_eps) if output_norm == "rmsnorm" else None
+        self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    def _mix(self, x: torch.Tensor, cache: dict | None, shared: dict | None) -> torch.Tensor:
+        group = self.num_kv_groups
+        q = split_heads(self.q_proj(x), self.num_heads)
+        k, v = (split_heads(p(x), self.num_kv_heads).repeat_interleave(group, 2) for p in (self.k_proj, self.v_proj))
+        q, k = self.feature_map_q(q), self.feature_map_k(k)
+        if self.norm_q:
+            q = q / (q.sum(-1, keepdim=True) + 1e-4)
+        if self.norm_k:
+            k = k / (k.sum(-1, keepdim=True) + 1e-4)
+        o = self.recur("linear_attn", cache, shared, scale=self.head_k_dim ** -0.5, q=q, k=k, v=v,
+                       normalize=self.do_feature_map_norm)
+        if self.norm is not None:
+            o = self.norm(o)
+        return self.o_proj(o.flatten(-2))

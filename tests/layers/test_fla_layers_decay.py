@@ -9,12 +9,20 @@ import os
 import pytest
 import torch
 
-from fastweight.layers import HGRNAttention
+from fastweight.layers import HGRNAttention, LinearAttention
 from fastweight.testing import fla_cpu_patches, generator, rel_err
 
-FLA_KEYS = {"hgrn": {"i_proj.weight", "f_proj.weight", "g_proj.weight", "g_norm.weight", "o_proj.weight"}}
-LAYERS = {"hgrn": (HGRNAttention, dict(hidden_size=32, expand_ratio=2))}
-FLA_CLASSES = {"hgrn": "HGRNAttention"}
+QKVO = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"}
+HADAMARD = {f"feature_map_{c}.layer{i}.{p}" for c in "qk" for i in (1, 2) for p in ("weight", "bias")}
+FLA_KEYS = {"hgrn": {"i_proj.weight", "f_proj.weight", "g_proj.weight", "g_norm.weight", "o_proj.weight"},
+            "la": QKVO | HADAMARD | {"norm.weight"}, "la_elu": QKVO}
+LAYERS = {"hgrn": (HGRNAttention, dict(hidden_size=32, expand_ratio=2)),
+          "la": (LinearAttention, dict(hidden_size=32, num_heads=2, expand_k=0.5)),
+          # fla's other options: a parameter-free map, its normaliser (state (S, z)), grouped k/v heads
+          "la_elu": (LinearAttention, dict(hidden_size=32, num_heads=4, num_kv_heads=2, feature_map="elu",
+                                           norm_q=True, norm_k=True, do_feature_map_norm=True,
+                                           output_norm="identity"))}
+FLA_CLASSES = {"hgrn": "HGRNAttention", "la": "LinearAttention", "la_elu": "LinearAttention"}
 KINDS = list(LAYERS)
 
 
@@ -119,10 +127,13 @@ def test_fla_layer_prefills_ours_decodes(kind, monkeypatch):
         mine = fla_utils.Cache()
         ours(x[:, :6], past_key_values=mine, use_cache=True, **call)
     assert rel_err(torch.cat(outs, 1), want) <= 1e-5
-    assert rel_err(mine[0]["recurrent_state"], entry["recurrent_state"]) <= 1e-5
+    # a tuple (S, z) for linear attention with its normaliser
+    mine, theirs = (s if isinstance(s, tuple) else (s,) for s in (mine[0]["recurrent_state"], entry["recurrent_state"]))
+    assert len(mine) == len(theirs) and all(rel_err(a, b) <= 1e-5 for a, b in zip(mine, theirs))
 
 
-@pytest.mark.parametrize("kind,kw", [("hgrn", dict(use_short_conv=True)), ("hgrn", dict(elementwise_affine=False))])
+@pytest.mark.parametrize("kind,kw", [("hgrn", dict(use_short_conv=True)), ("hgrn", dict(elementwise_affine=False)),
+                                     ("la", dict(feature_map="hedgehog")), ("la", dict(elementwise_affine=False))])
 def test_refusals_name_the_argument(kind, kw):
     with pytest.raises(NotImplementedError, match=next(iter(kw))):
         LAYERS[kind][0](**{**LAYERS[kind][1], **kw})
