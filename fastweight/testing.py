@@ -109,7 +109,8 @@ def fla_cpu_patches() -> list:
     kernels do not run there, so its layers' op calls go to fla's PyTorch references
     (``fla.ops.*.naive``), fed as fla's kernels prepare their inputs (:func:`fla_reference_op`).
     HGRN's and linear attention's go to fla's ``naive_recurrent_hgrn`` and
-    ``naive_recurrent_linear_attn``. Comba's and RWKV-7's go to fastweight's reference ops (fla ships no naive RWKV-7; its naive
+    ``naive_recurrent_linear_attn``, RetNet's to fla's ``naive_retention`` (without a state; with one,
+    to fastweight's reference op). Comba's and RWKV-7's go to fastweight's reference ops (fla ships no naive RWKV-7; its naive
     Comba reads the decayed state, its kernels the undecayed one; ``docs/chunk.md``); its
     attention layers' flash-attn call goes to PyTorch's SDPA."""
     import functools
@@ -125,6 +126,7 @@ def fla_cpu_patches() -> list:
     import fla.layers.hgrn2 as hgrn2
     import fla.layers.kda as kda
     import fla.layers.linear_attn as linear_attn
+    import fla.layers.multiscale_retention as retention
     import fla.layers.rwkv7 as rwkv7
     from fastweight import ops
     patches = [(autotuner.Autotuner, "_bench", lambda self, *a, config, **kw: [0.0, 0.0, 0.0]),
@@ -142,6 +144,9 @@ def fla_cpu_patches() -> list:
     patches += [(hgrn, name, _fla_hgrn) for name in ("chunk_hgrn", "fused_recurrent_hgrn")]
     patches += [(linear_attn, name, _fla_linear_attn)
                 for name in ("chunk_linear_attn", "fused_chunk_linear_attn", "fused_recurrent_linear_attn")]
+    patches += [(retention, name, _fla_retention)
+                for name in ("chunk_retention", "fused_chunk_retention", "parallel_retention",
+                             "fused_recurrent_retention")]
     return patches
 
 
@@ -151,6 +156,18 @@ def _fla_hgrn(x, g, initial_state=None, output_final_state=False, cu_seqlens=Non
     if cu_seqlens is not None:
         raise NotImplementedError("_fla_hgrn: no cu_seqlens")
     return naive_recurrent_hgrn(x, g, initial_state, output_final_state)
+
+
+def _fla_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, **unused):
+    """fla's retention op calls: by fla's ``naive_retention`` (head-first, its own scale K^-1/2) where
+    no state goes in or out and nothing is packed, else by fastweight's reference op."""
+    from fla.ops.retention.naive import naive_retention
+
+    from fastweight import ops
+    if initial_state is None and not output_final_state and cu_seqlens is None and scale is None:
+        o = naive_retention(*(t.transpose(1, 2) for t in (q, k, v)))
+        return o.transpose(1, 2), None
+    return ops.chunk_retention(q, k, v, scale, initial_state, output_final_state, cu_seqlens, backend="reference")
 
 
 def _fla_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=False,

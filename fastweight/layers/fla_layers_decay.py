@@ -182,3 +182,103 @@ class LinearAttention(_FlaLayer, _OwnParameters):
         if self.norm is not None:
             o = self.norm(o)
         return self.o_proj(o.flatten(-2))
+
+
+class MultiScaleRetention(_FlaLayer, _OwnParameters):
+    """fla's ``MultiScaleRetention`` layer (RetNet, Sun et al., 2023), as fla 0.6.0 computes it:
+
+        q, k, v = W_q x, W_k x, W_v x;  q, k = RoPE(q), RoPE(k)   (rotate-half, base 10000, at each
+                                         token's position in its sequence, past tokens counted)
+        S_t = gamma_h S_{t-1} + k_t v_t^T,  o_t = S_t^T q_t / sqrt(d_k),  gamma_h = 1 - 2^(-5-h)
+        y = W_o (RMSNorm(o) * SiLU(W_g x))   (per head; ``use_output_gate=False``: W_o RMSNorm(o))
+
+    (``chunk_retention``). Key and value widths ``hidden_size * expand_k`` and ``hidden_size *
+    expand_v`` in ``num_heads`` heads; k and v in ``num_kv_heads`` heads, each repeated for its query
+    heads. The norm is fla's ``g_norm_swish_gate`` (fused, the default) or ``g_norm`` (``fuse_norm=False``
+    or no output gate), the same function. fla's ``fused_chunk`` and ``parallel`` modes are the same
+    function (run as ``chunk``). Positions with a cache: this library's dict counts each sequence's
+    tokens; with fla's ``Cache``, its ``get_seq_length(layer_idx)``, less each row's padding (fla's rule).
+    Refused by name: ``feature_map``, ``use_short_conv``, a ``gate_fn`` other than swish,
+    ``elementwise_affine=False``."""
+
+    FLA_NAMES = {}
+    FLA_CACHE = FlaLayout(v_first=False)
+    MIXER = _OwnParameters
+
+    def __init__(self, mode: str = "chunk", hidden_size: int = 1024, expand_k: float = 1.0, expand_v: float = 2.0,
+                 num_heads: int = 8, num_kv_heads: int | None = None, feature_map: str | None = None,
+                 use_short_conv: bool = False, conv_size: int = 4, conv_bias: bool = False,
+                 use_output_gate: bool = True, gate_fn: str = "swish", elementwise_affine: bool | None = True,
+                 norm_eps: float = 1e-5, fuse_norm: bool = True, layer_idx: int = None, **kwargs):
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"MultiScaleRetention: `num_heads` ({num_heads}) must be a multiple of `num_kv_heads` "
+                             f"({num_kv_heads})")
+        _refuse("MultiScaleRetention", feature_map=(feature_map, None), use_short_conv=(use_short_conv, False),
+                gate_fn=(gate_fn, "swish"), elementwise_affine=(elementwise_affine, True))
+        head_k, head_v = _head_dims("MultiScaleRetention", hidden_size, expand_k, expand_v, num_heads)
+        self._fla_setup(_sizes(hidden_size, num_heads, head_k, head_v), None,
+                        "chunk" if mode in ("fused_chunk", "parallel") else mode, layer_idx, kwargs)
+        self.expand_k, self.expand_v, self.num_kv_heads = expand_k, expand_v, num_kv_heads
+        self.num_kv_groups = num_heads // num_kv_heads
+        self.key_dim, self.value_dim = head_k * num_heads, head_v * num_heads
+        self.head_k_dim, self.head_v_dim = head_k, head_v
+        self.use_output_gate, self.use_short_conv, self.conv_size, self.conv_bias = use_output_gate, False, \
+            conv_size, conv_bias
+        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, self.key_dim // self.num_kv_groups, bias=False)
+        self.v_proj = nn.Linear(hidden_size, self.value_dim // self.num_kv_groups, bias=False)
+        if use_output_gate:
+            self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.fuse_norm_and_gate = fuse_norm and use_output_gate
+        norm = GatedRMSNorm(head_v, norm_eps, "silu")
+        if self.fuse_norm_and_gate:
+            self.g_norm_swish_gate = norm
+        else:
+            self.g_norm = norm
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                past_key_values=None, use_cache: bool | None = False, output_attentions: bool | None = False,
+                **kwargs):
+        """fla's call (``_FlaLayer.forward``); with fla's cache, the rotary positions start at its
+        ``get_seq_length(layer_idx)`` less each row's padding, as in fla."""
+        past = None
+        if past_key_values is not None and not isinstance(past_key_values, dict) \
+                and is_protocol_cache(past_key_values) and self.layer_idx is not None:
+            if not hasattr(past_key_values, "get_seq_length"):
+                raise ValueError("MultiScaleRetention: `past_key_values` needs fla's `get_seq_length(layer_idx)` "
+                                 "(the rotary positions)")
+            seen = past_key_values.get_seq_length(self.layer_idx)
+            past = seen
+            if attention_mask is not None and seen > 0:
+                past = seen + attention_mask.sum(1) - attention_mask.shape[1]
+        return super().forward(hidden_states, attention_mask, past_key_values, use_cache, output_attentions,
+                               _past=past, **kwargs)
+
+    def _shared_inputs(self, kwargs: dict) -> dict:
+        return {} if kwargs.get("_past") is None else {"past": kwargs["_past"]}
+
+    def _mix(self, x: torch.Tensor, cache: dict | None, shared: dict | None) -> torch.Tensor:
+        B, T = x.shape[:2]
+        cu = packed(shared, "cu_seqlens")
+        past = (shared or {}).get("past", 0 if cache is None else cache.get("seen", 0))
+        past = torch.as_tensor(past, device=x.device).expand(B if cu is None else len(cu) - 1)   # [N]
+        if cu is None:
+            positions = past[:, None] + torch.arange(T, device=x.device)                      # [B, T]
+        else:
+            cu = cu.to(x.device)
+            sequence = torch.searchsorted(cu[1:], torch.arange(T, device=x.device), right=True)
+            positions = (shared["positions"] + past[sequence])[None]                          # [1, T]
+        q = split_heads(self.q_proj(x), self.num_heads)
+        k = split_heads(self.k_proj(x), self.num_kv_heads)
+        q, k = (torch.cat([rotary(t[b:b + 1], positions[b]) for b in range(t.shape[0])]) for t in (q, k))
+        group = self.num_kv_groups
+        k = k.repeat_interleave(group, 2)
+        v = split_heads(self.v_proj(x), self.num_kv_heads).repeat_interleave(group, 2)
+        o = self.recur("retention", cache, shared, scale=self.head_k_dim ** -0.5, q=q, k=k, v=v)
+        if cache is not None:
+            cache["seen"] = past + (T if cu is None else cu.diff())
+        gate = split_heads(self.g_proj(x), self.num_heads) if self.use_output_gate else None
+        o = (self.g_norm_swish_gate if self.fuse_norm_and_gate else self.g_norm)(o, gate)
+        return self.o_proj(o.flatten(-2))

@@ -9,20 +9,24 @@ import os
 import pytest
 import torch
 
-from fastweight.layers import HGRNAttention, LinearAttention
+from fastweight.layers import HGRNAttention, LinearAttention, MultiScaleRetention
 from fastweight.testing import fla_cpu_patches, generator, rel_err
 
 QKVO = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"}
 HADAMARD = {f"feature_map_{c}.layer{i}.{p}" for c in "qk" for i in (1, 2) for p in ("weight", "bias")}
 FLA_KEYS = {"hgrn": {"i_proj.weight", "f_proj.weight", "g_proj.weight", "g_norm.weight", "o_proj.weight"},
-            "la": QKVO | HADAMARD | {"norm.weight"}, "la_elu": QKVO}
+            "la": QKVO | HADAMARD | {"norm.weight"}, "la_elu": QKVO,
+            "retnet": QKVO | {"g_proj.weight", "g_norm_swish_gate.weight"}, "retnet_gqa": QKVO | {"g_norm.weight"}}
 LAYERS = {"hgrn": (HGRNAttention, dict(hidden_size=32, expand_ratio=2)),
           "la": (LinearAttention, dict(hidden_size=32, num_heads=2, expand_k=0.5)),
           # fla's other options: a parameter-free map, its normaliser (state (S, z)), grouped k/v heads
           "la_elu": (LinearAttention, dict(hidden_size=32, num_heads=4, num_kv_heads=2, feature_map="elu",
                                            norm_q=True, norm_k=True, do_feature_map_norm=True,
-                                           output_norm="identity"))}
-FLA_CLASSES = {"hgrn": "HGRNAttention", "la": "LinearAttention", "la_elu": "LinearAttention"}
+                                           output_norm="identity")),
+          "retnet": (MultiScaleRetention, dict(hidden_size=32, num_heads=2, expand_k=0.5, expand_v=1)),
+          "retnet_gqa": (MultiScaleRetention, dict(hidden_size=32, num_heads=4, num_kv_heads=2, use_output_gate=False))}
+FLA_CLASSES = {"hgrn": "HGRNAttention", "la": "LinearAttention", "la_elu": "LinearAttention",
+               "retnet": "MultiScaleRetention", "retnet_gqa": "MultiScaleRetention"}
 KINDS = list(LAYERS)
 
 
@@ -133,9 +137,46 @@ def test_fla_layer_prefills_ours_decodes(kind, monkeypatch):
 
 
 @pytest.mark.parametrize("kind,kw", [("hgrn", dict(use_short_conv=True)), ("hgrn", dict(elementwise_affine=False)),
-                                     ("la", dict(feature_map="hedgehog")), ("la", dict(elementwise_affine=False))])
+                                     ("la", dict(feature_map="hedgehog")), ("la", dict(elementwise_affine=False)),
+                                     ("retnet", dict(feature_map="swish")), ("retnet", dict(use_short_conv=True)),
+                                     ("retnet", dict(gate_fn="sigmoid"))])
 def test_refusals_name_the_argument(kind, kw):
     with pytest.raises(NotImplementedError, match=next(iter(kw))):
         LAYERS[kind][0](**{**LAYERS[kind][1], **kw})
     with pytest.raises(TypeError, match="not_an_option"):
         LAYERS[kind][0](**LAYERS[kind][1], not_an_option=1)
+
+
+@pytest.mark.parametrize("make", ["dict", "LayerCache", "fla"])
+def test_retention_positions_after_padding(make, monkeypatch):
+    """RetNet's rotary positions with a cache: a left-padded prefill, then decoding with the mask
+    growing (generation's), equals each sequence alone; with fla's ``Cache``, fla's own layer too."""
+    from fastweight.layers.fla_cache import LayerCache
+    layer = _layer("retnet").eval()
+    gen = generator()
+    a, b = (torch.randn(1, n, 32, generator=gen) for n in (12, 8))
+    x = torch.zeros(2, 12, 32)
+    x[0], x[1, 4:] = a[0], b[0]
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0
+    if make == "fla":
+        cache = pytest.importorskip("fla.models.utils").Cache()
+    else:
+        cache = LayerCache() if make == "LayerCache" else None
+    with torch.no_grad():
+        alone_a, alone_b = layer(a)[0], layer(b)[0]
+        outs = [layer(x[:, :9], attention_mask=mask[:, :9], past_key_values=cache, use_cache=True)]
+        cache = outs[0][2]
+        outs += [layer(x[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache, use_cache=True)
+                 for t in range(9, 12)]
+    o = torch.cat([out[0] for out in outs], 1)
+    assert rel_err(o[0], alone_a[0]) <= 1e-5 and rel_err(o[1, 4:], alone_b[0]) <= 1e-5
+    if make == "fla":
+        theirs = _fla("retnet", monkeypatch, layer)
+        fla_cache = type(cache)()
+        with torch.no_grad():
+            want = [theirs(x[:, :9], attention_mask=mask[:, :9], past_key_values=fla_cache, use_cache=True)[0]]
+            want += [theirs(x[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=fla_cache,
+                            use_cache=True)[0] for t in range(9, 12)]
+        want = torch.cat(want, 1)
+        assert rel_err(o[0], want[0]) <= 1e-5 and rel_err(o[1, 4:], want[1, 4:]) <= 1e-5
