@@ -110,7 +110,7 @@ def fla_cpu_patches() -> list:
     (``fla.ops.*.naive``), fed as fla's kernels prepare their inputs (:func:`fla_reference_op`).
     HGRN's and linear attention's go to fla's ``naive_recurrent_hgrn`` and
     ``naive_recurrent_linear_attn``, RetNet's to fla's ``naive_retention`` (without a state; with one,
-    to fastweight's reference op). Comba's and RWKV-7's go to fastweight's reference ops (fla ships no naive RWKV-7; its naive
+    to fastweight's reference op), RWKV-6's to fla's ``naive_recurrent_rwkv6``. Comba's and RWKV-7's go to fastweight's reference ops (fla ships no naive RWKV-7; its naive
     Comba reads the decayed state, its kernels the undecayed one; ``docs/chunk.md``); its
     attention layers' flash-attn call goes to PyTorch's SDPA."""
     import functools
@@ -127,6 +127,7 @@ def fla_cpu_patches() -> list:
     import fla.layers.kda as kda
     import fla.layers.linear_attn as linear_attn
     import fla.layers.multiscale_retention as retention
+    import fla.layers.rwkv6 as rwkv6
     import fla.layers.rwkv7 as rwkv7
     from fastweight import ops
     patches = [(autotuner.Autotuner, "_bench", lambda self, *a, config, **kw: [0.0, 0.0, 0.0]),
@@ -147,6 +148,7 @@ def fla_cpu_patches() -> list:
     patches += [(retention, name, _fla_retention)
                 for name in ("chunk_retention", "fused_chunk_retention", "parallel_retention",
                              "fused_recurrent_retention")]
+    patches += [(rwkv6, name, _fla_rwkv6) for name in ("chunk_rwkv6", "fused_recurrent_rwkv6")]
     return patches
 
 
@@ -168,6 +170,16 @@ def _fla_retention(q, k, v, scale=None, initial_state=None, output_final_state=F
         o = naive_retention(*(t.transpose(1, 2) for t in (q, k, v)))
         return o.transpose(1, 2), None
     return ops.chunk_retention(q, k, v, scale, initial_state, output_final_state, cu_seqlens, backend="reference")
+
+
+def _fla_rwkv6(r, k, v, w, u, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, **unused):
+    """fla's RWKV-6 op calls by fla's ``naive_recurrent_rwkv6`` (head-first; no ``cu_seqlens``)."""
+    from fla.ops.rwkv6.recurrent_naive import naive_recurrent_rwkv6
+    if cu_seqlens is not None:
+        raise NotImplementedError("_fla_rwkv6: no cu_seqlens")
+    o, S = naive_recurrent_rwkv6(*(t.transpose(1, 2) for t in (r, k, v, w)), u, scale, initial_state,
+                                 output_final_state)
+    return o.transpose(1, 2), S
 
 
 def _fla_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=False,

@@ -1,5 +1,5 @@
 """More of fla's layer classes of the decay family (beside ``fla_layers.py``, which holds GLA, HGRN2
-and Mamba-2), with fla 0.6.0's constructor arguments (in its order,
+and Mamba-2): HGRN, linear attention, RetNet, RWKV-6, with fla 0.6.0's constructor arguments (in its order,
 with its defaults), call convention, return tuple and parameter names (``fla_layers``' module
 docstring: padding masks, packed ``cu_seqlens``, this library's cache dict or fla's ``Cache``).
 Each computes what fla's layer of that name computes, on ``fastweight.ops``; the options they do
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from fastweight import ops
 from fastweight.layers.base import Mixer, packed, split_heads
-from fastweight.layers.common import GatedRMSNorm, RMSNorm, at_least_fp32, rotary
+from fastweight.layers.common import GatedRMSNorm, RMSNorm, TokenShift, at_least_fp32, rotary
 from fastweight.layers.fla_cache import FlaLayout, is_protocol_cache
 from fastweight.layers.fla_layers import _FlaLayer, _head_dims, _refuse
 from fastweight.layers.linear_op import current_backend
@@ -282,3 +282,82 @@ class MultiScaleRetention(_FlaLayer, _OwnParameters):
         gate = split_heads(self.g_proj(x), self.num_heads) if self.use_output_gate else None
         o = (self.g_norm_swish_gate if self.fuse_norm_and_gate else self.g_norm)(o, gate)
         return self.o_proj(o.flatten(-2))
+
+
+class _Lerp(nn.Module):
+    """fla's ``LerpLinear`` / ``DDLerpLinear`` (RWKV-6): ``linear(x + delta * mu)``, mu its own
+    parameter (``own_mu``) or given; ``linear`` a matrix, or fla's ``LoRA`` (``lora.0``, tanh,
+    ``lora.2`` with a bias) at ``low_rank_dim``."""
+
+    def __init__(self, d_in: int, d_out: int, low_rank_dim: int | None = None, own_mu: bool = False):
+        super().__init__()
+        if low_rank_dim is None:
+            self.linear = nn.Linear(d_in, d_out, bias=False)
+        else:
+            self.linear = nn.Module()
+            self.linear.lora = nn.Sequential(nn.Linear(d_in, low_rank_dim, bias=False), nn.Tanh(),
+                                             nn.Linear(low_rank_dim, d_out, bias=True))
+        if own_mu:
+            self.mu = nn.Parameter(torch.zeros(d_in))
+
+    def forward(self, x: torch.Tensor, delta: torch.Tensor, mu: torch.Tensor | None = None) -> torch.Tensor:
+        y = x + delta * (self.mu if mu is None else mu)
+        return self.linear(y) if isinstance(self.linear, nn.Linear) else self.linear.lora(y)
+
+
+class RWKV6Attention(_FlaLayer, _OwnParameters):
+    """fla's ``RWKV6Attention`` layer (RWKV-6 "Finch" time mixing, Peng et al., 2024), as fla 0.6.0
+    computes it:
+
+        delta = x_{t-1} - x_t                                  (token shift; zero before a sequence)
+        m_r, m_w, m_k, m_v, m_g = W_2 tanh(W_1 (x + delta * mu)) + x_bias    (5 low-rank mixes of rank
+                                                                ``proj_low_rank_dim``, ``x_proj``)
+        r, k, v, g = W_c (x + delta * m_c);  w = -exp(LoRA_w(x + delta * m_w))   (tanh LoRA of rank
+                                                                ``gate_low_rank_dim``, with a bias)
+        S_t = Diag(exp w_t) S_{t-1} + k_t v_t^T,  o_t = S_{t-1}^T r_t + (r_t . (bonus * k_t)) v_t
+        y = W_o (GroupNorm(o) * SiLU(g))                        (one group per head, weight and bias)
+
+    (``chunk_rwkv6``, scale 1). Key and value widths ``hidden_size * expand_k`` and ``hidden_size *
+    expand_v`` in ``num_heads`` heads. fla's cache keeps the state [N, H, K, V] and the last token
+    [N, hidden_size]. Refused by name: a ``gate_fn`` other than swish, ``elementwise_affine=False``.
+    (The LM's ``rwkv6`` mixer is another form: ``fastweight.layers.rwkv.RWKV6TimeMix``.)"""
+
+    FLA_NAMES = {}
+    FLA_CACHE = FlaLayout(v_first=False, conv=("shift",))
+    MIXER = _OwnParameters
+
+    def __init__(self, mode: str = "chunk", hidden_size: int = 1024, expand_k: float = 0.5, expand_v: float = 1.0,
+                 num_heads: int = 4, gate_fn: str = "swish", proj_low_rank_dim: int = 32, gate_low_rank_dim: int = 64,
+                 fuse_norm: bool = True, elementwise_affine: bool | None = True, norm_eps: float = 1e-5,
+                 layer_idx: int = None, **kwargs):
+        _refuse("RWKV6Attention", gate_fn=(gate_fn, "swish"), elementwise_affine=(elementwise_affine, True))
+        head_k, head_v = _head_dims("RWKV6Attention", hidden_size, expand_k, expand_v, num_heads)
+        self._fla_setup(_sizes(hidden_size, num_heads, head_k, head_v), None, mode, layer_idx, kwargs)
+        D, K, V = hidden_size, head_k * num_heads, head_v * num_heads
+        self.expand_k, self.expand_v, self.key_dim, self.value_dim = expand_k, expand_v, K, V
+        self.head_k_dim, self.head_v_dim, self.fuse_norm = head_k, head_v, fuse_norm
+        self.proj_low_rank_dim, self.gate_low_rank_dim = proj_low_rank_dim, gate_low_rank_dim
+        self.time_shift = TokenShift()
+        self.x_proj = nn.Sequential(_Lerp(D, proj_low_rank_dim * 5, own_mu=True), nn.Tanh(),
+                                    nn.Linear(proj_low_rank_dim * 5, D, bias=False))
+        self.x_bias = nn.Parameter(torch.zeros(5, D))
+        self.r_proj, self.k_proj = _Lerp(D, K), _Lerp(D, K)
+        self.w_proj = _Lerp(D, K, low_rank_dim=gate_low_rank_dim)
+        self.v_proj, self.g_proj = _Lerp(D, V), _Lerp(D, V)
+        self.bonus = nn.Parameter(torch.zeros(num_heads, head_k))
+        self.g_norm = nn.GroupNorm(num_heads, V, eps=norm_eps, affine=True)
+        self.o_proj = nn.Linear(V, D, bias=False)
+
+    def _mix(self, x: torch.Tensor, cache: dict | None, shared: dict | None) -> torch.Tensor:
+        B, T, D = x.shape
+        H, R = self.num_heads, self.proj_low_rank_dim
+        delta = self.shift(self.time_shift, x, cache, shared) - x
+        mixes = torch.tanh(self.x_proj[0](x, delta)).view(B, T, 5, R)
+        mixes = torch.einsum("btnr,hnr->btnh", mixes, self.x_proj[2].weight.view(D, 5, R)) + self.x_bias
+        m_r, m_w, m_k, m_v, m_g = mixes.unbind(-2)
+        r, k = (split_heads(p(x, delta, m), H) for p, m in ((self.r_proj, m_r), (self.k_proj, m_k)))
+        w = split_heads(-torch.exp(at_least_fp32(self.w_proj(x, delta, m_w))), H)
+        v = split_heads(self.v_proj(x, delta, m_v), H)
+        o = self.recur("rwkv6", cache, shared, scale=1.0, r=r, k=k, v=v, w=w, u=self.bonus)
+        o = self.g_norm(o.reshape(B * T, -1)).view(B, T, -1)
+        return self.o_proj(o * F.silu(self.g_proj(x, delta, m_g)))

@@ -9,14 +9,18 @@ import os
 import pytest
 import torch
 
-from fastweight.layers import HGRNAttention, LinearAttention, MultiScaleRetention
+from fastweight.layers import HGRNAttention, LinearAttention, MultiScaleRetention, RWKV6Attention
 from fastweight.testing import fla_cpu_patches, generator, rel_err
 
 QKVO = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"}
 HADAMARD = {f"feature_map_{c}.layer{i}.{p}" for c in "qk" for i in (1, 2) for p in ("weight", "bias")}
 FLA_KEYS = {"hgrn": {"i_proj.weight", "f_proj.weight", "g_proj.weight", "g_norm.weight", "o_proj.weight"},
             "la": QKVO | HADAMARD | {"norm.weight"}, "la_elu": QKVO,
-            "retnet": QKVO | {"g_proj.weight", "g_norm_swish_gate.weight"}, "retnet_gqa": QKVO | {"g_norm.weight"}}
+            "retnet": QKVO | {"g_proj.weight", "g_norm_swish_gate.weight"}, "retnet_gqa": QKVO | {"g_norm.weight"},
+            "rwkv6": {"x_proj.0.mu", "x_proj.0.linear.weight", "x_proj.2.weight", "x_bias", "r_proj.linear.weight",
+                      "w_proj.linear.lora.0.weight", "w_proj.linear.lora.2.weight", "w_proj.linear.lora.2.bias",
+                      "k_proj.linear.weight", "v_proj.linear.weight", "g_proj.linear.weight", "bonus",
+                      "g_norm.weight", "g_norm.bias", "o_proj.weight"}}
 LAYERS = {"hgrn": (HGRNAttention, dict(hidden_size=32, expand_ratio=2)),
           "la": (LinearAttention, dict(hidden_size=32, num_heads=2, expand_k=0.5)),
           # fla's other options: a parameter-free map, its normaliser (state (S, z)), grouped k/v heads
@@ -24,9 +28,10 @@ LAYERS = {"hgrn": (HGRNAttention, dict(hidden_size=32, expand_ratio=2)),
                                            norm_q=True, norm_k=True, do_feature_map_norm=True,
                                            output_norm="identity")),
           "retnet": (MultiScaleRetention, dict(hidden_size=32, num_heads=2, expand_k=0.5, expand_v=1)),
-          "retnet_gqa": (MultiScaleRetention, dict(hidden_size=32, num_heads=4, num_kv_heads=2, use_output_gate=False))}
+          "retnet_gqa": (MultiScaleRetention, dict(hidden_size=32, num_heads=4, num_kv_heads=2, use_output_gate=False)),
+          "rwkv6": (RWKV6Attention, dict(hidden_size=32, num_heads=2, proj_low_rank_dim=8, gate_low_rank_dim=16))}
 FLA_CLASSES = {"hgrn": "HGRNAttention", "la": "LinearAttention", "la_elu": "LinearAttention",
-               "retnet": "MultiScaleRetention", "retnet_gqa": "MultiScaleRetention"}
+               "retnet": "MultiScaleRetention", "retnet_gqa": "MultiScaleRetention", "rwkv6": "RWKV6Attention"}
 KINDS = list(LAYERS)
 
 
@@ -132,14 +137,18 @@ def test_fla_layer_prefills_ours_decodes(kind, monkeypatch):
         ours(x[:, :6], past_key_values=mine, use_cache=True, **call)
     assert rel_err(torch.cat(outs, 1), want) <= 1e-5
     # a tuple (S, z) for linear attention with its normaliser
-    mine, theirs = (s if isinstance(s, tuple) else (s,) for s in (mine[0]["recurrent_state"], entry["recurrent_state"]))
-    assert len(mine) == len(theirs) and all(rel_err(a, b) <= 1e-5 for a, b in zip(mine, theirs))
+    got, want = (s if isinstance(s, tuple) else (s,) for s in (mine[0]["recurrent_state"], entry["recurrent_state"]))
+    assert len(got) == len(want) and all(rel_err(a, b) <= 1e-5 for a, b in zip(got, want))
+    if entry["conv_state"] is not None:   # RWKV-6's last token
+        assert mine[0]["conv_state"].shape == entry["conv_state"].shape
+        assert rel_err(mine[0]["conv_state"], entry["conv_state"]) <= 1e-5
 
 
 @pytest.mark.parametrize("kind,kw", [("hgrn", dict(use_short_conv=True)), ("hgrn", dict(elementwise_affine=False)),
                                      ("la", dict(feature_map="hedgehog")), ("la", dict(elementwise_affine=False)),
                                      ("retnet", dict(feature_map="swish")), ("retnet", dict(use_short_conv=True)),
-                                     ("retnet", dict(gate_fn="sigmoid"))])
+                                     ("retnet", dict(gate_fn="sigmoid")), ("rwkv6", dict(gate_fn="sigmoid")),
+                                     ("rwkv6", dict(elementwise_affine=False))])
 def test_refusals_name_the_argument(kind, kw):
     with pytest.raises(NotImplementedError, match=next(iter(kw))):
         LAYERS[kind][0](**{**LAYERS[kind][1], **kw})
