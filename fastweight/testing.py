@@ -110,9 +110,10 @@ def fla_cpu_patches() -> list:
     (``fla.ops.*.naive``), fed as fla's kernels prepare their inputs (:func:`fla_reference_op`).
     HGRN's and linear attention's go to fla's ``naive_recurrent_hgrn`` and
     ``naive_recurrent_linear_attn``, RetNet's to fla's ``naive_retention`` (without a state; with one,
-    to fastweight's reference op), RWKV-6's to fla's ``naive_recurrent_rwkv6``. Comba's and RWKV-7's go to fastweight's reference ops (fla ships no naive RWKV-7; its naive
-    Comba reads the decayed state, its kernels the undecayed one; ``docs/chunk.md``); its
-    attention layers' flash-attn call goes to PyTorch's SDPA."""
+    to fastweight's reference op), RWKV-6's to fla's ``naive_recurrent_rwkv6``, Gated DeltaProduct's
+    to fla's ``naive_recurrent_gated_delta_product``. Comba's and RWKV-7's go to fastweight's
+    reference ops (fla ships no naive RWKV-7; its naive Comba reads the decayed state, its kernels
+    the undecayed one; ``docs/chunk.md``); its attention layers' flash-attn call goes to PyTorch's SDPA."""
     import functools
 
     from triton.runtime import autotuner
@@ -121,6 +122,7 @@ def fla_cpu_patches() -> list:
     import fla.layers.comba as comba
     import fla.layers.delta_net as delta_net
     import fla.layers.gated_deltanet as gated_deltanet
+    import fla.layers.gated_deltaproduct as gated_deltaproduct
     import fla.layers.gla as gla
     import fla.layers.hgrn as hgrn
     import fla.layers.hgrn2 as hgrn2
@@ -149,6 +151,8 @@ def fla_cpu_patches() -> list:
                 for name in ("chunk_retention", "fused_chunk_retention", "parallel_retention",
                              "fused_recurrent_retention")]
     patches += [(rwkv6, name, _fla_rwkv6) for name in ("chunk_rwkv6", "fused_recurrent_rwkv6")]
+    patches += [(gated_deltaproduct, "chunk_gated_delta_product", _fla_gated_delta_product),
+                (gated_deltaproduct, "fused_recurrent_gated_delta_rule", _fla_gated_delta_product)]
     return patches
 
 
@@ -180,6 +184,20 @@ def _fla_rwkv6(r, k, v, w, u, scale=None, initial_state=None, output_final_state
     o, S = naive_recurrent_rwkv6(*(t.transpose(1, 2) for t in (r, k, v, w)), u, scale, initial_state,
                                  output_final_state)
     return o.transpose(1, 2), S
+
+
+def _fla_gated_delta_product(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                             cu_seqlens=None, num_householder=1, use_qk_l2norm_in_kernel=False, **unused):
+    """fla's Gated DeltaProduct op calls by fla's ``naive_recurrent_gated_delta_product``, q and k by
+    fla's ``l2norm``; its decode call (``fused_recurrent_gated_delta_rule`` over the T*n substeps, q
+    and g zero where unread) is the same function at n = 1."""
+    from fla.modules.norm.l2norm import l2norm
+    from fla.ops.gated_delta_product.naive import naive_recurrent_gated_delta_product
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    o, S = naive_recurrent_gated_delta_product(q, k, v, g, beta, q.shape[-1] ** -0.5 if scale is None else scale,
+                                               cu_seqlens, initial_state, output_final_state, num_householder)
+    return o, S if output_final_state else None
 
 
 def _fla_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=False,

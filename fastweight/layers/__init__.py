@@ -11,6 +11,7 @@ from fastweight.layers.delta import DeltaRuleMixer
 from fastweight.layers.fla_layers import (Comba, DeltaNet, GatedDeltaNet, GatedLinearAttention, HGRN2Attention,
                                          KimiDeltaAttention, Mamba2, RWKV7Attention)
 from fastweight.layers.fla_layers_decay import HGRNAttention, LinearAttention, MultiScaleRetention, RWKV6Attention
+from fastweight.layers.fla_layers_delta import GatedDeltaProduct
 from fastweight.layers.gated import DecayMixer, Mamba2Mixer
 from fastweight.layers.linear_op import force_generic, linear_op, use_backend
 from fastweight.mechanisms import MIXERS
@@ -36,6 +37,6 @@ def build_mixer(name: str, cfg) -> Mixer:
     return {"rwkv6": RWKV6TimeMix, "rwkv7": RWKV7TimeMix}[spec.layer](cfg)
 
 
-__all__ = ["Attention", "Comba", "DecayMixer", "DeltaNet", "DeltaRuleMixer", "GatedDeltaNet", "GatedLinearAttention", "GatedRMSNorm", "HGRN2Attention", "HGRNAttention",
+__all__ = ["Attention", "Comba", "DecayMixer", "DeltaNet", "DeltaRuleMixer", "GatedDeltaNet", "GatedDeltaProduct", "GatedLinearAttention", "GatedRMSNorm", "HGRN2Attention", "HGRNAttention",
            "KimiDeltaAttention",
            "LinearAttention", "LowRank", "Mamba2", "Mamba2Mixer", "Mixer", "MultiScaleRetention", "RMSNorm", "RWKV6Attention", "RWKV7Attention", "ShortConv", "SwiGLU", "TokenShift", "build_mixer", "force_generic", "linear_op", "use_backend"]

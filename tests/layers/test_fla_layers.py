@@ -221,7 +221,8 @@ def _named(fn) -> list:
 
 @pytest.mark.parametrize("name", ["GatedDeltaNet", "KimiDeltaAttention", "DeltaNet", "GatedLinearAttention", "Comba",
                                   "HGRN2Attention", "Mamba2", "RWKV7Attention", "HGRNAttention",
-                                  "LinearAttention", "MultiScaleRetention", "RWKV6Attention"])
+                                  "LinearAttention", "MultiScaleRetention", "RWKV6Attention",
+                                  "GatedDeltaProduct"])
 def test_signatures_are_fla(name):
     """The constructor and ``forward`` start with fla 0.6.0's named parameters, in fla's order with fla's
     defaults, so positional and keyword calls written for fla bind alike (ours may add parameters after
