@@ -58,8 +58,7 @@ def _fla(kind, monkeypatch, ours):
         pytest.skip("fla's norms need TRITON_INTERPRET=1 on a CPU")
     for owner, name, value in fla_cpu_patches():
         monkeypatch.setattr(owner, name, value)
-    cls, base = LAYERS[kind]
-    theirs = getattr(fla_layers, FLA_CLASSES[kind])(**base, layer_idx=ours.layer_idx).train(ours.training)
+    theirs = getattr(fla_layers, FLA_CLASSES[kind])(**LAYERS[kind][1], layer_idx=ours.layer_idx).train(ours.training)
     theirs.load_state_dict(ours.state_dict(), strict=True)
     return theirs
 
