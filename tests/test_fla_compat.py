@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fastweight import checks, ops
+from fastweight.ops.decay import lightning_log_gamma
 from fastweight.testing import rel_err
 
 FLA = json.load(open(os.path.join(os.path.dirname(__file__), "data", "fla_0.6.0_ops.json")))["ops"]
@@ -348,3 +349,53 @@ def test_kda_safe_gate_and_lower_bound_checks():
     got, _ = ops.chunk_kda(x["q"], x["k"], x["v"], x["gk"], x["beta"], safe_gate=True, lower_bound=-5.0,
                            backend="torch")
     assert rel_err(got, want) == 0
+
+
+def test_fla_other_forms_refuse_what_fla_refuses():
+    """fla 0.6.0's removed fused_chunk_gla / fused_chunk_delta_rule raise as fla's do (importing them works); the
+    parallel forms' scores need one sequence a row and q's heads on v; lightning attention's decays need a layer
+    index in [0, num_layers) and q's heads on v."""
+    x = _x()
+    q, k, v = x["q"], x["k"], x["v"]
+    for name, instead in (("fused_chunk_gla", "chunk_gla"), ("fused_chunk_delta_rule", "chunk_delta_rule")):
+        with pytest.raises(NotImplementedError, match=instead):
+            getattr(ops, name)(q=q, k=k, v=v)
+    cu = torch.tensor([0, 9, T])
+    assert ops.parallel_simple_gla(q, k, v, x["g"], cu_seqlens=cu)[1] is None
+    with pytest.raises(ValueError, match="output_attentions.*cu_seqlens"):
+        ops.parallel_simple_gla(q, k, v, x["g"], output_attentions=True, cu_seqlens=cu)
+    v2 = torch.cat([v, v], dim=2)
+    with pytest.raises(ValueError, match="output_attentions.*heads"):
+        ops.parallel_retention(q, k, v2, output_attentions=True)
+    for bad in (dict(layer_idx=4, num_layers=4), dict(layer_idx=-1, num_layers=4), dict(layer_idx=0, num_layers=0),
+                dict(layer_idx=1.0, num_layers=4)):
+        with pytest.raises(ValueError, match="layer_idx|num_layers"):
+            ops.chunk_lightning_attn(q, k, v, **bad)
+    with pytest.raises(ValueError, match="`v`"):
+        ops.fused_recurrent_lightning_attn(q, k, v2, 0, 2)
+    # the first layer's head 0 does not decay, the last layer's heads decay least
+    assert lightning_log_gamma(4, 0, 2)[0] == 0 and (lightning_log_gamma(4, 1, 2) > lightning_log_gamma(4, 0, 2))[1:].all()
+
+
+@pytest.mark.parametrize("mode", ["chunk", "fused_recurrent"])
+@pytest.mark.parametrize("op", ["iplr_delta_rule", "lightning_attn"])
+def test_other_forms_on_triton(op, mode):
+    """The identity-plus-low-rank rule (the DPLR kernels at gk = 0) and lightning attention (simple_gla's at fixed
+    decays) on the Triton kernels, fp32, against the reference: o, the final state, every gradient."""
+    x = _x()
+    args = (-x["k"], 0.5 * x["beta"][..., None] * x["k"]) if op == "iplr_delta_rule" else (1, 3)
+    leaves = {n: x[n].float().requires_grad_() for n in ("q", "k", "v")}
+    h0 = x["h0"].float().requires_grad_()
+    fn = getattr(ops, f"{mode}_{op}")
+    extra = [a.float() if torch.is_tensor(a) else a for a in args]
+    o, S = fn(*leaves.values(), *extra, initial_state=h0, output_final_state=True, backend="triton")
+    ref = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
+    h0r = h0.detach().double().requires_grad_()
+    ro, rS = fn(*ref.values(), *args, initial_state=h0r, output_final_state=True, backend="reference")
+    assert rel_err(o, ro) < 1e-5 and rel_err(S, rS) < 1e-5
+    gen = torch.Generator().manual_seed(1)
+    do, dS = (torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in (ro, rS))
+    mine = torch.autograd.grad((o * do.float()).sum() + (S * dS.float()).sum(), [*leaves.values(), h0])
+    want = torch.autograd.grad((ro * do).sum() + (rS * dS).sum(), [*ref.values(), h0r])
+    for n, a, b in zip([*leaves, "initial_state"], mine, want):
+        assert rel_err(a, b) < 1e-5, f"d{n} {rel_err(a, b):.2e}"

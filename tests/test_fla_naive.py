@@ -16,6 +16,7 @@ reference: see ``_comba``), dplr_delta_rule and rwkv7 (fla's rwkv7 ops are its D
 """
 
 import inspect
+from unittest import mock
 from importlib import import_module
 from typing import Callable, NamedTuple
 
@@ -142,6 +143,29 @@ def _comba(x, h0, scale):
                              output_final_state=True)
 
 
+def _iplr(x, h0, scale):
+    from fla.ops.generalized_delta_rule.iplr.naive import iplr_recurrence
+    return _o_seq_first(*iplr_recurrence(*_head_first(_scaled(x["q"], scale), x["k"], x["v"], x["a"], x["b"]),
+                                         initial_state=h0, output_final_state=True))
+
+
+LAYER_IDX, NUM_LAYERS = 1, 4    # lightning attention's decays depend on the layer's place
+
+
+def _lightning_attn(x, h0, scale):
+    """fla's own chunk_lightning_attn (its decay rule), its simple_gla call sent to fla's naive recurrence (the
+    kernel it calls needs a GPU)."""
+    import fla.ops.lightning_attn.chunk as lightning
+    from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
+
+    def naive(q, k, v, scale, g_gamma, initial_state, output_final_state, cu_seqlens, chunk_size):
+        return naive_recurrent_simple_gla(q, k, v, g_gamma.expand(*q.shape[:3]), scale=scale,
+                                          initial_state=initial_state, output_final_state=True)
+    with mock.patch.object(lightning, "chunk_simple_gla", naive):
+        return lightning.chunk_lightning_attn(x["q"], x["k"], x["v"], LAYER_IDX, NUM_LAYERS, scale=scale,
+                                              initial_state=h0, output_final_state=True)
+
+
 def _dplr(q, x, h0, scale):
     from fla.ops.generalized_delta_rule.dplr.naive import dplr_recurrence
     return _o_seq_first(*dplr_recurrence(*_head_first(_scaled(q, scale), x["k"], x["v"], x["a"], x["b"], x["gk"]),
@@ -181,7 +205,11 @@ CASES = {c.op + (c.variant and "-" + c.variant): c for c in [
          lambda x, h0, s: _dplr(x["q"], x, h0, s)),
     Case("rwkv7", "rwkv7", dict(r="q", w="gk", k="k", v="v", a="a", b="b"),
          lambda x, h0, s: _dplr(x["r"], {**x, "gk": x["w"]}, h0, s)),
+    Case("iplr_delta_rule", "generalized_delta_rule", {**_QKV, "a": "a", "b": "b"}, _iplr),
+    Case("lightning_attn", "lightning_attn", _QKV, _lightning_attn, dict(layer_idx=LAYER_IDX, num_layers=NUM_LAYERS)),
 ]}
+# fla's fused_chunk forms that compute (fused_chunk_gla and fused_chunk_delta_rule only raise in fla 0.6.0)
+_FUSED_CHUNK = ("linear_attn", "linear_attn-normalize", "retention", "simple_gla", "simple_gla-g_gamma")
 # fla's names where fused_recurrent's differ from chunk's
 _FUSED_NAMES = {"gla": {"g": "gk"}}
 
@@ -191,7 +219,8 @@ def _fla_op(case, mode):
 
 
 def _modes(name):
-    return [pytest.param(name, m, id=f"{name}-{m}") for m in ("chunk", "fused_recurrent")
+    modes = ("chunk", "fused_recurrent") + (("fused_chunk",) if name in _FUSED_CHUNK else ())
+    return [pytest.param(name, m, id=f"{name}-{m}") for m in modes
             if _fla_op(CASES[name], m) is not None]   # fla has no fused_recurrent_gated_delta_product
 
 
@@ -312,3 +341,29 @@ def test_hgrn_varlen_against_fla_reference_per_sequence(mode):
         states.append(S_i)
     errors = _errors({"x": x, "g": g}, h0, (o, S), (torch.cat(outs, 1), torch.cat(states)))
     assert max(errors.values()) < TOL, ", ".join(f"{n} {e:.2e}" for n, e in errors.items())
+
+
+@pytest.mark.parametrize("op", ["simple_gla", "retention"])
+def test_parallel_against_fla_reference(op):
+    """fla's parallel forms return (o, the causal decayed scores [B, H, T, T] with ``output_attentions``): ours
+    against fla's ``naive_parallel_simple_gla`` (retention: at RetNet's decays, as fla's parallel_retention
+    calls it), o, the scores and the gradients through both."""
+    from fla.ops.simple_gla.naive import naive_parallel_simple_gla
+    x, _ = _draw(B, T)
+    leaves = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v", "g")}
+    if op == "simple_gla":
+        o, A = ops.parallel_simple_gla(*leaves.values(), scale=SCALE, output_attentions=True)
+        g = leaves["g"]
+    else:
+        leaves.pop("g")
+        o, A = ops.parallel_retention(*leaves.values(), scale=SCALE, output_attentions=True)
+        g = retnet_log_gamma(H, torch.float64).expand(B, T, H)
+    o_f, A_f = naive_parallel_simple_gla(*(t.float() for t in (leaves["q"], leaves["k"], leaves["v"], g)), scale=SCALE)
+    assert rel_err(o, o_f) < TOL and rel_err(A, A_f) < TOL
+    assert ops.__dict__[f"parallel_{op}"](*leaves.values(), scale=SCALE)[1] is None
+    gen = torch.Generator().manual_seed(1)
+    do, dA = (torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in (o, A))
+    mine = torch.autograd.grad((o * do).sum() + (A * dA).sum(), [*leaves.values()])
+    ref = torch.autograd.grad((o_f.double() * do).sum() + (A_f.double() * dA).sum(), [*leaves.values()])
+    for n, a, b in zip(leaves, mine, ref):
+        assert rel_err(a, b) < TOL, f"d{n} {rel_err(a, b):.2e}"

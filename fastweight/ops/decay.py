@@ -5,12 +5,15 @@ from __future__ import annotations
 import torch
 
 from fastweight import checks, fla_compat
+from fastweight.mechanisms.retnet import retnet_log_gamma
 from fastweight.ops.common import _op
 
 __all__ = [  # the public functions, re-exported by fastweight.ops
     "chunk_linear_attn", "fused_recurrent_linear_attn", "chunk_retention", "fused_recurrent_retention",
     "chunk_simple_gla", "fused_recurrent_simple_gla", "chunk_gla", "fused_recurrent_gla", "chunk_rwkv6",
-    "fused_recurrent_rwkv6", "chunk_hgrn", "fused_recurrent_hgrn", "chunk_hgrn2", "fused_recurrent_hgrn2"]
+    "fused_recurrent_rwkv6", "chunk_hgrn", "fused_recurrent_hgrn", "chunk_hgrn2", "fused_recurrent_hgrn2",
+    "fused_chunk_linear_attn", "fused_chunk_retention", "fused_chunk_simple_gla", "fused_chunk_gla",
+    "parallel_retention", "parallel_simple_gla", "chunk_lightning_attn", "fused_recurrent_lightning_attn"]
 
 
 def _normalize_output(q, k, o, scale, cu_seqlens, z_init=None):
@@ -283,3 +286,118 @@ def fused_recurrent_hgrn2(q, v, g, scale=None, initial_state=None, output_final_
                           backend=None):
     """HGRN2 one token at a time; as ``chunk_hgrn2``."""
     return _hgrn2("fused_recurrent", q, v, g, scale, initial_state, output_final_state, cu_seqlens, backend)
+
+
+# fla's other forms of the same ops. ``fused_chunk_*`` and ``parallel_*`` are fla kernels for the
+# recurrences above (one kernel over the chunks; the quadratic form): here they run the chunk path,
+# with fla's arguments in fla's order. Lightning attention is simple_gla at fixed per-head decays.
+
+
+def fused_chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True,
+                            cu_seqlens=None, *, backend=None):
+    """fla's fused_chunk form of ``chunk_linear_attn``: the same arguments, order and result."""
+    return chunk_linear_attn(q, k, v, scale, initial_state, output_final_state, normalize, cu_seqlens,
+                             backend=backend)
+
+
+def fused_chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, *,
+                          backend=None):
+    """fla's fused_chunk form of ``chunk_retention``: the same arguments, order and result."""
+    return chunk_retention(q, k, v, scale, initial_state, output_final_state, cu_seqlens, backend=backend)
+
+
+def fused_chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, *, backend=None):
+    """fla's fused_chunk form of ``chunk_simple_gla`` (fla's order: no ``state_v_first``); the same result."""
+    return chunk_simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens=cu_seqlens,
+                            backend=backend)
+
+
+def fused_chunk_gla(**kwargs):
+    """Removed in fla 0.6.0 (it raises there too): use ``chunk_gla``. Kept so that code importing it
+    (fla's own GLA layer does) imports."""
+    raise NotImplementedError("`fused_chunk_gla` is deprecated (as in fla 0.6.0). Please use `chunk_gla` instead.")
+
+
+def _scores(q, k, log_decay, scale, name):
+    """The causal decayed scores of the parallel form, [B, H, T, T] in q's dtype:
+    A_ij = scale q_i . k_j exp(sum_{j < s <= i} log_decay_s) for j <= i, else 0. log_decay: [B, T, H] or None."""
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    A = scale * torch.einsum("bihk,bjhk->bhij", q.to(dt), k.to(dt))
+    T = q.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    if log_decay is not None:
+        G = log_decay.to(dt).cumsum(1).transpose(1, 2)                      # [B, H, T]
+        A = A * (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    return A.masked_fill(~causal, 0).to(q.dtype)
+
+
+def _parallel(name, q, k, v, g, scale, output_attentions, cu_seqlens, run):
+    o, _ = run()
+    if not output_attentions:
+        return o, None
+    if cu_seqlens is not None:
+        raise ValueError(f"{name}: `output_attentions=True` is not supported with `cu_seqlens` (as in fla)")
+    if v.shape[2] != q.shape[2]:
+        raise ValueError(f"{name}: `output_attentions=True` needs v with q's {q.shape[2]} heads, got {v.shape[2]}")
+    return o, _scores(q, k, g, checks.check_scale(scale, q.shape[-1]), name)
+
+
+def parallel_simple_gla(q, k, v, g=None, scale=None, output_attentions=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                        *, backend=None):
+    """fla's parallel (quadratic) form of ``chunk_simple_gla``: o as chunk_simple_gla (no state in or out),
+    and with ``output_attentions`` the scores A [B, H, T, T], A_ij = scale q_i . k_j exp(G_i - G_j) for
+    j <= i (G the running sum of g), 0 above, in q's dtype (formed in PyTorch: T^2 memory)."""
+    return _parallel("parallel_simple_gla", q, k, v, g, scale, output_attentions, cu_seqlens, lambda: chunk_simple_gla(
+        q, k, v, g, scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, backend=backend))
+
+
+def parallel_retention(q, k, v, scale=None, output_attentions=False, cu_seqlens=None, *, backend=None):
+    """fla's parallel form of ``chunk_retention``; with ``output_attentions`` the scores as
+    ``parallel_simple_gla``'s at RetNet's per-head decays."""
+    gamma = None
+    if output_attentions and torch.is_tensor(q) and q.dim() == 4:
+        gamma = retnet_log_gamma(q.shape[2], torch.float64, q.device).expand(*q.shape[:3])
+    return _parallel("parallel_retention", q, k, v, gamma, scale, output_attentions, cu_seqlens,
+                     lambda: chunk_retention(q, k, v, scale, cu_seqlens=cu_seqlens, backend=backend))
+
+
+def lightning_log_gamma(num_heads: int, layer_idx: int, num_layers: int, device=None) -> torch.Tensor:
+    """Lightning attention's fixed log decays (fla 0.6.0's rule): -(8 / H) (1 - layer_idx / num_layers) h for
+    head h = 0..H-1, in fp32 (head 0 does not decay; later layers decay less)."""
+    for name, x in (("layer_idx", layer_idx), ("num_layers", num_layers)):
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise ValueError(f"`{name}` must be an int, got {x!r}")
+    if num_layers < 1 or not 0 <= layer_idx < num_layers:
+        raise ValueError(f"`layer_idx` must be in [0, num_layers) and `num_layers` >= 1, got layer_idx={layer_idx}, "
+                         f"num_layers={num_layers}")
+    return -(8 / num_heads * (1 - layer_idx / num_layers)) * torch.arange(num_heads, dtype=torch.float32,
+                                                                           device=device)
+
+
+def _lightning(name, q, v, layer_idx, num_layers):
+    checks.check_tensor("q", q, ndim=4)
+    checks.check_tensor("v", v, ndim=4)
+    if v.shape[2] != q.shape[2]:
+        raise ValueError(f"{name}: `v` must have q's {q.shape[2]} heads (one decay per head), got {v.shape[2]}")
+    return lightning_log_gamma(q.shape[2], layer_idx, num_layers, q.device)
+
+
+def chunk_lightning_attn(q, k, v, layer_idx, num_layers, scale=None, initial_state=None, output_final_state=False,
+                         cu_seqlens=None, *, backend=None, **kwargs):
+    """Lightning attention (fla 0.6.0's ``chunk_lightning_attn``): S_t = exp(g_h) S_{t-1} + k_t v_t^T,
+    o_t = S_t^T (scale q_t), g_h = ``lightning_log_gamma(H, layer_idx, num_layers)`` per head: simple_gla with
+    ``g_gamma``. q, k: [B, T, H, K]; v: [B, T, H, V]. Returns (o, final state [N, H, K, V] or None)."""
+    fla_compat.extra_kwargs("chunk_lightning_attn", kwargs)
+    g_gamma = _lightning("chunk_lightning_attn", q, v, layer_idx, num_layers)
+    return chunk_simple_gla(q, k, v, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=backend)
+
+
+def fused_recurrent_lightning_attn(q, k, v, layer_idx, num_layers, scale=None, initial_state=None,
+                                   output_final_state=False, reverse=False, cu_seqlens=None, *, backend=None):
+    """Lightning attention one token at a time; as ``chunk_lightning_attn``."""
+    g_gamma = _lightning("fused_recurrent_lightning_attn", q, v, layer_idx, num_layers)
+    return fused_recurrent_simple_gla(q, k, v, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+                                      output_final_state=output_final_state, reverse=reverse, cu_seqlens=cu_seqlens,
+                                      backend=backend)

@@ -9,7 +9,7 @@ from fastweight.ops.common import _op, _beta_max, _default_beta
 
 __all__ = [  # the public functions, re-exported by fastweight.ops
     "chunk_delta_rule", "fused_recurrent_delta_rule", "chunk_gated_delta_rule",
-    "fused_recurrent_gated_delta_rule", "chunk_gdn", "fused_recurrent_gdn", "chunk_gated_delta_product",
+    "fused_recurrent_gated_delta_rule", "chunk_gdn", "fused_recurrent_gdn", "fused_chunk_delta_rule", "chunk_gated_delta_product",
     "fused_recurrent_gated_delta_product", "chunk_kda", "fused_recurrent_kda", "chunk_comba", "fused_recurrent_comba",
     "chunk_longhorn", "fused_recurrent_longhorn"]
 
@@ -129,6 +129,13 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
 # fla 0.6.0's short names (fla.ops exports both spellings of the gated delta rule: the same functions)
 chunk_gdn = chunk_gated_delta_rule
 fused_recurrent_gdn = fused_recurrent_gated_delta_rule
+
+
+def fused_chunk_delta_rule(**kwargs):
+    """Removed in fla 0.6.0 (it raises there too): use ``chunk_delta_rule``. Kept so that code importing it
+    imports."""
+    raise NotImplementedError("`fused_chunk_delta_rule` is deprecated (as in fla 0.6.0). Please use `chunk_delta_rule` "
+                              "instead.")
 
 
 def _gated_delta_product(mode, q, k, v, g, beta, num_householder, scale, initial_state, output_final_state,

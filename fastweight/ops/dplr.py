@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import torch
+
 from fastweight import fla_compat
 from fastweight.ops.common import _op
 
 __all__ = [  # the public functions, re-exported by fastweight.ops
-    "chunk_dplr_delta_rule", "fused_recurrent_dplr_delta_rule", "chunk_rwkv7", "fused_recurrent_rwkv7"]
+    "chunk_dplr_delta_rule", "fused_recurrent_dplr_delta_rule", "chunk_rwkv7", "fused_recurrent_rwkv7",
+    "chunk_iplr_delta_rule", "fused_recurrent_iplr_delta_rule"]
 
 
 def _dplr(mode, q, k, v, a, b, gk, scale, initial_state, output_final_state, cu_seqlens, backend):
@@ -75,3 +78,28 @@ def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=None, initial_state=None, outp
     scale K^-0.5 and the final state returned."""
     return _rwkv7("fused_recurrent", r, w, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
                   backend)
+
+
+def _no_decay(a):
+    """gk = 0 (log of 1) in a's shape for the identity-plus-low-rank rule; a stays for the op's checks to name."""
+    return torch.zeros_like(a, dtype=torch.float32) if isinstance(a, torch.Tensor) else None
+
+
+def chunk_iplr_delta_rule(q, k, v, a, b, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                          cu_seqlens_cpu=None, *, backend=None, **kwargs):
+    """fla's identity-plus-low-rank rule: S_t = (I + b_t a_t^T) S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t),
+    the DPLR rule without decay (``chunk_dplr_delta_rule`` with gk = 0; fla's meaning of a and b).
+
+    q, k, a, b: [B, T, H, K]; v: [B, T, HV, V]. Returns (o, final state [N, HV, K, V] or None).
+    """
+    fla_compat.extra_kwargs("chunk_iplr_delta_rule", kwargs)
+    fla_compat.host_seqlens(cu_seqlens, cu_seqlens_cpu)
+    return _dplr("chunk", q, k, v, a, b, _no_decay(a), scale, initial_state, output_final_state, cu_seqlens,
+                 backend)
+
+
+def fused_recurrent_iplr_delta_rule(q, k, v, a, b, scale=None, initial_state=None, output_final_state=False,
+                                    cu_seqlens=None, *, backend=None):
+    """The identity-plus-low-rank rule one token at a time; as ``chunk_iplr_delta_rule``."""
+    return _dplr("fused_recurrent", q, k, v, a, b, _no_decay(a), scale, initial_state, output_final_state,
+                 cu_seqlens, backend)

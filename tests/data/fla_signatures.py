@@ -13,11 +13,15 @@ import os
 import sys
 
 OPS = ("linear_attn", "retention", "simple_gla", "gla", "rwkv6", "hgrn", "hgrn2", "delta_rule", "gated_delta_rule",
-       "gated_delta_product", "kda", "comba", "longhorn", "dplr_delta_rule", "rwkv7")
+       "gated_delta_product", "kda", "comba", "longhorn", "dplr_delta_rule", "rwkv7", "lightning_attn",
+       "iplr_delta_rule")
+# fla's other forms of some of them (fused_chunk_gla and fused_chunk_delta_rule only raise in fla 0.6.0)
+FORMS = ("fused_chunk_linear_attn", "fused_chunk_retention", "fused_chunk_simple_gla", "fused_chunk_gla",
+         "fused_chunk_delta_rule", "parallel_retention", "parallel_simple_gla")
 
 
 def signatures(root: str) -> dict:
-    want = {f"{mode}_{op}" for op in OPS for mode in ("chunk", "fused_recurrent")}
+    want = {f"{mode}_{op}" for op in OPS for mode in ("chunk", "fused_recurrent")} | set(FORMS)
     out = {}
     for folder, _, files in sorted(os.walk(os.path.join(root, "fla", "ops"))):
         for name in sorted(files):
