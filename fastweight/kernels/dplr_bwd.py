@@ -45,7 +45,7 @@ import triton.language as tl
 
 from fastweight.kernels.common import Chunks, SAFE_SPAN, chunk_bounds, dot_precision
 from fastweight.kernels.decay_intra import diag_precision, span_ref
-from fastweight.kernels.dplr_intra import bwd_finish, bwd_sub, chunk_span, factored_bwd, load_rows
+from fastweight.kernels.dplr_intra import bwd_finish, bwd_sub, factored_bwd, load_rows
 from fastweight.kernels.dplr_wy import local_grads
 
 
@@ -58,14 +58,15 @@ def launch_config(K: int) -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 @triton.jit
-def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dAqk, dAqb, dAak, dAab, pairs, dq_s,
-                    dk_s, da_s, db_s, dq, dk, dv, da, db, dgk, dga, dgs, cu_seqlens, chunk_indices, scale,
+def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, dAqk, dAqb, dAak, dAab,
+                    pairs, dq_s, dk_s, da_s, db_s, dq, dk, dv, da, db, dgk, dga, dgs, cu_seqlens, chunk_indices, scale,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr,
                     SPAN: tl.constexpr):
     """DOT_PRECISION serves the local part and the whole-chunk path (its [BT, BT] fp32 operands:
     3 x TF32 there would need more shared memory than the H200 has), DIAG_PRECISION the diagonal
-    sub-chunks of the sub-chunk path."""
+    sub-chunks of the sub-chunk path. ``wide`` [NC, H]: the forward's branch (``dplr_intra_fwd``);
+    ``slots`` [NC]: a wide chunk's place in the dA buffers, [slots, BT, H, BT] (only wide chunks have one)."""
     i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
     o_t = i_c * BT + tl.arange(0, BT)
@@ -74,7 +75,7 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
                                              da_s, db_s, pairs, i_t, i_c, bos, T, i_h, scale, H, K, V, BT, BK, BV,
                                              DOT_PRECISION)
     tl.debug_barrier()
-    if chunk_span(gc, gp, bos, o_t, m_t, i_h, H, K, BK) < SPAN:
+    if tl.load(wide + i_t * H + i_h) == 0:
         for i_k in range(0, tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
@@ -93,6 +94,9 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
                         tl.minimum(T, i_c * BT + BT), i_h, o_k, m_k, scale, H, K, dq_s, dk_s, da_s, db_s, dq, dk, da,
                         db, dgk, dga, dgs)
     else:
+        # the chunk's slot, addressed as its rows of a [T, H, BT] buffer: every dA index below is unchanged
+        rebase = (tl.load(slots + i_t).to(tl.int64) * BT - bos - i_c * BT) * H * BT
+        dAqk, dAqb, dAak, dAab = dAqk + rebase, dAqb + rebase, dAak + rebase, dAab + rebase
         p_A = ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
         tl.store(dAqk + p_A, b_dqk, mask=m_t[:, None])
         tl.store(dAqb + p_A, b_dqb, mask=m_t[:, None])
@@ -138,11 +142,13 @@ def dplr_gate_bwd_kernel(gc, h, dh, dgk, dga, dgs, dg, cu_seqlens, chunk_indices
                  mask=m_t[:, None] & m_k[None, :])
 
 
-def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, scale: float, chunks: Chunks,
+def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale: float, chunks: Chunks,
              g_dtype: torch.dtype, *, span: float = SAFE_SPAN, blocks: tuple[int, int] | None = None,
              config: tuple[int, int] | None = None):
     """dq, dk, dv, da, db (inputs' dtypes) and dg, the gradient of the log gates (``g_dtype``).
-    ``span``: as in ``dplr_intra.dplr_intra_fwd``; ``blocks`` (BK, BV) and ``config`` (num_warps,
+    ``wide``: the forward's [NC, H] flags (``dplr_intra.dplr_intra_fwd``), which size the dA buffers: one
+    [BT, H, BT] slot per chunk with a wide head (RWKV-7's gates, >= -e^-0.5 a token, leave none; the
+    count costs one device sync). ``span``: as in ``dplr_intra.dplr_intra_fwd``; ``blocks`` (BK, BV) and ``config`` (num_warps,
     num_stages) of dplr_bwd_kernel instead of ``launch_config(K)``'s."""
     _, T, H, K = q.shape
     V = v.shape[-1]
@@ -153,12 +159,15 @@ def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, scale
     dq, dk, dv, da, db = (torch.empty_like(x) for x in (q, k, v, a, b))
     f32 = dict(dtype=torch.float32, device=q.device)
     # the dA's are written only by chunks that take the sub-chunk path; the scratch by every chunk
-    dAs = [torch.empty(1, T, H, chunks.BT, **f32) for _ in range(4)]
+    wide_chunk = wide.amax(1) > 0
+    slots = (torch.cumsum(wide_chunk, 0, dtype=torch.int32) - 1)
+    n_wide = int(wide_chunk.sum())
+    dAs = [torch.empty(max(n_wide, 1) * chunks.BT, H, chunks.BT, **f32) for _ in range(4)]
     pairs = torch.empty(1, T, H, 4, **f32)
     scratch = [torch.empty(1, T, H, K, **f32) for _ in range(4)]
     dgk, dga, dgs = (torch.empty(1, T, H, K, **f32) for _ in range(3))
     dplr_bwd_kernel[(chunks.NC, H)](
-        q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, *dAs, pairs, *scratch, dq, dk, dv, da, db, dgk,
+        q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, *dAs, pairs, *scratch, dq, dk, dv, da, db, dgk,
         dga, dgs, chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, V=V, BT=chunks.BT, BC=16, BK=BK, BV=BV,
         DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=span,
         num_warps=warps, num_stages=stages)

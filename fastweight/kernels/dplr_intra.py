@@ -171,14 +171,13 @@ def dplr_intra_fwd_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, wide, cu_seqle
     through the per-channel midpoint of its gates (four [BT, BT] dots per K block). A wider one
     takes the sub-chunk path (``_fwd_sub``): here, or (FLAG) in ``dplr_intra_wide_kernel``, which
     reads the flag stored in wide[chunk, head] (the sub-chunk path's registers then stay out of
-    this kernel)."""
+    this kernel). The flag is stored either way: the backward branches on it."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T
     is_wide = chunk_span(gc, gp, bos, o_t, m_t, i_h, H, K, BK) >= SPAN
-    if FLAG:
-        tl.store(wide + i_t * H + i_h, is_wide.to(tl.int8))
+    tl.store(wide + i_t * H + i_h, is_wide.to(tl.int8))
     if not is_wide:
         b_qk = tl.zeros([BT, BT], dtype=tl.float32)
         b_qb = tl.zeros([BT, BT], dtype=tl.float32)
@@ -411,7 +410,9 @@ def dplr_intra_fwd(q, k, a, b, gc, gp, scale: float, chunks: Chunks, *, span: fl
     only the (strict) lower triangle is written. A chunk whose gates span less than ``span`` is
     factored whole; a wider one goes sub-chunk by sub-chunk, in ``dplr_intra_wide_kernel``
     (``wide_kernel``) or inside the main kernel (its registers then count there too). ``config``:
-    (BK, (num_warps, num_stages)) of the main kernel instead of ``fwd_launch_config(K, q.dtype)``'s."""
+    (BK, (num_warps, num_stages)) of the main kernel instead of ``fwd_launch_config(K, q.dtype)``'s.
+    Returns (A_qk, A_qb, A_ak, A_ab, wide): ``wide`` [NC, H] int8, 1 where the chunk's gates span
+    ``span`` or more for that head (the sub-chunk path; ``dplr_bwd`` takes the same branch from it)."""
     _, T, H, K = q.shape
     BT, BC = chunks.BT, 16
     BK, (warps, stages) = config or fwd_launch_config(K, q.dtype)
@@ -425,4 +426,4 @@ def dplr_intra_fwd(q, k, a, b, gc, gp, scale: float, chunks: Chunks, *, span: fl
     if wide_kernel:
         # the sub-chunk path keeps K blocks of 32 (its [16, 16] tiles gain nothing from a wider K block)
         dplr_intra_wide_kernel[(chunks.NC * (BT // BC), H)](*args, **{**meta, "BK": min(BK, 32)}, num_warps=4)
-    return As
+    return (*As, wide)

@@ -135,17 +135,21 @@ def test_rwkv7_strong_decay():
     _check("rwkv7", x, gen=gen)
 
 
-@pytest.mark.parametrize("wide_kernel", [True, False])
-def test_rwkv7_chunk_paths(wide_kernel):
-    """Chunks take different paths in one call: the first 64 tokens' log decays x8 (the chunk's
-    gates span SAFE_SPAN or more: sub-chunk by sub-chunk, in the forward's own kernel or inside the
-    main one), the rest x1 (the whole chunk factored through its gates' midpoint); T = 150 leaves a
-    short last chunk; two heads, varlen."""
+@pytest.mark.parametrize("wide_kernel, wide_chunk", [(True, 0), (False, 0), (True, 1)])
+def test_rwkv7_chunk_paths(wide_kernel, wide_chunk):
+    """Chunks take different paths in one call: the log decays of chunk ``wide_chunk``'s 64 tokens
+    x8 (its gates span SAFE_SPAN or more: sub-chunk by sub-chunk, in the forward's own kernel or
+    inside the main one), the rest x1 (the whole chunk factored through its gates' midpoint); T =
+    150 leaves a short last chunk; two heads, varlen. The backward keeps the dA's of wide chunks
+    only, in slots: a wide chunk after a narrow one (in the packed batch, the second sequence's
+    first chunk) has another slot than its chunk index."""
     launch = DplrLaunch(wide_kernel=wide_kernel)
     gen = generator()
-    x = _inputs("rwkv7", 150, H=2, gen=gen, w_scale=torch.where(torch.arange(150) < 64, 8.0, 1.0))
+    t = torch.arange(150)
+    x = _inputs("rwkv7", 150, H=2, gen=gen, w_scale=torch.where(t // 64 == wide_chunk, 8.0, 1.0))
     spans = dplr_intra.chunk_spans(x["w"][0], BK=16)
-    assert (spans[0] >= decay_intra.SAFE_SPAN).all() and (spans[1:] < decay_intra.SAFE_SPAN).all(), spans
+    wide = (spans >= decay_intra.SAFE_SPAN).flatten(1).all(1)
+    assert wide.tolist() == [c == wide_chunk for c in range(3)], spans
     _check("rwkv7", x, gen=gen, launch=launch)
     _check("rwkv7", x, cu_seqlens=torch.tensor([0, 70, 150]), gen=gen, launch=launch)
 
