@@ -175,6 +175,7 @@ def bench(op, shape, backward):
     x = inputs(op, B, T, H, K, torch.bfloat16)
     fn = getattr(ops, f"chunk_{op}")
     leaves = {n: t.detach().clone().requires_grad_(backward) for n, t in x.items()}
+    del x  # the peak counts one copy of the inputs
     o = fn(**leaves, backend="triton")[0]
     do = torch.randn_like(o)
     del o
@@ -194,17 +195,34 @@ def bench(op, shape, backward):
     return triton.testing.do_bench(run, warmup=25, rep=150, return_mode="median"), peak
 
 
+def saved_gib(op, shape):
+    """GiB held between forward and backward (what autograd keeps, the output included), and the
+    inputs' own GiB, at ``shape`` in bf16."""
+    B, T, H, K = SHAPES[shape]
+    x = {n: t.requires_grad_(True) for n, t in inputs(op, B, T, H, K, torch.bfloat16).items()}
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    o = getattr(ops, f"chunk_{op}")(**x, backend="triton")[0]
+    torch.cuda.synchronize()
+    held = (torch.cuda.memory_allocated() - base) / 2 ** 30
+    del o
+    return held, sum(t.numel() * t.element_size() for t in x.values()) / 2 ** 30
+
+
 def timing(op, shape):
     t0 = time.time()
+    held, inp = saved_gib(op, shape)
     fwd, _ = bench(op, shape, False)
     fb, peak = bench(op, shape, True)
     fla = ANCHORS.get((op, shape), (None, None))
-    row = dict(kind="time", op=op, shape=shape, fwd_ms=fwd, fwdbwd_ms=fb, peak_gib_fwdbwd=peak, fla_fwd_ms=fla[0],
+    row = dict(kind="time", op=op, shape=shape, fwd_ms=fwd, fwdbwd_ms=fb, peak_gib_fwdbwd=peak, saved_gib=held,
+               inputs_gib=inp, fla_fwd_ms=fla[0],
                fla_fwdbwd_ms=fla[1],
                ratio_fwd=fwd / fla[0] if fla[0] else None, ratio_fwdbwd=fb / fla[1] if fla[1] else None,
                wall_s=time.time() - t0)
     record(row)
-    print(f"time {op} {shape}: fwd {fwd:.3f} ms, fwd+bwd {fb:.3f} ms, peak {peak:.2f} GiB "
+    print(f"time {op} {shape}: fwd {fwd:.3f} ms, fwd+bwd {fb:.3f} ms, peak {peak:.2f} GiB (inputs {inp:.2f}, "
+          f"kept for the backward {held:.2f}) "
           f"(fla {fla[0]} / {fla[1]})", flush=True)
     torch.cuda.empty_cache()
 

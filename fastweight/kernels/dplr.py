@@ -41,7 +41,7 @@ import torch
 from fastweight.kernels.common import SAFE_SPAN, Chunks, prepare_chunks
 from fastweight.kernels.cumsum import chunk_cumsum
 from fastweight.kernels.decay_output import output_fwd
-from fastweight.kernels.dplr_bwd import dplr_bwd
+from fastweight.kernels.dplr_bwd import dplr_bwd, dplr_gate_bwd
 from fastweight.kernels.dplr_intra import dplr_intra_fwd
 from fastweight.kernels.state import state_bwd, state_fwd
 from fastweight.kernels.dplr_wy import dplr_wy_fwd
@@ -111,9 +111,13 @@ class ChunkDplrFunction(torch.autograd.Function):
         dh, du, dh0 = state_bwd("dplr", q, do, chunks, g=gc, w=w, b=b, A=Aqb, scale=scale, dht=dht,
                                 need_dh0=initial_state is not None, state_dtype=torch.float32,
                                 dr_dtype=torch.float32, block_v=launch.state_block_v)
-        dq, dk, dv, da, db, dg = dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale,
-                                          chunks, gk.dtype, span=launch.span, blocks=launch.bwd_blocks,
-                                          config=launch.bwd_config)
+        dq, dk, dv, da, db, terms = dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
+                                             scale, chunks, span=launch.span, blocks=launch.bwd_blocks,
+                                             config=launch.bwd_config)
+        # the gate stage is where the backward's memory peaks: what it does not read goes first
+        # (saved tensors stay with autograd; recomputed ones and the state pass's dU are ours)
+        del gp, du, Aqk, Aqb, Aak, Ai, w, ut, u, do
+        dg = dplr_gate_bwd(gc, h, dh, terms, chunks, gk.dtype)
         if dh0 is not None:
             dh0 = dh0.to(initial_state.dtype)
         return dq, dk, dv, da, db, dg, dh0, None, None, None, None

@@ -32,7 +32,8 @@ out (``dplr_wy.local_grads``): their terms cancel exactly, and under strong deca
 The sequence-wide form (sum_{t >= u} of q dq - k dk - b db + a da, plus the carry ht * dht) is
 the same in exact arithmetic, but cancels those pairs and the state terms against the carry.
 
-The scratch written in 1 is read back in 2 by other threads of the same program, after a barrier.
+The scratch written in 1 is read back in 2 by other threads of the same program, after a barrier;
+3 stores the gate terms over it (read first, then overwritten after a barrier).
 Shapes as in ``dplr.py``: q, k, a, b, gc, gp [1, T, H, K]; v, U, dU, dO [1, T, H, V]; A's [1, T, H, BT];
 h, dh [NC, H, K, V].
 """
@@ -138,18 +139,19 @@ def dplr_gate_bwd_kernel(gc, h, dh, dgk, dga, dgs, dg, cu_seqlens, chunk_indices
                                                                                H, K)
         b_p = load_rows(dgs, bos, o_t - 1, m_prev, i_h, o_k, m_k, H, K)
         b_dg = tl.cumsum(b_x, axis=0, reverse=True) + tl.cumsum(b_p, axis=0) + b_e[None, :]
+        tl.debug_barrier()  # dg may be dgk's buffer: every thread's loads first
         tl.store(dg + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], b_dg.to(dg.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
 
 
-def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale: float, chunks: Chunks,
-             g_dtype: torch.dtype, *, span: float = SAFE_SPAN, blocks: tuple[int, int] | None = None,
-             config: tuple[int, int] | None = None):
-    """dq, dk, dv, da, db (inputs' dtypes) and dg, the gradient of the log gates (``g_dtype``).
+def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale: float, chunks: Chunks, *,
+             span: float = SAFE_SPAN, blocks: tuple[int, int] | None = None, config: tuple[int, int] | None = None):
+    """dq, dk, dv, da, db (inputs' dtypes) and the gate gradient's three per-token terms (dgk, dga,
+    dgs: fp32 [1, T, H, K]), which ``dplr_gate_bwd`` sums into dg.
     ``wide``: the forward's [NC, H] flags (``dplr_intra.dplr_intra_fwd``), which size the dA buffers: one
     [BT, H, BT] slot per chunk with a wide head (RWKV-7's gates, >= -e^-0.5 a token, leave none; the
-    count costs one device sync). ``span``: as in ``dplr_intra.dplr_intra_fwd``; ``blocks`` (BK, BV) and ``config`` (num_warps,
-    num_stages) of dplr_bwd_kernel instead of ``launch_config(K)``'s."""
+    count costs one device sync). ``span``: as in ``dplr_intra.dplr_intra_fwd``; ``blocks`` (BK, BV)
+    and ``config`` (num_warps, num_stages) of dplr_bwd_kernel instead of ``launch_config(K)``'s."""
     _, T, H, K = q.shape
     V = v.shape[-1]
     default_blocks, default_config = launch_config(K)
@@ -165,14 +167,25 @@ def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
     dAs = [torch.empty(max(n_wide, 1) * chunks.BT, H, chunks.BT, **f32) for _ in range(4)]
     pairs = torch.empty(1, T, H, 4, **f32)
     scratch = [torch.empty(1, T, H, K, **f32) for _ in range(4)]
-    dgk, dga, dgs = (torch.empty(1, T, H, K, **f32) for _ in range(3))
+    # the gate terms overwrite the scratch (dq_s, da_s, dk_s): bwd_finish reads a program's scratch rows,
+    # then (after a barrier) stores the terms there; no other program reads them
+    dgk, dga, dgs = scratch[0], scratch[2], scratch[1]
     dplr_bwd_kernel[(chunks.NC, H)](
-        q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, *dAs, pairs, *scratch, dq, dk, dv, da, db, dgk,
-        dga, dgs, chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, V=V, BT=chunks.BT, BC=16, BK=BK, BV=BV,
-        DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=span,
+        q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, *dAs, pairs, *scratch, dq, dk, dv,
+        da, db, dgk, dga, dgs, chunks.cu_seqlens, chunks.chunk_indices, scale, H=H, K=K, V=V, BT=chunks.BT, BC=16,
+        BK=BK, BV=BV, DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=span,
         num_warps=warps, num_stages=stages)
-    dg = torch.empty(1, T, H, K, dtype=g_dtype, device=q.device)
+    return dq, dk, dv, da, db, (dgk, dga, dgs)
+
+
+def dplr_gate_bwd(gc, h, dh, terms, chunks: Chunks, g_dtype: torch.dtype):
+    """dg, the gradient of the log gates (``g_dtype``), from ``dplr_bwd``'s terms. An fp32 dg is
+    written over dgk: each program reads its chunk's dgk rows, then (after a barrier) writes them."""
+    dgk, dga, dgs = terms
+    _, T, H, K = dgk.shape
+    V = dh.shape[-1]
+    dg = dgk if g_dtype == torch.float32 else torch.empty(1, T, H, K, dtype=g_dtype, device=dgk.device)
     dplr_gate_bwd_kernel[(chunks.NC, H)](gc, h, dh, dgk, dga, dgs, dg, chunks.cu_seqlens, chunks.chunk_indices, H=H,
                                          K=K, V=V, BT=chunks.BT, BK=min(64, max(16, triton.next_power_of_2(K))),
                                          BV=min(64, max(16, triton.next_power_of_2(V))), num_warps=4)
-    return dq, dk, dv, da, db, dg
+    return dg

@@ -243,6 +243,9 @@ def bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, k, a, b, pairs, bos, 
     b_da += tl.load(da_s + p_i, mask=m_ik, other=0.)
     b_dks = tl.load(dk_s + p_i, mask=m_ik, other=0.)
     b_dbs = tl.load(db_s + p_i, mask=m_ik, other=0.)
+    # dgk, dgs, dga may be the scratch itself (``dplr_bwd``): every thread's loads (a layout can hold
+    # an element in several threads) are done before any store
+    tl.debug_barrier()
     tl.store(dgk + p_i, b_q * b_dq - b_k * b_dk - b_b * b_db, mask=m_ik)
     tl.store(dga + p_i, b_a * b_da, mask=m_ik)
     tl.store(dgs + p_i, b_k * b_dks + b_b * b_dbs, mask=m_ik)
