@@ -100,6 +100,21 @@ def check_gradients(outs, leaves: dict, ref_outs, ref_leaves: dict, g_ref, cotan
         assert rel_err(a, b) < t, f"{what}d{n}: {rel_err(a, b):.3g} (tolerance {t:.3g})"
 
 
+def fla_on_cpu(monkeypatch, module: str = "fla.layers"):
+    """fla's ``module`` for a test on a CPU: the test is skipped where fla is not importable (the
+    ``compat`` extra) or TRITON_INTERPRET is not 1 (fla's norms and convolutions are Triton kernels);
+    :func:`fla_cpu_patches` applied through pytest's ``monkeypatch``."""
+    import os
+
+    import pytest
+    found = pytest.importorskip(module)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("fla's norms and convolutions need TRITON_INTERPRET=1 on a CPU")
+    for owner, name, value in fla_cpu_patches():
+        monkeypatch.setattr(owner, name, value)
+    return found
+
+
 def fla_cpu_patches() -> list:
     """``(owner, attribute, value)`` patches that let fla 0.6.0's layer and model classes run on a
     CPU under ``TRITON_INTERPRET=1`` (for tests that compare with fla itself; fla must be importable).

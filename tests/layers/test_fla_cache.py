@@ -12,7 +12,7 @@ import torch
 from fastweight.layers import (Comba, DeltaNet, GatedDeltaNet, GatedLinearAttention, HGRN2Attention,
                                KimiDeltaAttention, Mamba2, RWKV7Attention)
 from fastweight.layers.fla_cache import LayerCache, read_layer, write_layer
-from fastweight.testing import fla_cpu_patches, generator, rel_err
+from fastweight.testing import fla_on_cpu, generator, rel_err
 
 # each layer small; RWKV-7 at layer 0 (it makes v_first there; later layers read it)
 LAYERS = {"gdn": (GatedDeltaNet, dict(hidden_size=32, head_dim=8, num_heads=2, expand_v=2)),
@@ -170,12 +170,8 @@ def test_fla_layer_prefills_ours_decodes(kind, monkeypatch):
     """fla's own layer (same weights, fp32) prefills into fla's Cache; ours decodes from it, token by
     token, to fla's full forward; ours prefilling writes the entry fla's layer writes (the
     convolutions' W inputs, the unread oldest too)."""
-    fla_layers = pytest.importorskip("fla.layers")
+    fla_layers = fla_on_cpu(monkeypatch)
     fla_utils = pytest.importorskip("fla.models.utils")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("fla's norms and convolutions need TRITON_INTERPRET=1 on a CPU")
-    for owner, name, value in fla_cpu_patches():
-        monkeypatch.setattr(owner, name, value)
     ours = _layer(kind)
     cls = {"gdn": fla_layers.GatedDeltaNet, "kda": fla_layers.KimiDeltaAttention, "deltanet": fla_layers.DeltaNet,
            "gla": fla_layers.GatedLinearAttention, "comba": fla_layers.Comba, "hgrn2": fla_layers.HGRN2Attention,

@@ -4,13 +4,12 @@ own layer at random init, its state dict loaded strictly into ours, the same out
 packed input and a cache (ours, fla's ``Cache``, fla's layer prefilling and ours decoding) against
 the full forward; the refusals."""
 
-import os
 
 import pytest
 import torch
 
 from fastweight.layers import HGRNAttention, LinearAttention, MultiScaleRetention, RWKV6Attention
-from fastweight.testing import fla_cpu_patches, generator, rel_err
+from fastweight.testing import fla_on_cpu, generator, rel_err
 
 QKVO = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"}
 HADAMARD = {f"feature_map_{c}.layer{i}.{p}" for c in "qk" for i in (1, 2) for p in ("weight", "bias")}
@@ -53,11 +52,7 @@ def _call(kind, dtype=torch.float32):
 
 def _fla(kind, monkeypatch, ours):
     """fla's layer of ``kind`` holding ``ours``' weights (strict load), runnable on a CPU."""
-    fla_layers = pytest.importorskip("fla.layers")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("fla's norms need TRITON_INTERPRET=1 on a CPU")
-    for owner, name, value in fla_cpu_patches():
-        monkeypatch.setattr(owner, name, value)
+    fla_layers = fla_on_cpu(monkeypatch)
     theirs = getattr(fla_layers, FLA_CLASSES[kind])(**LAYERS[kind][1], layer_idx=ours.layer_idx).train(ours.training)
     theirs.load_state_dict(ours.state_dict(), strict=True)
     return theirs

@@ -4,13 +4,12 @@ fla's own layer at random init, its state dict loaded strictly into ours, the sa
 padding, packed input and a cache (ours, fla's ``Cache``, fla's layer prefilling and ours decoding)
 against the full forward; the refusals."""
 
-import os
 
 import pytest
 import torch
 
 from fastweight.layers import GatedDeltaProduct
-from fastweight.testing import fla_cpu_patches, generator, rel_err
+from fastweight.testing import fla_on_cpu, generator, rel_err
 
 FLA_KEYS = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "b_proj.weight", "a_proj.weight", "A_log", "dt_bias",
             "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "g_proj.weight", "o_norm.weight",
@@ -29,11 +28,7 @@ def _layer(variant, dtype=torch.float32, layer_idx=0):
 
 
 def _fla(variant, monkeypatch, ours):
-    fla_layers = pytest.importorskip("fla.layers")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("fla's norms and convolutions need TRITON_INTERPRET=1 on a CPU")
-    for owner, name, value in fla_cpu_patches():
-        monkeypatch.setattr(owner, name, value)
+    fla_layers = fla_on_cpu(monkeypatch)
     theirs = fla_layers.GatedDeltaProduct(**BASE, **VARIANTS[variant], layer_idx=ours.layer_idx)
     theirs.load_state_dict(ours.state_dict(), strict=True)
     return theirs.train(ours.training)

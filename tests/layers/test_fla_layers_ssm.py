@@ -4,7 +4,6 @@ written out here in float64 from the parameters alone, and, where fla is importa
 ``TRITON_INTERPRET=1``: ``fastweight.testing.fla_cpu_patches``), against fla's own layer holding the
 same weights; padding, packed input, the cache, the refusals."""
 
-import os
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch.nn.functional as F
 
 from fastweight import ops
 from fastweight.layers import Comba, HGRN2Attention, Mamba2, RWKV7Attention
-from fastweight.testing import fla_cpu_patches, generator, rel_err
+from fastweight.testing import fla_on_cpu, generator, rel_err
 
 FLA_KEYS = {
     "comba": {"q_proj.weight", "k_proj.weight", "v_proj.weight", "a_proj.weight", "b_proj.weight", "decay", "D",
@@ -154,11 +153,7 @@ def test_refusals_name_the_argument(kind, kw):
 @pytest.mark.parametrize("kind", KINDS)
 def test_against_fla_layer(kind, monkeypatch):
     """fla's own layer with the same weights (fp32; fla's layer in its training path)."""
-    fla_layers = pytest.importorskip("fla.layers")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("fla's norms and convolutions need TRITON_INTERPRET=1 on a CPU")
-    for owner, name, value in fla_cpu_patches():
-        monkeypatch.setattr(owner, name, value)
+    fla_layers = fla_on_cpu(monkeypatch)
     extra = dict(num_v_heads=4) if kind == "comba" else {}
     ours = _layer(kind, torch.float32, layer_idx=1, **extra).train()
     cls = {"comba": fla_layers.Comba, "hgrn2": fla_layers.HGRN2Attention, "mamba2": fla_layers.Mamba2}[kind]
@@ -247,11 +242,7 @@ def test_rwkv7_packed_and_cache():
 
 
 def test_rwkv7_against_fla_layer(monkeypatch):
-    fla_layers = pytest.importorskip("fla.layers")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("fla's norms and token shift need TRITON_INTERPRET=1 on a CPU")
-    for owner, name, value in fla_cpu_patches():
-        monkeypatch.setattr(owner, name, value)
+    fla_layers = fla_on_cpu(monkeypatch)
     x = torch.randn(2, 70, 64, generator=generator())
     v_first = None
     for layer_idx in (0, 1):
@@ -269,12 +260,8 @@ def test_fla_rwkv7_layer_on_our_op(monkeypatch):
     """fla's RWKV7Attention with its chunk_rwkv7 pointed straight at ``ops.chunk_rwkv7`` (fla's own
     arguments: safe_gate=True, lower_bound, chunk_size=64) runs and equals our layer."""
     import functools
-    fla_layers = pytest.importorskip("fla.layers")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("fla's norms and token shift need TRITON_INTERPRET=1 on a CPU")
+    fla_layers = fla_on_cpu(monkeypatch)
     import fla.layers.rwkv7 as fla_rwkv7
-    for owner, name, value in fla_cpu_patches():
-        monkeypatch.setattr(owner, name, value)
     calls = []
     op = functools.partial(ops.chunk_rwkv7, backend="torch")
     monkeypatch.setattr(fla_rwkv7, "chunk_rwkv7", lambda *a, **kw: calls.append(kw) or op(*a, **kw))

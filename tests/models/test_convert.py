@@ -17,7 +17,7 @@ import torch
 
 from fastweight.models.convert import (FLA_MODELS, fla_config_from_lm, from_fla, lm_config_from_fla, load_fla,
                                        save_fla, state_dict_to_fla, state_from_fla)
-from fastweight.testing import fla_cpu_patches, rel_err
+from fastweight.testing import fla_cpu_patches, fla_on_cpu, rel_err
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "data", "fla_0.6.0_models.json")
 # the tiny configs (fla's config.json fields) of the recorded names and the logit tests
@@ -270,13 +270,8 @@ def test_cli_convert_both_ways_and_from_pretrained(model_type, tmp_path):
 
 
 @pytest.fixture
-def fla_on_cpu(monkeypatch):
-    fla_models = pytest.importorskip("fla.models")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("fla's norms and convolutions need TRITON_INTERPRET=1 on a CPU")
-    for owner, name, value in fla_cpu_patches():
-        monkeypatch.setattr(owner, name, value)
-    return fla_models
+def fla_models(monkeypatch):
+    return fla_on_cpu(monkeypatch, "fla.models")
 
 
 def _fla_model(fla_models, name):
@@ -292,9 +287,9 @@ def _fla_model(fla_models, name):
 
 
 @pytest.mark.parametrize("name", list(TINY))
-def test_fla_checkpoint_logits(name, fla_on_cpu, tmp_path):
+def test_fla_checkpoint_logits(name, fla_models, tmp_path):
     """fla's model (its chunk path) against ours, decode (fused recurrent) and chunk paths."""
-    theirs = _fla_model(fla_on_cpu, name)
+    theirs = _fla_model(fla_models, name)
     theirs.save_pretrained(tmp_path / "fla")
     ids = torch.randint(0, COMMON["vocab_size"], (2, 21), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
