@@ -26,6 +26,14 @@ TOL = {torch.float32: 1e-5, torch.float16: 4e-3}
 # rowsum(dht * P_T), ~w per channel) cancel over K to the much smaller scalar gradient, which a direct
 # recurrence does not form; measured over 6 seeds x 10 ops x gates -3, -6, -20 (fp32): up to 2.5e-5
 STATE_LOSS_GATE_TOL = {torch.float32: 5e-5, torch.float16: 4e-3}
+# ... and, in test_strong_gate_in_kernel, past it where the input makes the identity's rounding larger:
+# its end term rowsum(dht * P_T) sums the final state's entries, which cancel in fp32 to a gradient that
+# can be far smaller than sum |P_T|, so the accuracy fp32 allows is eps times the identity's parts
+# (_gate_identity_magnitudes) over ||dg||, a property of the input, not of the dtype. Measured error /
+# (eps * parts / ||dg||) where that exceeds STATE_LOSS_GATE_TOL (fp32, S.sum(), seeds 0-199 / 0-99):
+# GDN at -6 up to 0.10 (16 of 200 seeds; dg up to 9.3e-5, 3 seeds past 5e-5), at -20 0.07 (dg 3.3e-4),
+# KDA at -6 0.07, at -20 0.23 (dg 3.1e-4): a factor of 1, the allowance capped at 10x the tolerance
+GATE_IDENTITY_ROUNDING = 1.0
 
 
 @pytest.fixture(autouse=True)
@@ -189,6 +197,81 @@ def _rounding_tolerances(call, leaves: dict, do, dht, grads: dict, tol: float) -
             cond = f.double().norm().item() / (grads[n].norm().item() or 1.0)
             out[n] = max(tol, ROUNDING * FP32_EPS * cond)
     return out
+
+
+def _gate_identity_magnitudes(call, do, dht) -> torch.Tensor:
+    """The magnitude of the parts that the kernels' gate identity sums for each token's log-gate
+    gradient (``fused_recurrent_bwd._gate_gradient``), float64, in the generic gate's shape.
+
+    ``dgk_t`` is summed from the end, ``rowsum(dht * P_T) + sum_{s >= t} terms_s``, or from the start,
+    ``rowsum(dP_{-1} * h0) - sum_{s < t} terms_s``, the side whose parts are smaller; its fp32 rounding
+    is a few ulp of those parts: the end term's ``|dht| |P_T|`` (summed over V), the start term's
+    ``|dP_{-1}| |h0|`` and per token ``scale |q_s| (|P_s| |do_s|) + |k_s| (|dP_s| |v_s|) + |a_s|
+    (|dP_s| |r_s|) + |b_{s+1}| (|P_s| |dr_{s+1}|)`` (the last token's writes left out), exact here in
+    float64. A scalar gate's is the sum over K. ``call``: what :func:`_generic_calls` recorded (no
+    varlen, no RWKV-6 readout); ``do``, ``dht``: the cotangents (None: not in the loss).
+    """
+    spec, scale, cu_seqlens, x = call
+    assert cu_seqlens is None and not spec.bonus
+    with torch.no_grad():
+        gen, _ = fr.generic_inputs(spec, {n: x.get(n) for n in fr.TENSORS}, scale)
+    d = {n: None if t is None else t.detach().double() for n, t in gen.items()}
+    q, k, v, a, b, g = (d[n] for n in ("q", "k", "v", "a", "b", "g"))
+    B, T, HV, K = q.shape
+    w = g.exp() if g.dim() == 4 else g.exp()[..., None].expand_as(k)
+    do = torch.zeros_like(v) if do is None else do.double().expand_as(v)
+    S = torch.zeros(B, HV, K, v.shape[-1], dtype=torch.float64)
+    if x.get("initial_state") is not None:
+        S = x["initial_state"].detach().double()
+    h0, dht = S, torch.zeros_like(S) if dht is None else dht.double().expand_as(S)
+    P, r = [], []
+    for t in range(T):
+        if a is not None:
+            r.append(torch.einsum("bhk,bhkv->bhv", b[:, t], S))
+        P.append(w[:, t, ..., None] * S)
+        S = P[t] + k[:, t, ..., None] * v[:, t, ..., None, :]
+        if a is not None:
+            S = S + a[:, t, ..., None] * r[t][..., None, :]
+    # dP_t = Diag(w_{t+1}) dS_{t+1} (dht at the last token), dr_t = dS_t^T a_t
+    dP, dr, dS_next = [None] * T, [None] * (T + 1), dht
+    for t in range(T - 1, -1, -1):
+        dP[t] = dS_next if t == T - 1 else w[:, t + 1, ..., None] * dS_next
+        dS_next = dP[t] + scale * q[:, t, ..., None] * do[:, t, ..., None, :]
+        if a is not None:
+            if t + 1 < T:
+                dS_next = dS_next + b[:, t + 1, ..., None] * dr[t + 1][..., None, :]
+            dr[t] = torch.einsum("bhkv,bhk->bhv", dS_next, a[:, t])
+    dP_initial = w[:, 0, ..., None] * dS_next
+
+    def mag(M, y):
+        return torch.einsum("bhkv,bhv->bhk", M.abs(), y.abs())
+
+    size = torch.stack([scale * q[:, t].abs() * mag(P[t], do[:, t]) for t in range(T)], 1)
+    for t in range(T - 1):
+        size[:, t] += k[:, t].abs() * mag(dP[t], v[:, t])
+        if a is not None:
+            size[:, t] += a[:, t].abs() * mag(dP[t], r[t]) + b[:, t + 1].abs() * mag(P[t], dr[t + 1])
+    end = (dht.abs() * P[T - 1].abs()).sum(-1)[:, None]
+    start = (dP_initial.abs() * h0.abs()).sum(-1)[:, None]
+    after = size.flip(1).cumsum(1).flip(1)
+    out = torch.minimum(start + after[:, :1] - after, end + after)
+    return out if g.dim() == 4 else out.sum(-1)
+
+
+def _gate_identity_allowances(call, do, dht, g_ref, leaves: dict, dg: torch.Tensor, grads: dict) -> dict:
+    """``GATE_IDENTITY_ROUNDING * eps * ||magnitude|| / ||gradient||`` for Mamba-2's gate parameters
+    (``g``, ``A_log``, ``dt_bias`` of ``leaves``, the reference's float64 leaves; ``g_ref`` their log
+    gate, ``dg`` its gradient, ``grads`` theirs): the identity's magnitudes (_gate_identity_magnitudes)
+    pulled back through the gate's map, whose derivatives are all negative. A_log's and dt_bias's
+    relative to ``sum_t |dg_t dg_t/dtheta|``, as check_gradients scales them by that sum over |dtheta|.
+    """
+    magnitude = _gate_identity_magnitudes(call, do, dht).view_as(g_ref)
+    names = ("g", "A_log", "dt_bias")
+    pulled = torch.autograd.grad((g_ref * magnitude).sum(), [leaves[n] for n in names], retain_graph=True)
+    sums = torch.autograd.grad((g_ref * dg.abs()).sum(), [leaves[n] for n in names[1:]], retain_graph=True)
+    norms = [grads["g"].norm().item()] + [s.norm().item() for s in sums]
+    return {n: GATE_IDENTITY_ROUNDING * FP32_EPS * p.norm().item() / (m or 1.0)
+            for n, p, m in zip(names, pulled, norms)}
 
 
 def _check(op, inputs, *, dtype=torch.float32, initial_state=None, cu_seqlens=None, grads=True,
@@ -540,7 +623,14 @@ def test_strong_gate_in_kernel(op, dtype, gate):
             # 9883283515801996655: dg 4.98e-3, that reference's own 4.99e-3)
             floors = {n: 2 * rel_err(d, w) if dtype != torch.float32 else 0.0
                       for n, d, w in zip(gate_names, low_dgate, want_gate)}
-            tols.update({n: max(tols.get(n, 0.0), STATE_LOSS_GATE_TOL[dtype], floors[n]) for n in gate_names})
+            # and at least the identity's fp32 rounding (the kernels' arithmetic in either dtype), up to
+            # 10x STATE_LOSS_GATE_TOL: a dg 1e-3 off still fails wherever the allowance is capped
+            dg, = torch.autograd.grad(ref_outs[1], g_ref, cotangents[1].double(), retain_graph=True)
+            identity = _gate_identity_allowances(calls[0], None, cotangents[1], g_ref, ref, dg,
+                                                 dict(zip(gate_names, want_gate)))
+            cap = 10 * STATE_LOSS_GATE_TOL[dtype]
+            tols.update({n: max(tols.get(n, 0.0), STATE_LOSS_GATE_TOL[dtype], floors[n], min(identity[n], cap))
+                         for n in gate_names})
         check_gradients(*pair, cotangents, tol, what, tols=tols)
 
 
