@@ -14,7 +14,7 @@ or all token at a time (``DecayLaunch(span=0)``), RWKV-7 with the forward's inte
 Checks also run strong gates (x64 on alternate 16-token sub-chunks: both diagonal paths).
 long:  RWKV-7 over T = 65536, bf16 inputs, fp32 state: finite, and close to the fp32
 per-token reference. ``CHECK_OPS=a,b`` limits the check section to those ops,
-``TIME_CASES=op:shape,...`` the time section to those cases.
+``TIME_CASES=op:shape,...`` the time section to those cases, ``TIME_DTYPE`` (default bfloat16) its inputs' dtype.
 Prints a short table last; writes every row to $OUT/gpu_decay_dplr.json when OUT is set (after
 each row, so a run stopped by its time limit keeps what it finished).
 """
@@ -172,7 +172,7 @@ def variants():
 def bench(op, shape, backward):
     """(median ms, peak GiB allocated during one call, inputs and do included) of the forward or forward+backward."""
     B, T, H, K = SHAPES[shape]
-    x = inputs(op, B, T, H, K, torch.bfloat16)
+    x = inputs(op, B, T, H, K, getattr(torch, os.environ.get("TIME_DTYPE", "bfloat16")))
     fn = getattr(ops, f"chunk_{op}")
     leaves = {n: t.detach().clone().requires_grad_(backward) for n, t in x.items()}
     del x  # the peak counts one copy of the inputs

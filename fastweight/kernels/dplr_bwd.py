@@ -66,15 +66,16 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
                     SPAN: tl.constexpr):
     """DOT_PRECISION serves the local part and the whole-chunk path (its [BT, BT] fp32 operands:
     3 x TF32 there would need more shared memory than the H200 has), DIAG_PRECISION the diagonal
-    sub-chunks of the sub-chunk path. ``wide`` [NC, H]: the forward's branch (``dplr_intra_fwd``);
-    ``slots`` [NC]: a wide chunk's place in the dA buffers, [slots, BT, H, BT] (only wide chunks have one)."""
+    sub-chunks of the sub-chunk path and the local part's dots with dh (``local_grads``).
+    ``wide`` [NC, H]: the forward's branch (``dplr_intra_fwd``); ``slots`` [NC]: a wide chunk's
+    place in the dA buffers, [slots, BT, H, BT] (only wide chunks have one)."""
     i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T
     b_dqk, b_dqb, b_dak, b_dab = local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq_s, dk_s,
                                              da_s, db_s, pairs, i_t, i_c, bos, T, i_h, scale, H, K, V, BT, BK, BV,
-                                             DOT_PRECISION)
+                                             DOT_PRECISION, DIAG_PRECISION)
     tl.debug_barrier()
     if tl.load(wide + i_t * H + i_h) == 0:
         for i_k in range(0, tl.cdiv(K, BK)):

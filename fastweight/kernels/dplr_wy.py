@@ -64,14 +64,18 @@ def dplr_wy_fwd_kernel(a, v, gp, Ai, Aak, w, ut, cu_seqlens, chunk_indices, H: t
 @triton.jit
 def local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, dk, da, db, pairs, i_t, i_c, bos, T,
                 i_h, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                BV: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                BV: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr):
     """Chunk i_t (i_c in its sequence): stores dv and the state parts of dq, dk, da, db (fp32) and
     returns the four matrices' gradients (dA_qk, dA_qb, dA_ak, dA_ab, [BT, BT] fp32, masked) without
     their gate-free pairs: the diagonal of dA_qk, dA_qb (decay exp(G_t - G_t) = 1) and the first
     subdiagonal of dA_ak, dA_ab (exp(G^-_t - G_{t-1}) = 1). Those go to ``pairs`` [1, T, H, 4] fp32,
     row t holding dA_qk[t, t], dA_qb[t, t], dA_ak[t, t-1], dA_ab[t, t-1] (0 at the chunk's first row):
     their terms in the gate gradient cancel exactly, so they are added to dq, dk, da, db only
-    (``dplr_intra.bwd_finish``)."""
+    (``dplr_intra.bwd_finish``). GRAD_PRECISION serves the three dots with the state pass's fp32 dh
+    (into dv, db, dk): the H200's TF32 truncates it (a bias of up to 2^-10 that does not average out
+    where a gradient is a few terms, as under strong decay), so fp16 takes 3 x TF32 there
+    (``decay_intra.diag_precision``); the dU dots keep DOT_PRECISION (their error stays within ~3x
+    the fp16 floor)."""
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T
     m_all = m_t[:, None] & m_t[None, :]
@@ -108,7 +112,7 @@ def local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
             b_e = tl.exp(tl.where(m_tk, b_gl[None, :] - tl.load(gc + p_k, mask=m_tk, other=0.), float("-inf")))
             b_kd = tl.load(k + p_k, mask=m_tk, other=0.).to(tl.float32) * b_e
             b_dh = tl.load(dh + o_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.)
-            b_dv += tl.dot(b_kd, b_dh, input_precision=DOT_PRECISION)
+            b_dv += tl.dot(b_kd, b_dh, input_precision=GRAD_PRECISION)
         tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_tv)
         b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
         b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
@@ -140,8 +144,8 @@ def local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
             b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
             b_dw += tl.dot(b_du, tl.trans(b_h), input_precision=DOT_PRECISION)
             b_dqi += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PRECISION)
-            b_dbi += tl.dot(b_u, tl.trans(b_dh), input_precision=DOT_PRECISION)
-            b_dki += tl.dot(b_v, tl.trans(b_dh), input_precision=DOT_PRECISION)
+            b_dbi += tl.dot(b_u, tl.trans(b_dh), input_precision=GRAD_PRECISION)
+            b_dki += tl.dot(b_v, tl.trans(b_dh), input_precision=GRAD_PRECISION)
         b_da = tl.dot(tl.trans(b_T), b_dw, input_precision=DOT_PRECISION)
         b_w = tl.load(w + p_k, mask=m_tk, other=0.).to(tl.float32)
         b_dAab += tl.dot(b_da, tl.trans(b_w), input_precision=DOT_PRECISION)
