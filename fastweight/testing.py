@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -98,6 +100,36 @@ def check_gradients(outs, leaves: dict, ref_outs, ref_leaves: dict, g_ref, cotan
         t = (tols or {}).get(n, tol)
         t *= max(1.0, magnitude[n].norm().item() / (b.norm().item() or 1.0)) if n in magnitude else 1.0
         assert rel_err(a, b) < t, f"{what}d{n}: {rel_err(a, b):.3g} (tolerance {t:.3g})"
+
+
+@contextlib.contextmanager
+def emulate_tf32():
+    """Within the block, Triton's interpreter multiplies fp32 operands of ``input_precision="tf32"``
+    dots as the H200's tensor cores do: each operand truncated to TF32's 10 mantissa bits (toward
+    zero: this reproduced the H200's errors on a DPLR backward case to 4 digits), the products
+    accumulated in fp32. Outside it, and for "tf32x3" or "ieee", the interpreter multiplies in plain
+    fp32, so CPU tests do not see the tensor cores' rounding unless they ask for it here."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    plain = builder.create_dot
+
+    def truncate(x):
+        return (np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        name = str(input_precision).upper()
+        if name.endswith("TF32") and a.dtype.primitive_bitwidth == 32 and b.dtype.primitive_bitwidth == 32:
+            out = np.matmul(truncate(a.data), truncate(b.data), dtype=d.data.dtype) + d.data
+            return interpreter.TensorHandle(out, d.dtype.scalar)
+        return plain(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
+    try:
+        yield
+    finally:
+        builder.create_dot = plain
 
 
 def fla_on_cpu(monkeypatch, module: str = "fla.layers"):
