@@ -265,7 +265,7 @@ def step_conditions(op, x, h0, do, dht, names, cu_seqlens=None):
     mode) and ``dS_t`` the loss's gradient at the state S_t. Every term of dx_t is one of ``dS_t * J_t``; when
     they cancel (a strong decay leaves one token carrying the loss, its terms of either sign), no fp32
     evaluation does better than a few ulp of M: the fused-recurrent tests' rule
-    (test_fused_recurrent._rounding_tolerances). Measured, test_strong_gates_partial_chunks (the five fresh
+    (fused_recurrent_rounding.rounding_tolerances). Measured, test_strong_gates_partial_chunks (the five fresh
     seeds in draw order): [comba-1--6.0] 11924168108258751680, 4234913322664183671, 11255000124838202554,
     7392606307504237635, 8479246447982133845: dg 1.07e-5 at cond 486 (0.19 eps * cond; 12 other seeds
     0.015-0.28 at cond 4-37); [comba-127--6.0] 17845690251909294010, 3135429533073024125,
