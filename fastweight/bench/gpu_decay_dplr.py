@@ -170,13 +170,19 @@ def variants():
 
 
 def bench(op, shape, backward):
-    """(median ms, peak GiB allocated during one call, inputs and do included) of the forward or forward+backward."""
+    """(median ms, peak GiB allocated during one call, inputs and do included, GiB autograd keeps
+    between forward and backward (the output included; 0 without ``backward``), the inputs' GiB)."""
     B, T, H, K = SHAPES[shape]
     x = inputs(op, B, T, H, K, getattr(torch, os.environ.get("TIME_DTYPE", "bfloat16")))
     fn = getattr(ops, f"chunk_{op}")
     leaves = {n: t.detach().clone().requires_grad_(backward) for n, t in x.items()}
     del x  # the peak counts one copy of the inputs
+    inp = sum(t.numel() * t.element_size() for t in leaves.values()) / 2 ** 30
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
     o = fn(**leaves, backend="triton")[0]
+    torch.cuda.synchronize()
+    held = (torch.cuda.memory_allocated() - base) / 2 ** 30 if backward else 0.0
     do = torch.randn_like(o)
     del o
 
@@ -192,28 +198,13 @@ def bench(op, shape, backward):
     run()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2 ** 30
-    return triton.testing.do_bench(run, warmup=25, rep=150, return_mode="median"), peak
-
-
-def saved_gib(op, shape):
-    """GiB held between forward and backward (what autograd keeps, the output included), and the
-    inputs' own GiB, at ``shape`` in bf16."""
-    B, T, H, K = SHAPES[shape]
-    x = {n: t.requires_grad_(True) for n, t in inputs(op, B, T, H, K, torch.bfloat16).items()}
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    o = getattr(ops, f"chunk_{op}")(**x, backend="triton")[0]
-    torch.cuda.synchronize()
-    held = (torch.cuda.memory_allocated() - base) / 2 ** 30
-    del o
-    return held, sum(t.numel() * t.element_size() for t in x.values()) / 2 ** 30
+    return triton.testing.do_bench(run, warmup=25, rep=150, return_mode="median"), peak, held, inp
 
 
 def timing(op, shape):
     t0 = time.time()
-    held, inp = saved_gib(op, shape)
-    fwd, _ = bench(op, shape, False)
-    fb, peak = bench(op, shape, True)
+    fwd = bench(op, shape, False)[0]
+    fb, peak, held, inp = bench(op, shape, True)
     fla = ANCHORS.get((op, shape), (None, None))
     row = dict(kind="time", op=op, shape=shape, fwd_ms=fwd, fwdbwd_ms=fb, peak_gib_fwdbwd=peak, saved_gib=held,
                inputs_gib=inp, fla_fwd_ms=fla[0],

@@ -38,11 +38,13 @@ def mixed_lengths(total: int, T: int, seed: int = 0) -> list[int]:
 
 
 def _inputs(op, B, T, H, K, device):
-    if op in ("simple_gla", "rwkv7", "gla", "dplr_delta_rule"):
-        from fastweight.bench.gpu_decay_dplr import inputs
-        return inputs(op, B, T, H, K, torch.bfloat16, device=device)
-    from fastweight.bench.gpu_delta import inputs
-    return inputs(op, B, T, H, K, K, torch.bfloat16, device)
+    """bf16 inputs as the family's own bench draws them (the registry's ``family``)."""
+    from fastweight.mechanisms import OPS
+    if OPS[op].family == "delta":
+        from fastweight.bench.gpu_delta import inputs
+        return inputs(op, B, T, H, K, K, torch.bfloat16, device)
+    from fastweight.bench.gpu_decay_dplr import inputs
+    return inputs(op, B, T, H, K, torch.bfloat16, device=device)
 
 
 def timing(op, B, T, H, K, cu_seqlens=None, device="cuda"):
