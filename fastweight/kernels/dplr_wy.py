@@ -28,12 +28,17 @@ import triton
 import triton.language as tl
 
 from fastweight.kernels.common import Chunks, dot_precision
+from fastweight.kernels.decay_intra import diag_precision
 
 
 @triton.jit
 def dplr_wy_fwd_kernel(a, v, gp, Ai, Aak, w, ut, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
                        V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
+                       DOT_PRECISION: tl.constexpr, UT_PRECISION: tl.constexpr):
+    """W = T (a exp(G^-)) and U~ = T (A_ak V) of a chunk. UT_PRECISION (3 x TF32 for fp16) serves U~'s
+    two fp32 x fp32 dots: the H200's TF32 truncates their operands, a bias the backward's exact dh
+    dots (``local_grads``) no longer cancel (db up to 11.8x the fp16 floor under
+    ``testing.emulate_tf32``; the all-exact figure with these two exact)."""
     i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -56,8 +61,8 @@ def dplr_wy_fwd_kernel(a, v, gp, Ai, Aak, w, ut, cu_seqlens, chunk_indices, H: t
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_v = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
         b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
-        b_y = tl.dot(b_Aak, b_v, input_precision=DOT_PRECISION)
-        b_ut = tl.dot(b_T, b_y, input_precision=DOT_PRECISION)
+        b_y = tl.dot(b_Aak, b_v, input_precision=UT_PRECISION)
+        b_ut = tl.dot(b_T, b_y, input_precision=UT_PRECISION)
         tl.store(ut + p_v, b_ut.to(ut.dtype.element_ty), mask=m_tv)
 
 
@@ -182,5 +187,5 @@ def dplr_wy_fwd(a, v, gp, Ai, Aak, chunks: Chunks):
     ut = torch.empty(1, T, H, V, dtype=a.dtype, device=a.device)
     dplr_wy_fwd_kernel[(chunks.NC, H)](a, v, gp, Ai, Aak, w, ut, chunks.cu_seqlens, chunks.chunk_indices, H=H, K=K,
                                        V=V, BT=chunks.BT, BK=BK, BV=BV, DOT_PRECISION=dot_precision(a.dtype),
-                                       num_warps=4, num_stages=1)  # 4 warps: 0.16 ms faster than 8 (H200 sweep)
+                                       UT_PRECISION=diag_precision(a.dtype), num_warps=4, num_stages=1)  # 4 warps: 0.16 ms faster than 8 (H200 sweep)
     return w, ut
