@@ -7,8 +7,9 @@ fla's meaning (``a`` is read against the state, ``b`` is the write direction):
 Per chunk of 64 tokens, G the chunk-local cumulative log decay, G^- one token earlier, S the
 state before the chunk (the readable spec is ``fastweight/chunk/dplr.py``):
 
-    1. A_qk, A_qb (s <= t, decays exp(G_t - G_s)), A_ak, A_ab (s < t, exp(G^-_t - G_s)),
-       the whole chunk factored through its gates' midpoint, or by sub-chunks ``dplr_intra.py``
+    1. G, G^- from gk, then A_qk, A_qb (s <= t, decays exp(G_t - G_s)), A_ak, A_ab (s < t,
+       exp(G^-_t - G_s)), the whole chunk factored through its gates' midpoint, or by sub-chunks,
+       in one kernel                                                   ``dplr_intra.py``
     2. T = (I - A_ab)^{-1} (blockwise exact solve)                    ``kkt_solve.py``
        W = T (a * exp(G^-)),  U~ = T A_ak V                          ``dplr_wy.py``
     3. per chunk in order: U = W S + U~,
@@ -18,8 +19,8 @@ state before the chunk (the readable spec is ``fastweight/chunk/dplr.py``):
 Backward: the forward's intra-chunk matrices, T, W, U~, the chunk states and the reads U are
 kept (``DplrLaunch.recompute`` False, the default) or recomputed (steps 1-3 again, True: fla's
 choice, less memory); the gates' cumsum is always recomputed. Kept, they cost per token
-and head 4 x 64 fp32 (A_qk, A_qb, A_ak, T) + K + 2 V + K V / 64 in the input dtype (W, U~, U,
-h): 1.5 KB at K = V = 64, 2.3 KB at K = V = 128 in bf16, against 0.9 / 1.8 KB for the inputs
+and head 2 x 64 fp32 (A_ak, T) + 2 x 64 + K + 2 V + K V / 64 in the input dtype (A_qk, A_qb, W,
+U~, U, h): 1.25 KB at K = V = 64, 2.05 KB at K = V = 128 in bf16, against 0.9 / 1.8 KB for the inputs
 the op keeps anyway. The state gradient runs the loop in reverse (with the reads' gradient dU),
 then one program per chunk (``dplr_bwd.py``) forms dV and the four matrices' gradients
 (``dplr_wy.local_grads``) and takes them to q, k, a, b and the per-token gate terms
@@ -71,9 +72,8 @@ class DplrLaunch:
 def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):
     """Steps 1-2: gates, the four intra-chunk matrices, T, W and U~ (and the chunks' wide flags)."""
     T, H = q.shape[1], q.shape[2]
-    gc, gp = chunk_cumsum(gk, chunks, exclusive=True)
-    Aqk, Aqb, Aak, Aab, wide = dplr_intra_fwd(q, k, a, b, gc, gp, scale, chunks, span=launch.span,
-                                              wide_kernel=launch.wide_kernel, config=launch.intra_config)
+    gc, gp, Aqk, Aqb, Aak, Aab, wide = dplr_intra_fwd(q, k, a, b, gk, scale, chunks, span=launch.span,
+                                                      wide_kernel=launch.wide_kernel, config=launch.intra_config)
     Ai = solve(Aab, torch.full((1, T, H), -1.0, device=q.device), chunks, precision_of=q.dtype)
     w, ut = dplr_wy_fwd(a, v, gp, Ai, Aak, chunks)
     return gc, gp, Aqk, Aqb, Aak, Ai, w, ut, wide

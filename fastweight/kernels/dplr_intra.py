@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from fastweight.kernels import decay_intra
-from fastweight.kernels.common import Chunks, SAFE_SPAN, chunk_bounds, dot_precision
+from fastweight.kernels.common import Chunks, SAFE_SPAN, alloc, chunk_bounds, dot_precision
 from fastweight.kernels.decay_intra import diag_precision, factor, span_ref
 
 
@@ -61,14 +61,21 @@ def _load_dA(dA, bos, o_r, m_r, c0, i_h, H: tl.constexpr, BT: tl.constexpr, BC: 
 
 
 @triton.jit
-def chunk_span(gc, gp, bos, o_t, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
-    """The widest gate span of one chunk (rows' G^- and G, every channel): max - min."""
+def chunk_span(gk, gc, gp, bos, o_t, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """The chunk's gate sums from the raw log gates, gc = cumsum(gk) and gp = gc - gk over its rows
+    (``cumsum.chunk_cumsum(exclusive=True)``'s sums, stored for the later stages), and the widest
+    span of the chunk (rows' G^- and G, every channel): max - min."""
     b_span = tl.max(tl.zeros([BK], dtype=tl.float32), 0)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        b_s, _ = span_ref(load_rows(gp, bos, o_t, m_t, i_h, o_k, m_k, H, K),
-                          load_rows(gc, bos, o_t, m_t, i_h, o_k, m_k, H, K), m_t[:, None] & m_k[None, :])
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        p_g = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
+        b_g = tl.load(gk + p_g, mask=m_tk, other=0.).to(tl.float32)
+        b_gc = tl.cumsum(b_g, axis=0)
+        b_gp = b_gc - b_g
+        tl.store(gc + p_g, b_gc, mask=m_tk)
+        tl.store(gp + p_g, b_gp, mask=m_tk)
+        b_s, _ = span_ref(b_gp, b_gc, m_tk)
         b_span = tl.maximum(b_span, b_s)
     return b_span
 
@@ -163,7 +170,7 @@ def _fwd_sub(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_
 
 
 @triton.jit
-def dplr_intra_fwd_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, wide, cu_seqlens, chunk_indices, scale,
+def dplr_intra_fwd_kernel(q, k, a, b, gk, gc, gp, Aqk, Aqb, Aak, Aab, wide, cu_seqlens, chunk_indices, scale,
                           H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                           DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr,
                           FLAG: tl.constexpr):
@@ -171,12 +178,15 @@ def dplr_intra_fwd_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, wide, cu_seqle
     through the per-channel midpoint of its gates (four [BT, BT] dots per K block). A wider one
     takes the sub-chunk path (``_fwd_sub``): here, or (FLAG) in ``dplr_intra_wide_kernel``, which
     reads the flag stored in wide[chunk, head] (the sub-chunk path's registers then stay out of
-    this kernel). The flag is stored either way: the backward branches on it."""
+    this kernel). The flag is stored either way: the backward branches on it. The chunk's gate
+    sums are formed here from gk and written to gc, gp (``chunk_span``), then read back: the
+    barrier makes one thread's stores visible to the others (they hit L2)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T
-    is_wide = chunk_span(gc, gp, bos, o_t, m_t, i_h, H, K, BK) >= SPAN
+    is_wide = chunk_span(gk, gc, gp, bos, o_t, m_t, i_h, H, K, BK) >= SPAN
+    tl.debug_barrier()
     tl.store(wide + i_t * H + i_h, is_wide.to(tl.int8))
     if not is_wide:
         b_qk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -407,26 +417,35 @@ def chunk_spans(g: torch.Tensor, BK: int, BT: int = 64) -> torch.Tensor:
     return spans[:, 0]
 
 
-def dplr_intra_fwd(q, k, a, b, gc, gp, scale: float, chunks: Chunks, *, span: float = SAFE_SPAN,
+def dplr_intra_fwd(q, k, a, b, gk, scale: float, chunks: Chunks, *, span: float = SAFE_SPAN,
                    wide_kernel: bool = True, config: tuple[int, tuple[int, int]] | None = None):
-    """A_qk, A_qb (scale folded in), A_ak, A_ab: [1, T, H, BT] fp32, row t holding its chunk's row;
-    only the (strict) lower triangle is written. A chunk whose gates span less than ``span`` is
+    """A_qk, A_qb (scale folded in) [1, T, H, BT] in q's dtype, A_ak, A_ab fp32 (the solve and the
+    reads need them exact; the output and dV multiply A_qk, A_qb in the input dtype anyway, and
+    these two are half of what the forward writes per token), row t holding its chunk's row; only
+    the (strict) lower triangle is written. A chunk whose gates span less than ``span`` is
     factored whole; a wider one goes sub-chunk by sub-chunk, in ``dplr_intra_wide_kernel``
     (``wide_kernel``) or inside the main kernel (its registers then count there too). ``config``:
     (BK, (num_warps, num_stages)) of the main kernel instead of ``fwd_launch_config(K, q.dtype)``'s.
-    Returns (A_qk, A_qb, A_ak, A_ab, wide): ``wide`` [NC, H] int8, 1 where the chunk's gates span
-    ``span`` or more for that head (the sub-chunk path; ``dplr_bwd`` takes the same branch from it)."""
+    The chunk-local gate sums are formed in the kernel from the log gates ``gk`` [1, T, H, K] (no
+    cumsum pass of their own). Returns (gc, gp, A_qk, A_qb, A_ak, A_ab, wide): gc, gp [1, T, H, K]
+    fp32 as ``chunk_cumsum(gk, exclusive=True)``; ``wide`` [NC, H] int8, 1 where the chunk's gates
+    span ``span`` or more for that head (the sub-chunk path; ``dplr_bwd`` takes the same branch
+    from it)."""
     _, T, H, K = q.shape
     BT, BC = chunks.BT, 16
     BK, (warps, stages) = config or fwd_launch_config(K, q.dtype)
     BK = min(BK, max(16, triton.next_power_of_2(K)))
-    As = [torch.empty(1, T, H, BT, dtype=torch.float32, device=q.device) for _ in range(4)]
+    As = [torch.empty(1, T, H, BT, dtype=dtype, device=q.device) for dtype in (q.dtype, q.dtype, torch.float32,
+                                                                              torch.float32)]
     wide = torch.empty(chunks.NC, H, dtype=torch.int8, device=q.device)
+    gk = gk.contiguous()
+    gc, gp = (alloc(gk.shape, dtype=torch.float32, device=q.device) for _ in range(2))
     meta = dict(H=H, K=K, BT=BT, BC=BC, BK=BK, DOT_PRECISION=dot_precision(q.dtype),
                 DIAG_PRECISION=diag_precision(q.dtype), SPAN=span)
     args = (q, k, a, b, gc, gp, *As, wide, chunks.cu_seqlens, chunks.chunk_indices, scale)
-    dplr_intra_fwd_kernel[(chunks.NC, H)](*args, **meta, FLAG=wide_kernel, num_warps=warps, num_stages=stages)
+    dplr_intra_fwd_kernel[(chunks.NC, H)](q, k, a, b, gk, *args[4:], **meta, FLAG=wide_kernel, num_warps=warps,
+                                          num_stages=stages)
     if wide_kernel:
         # the sub-chunk path keeps K blocks of 32 (its [16, 16] tiles gain nothing from a wider K block)
         dplr_intra_wide_kernel[(chunks.NC * (BT // BC), H)](*args, **{**meta, "BK": min(BK, 32)}, num_warps=4)
-    return (*As, wide)
+    return (gc, gp, *As, wide)

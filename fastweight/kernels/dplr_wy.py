@@ -91,7 +91,7 @@ def local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
     # held through both loops: loading them where used is slower on the H200
     # (`python -m fastweight.bench.gpu_decay_dplr variants`)
     b_T = tl.load(Ai + p_A, mask=m_incl, other=0.)
-    b_Aqk = tl.load(Aqk + p_A, mask=m_incl, other=0.)
+    b_Aqk = tl.load(Aqk + p_A, mask=m_incl, other=0.).to(tl.float32)
     b_Aak = tl.load(Aak + p_A, mask=m_strict, other=0.)
     b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
     b_dAqb = tl.zeros([BT, BT], dtype=tl.float32)

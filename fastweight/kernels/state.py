@@ -193,14 +193,16 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, Ai, beta, o, h, r, bos, T, boh, 
 
 
 @triton.jit
-def state_fwd_kernel(q, k, v, w, u, b, g, A, Ai, beta, h0, o, ht, h, r, cu_seqlens, chunk_offsets, scale, NT_ALL,
+def state_fwd_kernel(q, k, v, w, u, b, g, A, Ai, beta, h0, o, ht, h, r, cu_seqlens, chunk_offsets, order, scale, NT_ALL,
                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
                      FUSE_OUTPUT: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
                      STORE_H: tl.constexpr, STORE_R: tl.constexpr, UNIFORM: tl.constexpr,
                      WHILE_LOOP: tl.constexpr, PRESCALED: tl.constexpr, FUSE_WY: tl.constexpr):
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_h = i_nh // H, i_nh % H
+    # sequences longest first (Chunks.order); i_nh below is the (sequence, head) pair's state index
+    i_n, i_h = tl.load(order + i_nh // H), i_nh % H
+    i_nh = i_n * H + i_h
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     T = (eos - bos).to(tl.int32)
     boh = tl.load(chunk_offsets + i_n).to(tl.int64)
@@ -298,12 +300,14 @@ def _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dr, bos, T, boh, i_h, i_k
 
 
 @triton.jit
-def state_bwd_kernel(q, k, w, b, g, gq, A, do, dht, dh, dh0, dr, cu_seqlens, chunk_offsets, scale,
+def state_bwd_kernel(q, k, w, b, g, gq, A, do, dht, dh, dh0, dr, cu_seqlens, chunk_offsets, order, scale,
                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
                      USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, WHILE_LOOP: tl.constexpr):
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_h = i_nh // H, i_nh % H
+    # sequences longest first (Chunks.order); i_nh below is the (sequence, head) pair's state index
+    i_n, i_h = tl.load(order + i_nh // H), i_nh % H
+    i_nh = i_n * H + i_h
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     T = (eos - bos).to(tl.int32)
     boh = tl.load(chunk_offsets + i_n).to(tl.int64)
@@ -387,12 +391,11 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     if fuse_wy and (transition != "delta" or _gate_kind(g) == 2 or beta is None):
         raise ValueError("`Ai` (the fused W/U read) needs the delta transition, a scalar or no gate and `beta`")
     state_fwd_kernel[grid](q, k, v, w, u, b, g, A, Ai, beta, initial_state, o, ht, h, r, chunks.cu_seqlens,
-                           chunks.chunk_offsets, scale, chunks.NT or 0, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK,
-                           BV=BV, TRANSITION=TRANSITIONS[transition], GATE=_gate_kind(g), FUSE_OUTPUT=fuse_output,
-                           USE_H0=initial_state is not None, STORE_HT=output_final_state, STORE_H=store_h,
-                           STORE_R=store_r, UNIFORM=uniform,
-                           WHILE_LOOP=while_loops(), PRESCALED=prescaled, FUSE_WY=fuse_wy, num_warps=warps,
-                           num_stages=stages)
+                           chunks.chunk_offsets, chunks.order, scale, chunks.NT or 0, H=H, HK=HK, K=K, V=V,
+                           BT=chunks.BT, BK=BK, BV=BV, TRANSITION=TRANSITIONS[transition], GATE=_gate_kind(g),
+                           FUSE_OUTPUT=fuse_output, USE_H0=initial_state is not None, STORE_HT=output_final_state,
+                           STORE_H=store_h, STORE_R=store_r, UNIFORM=uniform, WHILE_LOOP=while_loops(),
+                           PRESCALED=prescaled, FUSE_WY=fuse_wy, num_warps=warps, num_stages=stages)
     return h, r, o, ht
 
 
@@ -413,7 +416,7 @@ def state_bwd(transition: str, q, do, chunks: Chunks, *, g=None, gq=None, k=None
     dh0 = alloc((chunks.N, H, K, V), dtype=torch.float32, device=dev) if need_dh0 else None
     grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), chunks.N * H)
     state_bwd_kernel[grid](q, k, w, b, g, gq, A, do, dht, dh, dh0, dr, chunks.cu_seqlens, chunks.chunk_offsets,
-                           scale, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
+                           chunks.order, scale, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
                            TRANSITION=TRANSITIONS[transition], GATE=_gate_kind(g), USE_DHT=dht is not None,
                            STORE_DH0=need_dh0, WHILE_LOOP=while_loops(), num_warps=warps, num_stages=stages)
     return dh, dr, dh0

@@ -47,6 +47,15 @@ def inputs(seed=0):
     return q, k, p, beta, g, gk
 
 
+def test_chunks_order_longest_first():
+    """The state passes take sequences longest first (ties, empty ones last, in their order); the
+    varlen tests of test_delta.py / test_decay.py / test_dplr.py run the permuted order end to end."""
+    ch = prepare_chunks(torch.tensor([0, 1, 64, 100, 100, 129, 130]), 1, 130, 64, "cpu")
+    assert ch.order.tolist() == [1, 2, 4, 0, 5, 3]
+    assert ch.order.dtype == torch.int32
+    assert prepare_chunks(None, 3, 100, 64, "cpu").order.tolist() == [0, 1, 2]
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_cumsum_varlen_scalar_and_vector(reverse):
     cu = torch.tensor([0, 37, 100])

@@ -284,3 +284,24 @@ def test_gate_gradient_strong_decay(op, T, per_token, cu, dtype):
         assert err <= 0.005 and err <= 1.5 * err_torch, f"d gate: {err:.3g} (PyTorch path {err_torch:.3g})"
     else:
         assert err <= GATE_TOL_FP32, f"d gate: {err:.3g} (PyTorch path {err_torch:.3g})"
+
+
+@pytest.mark.parametrize("BK", [16, 32])
+def test_intra_gate_sums(BK):
+    """The intra kernel forms the chunk-local gate sums itself: its gc, gp are
+    ``chunk_cumsum(gk, exclusive=True)``'s (to fp32 rounding of the scan order), varlen with a
+    short last chunk and an empty sequence, K split into blocks (BK 16) or whole (BK 32), with a
+    wide chunk (whose sub-chunk path reads the stored sums back)."""
+    from fastweight.kernels.common import prepare_chunks
+    from fastweight.kernels.cumsum import chunk_cumsum
+    gen = generator()
+    T, H, K = 150, 2, 32
+    t = torch.arange(T)
+    x = _inputs("rwkv7", T, H=H, K=K, gen=gen, w_scale=torch.where(t // 64 == 1, 8.0, 1.0))
+    chunks = prepare_chunks(torch.tensor([0, 70, 70, 150]), 1, T, 64, "cpu")
+    gk = x["w"]
+    gc, gp, *_, wide = dplr_intra.dplr_intra_fwd(x["r"], x["k"], x["a"], x["b"], gk, 1.0, chunks,
+                                                 config=(BK, (4, 2)))
+    want_c, want_p = chunk_cumsum(gk, chunks, exclusive=True)
+    assert rel_err(gc, want_c) < 1e-6 and rel_err(gp, want_p) < 1e-6
+    assert wide.sum() > 0
