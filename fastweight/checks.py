@@ -16,8 +16,9 @@ modes, set by ``FASTWEIGHT_VALUE_CHECKS`` or :func:`set_value_checks`:
 
 ``cu_seqlens`` contents are checked in every mode (bad offsets would make the kernels read
 out of bounds), from one host copy, as fla reads them: a varlen call syncs once for it (the
-kernels' chunk bookkeeping reuses that copy, :func:`host_bounds`), and a call without
-``cu_seqlens`` reads no tensor value at all.
+kernels' chunk bookkeeping reuses that copy, :func:`host_bounds`), and not again while the same
+CUDA tensor comes back unchanged (a model's layers); a call without ``cu_seqlens`` reads no
+tensor value at all.
 Value checks and the ``cu_seqlens`` contents are skipped inside ``torch.compile`` graphs.
 """
 
@@ -152,15 +153,47 @@ def provide_host_bounds(cu_seqlens: torch.Tensor, values: list):
     _LAST_READ = (weakref.ref(cu_seqlens), cu_seqlens._version, list(values), True)
 
 
+def _cacheable(t: torch.Tensor) -> bool:
+    """Host copies of a device tensor are kept across calls (:func:`host_bounds`); a CPU tensor is
+    read every time (no sync, and NumPy can write it behind ``_version``'s back)."""
+    return t.device.type != "cpu"
+
+
+_HOST_CACHE: dict = {}   # id -> (weakref, _version, values): device cu_seqlens read by earlier calls
+_HOST_CACHE_SIZE = 16
+
+
+def cached_for(t: torch.Tensor, cache: dict):
+    """The entry ``cache`` holds for ``t`` (same object, same ``_version``), else None."""
+    hit = cache.get(id(t))
+    if hit is not None and hit[0]() is t and hit[1] == t._version:
+        return hit[2]
+    return None
+
+
+def cache_for(t: torch.Tensor, cache: dict, value, size: int = _HOST_CACHE_SIZE):
+    """Keep ``value`` for ``t`` (by identity and ``_version``); dead or oldest entries go first."""
+    for key in [key for key, (ref, _, _) in cache.items() if ref() is None]:
+        del cache[key]
+    while len(cache) >= size:
+        del cache[next(iter(cache))]
+    cache[id(t)] = (weakref.ref(t), t._version, value)
+    return value
+
+
 def host_bounds(cu_seqlens: torch.Tensor, fresh: bool = False) -> list:
     """``cu_seqlens.tolist()``, shared by the input check and the kernels' chunk bookkeeping of one
-    call, so that a varlen call makes one device-to-host copy (a sync for a CUDA tensor).
+    call, so that a varlen call makes at most one device-to-host copy (a sync for a CUDA tensor).
 
     The check reads ``fresh`` and leaves the values in a one-slot cache; the next reader of the
     same tensor (identity and ``_version``: an in-place write bumps it) takes them and empties the
-    slot, so values never outlive the call that read them (a write through a NumPy view, which
-    ``_version`` does not see, cannot leave them stale). Values the caller provided
-    (:func:`provide_host_bounds`) count as fresh."""
+    slot, so a CPU tensor's values never outlive the call that read them (a write through a NumPy
+    view, which ``_version`` does not see, cannot leave them stale). Values the caller provided
+    (:func:`provide_host_bounds`) count as fresh. A device tensor's values are also kept across
+    calls while it lives unchanged (identity and ``_version``, as fla's cache of its chunk
+    indices): the layers of a model, which share one ``cu_seqlens``, sync once per step, not once
+    a layer (a device tensor written in place outside torch, through DLPack say, is not seen:
+    pass a new tensor then)."""
     global _LAST_READ
     if _compiling():
         return _read(cu_seqlens)
@@ -168,7 +201,11 @@ def host_bounds(cu_seqlens: torch.Tensor, fresh: bool = False) -> list:
     _LAST_READ = (None, -1, None, False)
     same = ref is not None and ref() is cu_seqlens and version == cu_seqlens._version
     if not same or (fresh and not provided):
-        values = _read(cu_seqlens)
+        values = cached_for(cu_seqlens, _HOST_CACHE) if _cacheable(cu_seqlens) else None
+        if values is None:
+            values = _read(cu_seqlens)
+    if _cacheable(cu_seqlens):
+        cache_for(cu_seqlens, _HOST_CACHE, values)
     if fresh:
         _LAST_READ = (weakref.ref(cu_seqlens), cu_seqlens._version, values, False)
     return values

@@ -314,6 +314,31 @@ def test_varlen_call_reads_cu_seqlens_once(monkeypatch, backend):
     assert rel_err(o2, ref) < 1e-5 and rel_err(o, ref) > 1e-3
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_device_cu_seqlens_read_once_while_unchanged(monkeypatch, backend):
+    """A device cu_seqlens (here a CPU tensor treated as one) is copied to the host by its first
+    call only, while the same tensor comes back unchanged (a model's layers: one sync a step);
+    an in-place write (``_version``) or a new tensor reads again, and the result follows it."""
+    import fastweight.kernels.common as common
+    monkeypatch.setattr(checks, "_cacheable", lambda t: True)
+    monkeypatch.setattr(common, "_cacheable", lambda t: True)
+    x = inputs("gated_deltanet", B=1, T=10)
+    reads = []
+    monkeypatch.setattr(checks, "_read", lambda t: reads.append(t) or t.tolist())
+    cu = torch.tensor([0, 4, 10])
+    o, _ = ops.chunk_gated_delta_rule(**x, cu_seqlens=cu, backend=backend)
+    o1, _ = ops.chunk_gated_delta_rule(**x, cu_seqlens=cu, backend=backend)
+    assert len(reads) == 1 and rel_err(o1, o) == 0
+    cu[1] = 7                  # bumps _version
+    o2, _ = ops.chunk_gated_delta_rule(**x, cu_seqlens=cu, backend=backend)
+    assert len(reads) == 2
+    ref, _ = ops.chunk_gated_delta_rule(**x, cu_seqlens=torch.tensor([0, 7, 10]), backend="reference")
+    assert rel_err(o2, ref) < 1e-5 and rel_err(o, ref) > 1e-3
+    with raises(ValueError, "cu_seqlens"):
+        ops.chunk_gated_delta_rule(**x, cu_seqlens=torch.tensor([0, 7, 9]), backend=backend)
+    assert len(reads) == 4     # the new tensor above and the bad one, each read once
+
+
 def test_cu_seqlens_on_meta():
     x = inputs("gated_deltanet", B=1, T=10)
     with raises(ValueError, "cu_seqlens") as e:

@@ -4,7 +4,8 @@
         [--short 8,2048,16,64] [--seed 0]
 
 For each op: the uniform batch (B, T, H, K=V) and one packed batch of the same B*T tokens in
-sequences of mixed lengths (``mixed_lengths``: log-uniform in [16, 2T], one of them a single token),
+sequences of mixed lengths (the same ``cu_seqlens`` tensor every call, as a model's layers pass
+it, whose host copy is kept; and a new one every call, which syncs each time) (``mixed_lengths``: log-uniform in [16, 2T], one of them a single token),
 both through ``fastweight.ops.chunk_<op>`` with its defaults (value checks on, the Triton backend a
 CUDA tensor gets), bf16; then the same op at the short shape. Median ms of forward and
 forward+backward (``triton.testing.do_bench``), the ratio varlen / uniform (target: within 1.10x),
@@ -47,13 +48,21 @@ def _inputs(op, B, T, H, K, device):
     return inputs(op, B, T, H, K, torch.bfloat16, device=device)
 
 
-def timing(op, B, T, H, K, cu_seqlens=None, device="cuda"):
+def timing(op, B, T, H, K, cu_seqlens=None, device="cuda", fresh=False):
+    """(forward ms, forward+backward ms); ``fresh``: a new ``cu_seqlens`` tensor every call (a
+    clone), so each call copies it to the host (a sync), as a training step's first layer does;
+    else the same tensor every call, as the model's other layers (its host copy is kept)."""
     import triton
 
     from fastweight import ops
     x = _inputs(op, B, T, H, K, device)
     fn = getattr(ops, f"chunk_{op}")
     kw = dict(cu_seqlens=cu_seqlens) if cu_seqlens is not None else {}
+    if fresh:
+        op_fn = fn
+
+        def fn(**a):
+            return op_fn(**{**a, "cu_seqlens": a["cu_seqlens"].clone()})
     fwd = triton.testing.do_bench(lambda: fn(**x, **kw), warmup=25, rep=150, return_mode="median")
     leaves = {n: t.clone().requires_grad_(t.is_floating_point()) for n, t in x.items()}
     o = fn(**leaves, **kw)[0]
@@ -82,15 +91,19 @@ def main():
     for op in args.ops.split(","):
         uni = timing(op, B, T, H, K)
         var = timing(op, 1, B * T, H, K, cu_seqlens=cu)
+        var_fresh = timing(op, 1, B * T, H, K, cu_seqlens=cu, fresh=True)
         sB, sT, sH, sK = (int(s) for s in args.short.split(","))
         short = timing(op, sB, sT, sH, sK)
         fla = SHORT_ANCHORS.get(op)
         row = dict(op=op, shape=args.shape, uniform_ms=uni, varlen_ms=var, ratio=[v / u for v, u in zip(var, uni)],
+                   varlen_fresh_ms=var_fresh, ratio_fresh=[v / u for v, u in zip(var_fresh, uni)],
                    short_shape=args.short, short_ms=short, short_fla_ms=fla,
                    short_ratio=[s / f for s, f in zip(short, fla)] if fla else None, n_sequences=len(lengths))
         rows.append(row)
         print(f"{op}: uniform {uni[0]:.3f} / {uni[1]:.3f} ms, varlen {var[0]:.3f} / {var[1]:.3f} "
-              f"({row['ratio'][0]:.2f}x / {row['ratio'][1]:.2f}x); short {short[0]:.3f} / {short[1]:.3f}"
+              f"({row['ratio'][0]:.2f}x / {row['ratio'][1]:.2f}x), a new cu_seqlens each call {var_fresh[0]:.3f} / "
+              f"{var_fresh[1]:.3f} ({row['ratio_fresh'][0]:.2f}x / {row['ratio_fresh'][1]:.2f}x); "
+              f"short {short[0]:.3f} / {short[1]:.3f}"
               + (f" (fla {fla[0]} / {fla[1]}: {row['short_ratio'][0]:.2f}x / {row['short_ratio'][1]:.2f}x)"
                  if fla else ""), flush=True)
         if os.environ.get("OUT"):

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.checks import host_bounds
+from fastweight.checks import _cacheable, cache_for, cached_for, host_bounds
 
 
 # Inside ``poisoned_outputs()`` every buffer a kernel should fully write starts as NaN, so a missed
@@ -90,11 +90,22 @@ class Chunks:
     NT: int | None = None          # chunks per sequence when all have the same length (no cu_seqlens)
 
 
+_CHUNKS_CACHE: dict = {}   # id(cu_seqlens) -> (weakref, _version, {(BT, device): Chunks}), device tensors
+
+
 def prepare_chunks(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, device) -> Chunks:
     """Chunk indices on ``device``; with ``cu_seqlens`` the lengths are read on the host once per
-    call (the copy the input check made, ``checks.host_bounds``)."""
+    call (the copy the input check made, ``checks.host_bounds``). For a device ``cu_seqlens`` the
+    result is kept while the same tensor comes back unchanged (identity and ``_version``, as the
+    host copy): building it copies three small tensors to the device, and a copy from pageable
+    host memory waits for the stream, so a model's layers would each stall the launch queue."""
     if cu_seqlens is None:
         return _uniform_chunks(B, T, BT, torch.device(device))
+    key = (BT, str(torch.device(device)))
+    kept = cached_for(cu_seqlens, _CHUNKS_CACHE) if _cacheable(cu_seqlens) else None
+    if kept is not None and key in kept:
+        host_bounds(cu_seqlens)   # the call's check left its copy in the one-slot cache: take it
+        return kept[key]
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     bounds = host_bounds(cu_seqlens)
     lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
@@ -103,7 +114,10 @@ def prepare_chunks(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, dev
     indices = torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2).to(device)
     offsets = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0).to(device)
     order = torch.tensor(sorted(range(len(lens)), key=lambda n: -lens[n]), dtype=torch.int32).to(device)
-    return Chunks(cu, indices, offsets, len(lens), len(pairs), BT, order)
+    chunks = Chunks(cu, indices, offsets, len(lens), len(pairs), BT, order)
+    if _cacheable(cu_seqlens):
+        cache_for(cu_seqlens, _CHUNKS_CACHE, {**(kept or {}), key: chunks})
+    return chunks
 
 
 @functools.lru_cache(maxsize=64)
