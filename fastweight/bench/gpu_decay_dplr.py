@@ -156,11 +156,13 @@ def profile(op, shape, label, launch):
 def variants():
     """Per-kernel time of: GLA's diagonal sub-chunks factored (default) vs token at a time
     (span 0, the path of strong gates); RWKV-7 keeping its intermediates (default) vs
-    recomputing them in the backward; RWKV-7 at the paper's shape (where its forward goes)."""
+    recomputing them in the backward; RWKV-7 at the paper's shape (where its forward goes), and with
+    the wide-chunk kernel's programs one a chunk (``DplrLaunch.wide_grid``)."""
     cases = [("gla", "rwkv7paper", "factored", DecayLaunch()),
              ("gla", "rwkv7paper", "token at a time", DecayLaunch(span=0.0)),
              ("rwkv7", "gdn1.3b", "kept", DplrLaunch()), ("rwkv7", "gdn1.3b", "recomputed", DplrLaunch(recompute=True)),
-             ("rwkv7", "rwkv7paper", "kept", DplrLaunch())]
+             ("rwkv7", "rwkv7paper", "kept", DplrLaunch()),
+             ("rwkv7", "rwkv7paper", "wide kernel by chunk", DplrLaunch(wide_grid="chunk"))]
     for op, shape, label, launch in cases:
         try:
             profile(op, shape, label, launch)

@@ -57,12 +57,14 @@ class DplrLaunch:
     tuned path. ``recompute``: the backward recomputes steps 1-3 instead of keeping the forward's
     intermediates. ``span``: a chunk (and a diagonal sub-chunk) whose gates span less is factored
     (0: none, 1e30: every one). ``wide_kernel``: the wider chunks' forward in its own kernel
-    (False: in the main one). ``intra_config`` (BK, (num_warps, num_stages)) of the intra forward,
+    (False: in the main one), one program per sub-chunk (``wide_grid`` "sub_chunk") or per chunk
+    ("chunk"). ``intra_config`` (BK, (num_warps, num_stages)) of the intra forward,
     ``bwd_blocks`` (BK, BV) and ``bwd_config`` (num_warps, num_stages) of the fused backward,
     ``state_block_v`` the state passes' V block: None is each launcher's own choice by shape."""
     recompute: bool = False
     span: float = SAFE_SPAN
     wide_kernel: bool = True
+    wide_grid: str = "sub_chunk"
     intra_config: tuple[int, tuple[int, int]] | None = None
     bwd_blocks: tuple[int, int] | None = None
     bwd_config: tuple[int, int] | None = None
@@ -73,7 +75,8 @@ def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch
     """Steps 1-2: gates, the four intra-chunk matrices, T, W and U~ (and the chunks' wide flags)."""
     T, H = q.shape[1], q.shape[2]
     gc, gp, Aqk, Aqb, Aak, Aab, wide = dplr_intra_fwd(q, k, a, b, gk, scale, chunks, span=launch.span,
-                                                      wide_kernel=launch.wide_kernel, config=launch.intra_config)
+                                                      wide_kernel=launch.wide_kernel, config=launch.intra_config,
+                                                      wide_grid=launch.wide_grid)
     Ai = solve(Aab, torch.full((1, T, H), -1.0, device=q.device), chunks, precision_of=q.dtype)
     w, ut = dplr_wy_fwd(a, v, gp, Ai, Aak, chunks)
     return gc, gp, Aqk, Aqb, Aak, Ai, w, ut, wide

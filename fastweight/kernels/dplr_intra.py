@@ -227,15 +227,28 @@ def dplr_intra_fwd_kernel(q, k, a, b, gk, gc, gp, Aqk, Aqb, Aak, Aab, wide, cu_s
 @triton.jit
 def dplr_intra_wide_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, wide, cu_seqlens, chunk_indices, scale,
                            H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                           DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr):
-    """One program per (sub-chunk, head) of the chunks flagged wide; the others return at once."""
+                           DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr,
+                           PER_CHUNK: tl.constexpr):
+    """The chunks flagged wide; the others return at once. One program per (sub-chunk, head), or
+    (PER_CHUNK) per (chunk, head) taking its sub-chunks in turn: a quarter of the programs, which
+    is what a call with no wide chunk pays for (each only reads its flag)."""
     i_tc, i_h = tl.program_id(0), tl.program_id(1)
-    i_t, i_i = i_tc // (BT // BC), i_tc % (BT // BC)
+    if PER_CHUNK:
+        i_t = i_tc
+    else:
+        i_t = i_tc // (BT // BC)
     if tl.load(wide + i_t * H + i_h) != 0:
         i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
-        if i_c * BT + i_i * BC < T:
-            _fwd_sub(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
-                     DOT_PRECISION, DIAG_PRECISION, SPAN)
+        if PER_CHUNK:
+            for i_i in range(0, BT // BC):
+                if i_c * BT + i_i * BC < T:
+                    _fwd_sub(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
+                             DOT_PRECISION, DIAG_PRECISION, SPAN)
+        else:
+            i_i = i_tc % (BT // BC)
+            if i_c * BT + i_i * BC < T:
+                _fwd_sub(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
+                         DOT_PRECISION, DIAG_PRECISION, SPAN)
 
 
 @triton.jit
@@ -418,13 +431,15 @@ def chunk_spans(g: torch.Tensor, BK: int, BT: int = 64) -> torch.Tensor:
 
 
 def dplr_intra_fwd(q, k, a, b, gk, scale: float, chunks: Chunks, *, span: float = SAFE_SPAN,
-                   wide_kernel: bool = True, config: tuple[int, tuple[int, int]] | None = None):
+                   wide_kernel: bool = True, config: tuple[int, tuple[int, int]] | None = None,
+                   wide_grid: str = "sub_chunk"):
     """A_qk, A_qb (scale folded in) [1, T, H, BT] in q's dtype, A_ak, A_ab fp32 (the solve and the
     reads need them exact; the output and dV multiply A_qk, A_qb in the input dtype anyway, and
     these two are half of what the forward writes per token), row t holding its chunk's row; only
     the (strict) lower triangle is written. A chunk whose gates span less than ``span`` is
     factored whole; a wider one goes sub-chunk by sub-chunk, in ``dplr_intra_wide_kernel``
-    (``wide_kernel``) or inside the main kernel (its registers then count there too). ``config``:
+    (``wide_kernel``; one program per sub-chunk, or per chunk with ``wide_grid`` "chunk") or inside
+    the main kernel (its registers then count there too). ``config``:
     (BK, (num_warps, num_stages)) of the main kernel instead of ``fwd_launch_config(K, q.dtype)``'s.
     The chunk-local gate sums are formed in the kernel from the log gates ``gk`` [1, T, H, K] (no
     cumsum pass of their own). Returns (gc, gp, A_qk, A_qb, A_ak, A_ab, wide): gc, gp [1, T, H, K]
@@ -447,5 +462,9 @@ def dplr_intra_fwd(q, k, a, b, gk, scale: float, chunks: Chunks, *, span: float 
                                           num_stages=stages)
     if wide_kernel:
         # the sub-chunk path keeps K blocks of 32 (its [16, 16] tiles gain nothing from a wider K block)
-        dplr_intra_wide_kernel[(chunks.NC * (BT // BC), H)](*args, **{**meta, "BK": min(BK, 32)}, num_warps=4)
+        if wide_grid not in ("sub_chunk", "chunk"):
+            raise ValueError(f"`wide_grid` must be 'sub_chunk' or 'chunk', got {wide_grid!r}")
+        per_chunk = wide_grid == "chunk"
+        grid = (chunks.NC if per_chunk else chunks.NC * (BT // BC), H)
+        dplr_intra_wide_kernel[grid](*args, **{**meta, "BK": min(BK, 32)}, PER_CHUNK=per_chunk, num_warps=4)
     return (gc, gp, *As, wide)

@@ -135,15 +135,17 @@ def test_rwkv7_strong_decay():
     _check("rwkv7", x, gen=gen)
 
 
-@pytest.mark.parametrize("wide_kernel, wide_chunk", [(True, 0), (False, 0), (True, 1)])
-def test_rwkv7_chunk_paths(wide_kernel, wide_chunk):
+@pytest.mark.parametrize("wide_kernel, wide_chunk, wide_grid", [(True, 0, "sub_chunk"), (False, 0, "sub_chunk"),
+                                                                (True, 1, "sub_chunk"), (True, 1, "chunk")])
+def test_rwkv7_chunk_paths(wide_kernel, wide_chunk, wide_grid):
     """Chunks take different paths in one call: the log decays of chunk ``wide_chunk``'s 64 tokens
     x8 (its gates span SAFE_SPAN or more: sub-chunk by sub-chunk, in the forward's own kernel or
     inside the main one), the rest x1 (the whole chunk factored through its gates' midpoint); T =
     150 leaves a short last chunk; two heads, varlen. The backward keeps the dA's of wide chunks
     only, in slots: a wide chunk after a narrow one (in the packed batch, the second sequence's
-    first chunk) has another slot than its chunk index."""
-    launch = DplrLaunch(wide_kernel=wide_kernel)
+    first chunk) has another slot than its chunk index. ``wide_grid`` "chunk": the wide kernel's
+    programs one a chunk."""
+    launch = DplrLaunch(wide_kernel=wide_kernel, wide_grid=wide_grid)
     gen = generator()
     t = torch.arange(150)
     x = _inputs("rwkv7", 150, H=2, gen=gen, w_scale=torch.where(t // 64 == wide_chunk, 8.0, 1.0))
