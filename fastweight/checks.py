@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import threading
 import weakref
 from contextlib import contextmanager
 
@@ -146,38 +147,51 @@ def _read(t: torch.Tensor) -> list:
     return t.tolist()
 
 
+def _version(t: torch.Tensor):
+    """``t._version``; None for an inference tensor, which keeps no version counter."""
+    return None if t.is_inference() else t._version
+
+
 def provide_host_bounds(cu_seqlens: torch.Tensor, values: list):
     """The caller's host copy of ``cu_seqlens`` (fla's ``cu_seqlens_cpu``), used by the next
     :func:`host_bounds` reads of the same call instead of a device read."""
     global _LAST_READ
-    _LAST_READ = (weakref.ref(cu_seqlens), cu_seqlens._version, list(values), True)
+    _LAST_READ = (weakref.ref(cu_seqlens), _version(cu_seqlens), list(values), True)
 
 
 def _cacheable(t: torch.Tensor) -> bool:
     """Host copies of a device tensor are kept across calls (:func:`host_bounds`); a CPU tensor is
-    read every time (no sync, and NumPy can write it behind ``_version``'s back)."""
-    return t.device.type != "cpu"
+    read every time (no sync, and NumPy can write it behind ``_version``'s back), and so is an
+    inference tensor (no version counter)."""
+    return t.device.type != "cpu" and not t.is_inference()
 
 
 _HOST_CACHE: dict = {}   # id -> (weakref, _version, values): device cu_seqlens read by earlier calls
-_HOST_CACHE_SIZE = 16
+_CACHE_SIZE = 16
+_CACHE_LOCK = threading.Lock()   # autograd's device threads and multi-threaded callers share the caches
 
 
 def cached_for(t: torch.Tensor, cache: dict):
-    """The entry ``cache`` holds for ``t`` (same object, same ``_version``), else None."""
-    hit = cache.get(id(t))
-    if hit is not None and hit[0]() is t and hit[1] == t._version:
+    """The entry ``cache`` holds for ``t`` (same object, same ``_version``), else None; a hit moves
+    to the back (the least recently used entry goes first)."""
+    with _CACHE_LOCK:
+        hit = cache.pop(id(t), None)
+        if hit is None or hit[0]() is not t or hit[1] != t._version:
+            return None
+        cache[id(t)] = hit
         return hit[2]
-    return None
 
 
-def cache_for(t: torch.Tensor, cache: dict, value, size: int = _HOST_CACHE_SIZE):
-    """Keep ``value`` for ``t`` (by identity and ``_version``); dead or oldest entries go first."""
-    for key in [key for key, (ref, _, _) in cache.items() if ref() is None]:
-        del cache[key]
-    while len(cache) >= size:
-        del cache[next(iter(cache))]
-    cache[id(t)] = (weakref.ref(t), t._version, value)
+def cache_for(t: torch.Tensor, cache: dict, value, size: int = _CACHE_SIZE):
+    """Keep ``value`` for ``t`` (by identity and ``_version``); dead or least recently used entries
+    go first."""
+    with _CACHE_LOCK:
+        for key in [key for key, (ref, _, _) in cache.items() if ref() is None]:
+            cache.pop(key, None)
+        cache.pop(id(t), None)
+        while len(cache) >= size:
+            cache.pop(next(iter(cache)))
+        cache[id(t)] = (weakref.ref(t), t._version, value)
     return value
 
 
@@ -192,23 +206,27 @@ def host_bounds(cu_seqlens: torch.Tensor, fresh: bool = False) -> list:
     (:func:`provide_host_bounds`) count as fresh. A device tensor's values are also kept across
     calls while it lives unchanged (identity and ``_version``, as fla's cache of its chunk
     indices): the layers of a model, which share one ``cu_seqlens``, sync once per step, not once
-    a layer (a device tensor written in place outside torch, through DLPack say, is not seen:
-    pass a new tensor then)."""
+    a layer. A write torch's version counter does not see (through ``.data``, DLPack, another
+    process) is not seen here either: pass a new tensor then. The kernels never read the caller's
+    tensor itself (``kernels.common.prepare_chunks`` copies the checked values to the device), so
+    such a write leaves a result computed on the earlier bounds, never a read out of bounds. Values
+    a caller provides for a device tensor are kept the same way (they were checked)."""
     global _LAST_READ
     if _compiling():
         return _read(cu_seqlens)
     ref, version, values, provided = _LAST_READ
     _LAST_READ = (None, -1, None, False)
-    same = ref is not None and ref() is cu_seqlens and version == cu_seqlens._version
+    same = ref is not None and ref() is cu_seqlens and version == _version(cu_seqlens)
     if not same or (fresh and not provided):
         values = cached_for(cu_seqlens, _HOST_CACHE) if _cacheable(cu_seqlens) else None
         if values is None:
-            values = _read(cu_seqlens)
+            values = tuple(_read(cu_seqlens))
+    values = tuple(values)
     if _cacheable(cu_seqlens):
         cache_for(cu_seqlens, _HOST_CACHE, values)
     if fresh:
-        _LAST_READ = (weakref.ref(cu_seqlens), cu_seqlens._version, values, False)
-    return values
+        _LAST_READ = (weakref.ref(cu_seqlens), _version(cu_seqlens), values, False)
+    return list(values)
 
 
 def check_cu_seqlens(cu_seqlens, batch: int, T: int):

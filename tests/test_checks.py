@@ -314,18 +314,28 @@ def test_varlen_call_reads_cu_seqlens_once(monkeypatch, backend):
     assert rel_err(o2, ref) < 1e-5 and rel_err(o, ref) > 1e-3
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_device_cu_seqlens_read_once_while_unchanged(monkeypatch, backend):
-    """A device cu_seqlens (here a CPU tensor treated as one) is copied to the host by its first
-    call only, while the same tensor comes back unchanged (a model's layers: one sync a step);
-    an in-place write (``_version``) or a new tensor reads again, and the result follows it."""
+@pytest.fixture
+def device_like_cpu(monkeypatch):
+    """CPU tensors treated as device tensors by the cu_seqlens caches, which start empty."""
     import fastweight.kernels.common as common
-    monkeypatch.setattr(checks, "_cacheable", lambda t: True)
-    monkeypatch.setattr(common, "_cacheable", lambda t: True)
-    x = inputs("gated_deltanet", B=1, T=10)
+    monkeypatch.setattr(checks, "_cacheable", lambda t: not t.is_inference())
+    monkeypatch.setattr(common, "_cacheable", lambda t: not t.is_inference())
+    monkeypatch.setattr(checks, "_HOST_CACHE", {})
+    monkeypatch.setattr(common, "_CHUNKS_CACHE", {})
     reads = []
     monkeypatch.setattr(checks, "_read", lambda t: reads.append(t) or t.tolist())
-    cu = torch.tensor([0, 4, 10])
+    return reads
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_device_cu_seqlens_read_once_while_unchanged(device_like_cpu, backend, dtype):
+    """A device cu_seqlens is copied to the host by its first call only, while the same tensor
+    comes back unchanged (a model's layers: one sync a step); an in-place write (``_version``) or
+    a new tensor reads again, and the result follows it."""
+    reads = device_like_cpu
+    x = inputs("gated_deltanet", B=1, T=10)
+    cu = torch.tensor([0, 4, 10], dtype=dtype)
     o, _ = ops.chunk_gated_delta_rule(**x, cu_seqlens=cu, backend=backend)
     o1, _ = ops.chunk_gated_delta_rule(**x, cu_seqlens=cu, backend=backend)
     assert len(reads) == 1 and rel_err(o1, o) == 0
@@ -337,6 +347,57 @@ def test_device_cu_seqlens_read_once_while_unchanged(monkeypatch, backend):
     with raises(ValueError, "cu_seqlens"):
         ops.chunk_gated_delta_rule(**x, cu_seqlens=torch.tensor([0, 7, 9]), backend=backend)
     assert len(reads) == 4     # the new tensor above and the bad one, each read once
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_unseen_write_keeps_the_checked_bounds(device_like_cpu, backend):
+    """A write torch's version counter does not see (``.data``) is not seen by the cache: the call
+    runs on the bounds checked before, all of them (the kernels read the checked copy, not the
+    caller's tensor), never on a mix that would index out of bounds."""
+    x = inputs("gated_deltanet", B=1, T=130)
+    cu = torch.tensor([0, 130, 130])
+    o, _ = ops.chunk_gated_delta_rule(**x, cu_seqlens=cu, backend=backend)
+    cu.data[1] = 65
+    o2, _ = ops.chunk_gated_delta_rule(**x, cu_seqlens=cu, backend=backend)
+    assert torch.isfinite(o2).all() and rel_err(o2, o) == 0
+
+
+def test_inference_mode_cu_seqlens():
+    """A cu_seqlens made under torch.inference_mode (no version counter) is read every call."""
+    x = inputs("gated_deltanet", B=1, T=10)
+    with torch.inference_mode():
+        cu = torch.tensor([0, 4, 10])
+    o, _ = ops.chunk_gated_delta_rule(**x, cu_seqlens=cu, backend="torch")
+    ref, _ = ops.chunk_gated_delta_rule(**x, cu_seqlens=torch.tensor([0, 4, 10]), backend="reference")
+    assert rel_err(o, ref) < 1e-5
+
+
+def test_cu_seqlens_cache_threads():
+    """The caches take concurrent readers and writers (autograd's device threads, threaded callers)."""
+    import sys
+    import threading
+    cache, errors = {}, []
+    tensors = [torch.tensor([0, i]) for i in range(64)]
+
+    def work():
+        try:
+            for _ in range(200):
+                for t in tensors:
+                    if checks.cached_for(t, cache) is None:
+                        checks.cache_for(t, cache, t.tolist())
+        except Exception as e:  # noqa: BLE001 - any failure of a thread is the finding
+            errors.append(e)
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(before)
+    assert errors == [] and len(cache) <= checks._CACHE_SIZE
 
 
 def test_cu_seqlens_on_meta():

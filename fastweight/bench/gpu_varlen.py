@@ -4,10 +4,11 @@
         [--short 8,2048,16,64] [--seed 0]
 
 For each op: the uniform batch (B, T, H, K=V) and one packed batch of the same B*T tokens in
-sequences of mixed lengths (the same ``cu_seqlens`` tensor every call, as a model's layers pass
-it, whose host copy is kept; and a new one every call, which syncs each time) (``mixed_lengths``: log-uniform in [16, 2T], one of them a single token),
-both through ``fastweight.ops.chunk_<op>`` with its defaults (value checks on, the Triton backend a
-CUDA tensor gets), bf16; then the same op at the short shape. Median ms of forward and
+sequences of mixed lengths (``mixed_lengths``: log-uniform in [16, 2T], one of them a single
+token), passed as the same ``cu_seqlens`` tensor every call (a model's layers: its host copy is
+kept) and as a new one every call (a sync each time), all through ``fastweight.ops.chunk_<op>``
+with its defaults (value checks in their default mode, the Triton backend a CUDA tensor gets),
+bf16; then the same op at the short shape. Median ms of forward and
 forward+backward (``triton.testing.do_bench``), the ratio varlen / uniform (target: within 1.10x),
 and at the short shape fla 0.6.0's anchor where ``../shared/anchors`` has one. Writes
 $OUT/gpu_varlen.json when OUT is set.

@@ -15,6 +15,7 @@ adds its whole chain to the pass: a packed batch took twice the uniform batch's 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -95,10 +96,12 @@ _CHUNKS_CACHE: dict = {}   # id(cu_seqlens) -> (weakref, _version, {(BT, device)
 
 def prepare_chunks(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, device) -> Chunks:
     """Chunk indices on ``device``; with ``cu_seqlens`` the lengths are read on the host once per
-    call (the copy the input check made, ``checks.host_bounds``). For a device ``cu_seqlens`` the
-    result is kept while the same tensor comes back unchanged (identity and ``_version``, as the
-    host copy): building it copies three small tensors to the device, and a copy from pageable
-    host memory waits for the stream, so a model's layers would each stall the launch queue."""
+    call (the copy the input check made, ``checks.host_bounds``) and the bookkeeping (the checked
+    bounds themselves, chunk offsets, order, indices) goes to the device in one copy: the kernels
+    never read the caller's tensor, so a write to it that the checks could not see changes no
+    index under them. For a device ``cu_seqlens`` the result is kept while the same tensor comes
+    back unchanged (identity and ``_version``, as the host copy): a copy from pageable host memory
+    waits for the stream, and a model's layers would each stall the launch queue."""
     if cu_seqlens is None:
         return _uniform_chunks(B, T, BT, torch.device(device))
     key = (BT, str(torch.device(device)))
@@ -106,15 +109,16 @@ def prepare_chunks(cu_seqlens: torch.Tensor | None, B: int, T: int, BT: int, dev
     if kept is not None and key in kept:
         host_bounds(cu_seqlens)   # the call's check left its copy in the one-slot cache: take it
         return kept[key]
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
     bounds = host_bounds(cu_seqlens)
     lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     counts = [triton.cdiv(L, BT) for L in lens]
-    pairs = [(n, i) for n, c in enumerate(counts) for i in range(c)]
-    indices = torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2).to(device)
-    offsets = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0).to(device)
-    order = torch.tensor(sorted(range(len(lens)), key=lambda n: -lens[n]), dtype=torch.int32).to(device)
-    chunks = Chunks(cu, indices, offsets, len(lens), len(pairs), BT, order)
+    N, NC = len(lens), sum(counts)
+    order = sorted(range(N), key=lambda n: -lens[n])
+    pairs = [x for n, c in enumerate(counts) for i in range(c) for x in (n, i)]
+    host = torch.tensor([*bounds, 0, *itertools.accumulate(counts), *order, *pairs], dtype=torch.int64)
+    dev = host.to(device)
+    chunks = Chunks(dev[:N + 1], dev[3 * N + 2:].view(NC, 2).to(torch.int32), dev[N + 1:2 * N + 2], N, NC, BT,
+                    dev[2 * N + 2:3 * N + 2].to(torch.int32))
     if _cacheable(cu_seqlens):
         cache_for(cu_seqlens, _CHUNKS_CACHE, {**(kept or {}), key: chunks})
     return chunks

@@ -20,7 +20,7 @@ Backward: the forward's intra-chunk matrices, T, W, U~, the chunk states and the
 kept (``DplrLaunch.recompute`` False, the default) or recomputed (steps 1-3 again, True: fla's
 choice, less memory); the gates' cumsum is always recomputed. Kept, they cost per token
 and head 2 x 64 fp32 (A_ak, T) + 2 x 64 + K + 2 V + K V / 64 in the input dtype (A_qk, A_qb, W,
-U~, U, h): 1.25 KB at K = V = 64, 2.05 KB at K = V = 128 in bf16, against 0.9 / 1.8 KB for the inputs
+U~, U, h): 1.25 KiB at K = V = 64, 2.0 KiB at K = V = 128 in bf16, against 0.9 / 1.8 KiB for the inputs
 the op keeps anyway. The state gradient runs the loop in reverse (with the reads' gradient dU),
 then one program per chunk (``dplr_bwd.py``) forms dV and the four matrices' gradients
 (``dplr_wy.local_grads``) and takes them to q, k, a, b and the per-token gate terms

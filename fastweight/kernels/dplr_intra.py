@@ -434,8 +434,9 @@ def dplr_intra_fwd(q, k, a, b, gk, scale: float, chunks: Chunks, *, span: float 
                    wide_kernel: bool = True, config: tuple[int, tuple[int, int]] | None = None,
                    wide_grid: str = "sub_chunk"):
     """A_qk, A_qb (scale folded in) [1, T, H, BT] in q's dtype, A_ak, A_ab fp32 (the solve and the
-    reads need them exact; the output and dV multiply A_qk, A_qb in the input dtype anyway, and
-    these two are half of what the forward writes per token), row t holding its chunk's row; only
+    reads need them exact; the output multiplies A_qk, A_qb in the input dtype anyway, dV = A_qk^T
+    dO now sees A_qk rounded to it, as fla's, and these two are half of what the forward writes per
+    token), row t holding its chunk's row; only
     the (strict) lower triangle is written. A chunk whose gates span less than ``span`` is
     factored whole; a wider one goes sub-chunk by sub-chunk, in ``dplr_intra_wide_kernel``
     (``wide_kernel``; one program per sub-chunk, or per chunk with ``wide_grid`` "chunk") or inside

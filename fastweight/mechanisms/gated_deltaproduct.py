@@ -126,9 +126,19 @@ def _substep_seqlens(cu_seqlens, n: int):
     """Token offsets -> substep offsets (times n), their host copy handed on (no second device read)."""
     if cu_seqlens is None or n == 1:
         return cu_seqlens
-    cu = cu_seqlens * n
+    # one derived tensor per source (``checks.cached_for``), so its host copy and chunk bookkeeping
+    # are kept across calls as the source's are
+    derived = checks.cached_for(cu_seqlens, _SUBSTEP_CACHE) if checks._cacheable(cu_seqlens) else None
+    cu = (derived or {}).get(n)
+    if cu is None:
+        cu = cu_seqlens * n
+        if checks._cacheable(cu_seqlens):
+            checks.cache_for(cu_seqlens, _SUBSTEP_CACHE, {**(derived or {}), n: cu})
     checks.provide_host_bounds(cu, [b * n for b in checks.host_bounds(cu_seqlens)])
     return cu
+
+
+_SUBSTEP_CACHE: dict = {}   # a device cu_seqlens -> {n: its substep offsets}
 
 
 def _reference(q, k, v, g, beta, num_householder=None, *, scale, initial_state=None, output_final_state=False,
