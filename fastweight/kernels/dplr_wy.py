@@ -185,7 +185,8 @@ def dplr_wy_fwd(a, v, gp, Ai, Aak, chunks: Chunks):
     BK, BV = _blocks(K, V)
     w = torch.empty_like(a)
     ut = torch.empty(1, T, H, V, dtype=a.dtype, device=a.device)
+    # 4 warps: 0.16 ms faster than 8 (H200 sweep)
     dplr_wy_fwd_kernel[(chunks.NC, H)](a, v, gp, Ai, Aak, w, ut, chunks.cu_seqlens, chunks.chunk_indices, H=H, K=K,
                                        V=V, BT=chunks.BT, BK=BK, BV=BV, DOT_PRECISION=dot_precision(a.dtype),
-                                       UT_PRECISION=diag_precision(a.dtype), num_warps=4, num_stages=1)  # 4 warps: 0.16 ms faster than 8 (H200 sweep)
+                                       UT_PRECISION=diag_precision(a.dtype), num_warps=4, num_stages=1)
     return w, ut

@@ -372,8 +372,9 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     initial_state: [N, H, K, V]; ``prescaled`` (delta, per-channel g): k and q are the gated rows
     kd, qg [1, T, H, K] of ``wy.recompute_w_u``. ``Ai`` [1, T, H, BT] and ``beta`` [1, T, H] (delta,
     scalar or no gate) in place of w and u: the read is formed from v, R = Ai Diag(beta) (V -
-    Diag(gamma) K S) (one [BT, BT] product more a chunk; W and U are not formed). Returns (h [NC, H, K, V] in ``state_dtype`` (default k's) or None,
-    R [1, T, H, V] in v's dtype or None, o [1, T, H, V] in v's dtype or None, final state fp32 or None)."""
+    Diag(gamma) K S) (one [BT, BT] product more a chunk; W and U are not formed). Returns (h [NC,
+    H, K, V] in ``state_dtype`` (default k's) or None, R [1, T, H, V] in v's dtype or None, o [1,
+    T, H, V] in v's dtype or None, final state fp32 or None)."""
     _, T, HK, K = k.shape
     H, V = v.shape[2], v.shape[-1]
     BK, BV, warps, stages = launch_config(transition, K, V, k.element_size(), per_channel=_gate_kind(g) == 2,
