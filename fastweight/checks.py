@@ -217,12 +217,13 @@ def host_bounds(cu_seqlens: torch.Tensor, fresh: bool = False) -> list:
     ref, version, values, provided = _LAST_READ
     _LAST_READ = (None, -1, None, False)
     same = ref is not None and ref() is cu_seqlens and version == _version(cu_seqlens)
+    kept = None
     if not same or (fresh and not provided):
-        values = cached_for(cu_seqlens, _HOST_CACHE) if _cacheable(cu_seqlens) else None
+        kept = values = cached_for(cu_seqlens, _HOST_CACHE) if _cacheable(cu_seqlens) else None
         if values is None:
-            values = tuple(_read(cu_seqlens))
+            values = _read(cu_seqlens)
     values = tuple(values)
-    if _cacheable(cu_seqlens):
+    if kept is None and _cacheable(cu_seqlens):   # a hit is already in the cache, at its back
         cache_for(cu_seqlens, _HOST_CACHE, values)
     if fresh:
         _LAST_READ = (weakref.ref(cu_seqlens), _version(cu_seqlens), values, False)
