@@ -123,8 +123,9 @@ def check(op, dtype, T=200, H=3, K=64, cu_seqlens=None, V=None, B=2, strong=Fals
 
 
 def profile(op, shape, label, launch):
-    """Per-kernel CUDA time (ms) of one forward+backward, after a warm-up call, of the kernels'
-    entry ``fastweight.kernels.chunk_<op>`` with ``launch`` (at the ops' default scale)."""
+    """Per-kernel CUDA time (ms) and peak memory (GiB allocated, the inputs included) of one
+    forward+backward, after a warm-up call, of the kernels' entry ``fastweight.kernels.chunk_<op>``
+    with ``launch`` (at the ops' default scale)."""
     B, T, H, K = SHAPES[shape]
     x = inputs(op, B, T, H, K, torch.bfloat16)
     fn = functools.partial(getattr(kernels, f"chunk_{op}"), scale=1.0 if op == "rwkv7" else K ** -0.5,
@@ -136,9 +137,13 @@ def profile(op, shape, label, launch):
         out.backward(torch.ones_like(out))
     run()
     torch.cuda.synchronize()
+    for t in leaves.values():
+        t.grad = None
+    torch.cuda.reset_peak_memory_stats()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 2 ** 30
     per = {}
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
@@ -146,9 +151,9 @@ def profile(op, shape, label, launch):
             per[e.key] = per.get(e.key, 0.0) + t / 1000.0
     total = sum(per.values())
     top = sorted(per.items(), key=lambda kv: -kv[1])[:12]
-    row = dict(kind="variant", op=op, shape=shape, variant=label, kernel_ms=total, top=top)
+    row = dict(kind="variant", op=op, shape=shape, variant=label, kernel_ms=total, peak_gib=peak, top=top)
     record(row)
-    print(f"variant {op} {shape} [{label}]: kernels {total:.3f} ms | " +
+    print(f"variant {op} {shape} [{label}]: kernels {total:.3f} ms, peak {peak:.2f} GiB | " +
           ", ".join(f"{n[:28]} {t:.3f}" for n, t in top), flush=True)
     torch.cuda.empty_cache()
 
@@ -156,13 +161,16 @@ def profile(op, shape, label, launch):
 def variants():
     """Per-kernel time of: GLA's diagonal sub-chunks factored (default) vs token at a time
     (span 0, the path of strong gates); RWKV-7 keeping its intermediates (default) vs
-    recomputing them in the backward; RWKV-7 at the paper's shape (where its forward goes), and with
-    the wide-chunk kernel's programs one a chunk (``DplrLaunch.wide_grid``)."""
+    recomputing them in the backward; RWKV-7 at the paper's shape (where its forward goes), with
+    the wide-chunk kernel's programs one a chunk (``DplrLaunch.wide_grid``), and with the fused
+    backward's programs one a chunk (``DplrLaunch.bwd_programs=0``: its scratch as large as the
+    input, as before it took the chunks in turn)."""
     cases = [("gla", "rwkv7paper", "factored", DecayLaunch()),
              ("gla", "rwkv7paper", "token at a time", DecayLaunch(span=0.0)),
              ("rwkv7", "gdn1.3b", "kept", DplrLaunch()), ("rwkv7", "gdn1.3b", "recomputed", DplrLaunch(recompute=True)),
              ("rwkv7", "rwkv7paper", "kept", DplrLaunch()),
-             ("rwkv7", "rwkv7paper", "wide kernel by chunk", DplrLaunch(wide_grid="chunk"))]
+             ("rwkv7", "rwkv7paper", "wide kernel by chunk", DplrLaunch(wide_grid="chunk")),
+             ("rwkv7", "rwkv7paper", "backward one program a chunk", DplrLaunch(bwd_programs=0))]
     for op, shape, label, launch in cases:
         try:
             profile(op, shape, label, launch)

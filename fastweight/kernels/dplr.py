@@ -22,10 +22,11 @@ choice, less memory); the gates' cumsum is always recomputed. Kept, they cost pe
 and head 2 x 64 fp32 (A_ak, T) + 2 x 64 + K + 2 V + K V / 64 in the input dtype (A_qk, A_qb, W,
 U~, U, h): 1.25 KiB at K = V = 64, 2.0 KiB at K = V = 128 in bf16, against 0.9 / 1.8 KiB for the inputs
 the op keeps anyway. The state gradient runs the loop in reverse (with the reads' gradient dU),
-then one program per chunk (``dplr_bwd.py``) forms dV and the four matrices' gradients
-(``dplr_wy.local_grads``) and takes them to q, k, a, b and the per-token gate terms
-(``dplr_intra.py``), which a last pass sums into dgk chunk by chunk, in a form that does not
-cancel under strong decay (``dplr_bwd.py``; no sequence-wide sum, no final-state carry).
+then a program per (chunk, head) (``dplr_bwd.py``; a fixed number of programs taking the chunks in
+turn) forms dV and the four matrices' gradients (``dplr_wy.local_grads``), takes them to q, k,
+a, b and the per-token gate terms (``dplr_intra.py``) and sums those into the gate gradient
+inside the chunk, in a form that does not cancel under strong decay (no sequence-wide sum, no
+final-state carry).
 
 Every exponential has an argument <= 0, except in the chunks (and diagonal sub-chunks) whose
 gates span less than ``common.SAFE_SPAN`` (there, within +-SAFE_SPAN / 2); no gate is clamped.
@@ -42,7 +43,7 @@ import torch
 from fastweight.kernels.common import SAFE_SPAN, Chunks, prepare_chunks
 from fastweight.kernels.cumsum import chunk_cumsum
 from fastweight.kernels.decay_output import output_fwd
-from fastweight.kernels.dplr_bwd import dplr_bwd, dplr_gate_bwd
+from fastweight.kernels.dplr_bwd import dplr_bwd
 from fastweight.kernels.dplr_intra import dplr_intra_fwd
 from fastweight.kernels.state import state_bwd, state_fwd
 from fastweight.kernels.dplr_wy import dplr_wy_fwd
@@ -60,6 +61,7 @@ class DplrLaunch:
     (False: in the main one), one program per sub-chunk (``wide_grid`` "sub_chunk") or per chunk
     ("chunk"). ``intra_config`` (BK, (num_warps, num_stages)) of the intra forward,
     ``bwd_blocks`` (BK, BV) and ``bwd_config`` (num_warps, num_stages) of the fused backward,
+    ``bwd_programs`` its programs a head (0: one a chunk, the scratch as large as the input),
     ``state_block_v`` the state passes' V block: None is each launcher's own choice by shape."""
     recompute: bool = False
     span: float = SAFE_SPAN
@@ -68,6 +70,7 @@ class DplrLaunch:
     intra_config: tuple[int, tuple[int, int]] | None = None
     bwd_blocks: tuple[int, int] | None = None
     bwd_config: tuple[int, int] | None = None
+    bwd_programs: int | None = None
     state_block_v: int | None = None
 
 
@@ -114,13 +117,10 @@ class ChunkDplrFunction(torch.autograd.Function):
         dh, du, dh0 = state_bwd("dplr", q, do, chunks, g=gc, w=w, b=b, A=Aqb, scale=scale, dht=dht,
                                 need_dh0=initial_state is not None, state_dtype=torch.float32,
                                 dr_dtype=torch.float32, block_v=launch.state_block_v)
-        dq, dk, dv, da, db, terms = dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
-                                             scale, chunks, span=launch.span, blocks=launch.bwd_blocks,
-                                             config=launch.bwd_config)
-        # the gate stage is where the backward's memory peaks: what it does not read goes first
-        # (saved tensors stay with autograd; recomputed ones and the state pass's dU are ours)
-        del gp, du, Aqk, Aqb, Aak, Ai, w, ut, u, do
-        dg = dplr_gate_bwd(gc, h, dh, terms, chunks, gk.dtype)
+        del Aqb  # the state pass's only (recomputed: ours to free before the backward's peak)
+        dq, dk, dv, da, db, dg = dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale,
+                                          chunks, gk.dtype, span=launch.span, blocks=launch.bwd_blocks,
+                                          config=launch.bwd_config, programs=launch.bwd_programs)
         if dh0 is not None:
             dh0 = dh0.to(initial_state.dtype)
         return dq, dk, dv, da, db, dg, dh0, None, None, None, None

@@ -156,6 +156,19 @@ def test_rwkv7_chunk_paths(wide_kernel, wide_chunk, wide_grid):
     _check("rwkv7", x, cu_seqlens=torch.tensor([0, 70, 150]), gen=gen, launch=launch)
 
 
+@pytest.mark.parametrize("programs", [1, 2, 0])
+def test_dplr_bwd_programs(programs):
+    """The backward's programs take the chunks in turn, each with its own scratch rows: one or
+    two programs a head for five chunks (a program meets narrow and wide chunks, whole and short
+    ones, of different sequences, one after the other), and 0 (one a chunk). Varlen with an empty
+    sequence, a wide chunk (log decays x8) between narrow ones, two heads."""
+    gen = generator()
+    t = torch.arange(250)
+    x = _inputs("rwkv7", 250, H=2, gen=gen, w_scale=torch.where((t >= 64) & (t < 128), 8.0, 1.0))
+    cu = torch.tensor([0, 64, 64, 180, 250])
+    _check("rwkv7", x, cu_seqlens=cu, gen=gen, launch=DplrLaunch(bwd_programs=programs))
+
+
 def test_rwkv7_intra_whole_k_block():
     """bf16's intra launch at K = 64 (all of K in one block, ``dplr_intra.fwd_launch_config``), run
     here in fp32 with the sub-chunk path inside the main kernel: a wide first chunk, factored ones
