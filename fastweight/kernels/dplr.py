@@ -22,8 +22,8 @@ choice, less memory); the gates' cumsum is always recomputed. Kept, they cost pe
 and head 2 x 64 fp32 (A_ak, T) + 2 x 64 + K + 2 V + K V / 64 in the input dtype (A_qk, A_qb, W,
 U~, U, h): 1.25 KiB at K = V = 64, 2.0 KiB at K = V = 128 in bf16, against 0.9 / 1.8 KiB for the inputs
 the op keeps anyway. The state gradient runs the loop in reverse (with the reads' gradient dU),
-then a program per (chunk, head) (``dplr_bwd.py``; a fixed number of programs taking the chunks in
-turn) forms dV and the four matrices' gradients (``dplr_wy.local_grads``), takes them to q, k,
+then a program per (chunk, head) (``dplr_bwd.py``; the chunks in launches whose scratch is
+bounded) forms dV and the four matrices' gradients (``dplr_wy.local_grads``), takes them to q, k,
 a, b and the per-token gate terms (``dplr_intra.py``) and sums those into the gate gradient
 inside the chunk, in a form that does not cancel under strong decay (no sequence-wide sum, no
 final-state carry).
@@ -61,7 +61,7 @@ class DplrLaunch:
     (False: in the main one), one program per sub-chunk (``wide_grid`` "sub_chunk") or per chunk
     ("chunk"). ``intra_config`` (BK, (num_warps, num_stages)) of the intra forward,
     ``bwd_blocks`` (BK, BV) and ``bwd_config`` (num_warps, num_stages) of the fused backward,
-    ``bwd_programs`` its programs a head (0: one a chunk, the scratch as large as the input),
+    ``bwd_programs`` its chunks a launch (0: all in one, the scratch as large as the input),
     ``state_block_v`` the state passes' V block: None is each launcher's own choice by shape."""
     recompute: bool = False
     span: float = SAFE_SPAN

@@ -34,10 +34,12 @@ the same in exact arithmetic, but cancels those pairs and the state terms agains
 
 The scratch written in 1 is read back in 2 by other threads of the same program, after a barrier;
 3 stores the gate terms over it (read first, then overwritten after a barrier), and 4 sums them
-after another. Nothing of it outlives the chunk, so a fixed number of programs a head take the
-chunks in turn, each with its own scratch rows: 4 x 8 SMs x BT x K fp32 in all (~70 MB on the
-H200 at K = 64, whatever T), where one program a chunk needs 4 x T x H x K (16 B a token and key
-channel: 8.6 GB at B 8, T 16384, H 64, K 64).
+after another. Nothing of it outlives the chunk, so the chunks go in launches of P (one after
+the other on the stream), each program with its own scratch rows: 4 x P x BT x H x K fp32 (at
+most ``SCRATCH_BYTES``), where one launch of all needs 4 x T x H x K (16 B a token and key
+channel: 8.6 GB at B 8, T 16384, H 64, K 64). A loop over chunks inside the kernel would do the
+same in one launch, but costs register spill (sm_90, bf16: 2.8 -> 3.9 KB a thread at K = 64,
+1.5 -> 3.8 KB at K = 128).
 Shapes as in ``dplr.py``: q, k, a, b, gc, gp [1, T, H, K]; v, U, dU, dO [1, T, H, V]; A's [1, T, H, BT];
 h, dh [NC, H, K, V].
 """
@@ -90,82 +92,84 @@ def gate_sum(gc, h, dh, dgk, dga, dgs, dg, i_t, i_c, bos, T, i_h, o_k, m_k, H: t
 
 @triton.jit
 def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, dAqk, dAqb, dAak, dAab,
-                    pairs, dq_s, dk_s, da_s, db_s, dq, dk, dv, da, db, dg, cu_seqlens, chunk_indices, scale, NC,
+                    pairs, dq_s, dk_s, da_s, db_s, dq, dk, dv, da, db, dg, cu_seqlens, chunk_indices, scale, t0,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr,
                     SPAN: tl.constexpr):
-    """Program (p, head) takes chunks p, p + P, ... (P programs a head) in turn, its scratch rows
-    ``p * BT ...`` of the [P * BT, H, K] fp32 buffers dq_s, dk_s, da_s, db_s, so the scratch is
-    sized by the programs, not by T. DOT_PRECISION serves the local part and the whole-chunk path
-    (its [BT, BT] fp32 operands: 3 x TF32 there would need more shared memory than the H200 has),
-    DIAG_PRECISION the diagonal sub-chunks of the sub-chunk path and the local part's dots with dh
-    (``local_grads``). ``wide`` [NC, H]: the forward's branch (``dplr_intra_fwd``); ``slots`` [NC]: a
-    wide chunk's place in the dA buffers, [slots, BT, H, BT] (only wide chunks have one)."""
-    i_p, i_h = tl.program_id(0), tl.program_id(1)
-    # a while loop: the interpreter cannot range() from a program id
-    i_t = i_p.to(tl.int64)
-    while i_t < NC:
-        i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
-        o_t = i_c * BT + tl.arange(0, BT)
-        m_t = o_t < T
-        # the program's scratch rows, addressed as the chunk's rows of a [T, H, K] buffer (every
-        # scratch index below is unchanged); the gate terms go over three of them
-        rebase = (i_p.to(tl.int64) * BT - bos - i_c * BT) * H * K
-        dq_c, dk_c, da_c, db_c = dq_s + rebase, dk_s + rebase, da_s + rebase, db_s + rebase
-        b_dqk, b_dqb, b_dak, b_dab = local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq_c, dk_c,
-                                                 da_c, db_c, pairs, i_t, i_c, bos, T, i_h, scale, H, K, V, BT, BK, BV,
-                                                 DOT_PRECISION, DIAG_PRECISION)
+    """Program (p, head) takes chunk t0 + p, its scratch the rows ``p * BT ...`` of the [P * BT, H, K]
+    fp32 buffers dq_s, dk_s, da_s, db_s (``dplr_bwd`` launches the chunks P at a time).
+    DOT_PRECISION serves the local part and the whole-chunk path (its [BT, BT] fp32 operands: 3 x
+    TF32 there would need more shared memory than the H200 has), DIAG_PRECISION the diagonal
+    sub-chunks of the sub-chunk path and the local part's dots with dh (``local_grads``). ``wide``
+    [NC, H]: the forward's branch (``dplr_intra_fwd``); ``slots`` [NC]: a wide chunk's place in the
+    dA buffers, [slots, BT, H, BT] (only wide chunks have one)."""
+    i_p, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i_t = t0 + i_p
+    i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    # the program's scratch rows, addressed as the chunk's rows of a [T, H, K] buffer (every
+    # scratch index below is unchanged); the gate terms go over three of them
+    rebase = (i_p * BT - bos - i_c * BT) * H * K
+    dq_c, dk_c, da_c, db_c = dq_s + rebase, dk_s + rebase, da_s + rebase, db_s + rebase
+    b_dqk, b_dqb, b_dak, b_dab = local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq_c, dk_c,
+                                             da_c, db_c, pairs, i_t, i_c, bos, T, i_h, scale, H, K, V, BT, BK, BV,
+                                             DOT_PRECISION, DIAG_PRECISION)
+    tl.debug_barrier()
+    if tl.load(wide + i_t * H + i_h) == 0:
+        for i_k in range(0, tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            m_tk = m_t[:, None] & m_k[None, :]
+            b_g = load_rows(gc, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+            b_gp = load_rows(gp, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+            _, b_ref = span_ref(b_gp, b_g, m_tk)
+            b_q = load_rows(q, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+            b_k = load_rows(k, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+            b_a = load_rows(a, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+            b_b = load_rows(b, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+            b_z = tl.zeros([BT, BK], dtype=tl.float32)
+            b_dq, b_dk, b_da, b_db = factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_z, b_z, b_z, b_z,
+                                                   b_dqk, b_dqb, b_dak, b_dab, m_tk, scale, DOT_PRECISION)
+            bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, k, a, b, pairs, bos, o_t, m_t, i_c * BT,
+                        tl.minimum(T, i_c * BT + BT), i_h, o_k, m_k, scale, H, K, dq_c, dk_c, da_c, db_c, dq, dk,
+                        da, db, dq_c, da_c, dk_c)
+    else:
+        # the chunk's dA slot, addressed as its rows of a [T, H, BT] buffer
+        rebase_A = (tl.load(slots + i_t).to(tl.int64) * BT - bos - i_c * BT) * H * BT
+        dAqk_c, dAqb_c, dAak_c, dAab_c = dAqk + rebase_A, dAqb + rebase_A, dAak + rebase_A, dAab + rebase_A
+        p_A = ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
+        tl.store(dAqk_c + p_A, b_dqk, mask=m_t[:, None])
+        tl.store(dAqb_c + p_A, b_dqb, mask=m_t[:, None])
+        tl.store(dAak_c + p_A, b_dak, mask=m_t[:, None])
+        tl.store(dAab_c + p_A, b_dab, mask=m_t[:, None])
         tl.debug_barrier()
-        if tl.load(wide + i_t * H + i_h) == 0:
-            for i_k in range(0, tl.cdiv(K, BK)):
-                o_k = i_k * BK + tl.arange(0, BK)
-                m_k = o_k < K
-                m_tk = m_t[:, None] & m_k[None, :]
-                b_g = load_rows(gc, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-                b_gp = load_rows(gp, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-                _, b_ref = span_ref(b_gp, b_g, m_tk)
-                b_q = load_rows(q, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-                b_k = load_rows(k, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-                b_a = load_rows(a, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-                b_b = load_rows(b, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-                b_z = tl.zeros([BT, BK], dtype=tl.float32)
-                b_dq, b_dk, b_da, b_db = factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_z, b_z, b_z, b_z,
-                                                       b_dqk, b_dqb, b_dak, b_dab, m_tk, scale, DOT_PRECISION)
-                bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, k, a, b, pairs, bos, o_t, m_t, i_c * BT,
-                            tl.minimum(T, i_c * BT + BT), i_h, o_k, m_k, scale, H, K, dq_c, dk_c, da_c, db_c, dq, dk,
-                            da, db, dq_c, da_c, dk_c)
-                tl.debug_barrier()
-                gate_sum(gc, h, dh, dq_c, da_c, dk_c, dg, i_t, i_c, bos, T, i_h, o_k, m_k, H, K, V, BT, BK, BV)
-        else:
-            # the chunk's dA slot, addressed as its rows of a [T, H, BT] buffer
-            rebase_A = (tl.load(slots + i_t).to(tl.int64) * BT - bos - i_c * BT) * H * BT
-            dAqk_c, dAqb_c, dAak_c, dAab_c = dAqk + rebase_A, dAqb + rebase_A, dAak + rebase_A, dAab + rebase_A
-            p_A = ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
-            tl.store(dAqk_c + p_A, b_dqk, mask=m_t[:, None])
-            tl.store(dAqb_c + p_A, b_dqb, mask=m_t[:, None])
-            tl.store(dAak_c + p_A, b_dak, mask=m_t[:, None])
-            tl.store(dAab_c + p_A, b_dab, mask=m_t[:, None])
-            tl.debug_barrier()
-            for i_k in range(0, tl.cdiv(K, BK)):
-                o_k = i_k * BK + tl.arange(0, BK)
-                m_k = o_k < K
-                for i_i in range(0, BT // BC):
-                    if i_c * BT + i_i * BC < T:
-                        bwd_sub(q, k, a, b, gc, gp, dAqk_c, dAqb_c, dAak_c, dAab_c, pairs, dq_c, dk_c, da_c, db_c, dq,
-                                 dk, da, db, dq_c, da_c, dk_c, scale, i_k, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
-                                 DOT_PRECISION, DIAG_PRECISION, SPAN)
-                tl.debug_barrier()
-                gate_sum(gc, h, dh, dq_c, da_c, dk_c, dg, i_t, i_c, bos, T, i_h, o_k, m_k, H, K, V, BT, BK, BV)
-        # the next chunk writes the same scratch rows
-        tl.debug_barrier()
-        i_t += tl.num_programs(0)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            for i_i in range(0, BT // BC):
+                if i_c * BT + i_i * BC < T:
+                    bwd_sub(q, k, a, b, gc, gp, dAqk_c, dAqb_c, dAak_c, dAab_c, pairs, dq_c, dk_c, da_c, db_c, dq,
+                             dk, da, db, dq_c, da_c, dk_c, scale, i_k, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
+                             DOT_PRECISION, DIAG_PRECISION, SPAN)
+    # after every K block, in blocks of 32 x 32: inside the loop above (the dA tiles live) or in the
+    # kernel's blocks it costs register spill (sm_90, bf16, K = 128: 2.2 KB a thread so, 2.7 KB
+    # inside the loop, 2.5 KB in 64 x 64 blocks)
+    tl.debug_barrier()
+    for i_k in range(0, tl.cdiv(K, 32)):
+        o_k = i_k * 32 + tl.arange(0, 32)
+        gate_sum(gc, h, dh, dq_c, da_c, dk_c, dg, i_t, i_c, bos, T, i_h, o_k, o_k < K, H, K, V, BT, 32, 32)
 
 
-def programs_per_head(NC: int, H: int, device: torch.device) -> int:
-    """P, the backward's programs a head: enough for ~8 per SM (several waves at one or two CTAs
-    an SM, the last wave's tail a small part), never more than the chunks."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(NC, triton.cdiv(8 * sms, H)))
+SCRATCH_BYTES = 512 * 2 ** 20
+
+
+def chunks_per_launch(NC: int, H: int, K: int, BT: int) -> int:
+    """P, the chunks of one launch of the backward: its scratch (4 x P x BT x H x K fp32) within
+    ``SCRATCH_BYTES``, so launches of >= ~30 programs an SM (the last wave's tail a small part of
+    each) and the memory no longer growing with T: 8.6 GB at one launch for B 8, T 16384, H 64,
+    K 64, 0.5 GiB in 16 launches."""
+    return max(1, min(NC, SCRATCH_BYTES // (16 * BT * H * K)))
 
 
 def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale: float, chunks: Chunks,
@@ -176,7 +180,8 @@ def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
     [BT, H, BT] slot per chunk with a wide head (RWKV-7's gates, >= -e^-0.5 a token, leave none; the
     count costs one device sync). ``span``: as in ``dplr_intra.dplr_intra_fwd``; ``blocks`` (BK, BV)
     and ``config`` (num_warps, num_stages) of dplr_bwd_kernel instead of ``launch_config(K)``'s;
-    ``programs`` a head instead of ``programs_per_head``'s (its scratch: 4 x programs x BT x H x K fp32)."""
+    ``programs``: the chunks of a launch instead of ``chunks_per_launch``'s (0: all in one launch; the
+    scratch is 4 x programs x BT x H x K fp32)."""
     _, T, H, K = q.shape
     V = v.shape[-1]
     default_blocks, default_config = launch_config(K)
@@ -184,21 +189,23 @@ def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
     BK, BV = min(BK, max(16, triton.next_power_of_2(K))), min(BV, max(16, triton.next_power_of_2(V)))
     warps, stages = config or default_config
     if programs is None:
-        programs = programs_per_head(chunks.NC, H, q.device)
+        programs = chunks_per_launch(chunks.NC, H, K, chunks.BT)
     P = chunks.NC if programs == 0 else min(programs, chunks.NC)
     dq, dk, dv, da, db = (torch.empty_like(x) for x in (q, k, v, a, b))
     dg = torch.empty(1, T, H, K, dtype=g_dtype, device=q.device)
     f32 = dict(dtype=torch.float32, device=q.device)
-    # the dA's are written only by chunks that take the sub-chunk path; the scratch by every program
+    # the dA's are written only by chunks that take the sub-chunk path; the scratch by every program,
+    # and the next launch (same stream: after this one ends) writes it again
     wide_chunk = wide.amax(1) > 0
     slots = (torch.cumsum(wide_chunk, 0, dtype=torch.int32) - 1)
     n_wide = int(wide_chunk.sum())
     dAs = [torch.empty(max(n_wide, 1) * chunks.BT, H, chunks.BT, **f32) for _ in range(4)]
     pairs = torch.empty(1, T, H, 4, **f32)
     scratch = [torch.empty(P * chunks.BT, H, K, **f32) for _ in range(4)]
-    dplr_bwd_kernel[(P, H)](
-        q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, *dAs, pairs, *scratch, dq, dk, dv,
-        da, db, dg, chunks.cu_seqlens, chunks.chunk_indices, scale, chunks.NC, H=H, K=K, V=V, BT=chunks.BT, BC=16,
-        BK=BK, BV=BV, DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=span,
-        num_warps=warps, num_stages=stages)
+    for t0 in range(0, chunks.NC, P):
+        dplr_bwd_kernel[(min(P, chunks.NC - t0), H)](
+            q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, *dAs, pairs, *scratch, dq, dk,
+            dv, da, db, dg, chunks.cu_seqlens, chunks.chunk_indices, scale, t0, H=H, K=K, V=V, BT=chunks.BT, BC=16,
+            BK=BK, BV=BV, DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=span,
+            num_warps=warps, num_stages=stages)
     return dq, dk, dv, da, db, dg

@@ -158,10 +158,10 @@ def test_rwkv7_chunk_paths(wide_kernel, wide_chunk, wide_grid):
 
 @pytest.mark.parametrize("programs", [1, 2, 0])
 def test_dplr_bwd_programs(programs):
-    """The backward's programs take the chunks in turn, each with its own scratch rows: one or
-    two programs a head for five chunks (a program meets narrow and wide chunks, whole and short
-    ones, of different sequences, one after the other), and 0 (one a chunk). Varlen with an empty
-    sequence, a wide chunk (log decays x8) between narrow ones, two heads."""
+    """The backward's chunks in launches of one or two (five chunks: a program's scratch rows meet
+    narrow and wide chunks, whole and short ones, of different sequences, one after the other),
+    and 0 (all in one launch). Varlen with an empty sequence, a wide chunk (log decays x8) between
+    narrow ones, two heads."""
     gen = generator()
     t = torch.arange(250)
     x = _inputs("rwkv7", 250, H=2, gen=gen, w_scale=torch.where((t >= 64) & (t < 128), 8.0, 1.0))
