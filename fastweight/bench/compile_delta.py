@@ -1,8 +1,11 @@
-"""Compile every Triton kernel the delta family's ops launch, for an H100/H200 (sm_90), on a machine
-without a GPU: a check before spending GPU time (it catches what the interpreter lets through,
-e.g. a global read inside a kernel, or a layout the GPU compiler refuses).
+"""Compile every Triton kernel an op launches, for an H100/H200 (sm_90), on a machine without a GPU:
+a check before spending GPU time (it catches what the interpreter lets through, e.g. a global
+read inside a kernel, or a layout the GPU compiler refuses), with each kernel's registers and
+stack (register spill, bytes a thread: ``cuobjdump -res-usage``), which a kernel change can be
+compared on before it is timed.
 
     python -m fastweight.bench.compile_delta [--ops gated_delta_rule,kda] [--dtype bf16]
+    python -m fastweight.bench.compile_delta --ops rwkv7,dplr_delta_rule --heads 64x64,128x128
 
 The ops run on CPU tensors with every launch replaced by ``triton.compile`` of the kernel as
 launched (same constexprs, num_warps, num_stages); nothing runs, so values are garbage and only
@@ -15,6 +18,9 @@ import argparse
 import inspect
 import itertools
 import os
+import re
+import subprocess
+import tempfile
 import time
 
 import torch
@@ -63,7 +69,7 @@ def _compile_instead(self, *args, grid, warmup, **kwargs):
         compiled = triton.compile(ASTSource(fn=self, signature=signature, constexprs=constexprs, attrs=attrs),
                                   target=TARGET, options=options)
         shared = compiled.metadata.shared
-        status = f"ok, {shared} B shared"
+        status = f"ok, {shared} B shared, {resources(compiled.asm['cubin'])}"
         if shared > SHARED_LIMIT:
             status = f"FAILED: {shared} B of shared memory > {SHARED_LIMIT}"
             failures.append((self.fn.__name__, status))
@@ -79,6 +85,26 @@ def _compile_instead(self, *args, grid, warmup, **kwargs):
     return None
 
 
+def resources(cubin: bytes) -> str:
+    """"regs R, stack S" of a kernel's cubin (the stack holds what did not fit in registers)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return f"regs {m.group(1)}, stack {m.group(2)} B" if m else "regs ?"
+
+
+def _inputs(op, B, T, H, K, V, dtype):
+    """The benchmarks' inputs on the CPU: the delta family's (``gpu_delta``), the others' (``gpu_decay_dplr``)."""
+    if OPS[op].family == "delta":
+        from fastweight.bench.gpu_delta import inputs
+        return inputs(op, B, T, H, K, V, dtype, "cpu")
+    from fastweight.bench.gpu_decay_dplr import inputs
+    return inputs(op, B, T, H, K, dtype, V=V, device="cpu")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", default=",".join(n for n, op in OPS.items() if op.family == "delta"))
@@ -89,18 +115,17 @@ def main():
         raise SystemExit("unset TRITON_INTERPRET: this compiles for the GPU")
     JITFunction.run = _compile_instead
     import fastweight.kernels as kernels
-    from fastweight.bench.gpu_delta import inputs
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     heads = [tuple(int(n) for n in kv.split("x")) for kv in args.heads.split(",")]
     for op, (K, V), cu in itertools.product(args.ops.split(","), heads, (None, torch.tensor([0, 100, 256]))):
         B = 2 if cu is None else 1
-        x = {n: t.requires_grad_() for n, t in inputs(op, B, 256 // B, 2, K, V, dtype, "cpu").items()}
+        x = {n: t.requires_grad_(t.is_floating_point()) for n, t in _inputs(op, B, 256 // B, 2, K, V, dtype).items()}
         h0 = torch.zeros(B if cu is None else 2, 2, K, V, requires_grad=True)
         o, ht = getattr(kernels, f"chunk_{op}")(**x, scale=0.1, initial_state=h0, output_final_state=True,
                                                  cu_seqlens=cu)
         (o.float().sum() + ht.sum()).backward()
         if op in ("gated_delta_rule", "kda") and cu is None and (K, V) == heads[0]:
-            x = inputs(op, 2, 128, 2, 128, 128, dtype, "cpu")
+            x = _inputs(op, 2, 128, 2, 128, 128, dtype)
             size = 2 * 128 if op == "kda" else 2
             getattr(kernels, f"chunk_{op}")(**x, scale=0.1, use_gate_in_kernel=True, A_log=torch.zeros(2),
                                             dt_bias=torch.zeros(size))

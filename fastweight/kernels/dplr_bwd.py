@@ -38,8 +38,8 @@ after another. Nothing of it outlives the chunk, so the chunks go in launches of
 the other on the stream), each program with its own scratch rows: 4 x P x BT x H x K fp32 (at
 most ``SCRATCH_BYTES``), where one launch of all needs 4 x T x H x K (16 B a token and key
 channel: 8.6 GB at B 8, T 16384, H 64, K 64). A loop over chunks inside the kernel would do the
-same in one launch, but costs register spill (sm_90, bf16: 2.8 -> 3.9 KB a thread at K = 64,
-1.5 -> 3.8 KB at K = 128).
+same in one launch, but doubles its register spill (``bench.compile_delta``, sm_90, bf16: 2,160
+against 1,080 B a thread at K = 64, 1,624 against 608 at K = 128).
 Shapes as in ``dplr.py``: q, k, a, b, gc, gp [1, T, H, K]; v, U, dU, dO [1, T, H, V]; A's [1, T, H, BT];
 h, dh [NC, H, K, V].
 """
@@ -152,9 +152,7 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
                     bwd_sub(q, k, a, b, gc, gp, dAqk_c, dAqb_c, dAak_c, dAab_c, pairs, dq_c, dk_c, da_c, db_c, dq,
                              dk, da, db, dq_c, da_c, dk_c, scale, i_k, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
                              DOT_PRECISION, DIAG_PRECISION, SPAN)
-    # after every K block, in blocks of 32 x 32: inside the loop above (the dA tiles live) or in the
-    # kernel's blocks it costs register spill (sm_90, bf16, K = 128: 2.2 KB a thread so, 2.7 KB
-    # inside the loop, 2.5 KB in 64 x 64 blocks)
+    # after every K block (the dA tiles dead), in 32 x 32 blocks
     tl.debug_barrier()
     for i_k in range(0, tl.cdiv(K, 32)):
         o_k = i_k * 32 + tl.arange(0, 32)

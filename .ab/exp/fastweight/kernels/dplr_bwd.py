@@ -134,6 +134,8 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
             bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, k, a, b, pairs, bos, o_t, m_t, i_c * BT,
                         tl.minimum(T, i_c * BT + BT), i_h, o_k, m_k, scale, H, K, dq_c, dk_c, da_c, db_c, dq, dk,
                         da, db, dq_c, da_c, dk_c)
+            tl.debug_barrier()
+            gate_sum(gc, h, dh, dq_c, da_c, dk_c, dg, i_t, i_c, bos, T, i_h, o_k, m_k, H, K, V, BT, BK, BV)
     else:
         # the chunk's dA slot, addressed as its rows of a [T, H, BT] buffer
         rebase_A = (tl.load(slots + i_t).to(tl.int64) * BT - bos - i_c * BT) * H * BT
@@ -152,11 +154,16 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
                     bwd_sub(q, k, a, b, gc, gp, dAqk_c, dAqb_c, dAak_c, dAab_c, pairs, dq_c, dk_c, da_c, db_c, dq,
                              dk, da, db, dq_c, da_c, dk_c, scale, i_k, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
                              DOT_PRECISION, DIAG_PRECISION, SPAN)
-    # after every K block (the dA tiles dead: inside the loop above it costs register spill)
+            tl.debug_barrier()
+            gate_sum(gc, h, dh, dq_c, da_c, dk_c, dg, i_t, i_c, bos, T, i_h, o_k, m_k, H, K, V, BT, BK, BV)
+    return
+    # after every K block, in blocks of 32 x 32: inside the loop above (the dA tiles live) or in the
+    # kernel's blocks it costs register spill (sm_90, bf16, K = 128: 2.2 KB a thread so, 2.7 KB
+    # inside the loop, 2.5 KB in 64 x 64 blocks)
     tl.debug_barrier()
     for i_k in range(0, tl.cdiv(K, 32)):
         o_k = i_k * 32 + tl.arange(0, 32)
-        gate_sum(gc, h, dh, dq_c, da_c, dk_c, dg, i_t, i_c, bos, T, i_h, o_k, o_k < K, H, K, V, BT, 32, 64)
+        gate_sum(gc, h, dh, dq_c, da_c, dk_c, dg, i_t, i_c, bos, T, i_h, o_k, o_k < K, H, K, V, BT, 32, 32)
 
 
 SCRATCH_BYTES = 512 * 2 ** 20

@@ -1,0 +1,137 @@
+"""Compile every Triton kernel an op launches, for an H100/H200 (sm_90), on a machine without a GPU:
+a check before spending GPU time (it catches what the interpreter lets through, e.g. a global
+read inside a kernel, or a layout the GPU compiler refuses), with each kernel's registers and
+stack (register spill, bytes a thread: ``cuobjdump -res-usage``), which a kernel change can be
+compared on before it is timed.
+
+    python -m fastweight.bench.compile_delta [--ops gated_delta_rule,kda] [--dtype bf16]
+    python -m fastweight.bench.compile_delta --ops rwkv7,dplr_delta_rule --heads 64x64,128x128
+
+The ops run on CPU tensors with every launch replaced by ``triton.compile`` of the kernel as
+launched (same constexprs, num_warps, num_stages); nothing runs, so values are garbage and only
+compilation is checked. Do not set TRITON_INTERPRET. Prints one line per distinct kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import itertools
+import os
+import re
+import subprocess
+import tempfile
+import time
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.runtime.jit import JITFunction, native_specialize_impl
+
+from fastweight.mechanisms import OPS
+
+TARGET = GPUTarget("cuda", 90, 32)
+BACKEND = CUDABackend(TARGET)
+SHARED_LIMIT = 232448  # bytes of shared memory a block may have on an H100/H200
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
+          torch.int32: "i32"}
+_seen: dict = {}
+failures: list = []
+
+
+def _compile_instead(self, *args, grid, warmup, **kwargs):
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    bound = inspect.signature(self.fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    # the launcher's own specialisation: 16-divisible ints and 16-aligned pointers get tt.divisibility,
+    # which turns on cp.async pipelining and with it most of a kernel's shared memory
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(self.params):
+        value = bound.arguments[param.name]
+        if param.is_constexpr:
+            signature[param.name], constexprs[(i,)] = "constexpr", value
+            continue
+        ty, spec = native_specialize_impl(BACKEND, value, param.is_const, not param.do_not_specialize,
+                                          not param.do_not_specialize_on_alignment)
+        signature[param.name] = ty
+        if ty == "constexpr":
+            constexprs[(i,)] = spec
+        elif isinstance(spec, str) and spec:
+            attrs[(i,)] = BACKEND.parse_attr(spec)
+    key = (self.fn.__name__, tuple(sorted(signature.items())), repr(sorted(constexprs.items(), key=str)),
+           repr(sorted(attrs.items())), tuple(sorted(options.items())))
+    if key in _seen:
+        return None
+    t0 = time.time()
+    try:
+        compiled = triton.compile(ASTSource(fn=self, signature=signature, constexprs=constexprs, attrs=attrs),
+                                  target=TARGET, options=options)
+        shared = compiled.metadata.shared
+        status = f"ok, {shared} B shared, {resources(compiled.asm['cubin'])}"
+        if shared > SHARED_LIMIT:
+            status = f"FAILED: {shared} B of shared memory > {SHARED_LIMIT}"
+            failures.append((self.fn.__name__, status))
+    except Exception as e:  # noqa: BLE001  (report every kernel, then fail at the end)
+        status = f"FAILED: {str(e).strip().splitlines()[-1][:300]}"
+        failures.append((self.fn.__name__, status))
+    names = [p.name for p in self.params]
+    flags = ", ".join(names[k[0]] for k, v in constexprs.items() if v is True)
+    blocks = " ".join(f"{names[k[0]]}={v}" for k, v in constexprs.items() if names[k[0]].startswith("B") and isinstance(v, int))
+    flags = f"{blocks} {options} {flags}"
+    print(f"{self.fn.__name__:26s} {flags[:100]:100s} {status} [{time.time() - t0:.1f}s]", flush=True)
+    _seen[key] = status
+    return None
+
+
+def resources(cubin: bytes) -> str:
+    """"regs R, stack S" of a kernel's cubin (the stack holds what did not fit in registers)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return f"regs {m.group(1)}, stack {m.group(2)} B" if m else "regs ?"
+
+
+def _inputs(op, B, T, H, K, V, dtype):
+    """The benchmarks' inputs on the CPU: the delta family's (``gpu_delta``), the others' (``gpu_decay_dplr``)."""
+    if OPS[op].family == "delta":
+        from fastweight.bench.gpu_delta import inputs
+        return inputs(op, B, T, H, K, V, dtype, "cpu")
+    from fastweight.bench.gpu_decay_dplr import inputs
+    return inputs(op, B, T, H, K, dtype, V=V, device="cpu")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ops", default=",".join(n for n, op in OPS.items() if op.family == "delta"))
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--heads", default="128x128,256x512,256x16,64x16,16x16", help="KxV head sizes")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: this compiles for the GPU")
+    JITFunction.run = _compile_instead
+    import fastweight.kernels as kernels
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    heads = [tuple(int(n) for n in kv.split("x")) for kv in args.heads.split(",")]
+    for op, (K, V), cu in itertools.product(args.ops.split(","), heads, (None, torch.tensor([0, 100, 256]))):
+        B = 2 if cu is None else 1
+        x = {n: t.requires_grad_(t.is_floating_point()) for n, t in _inputs(op, B, 256 // B, 2, K, V, dtype).items()}
+        h0 = torch.zeros(B if cu is None else 2, 2, K, V, requires_grad=True)
+        o, ht = getattr(kernels, f"chunk_{op}")(**x, scale=0.1, initial_state=h0, output_final_state=True,
+                                                 cu_seqlens=cu)
+        (o.float().sum() + ht.sum()).backward()
+        if op in ("gated_delta_rule", "kda") and cu is None and (K, V) == heads[0]:
+            x = _inputs(op, 2, 128, 2, 128, 128, dtype)
+            size = 2 * 128 if op == "kda" else 2
+            getattr(kernels, f"chunk_{op}")(**x, scale=0.1, use_gate_in_kernel=True, A_log=torch.zeros(2),
+                                            dt_bias=torch.zeros(size))
+    print(f"{len(_seen)} kernels compiled for sm_90, {len(failures)} failed")
+    raise SystemExit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""The delta family's chunked ops on Triton: launchers and autograd.
+
+One generic path serves them all (DESIGN.md section 2):
+
+    S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T (scale q_t)
+
+with alpha_t = exp(g_t) (``g`` None: DeltaNet). KDA's per-channel gate (``g`` [B, T, H, K])
+decays first: S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T. Comba reads
+the undecayed state with its own key p: S_t = alpha_t S_{t-1} + beta_t k_t (v_t - S_{t-1}^T p_t)^T.
+Longhorn is DeltaNet with beta replaced by eps = beta / (1 + beta k^T k).
+
+Stages (one file each): chunk-local cumsum of g, the solve ``Ai = (I + A)^{-1}`` (kkt_solve;
+with a per-channel gate A and the intra-chunk scores come from intra), W and U (wy), the state
+pass fused with the output (state). The backward recomputes nothing per token: the forward
+keeps the chunk-start states ``h`` and v_tilde; the dh pass (state), the per-chunk output
+backward (output) and the WY backward (wy) give every gradient. Derivations: docs/kernels.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastweight.kernels.common import prepare_chunks
+from fastweight.kernels.cumsum import chunk_cumsum
+from fastweight.kernels.intra import intra_bwd, intra_fwd
+from fastweight.kernels.kkt_solve import BT_DELTA, kkt_solve, solve
+from fastweight.kernels.l2norm import l2norm
+from fastweight.kernels.output import output_bwd
+from fastweight.kernels.state import state_bwd, state_fwd
+from fastweight.kernels.wy import recompute_w_u, wy_bwd
+
+
+MAX_K = 256
+
+
+def _pack(x):
+    """[B, T, H, ...] -> [1, B*T, H, ...] contiguous."""
+    return None if x is None else x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
+
+
+def _exclusive(g_cum, chunks):
+    """The chunk-local sum one token earlier, g_cum[t - 1] (0 at a chunk's first token), as a shift of
+    g_cum itself: g_cum - g rounds again, and the read key's factor exp(g_read_i - g_cum_j) at j = i - 1,
+    exactly 1, would be exp(+-ulp |g_cum|) (3e-5 relative at |g_cum| ~ 500: Comba at g = -6 per token)."""
+    T = g_cum.shape[1]
+    pos = torch.arange(T, device=g_cum.device)
+    cu = chunks.cu_seqlens
+    start = (pos - cu[torch.searchsorted(cu[1:], pos, right=True)]) % chunks.BT == 0
+    return torch.where(start.view(1, T, *([1] * (g_cum.dim() - 2))), 0., g_cum.roll(1, dims=1))
+
+
+def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks, store_h, p=None, gate=(None, None),
+              fuse_wy=None):
+    """g: None, [1, T, H] (scalar gate) or [1, T, H, K] (per-channel gate, KDA); p: Comba's read key;
+    gate: (A_log, dt_bias) when g is the pre-activation of Mamba-2's gate, computed in the cumsum;
+    fuse_wy: the read R = U - W S formed in the state pass from Ai and the raw rows
+    (``state.state_fwd(Ai=...)``), W and U never written, where it applies (no p, no per-channel
+    gate); default: for inference only (``store_h`` False). On the H200 (GDN (4, 8192, 16, 128),
+    bf16) it saves W/U's 0.18 ms and costs the state pass 0.11; keeping h it costs 0.20 there and a
+    backward must recompute W (docs/bench/delta.md)."""
+    g_cum = gk_cum = Aqk = Akk = g_read = None
+    A_log, dt_bias = gate
+    if g is not None and g.dim() == 4:
+        gk_cum = chunk_cumsum(g, chunks, A_log=A_log, dt_bias=dt_bias)
+        Aqk, Akk = intra_fwd(q, k, gk_cum, chunks)
+        Ai = solve(Akk, beta, chunks, dtype=k.dtype, precision_of=k.dtype)
+    else:
+        g_cum = chunk_cumsum(g, chunks, A_log=A_log, dt_bias=dt_bias) if g is not None else None
+        if p is not None:
+            # Comba reads the undecayed state: its read key sees the exclusive cumsum
+            g_read = _exclusive(g_cum, chunks) if g is not None else None
+        Ai = kkt_solve(k, beta, g_cum, chunks, p=p, g_read=g_read)
+    qs, ks = q, k
+    if fuse_wy is None:
+        fuse_wy = not store_h
+    if fuse_wy and p is None and gk_cum is None:
+        h, v_new, o, ht = state_fwd("delta", k, v, chunks, g=g_cum, q=q, Ai=Ai, beta=beta, scale=scale,
+                                    initial_state=initial_state, output_final_state=output_final_state,
+                                    store_h=store_h, store_r=store_h, fuse_output=True)
+        return o, ht, (g_cum, gk_cum, g_read, Ai, Aqk, Akk, None, h, v_new)
+    if p is not None:
+        w, u = recompute_w_u(p, v, beta, g_read, Ai, chunks)
+    elif gk_cum is not None:
+        # the per-channel gate's rows gated here, in parallel, not on the state pass's serial path
+        w, u, qs, ks = recompute_w_u(k, v, beta, None, Ai, chunks, gk_cum=gk_cum, q=q)
+    else:
+        w, u = recompute_w_u(k, v, beta, g_cum, Ai, chunks)
+    h, v_new, o, ht = state_fwd("delta", ks, u, chunks, g=g_cum if gk_cum is None else gk_cum, w=w, u=u, q=qs,
+                                A=Aqk, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                                store_h=store_h, store_r=store_h, fuse_output=True, prescaled=gk_cum is not None)
+    return o, ht, (g_cum, gk_cum, g_read, Ai, Aqk, Akk, w, h, v_new)
+
+
+def delta_bwd(q, k, v, beta, saved, do, dht, scale, chunks, need_dh0, p=None):
+    g_cum, gk_cum, g_read, Ai, Aqk, Akk, w, h, v_new = saved
+    if w is None:
+        w, _ = recompute_w_u(k, v, beta, g_cum, Ai, chunks, need_u=False)
+    dh, dv_tilde, dh0 = state_bwd("delta", q, do, chunks, g=g_cum if gk_cum is None else gk_cum, k=k, w=w, A=Aqk,
+                                  scale=scale, dht=dht, need_dh0=need_dh0)
+    # gradients still to be accumulated (grouped heads, the per-channel intra part) stay fp32
+    final = q.dtype if gk_cum is None and p is None and q.shape[2] == v.shape[2] else torch.float32
+    dq, dk, dw, dg_cum, dAqk = output_bwd(q, k, g_cum, h, dh, v_new, do, dv_tilde, scale, chunks, gk_cum=gk_cum,
+                                          dq_dtype=final)
+    dk, dv, dbeta, dAkk, dp = wy_bwd(k, v, beta, g_cum, Ai, dw, dv_tilde, dk, dg_cum, chunks,
+                                              gk_cum=gk_cum, Akk=Akk, dk_dtype=final, p=p, g_read=g_read)
+    if gk_cum is not None:
+        intra_bwd(q, k, gk_cum, dAqk, dAkk, dq, dk, dg_cum, chunks)
+    dg = chunk_cumsum(dg_cum, chunks, reverse=True) if dg_cum is not None else None
+    return dq, dk, dv, dg, dbeta, dh0, dp
+
+
+def _gate_backward(dg, x, A_log, dt_bias):
+    """The VJP of g = -exp(A_log) softplus(x + dt_bias) (x: [B, T, H] or [B, T, H, K]); dg in fp32."""
+    H = A_log.shape[0]
+    bias = dt_bias.float().view(H, -1) if x.dim() == 4 else dt_bias.float()
+    a = A_log.float().exp().view(H, 1) if x.dim() == 4 else A_log.float().exp()
+    z = x.float() + bias
+    dz = dg.float() * -a * torch.sigmoid(z)
+    dA = (dg.float() * -a * torch.nn.functional.softplus(z)).sum(dim=(0, 1))
+    dA = dA.sum(-1) if x.dim() == 4 else dA
+    return dz.to(x.dtype), dA.to(A_log.dtype), dz.sum(dim=(0, 1)).reshape(dt_bias.shape).to(dt_bias.dtype)
+
+
+class ChunkDeltaFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, p, A_log, dt_bias,
+                store_h):
+        B, T = q.shape[:2]
+        chunks = prepare_chunks(cu_seqlens, B, T, BT_DELTA, q.device)
+        shapes = (q.shape, v.shape)
+        qshape_k = q.shape[-1]
+        q, k, v, g, beta, p = (_pack(x) for x in (q, k, v, g, beta, p))
+        if initial_state is not None:
+            initial_state = initial_state.contiguous()
+        o, ht, saved = delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks,
+                                 store_h=store_h, p=p, gate=(A_log, dt_bias))
+        ctx.save_for_backward(q, k, v, beta, p, g if A_log is not None else None, A_log, dt_bias, *saved)
+        ctx.chunks, ctx.scale, ctx.shapes = chunks, scale, shapes
+        ctx.has_h0 = initial_state is not None
+        ctx.g_dtype = g.dtype if g is not None else None
+        ctx.g_shape = shapes[1][:3] + ((qshape_k,) if g is not None and g.dim() == 4 else ())
+        ctx.h0_dtype = initial_state.dtype if initial_state is not None else None
+        return o.reshape(shapes[1]), ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, beta, p, g_raw, A_log, dt_bias, *saved = ctx.saved_tensors
+        (qshape, vshape), chunks = ctx.shapes, ctx.chunks
+        # autograd hands the cotangents in any strides (a loss through S.sum() gives a stride-0 dht,
+        # one through S.mT a transposed one); the kernels index them as contiguous [1, T, H, V] and
+        # [N, H, K, V] (a copy only when they are not)
+        do, dht = _pack(do), (dht.contiguous() if dht is not None else None)
+        dq, dk, dv, dg, dbeta, dh0, dp = delta_bwd(q, k, v, beta, saved, do, dht, ctx.scale, chunks,
+                                                   ctx.has_h0 and ctx.needs_input_grad[6], p=p)
+        gshape = vshape[:3]
+        if vshape[2] != qshape[2]:
+            # grouped value heads: the key-side gradients summed over each group
+            HK, G = qshape[2], vshape[2] // qshape[2]
+            dq, dk = (x.view(*x.shape[:2], HK, G, x.shape[-1]).sum(3) for x in (dq, dk))
+            if dp is not None:
+                dp = dp.view(*dp.shape[:2], HK, G, dp.shape[-1]).sum(3)
+        dp = dp.to(p.dtype).reshape(qshape) if dp is not None else None
+        dq = dq.to(q.dtype).reshape(qshape)
+        dk = dk.to(k.dtype).reshape(qshape)
+        dv = dv.to(v.dtype).reshape(vshape)
+        dA_log = d_dt_bias = None
+        if A_log is not None:
+            dg, dA_log, d_dt_bias = _gate_backward(dg.view(ctx.g_shape), g_raw.view(ctx.g_shape), A_log, dt_bias)
+        dg = dg.to(ctx.g_dtype).reshape(ctx.g_shape) if dg is not None else None
+        dbeta = dbeta.to(beta.dtype).reshape(gshape)
+        dh0 = dh0.to(ctx.h0_dtype) if dh0 is not None else None
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, dp, dA_log, d_dt_bias, None
+
+
+def chunk_delta(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False, cu_seqlens=None,
+                use_qk_l2norm_in_kernel=False, p=None, A_log=None, dt_bias=None):
+    """S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T (g None: no decay), chunked.
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V] (HV a multiple of H); g, beta: [B, T, HV];
+    initial_state [N, HV, K, V]. Returns (o [B, T, HV, V], final state [N, HV, K, V] fp32 or None).
+    """
+    if k.shape[-1] > MAX_K:
+        raise ValueError(f"`k` must have a head dim K <= {MAX_K} for the chunked delta kernels (the state pass "
+                         f"holds all of K in one program), got K = {k.shape[-1]}")
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+        p = l2norm(p) if p is not None else None
+    # the chunk-start states are kept only when a backward can follow
+    tensors = (q, k, v, g, beta, initial_state, p, A_log, dt_bias)
+    store_h = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    o, ht = ChunkDeltaFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, p,
+                                     A_log, dt_bias, store_h)
+    return o, (ht if output_final_state else None)
+
+
+def gate_params(use_gate_in_kernel, A_log, dt_bias):
+    """``chunk_delta``'s A_log, dt_bias for the in-kernel gate (None, None without it)."""
+    if not use_gate_in_kernel:
+        return dict(A_log=None, dt_bias=None)
+    if A_log is None or dt_bias is None:
+        raise ValueError("`use_gate_in_kernel=True` needs `A_log` and `dt_bias`")
+    return dict(A_log=A_log.contiguous(), dt_bias=dt_bias.contiguous())

@@ -1,0 +1,145 @@
+"""Chunked Triton kernels of the generic DPLR recurrence (RWKV-7), forward and backward.
+
+fla's meaning (``a`` is read against the state, ``b`` is the write direction):
+
+    S_t = (Diag(exp gk_t) + b_t a_t^T) S_{t-1} + k_t v_t^T        o_t = S_t^T (scale q_t)
+
+Per chunk of 64 tokens, G the chunk-local cumulative log decay, G^- one token earlier, S the
+state before the chunk (the readable spec is ``fastweight/chunk/dplr.py``):
+
+    1. G, G^- from gk, then A_qk, A_qb (s <= t, decays exp(G_t - G_s)), A_ak, A_ab (s < t,
+       exp(G^-_t - G_s)), the whole chunk factored through its gates' midpoint, or by sub-chunks,
+       in one kernel                                                   ``dplr_intra.py``
+    2. T = (I - A_ab)^{-1} (blockwise exact solve)                    ``kkt_solve.py``
+       W = T (a * exp(G^-)),  U~ = T A_ak V                          ``dplr_wy.py``
+    3. per chunk in order: U = W S + U~,
+       S <- Diag(exp G_e) S + (b exp(G_e - G))^T U + (k exp(G_e - G))^T V   ``state.py``
+    4. o = scale (q * exp G) S + A_qb U + A_qk V                     ``decay_output.py``
+
+Backward: the forward's intra-chunk matrices, T, W, U~, the chunk states and the reads U are
+kept (``DplrLaunch.recompute`` False, the default) or recomputed (steps 1-3 again, True: fla's
+choice, less memory); the gates' cumsum is always recomputed. Kept, they cost per token
+and head 2 x 64 fp32 (A_ak, T) + 2 x 64 + K + 2 V + K V / 64 in the input dtype (A_qk, A_qb, W,
+U~, U, h): 1.25 KiB at K = V = 64, 2.0 KiB at K = V = 128 in bf16, against 0.9 / 1.8 KiB for the inputs
+the op keeps anyway. The state gradient runs the loop in reverse (with the reads' gradient dU),
+then a program per (chunk, head) (``dplr_bwd.py``; a fixed number of programs taking the chunks in
+turn) forms dV and the four matrices' gradients (``dplr_wy.local_grads``), takes them to q, k,
+a, b and the per-token gate terms (``dplr_intra.py``) and sums those into the gate gradient
+inside the chunk, in a form that does not cancel under strong decay (no sequence-wide sum, no
+final-state carry).
+
+Every exponential has an argument <= 0, except in the chunks (and diagonal sub-chunks) whose
+gates span less than ``common.SAFE_SPAN`` (there, within +-SAFE_SPAN / 2); no gate is clamped.
+Shapes: q, k, a, b, gk [B, T, H, K], v [B, T, H, V], ``initial_state`` [N, H, K, V],
+``cu_seqlens`` [N+1] (B = 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastweight.kernels.common import SAFE_SPAN, Chunks, prepare_chunks
+from fastweight.kernels.cumsum import chunk_cumsum
+from fastweight.kernels.decay_output import output_fwd
+from fastweight.kernels.dplr_bwd import dplr_bwd
+from fastweight.kernels.dplr_intra import dplr_intra_fwd
+from fastweight.kernels.state import state_bwd, state_fwd
+from fastweight.kernels.dplr_wy import dplr_wy_fwd
+from fastweight.kernels.kkt_solve import solve
+
+BT = 64
+
+
+@dataclass(frozen=True)
+class DplrLaunch:
+    """Variants of the DPLR chunk kernels (tests and benchmarks compare them); the defaults are the
+    tuned path. ``recompute``: the backward recomputes steps 1-3 instead of keeping the forward's
+    intermediates. ``span``: a chunk (and a diagonal sub-chunk) whose gates span less is factored
+    (0: none, 1e30: every one). ``wide_kernel``: the wider chunks' forward in its own kernel
+    (False: in the main one), one program per sub-chunk (``wide_grid`` "sub_chunk") or per chunk
+    ("chunk"). ``intra_config`` (BK, (num_warps, num_stages)) of the intra forward,
+    ``bwd_blocks`` (BK, BV) and ``bwd_config`` (num_warps, num_stages) of the fused backward,
+    ``bwd_programs`` its programs a head (0: one a chunk, the scratch as large as the input),
+    ``state_block_v`` the state passes' V block: None is each launcher's own choice by shape."""
+    recompute: bool = False
+    span: float = SAFE_SPAN
+    wide_kernel: bool = True
+    wide_grid: str = "sub_chunk"
+    intra_config: tuple[int, tuple[int, int]] | None = None
+    bwd_blocks: tuple[int, int] | None = None
+    bwd_config: tuple[int, int] | None = None
+    bwd_programs: int | None = None
+    state_block_v: int | None = None
+
+
+def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):
+    """Steps 1-2: gates, the four intra-chunk matrices, T, W and U~ (and the chunks' wide flags)."""
+    T, H = q.shape[1], q.shape[2]
+    gc, gp, Aqk, Aqb, Aak, Aab, wide = dplr_intra_fwd(q, k, a, b, gk, scale, chunks, span=launch.span,
+                                                      wide_kernel=launch.wide_kernel, config=launch.intra_config,
+                                                      wide_grid=launch.wide_grid)
+    Ai = solve(Aab, torch.full((1, T, H), -1.0, device=q.device), chunks, precision_of=q.dtype)
+    w, ut = dplr_wy_fwd(a, v, gp, Ai, Aak, chunks)
+    return gc, gp, Aqk, Aqb, Aak, Ai, w, ut, wide
+
+
+class ChunkDplrFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, a, b, gk, initial_state, scale: float, output_final_state: bool, chunks: Chunks,
+                launch: DplrLaunch):
+        gc, gp, Aqk, Aqb, Aak, Ai, w, ut, wide = _prepare(q, k, v, a, b, gk, scale, chunks, launch)
+        h, u, _, ht = state_fwd("dplr", k, v, chunks, g=gc, w=w, u=ut, b=b, initial_state=initial_state,
+                                output_final_state=output_final_state, store_r=True, block_v=launch.state_block_v)
+        o = output_fwd(q, k, v, gc, gc, h, Aqk, scale, chunks, False, A2=Aqb, v2=u)
+        kept = (Aqk, Aqb, Aak, Ai, w, ut, h, u, wide) if not launch.recompute else ()
+        ctx.save_for_backward(q, k, v, a, b, gk, initial_state, *kept)
+        ctx.scale, ctx.chunks, ctx.launch = scale, chunks, launch
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, a, b, gk, initial_state, *kept = ctx.saved_tensors
+        scale, chunks, launch = ctx.scale, ctx.chunks, ctx.launch
+        # autograd hands cotangents in any strides (S.sum(): stride 0; through S.mT: transposed);
+        # the kernels read both as contiguous
+        do = do.contiguous()
+        dht = dht.contiguous() if dht is not None else None
+        if launch.recompute:
+            gc, gp, Aqk, Aqb, Aak, Ai, w, ut, wide = _prepare(q, k, v, a, b, gk, scale, chunks, launch)
+            h, u, _, _ = state_fwd("dplr", k, v, chunks, g=gc, w=w, u=ut, b=b, initial_state=initial_state,
+                                   store_r=True, block_v=launch.state_block_v)
+        else:
+            Aqk, Aqb, Aak, Ai, w, ut, h, u, wide = kept
+            gc, gp = chunk_cumsum(gk, chunks, exclusive=True)
+        dh, du, dh0 = state_bwd("dplr", q, do, chunks, g=gc, w=w, b=b, A=Aqb, scale=scale, dht=dht,
+                                need_dh0=initial_state is not None, state_dtype=torch.float32,
+                                dr_dtype=torch.float32, block_v=launch.state_block_v)
+        del Aqb  # the state pass's only (recomputed: ours to free before the backward's peak)
+        dq, dk, dv, da, db, dg = dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale,
+                                          chunks, gk.dtype, span=launch.span, blocks=launch.bwd_blocks,
+                                          config=launch.bwd_config, programs=launch.bwd_programs)
+        if dh0 is not None:
+            dh0 = dh0.to(initial_state.dtype)
+        return dq, dk, dv, da, db, dg, dh0, None, None, None, None
+
+
+def chunk_dplr(q, k, v, a, b, gk, *, scale, initial_state=None, output_final_state=False,
+                          cu_seqlens=None, launch: DplrLaunch = DplrLaunch(), **_):
+    """Generic DPLR, fla's meaning: S_t = (Diag(exp gk_t) + b_t a_t^T) S_{t-1} + k_t v_t^T,
+    o_t = S_t^T (scale q_t); ``launch`` the kernels' variant. Returns (o [B, T, H, V], final state
+    [N, H, K, V] fp32 or None)."""
+    B, T, H, _ = q.shape
+    V = v.shape[-1]
+    chunks = prepare_chunks(cu_seqlens, B, T, BT, q.device)
+
+    def pack(x):
+        return x.reshape(1, B * T, *x.shape[2:]).contiguous()
+
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    o, ht = ChunkDplrFunction.apply(pack(q), pack(k), pack(v), pack(a), pack(b), pack(gk), initial_state, scale,
+                                    output_final_state, chunks, launch)
+    return o.reshape(B, T, H, V), ht

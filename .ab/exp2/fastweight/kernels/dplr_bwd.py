@@ -1,0 +1,204 @@
+"""The per-chunk backward of the generic DPLR chunk algorithm: a program per (chunk, head).
+
+Given the state pass's results (h, dh, U, dU from ``state.py``), a program
+
+    1. forms dV and the four intra-chunk matrices' gradients dA_qk, dA_qb, dA_ak, dA_ab (in
+       registers) and the parts of dq, dk, da, db that pass through the states (fp32 scratch):
+       ``dplr_wy.local_grads``;
+    2. takes the dA's to q, k, a, b (``dplr_intra.py``): a chunk whose gates span less than
+       ``common.SAFE_SPAN`` (every RWKV-7 chunk: 64 x 0.607 = 38.8) factors every decay
+       through the per-channel midpoint of its gates, eight [BT, BT] x [BT, BK] dots per K block,
+       with the dA's never leaving the chip; a wider one stores them and goes sub-chunk by
+       sub-chunk (reference rows between sub-chunks, the diagonal ones factored or token at a time);
+    3. stores dq, dk, da, db and three per-token gate terms (scratch), and
+    4. sums those into the gate gradient (``gate_sum``).
+
+The gate gradient, per key channel, chunk by chunk. With G the chunk-local cumulative log gate,
+G^-_t = G_{t-1} (q, k, b read at G, a at G^-), h the state before chunk c and dh' the gradient
+of the state after it, C the chunk's last valid token, for u in the chunk
+
+    dg_u = sum_{t >= u} dgk_t + sum_{t > u} dga_t + sum_{t < u} dgs_t + exp(G_C) rowsum(h * dh')
+
+    dgk = q dq - k dk - b db     every part of dq, dk, db read at G, but the pairs and the state terms
+    dga = a da                   every part of da (read at G^-), but the pairs
+    dgs = k dk^S + b db^S        the chunk-end state terms, dk^S = (V dh'^T) exp(G_C - G) (db^S: U)
+
+all sums inside the chunk: a pair (t, s) of an intra-chunk matrix depends on the gates strictly
+after s up to t (t - 1 for the a rows), which is rowsum(dA * A) - colsum(dA * A) summed in
+reverse; the state S_C = Diag(exp G_C) h + sum_s (k_s exp(G_C - G_s)) v_s^T + (b_s exp(G_C - G_s)) u_s^T
+depends on the gates after s, a forward exclusive sum. The pairs without a gate, the diagonal of
+dA_qk, dA_qb (exp(G_t - G_t)) and the subdiagonal of dA_ak, dA_ab (exp(G^-_t - G_{t-1})), are left
+out (``dplr_wy.local_grads``): their terms cancel exactly, and under strong decay they dominate.
+The sequence-wide form (sum_{t >= u} of q dq - k dk - b db + a da, plus the carry ht * dht) is
+the same in exact arithmetic, but cancels those pairs and the state terms against the carry.
+
+The scratch written in 1 is read back in 2 by other threads of the same program, after a barrier;
+3 stores the gate terms over it (read first, then overwritten after a barrier), and 4 sums them
+after another. Nothing of it outlives the chunk, so a fixed number of programs a head take the
+chunks in turn, each with its own scratch rows: 4 x 8 SMs x BT x K fp32 in all (~70 MB on the
+H200 at K = 64, whatever T), where one program a chunk needs 4 x T x H x K (16 B a token and key
+channel: 8.6 GB at B 8, T 16384, H 64, K 64).
+Shapes as in ``dplr.py``: q, k, a, b, gc, gp [1, T, H, K]; v, U, dU, dO [1, T, H, V]; A's [1, T, H, BT];
+h, dh [NC, H, K, V].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastweight.kernels.common import Chunks, SAFE_SPAN, chunk_bounds, dot_precision
+from fastweight.kernels.decay_intra import diag_precision, span_ref
+from fastweight.kernels.dplr_intra import bwd_finish, bwd_sub, factored_bwd, load_rows
+from fastweight.kernels.dplr_wy import local_grads
+
+
+def launch_config(K: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((BK, BV), (num_warps, num_stages)) of dplr_bwd_kernel at key size K: K <= 64 blocks 32 x 64
+    with 4 warps, wider K 64 x 64 with 8 warps, one stage (the launcher narrows a block to a smaller
+    K or V): the fastest for RWKV-7 bf16 forward+backward at K = V = 64 and 128 on the H200
+    (docs/bench/decay_dplr.md)."""
+    return ((32, 64), (4, 1)) if K <= 64 else ((64, 64), (8, 1))
+
+
+@triton.jit
+def gate_sum(gc, h, dh, dgk, dga, dgs, dg, i_t, i_c, bos, T, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
+             V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Chunk i_t's gate gradient in the key block o_k: dg_u = sum_{t >= u} dgk_t + sum_{t > u} dga_t
+    + sum_{t < u} dgs_t + exp(G_C) rowsum(h dh'), every sum inside the chunk (the terms as
+    ``bwd_finish`` stored them, addressed as the chunk's rows)."""
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    hi = tl.minimum(T, i_c * BT + BT)
+    m_prev, m_next = m_t & (o_t > i_c * BT), o_t + 1 < hi
+    o_h = (i_t * H + i_h) * K * V
+    b_e = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        p_h = o_h + o_k[:, None] * V + o_v[None, :]
+        m_h = m_k[:, None] & (o_v < V)[None, :]
+        b_h = tl.load(h + p_h, mask=m_h, other=0.).to(tl.float32)
+        b_e += tl.sum(b_h * tl.load(dh + p_h, mask=m_h, other=0.), 1)
+    b_e *= tl.exp(tl.load(gc + ((bos + hi - 1) * H + i_h) * K + o_k, mask=m_k, other=0.))
+    b_x = load_rows(dgk, bos, o_t, m_t, i_h, o_k, m_k, H, K) + load_rows(dga, bos, o_t + 1, m_next, i_h, o_k, m_k, H, K)
+    b_p = load_rows(dgs, bos, o_t - 1, m_prev, i_h, o_k, m_k, H, K)
+    b_dg = tl.cumsum(b_x, axis=0, reverse=True) + tl.cumsum(b_p, axis=0) + b_e[None, :]
+    tl.store(dg + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], b_dg.to(dg.dtype.element_ty),
+             mask=m_t[:, None] & m_k[None, :])
+
+
+@triton.jit
+def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, dAqk, dAqb, dAak, dAab,
+                    pairs, dq_s, dk_s, da_s, db_s, dq, dk, dv, da, db, dg, cu_seqlens, chunk_indices, scale, NC,
+                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                    BK: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr,
+                    SPAN: tl.constexpr):
+    """Program (p, head) takes chunks p, p + P, ... (P programs a head) in turn, its scratch rows
+    ``p * BT ...`` of the [P * BT, H, K] fp32 buffers dq_s, dk_s, da_s, db_s, so the scratch is
+    sized by the programs, not by T. DOT_PRECISION serves the local part and the whole-chunk path
+    (its [BT, BT] fp32 operands: 3 x TF32 there would need more shared memory than the H200 has),
+    DIAG_PRECISION the diagonal sub-chunks of the sub-chunk path and the local part's dots with dh
+    (``local_grads``). ``wide`` [NC, H]: the forward's branch (``dplr_intra_fwd``); ``slots`` [NC]: a
+    wide chunk's place in the dA buffers, [slots, BT, H, BT] (only wide chunks have one)."""
+    i_p, i_h = tl.program_id(0), tl.program_id(1)
+    # a while loop: the interpreter cannot range() from a program id
+    i_t = i_p.to(tl.int64)
+    while i_t < NC:
+        i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
+        o_t = i_c * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        # the program's scratch rows, addressed as the chunk's rows of a [T, H, K] buffer (every
+        # scratch index below is unchanged); the gate terms go over three of them
+        rebase = (i_p.to(tl.int64) * BT - bos - i_c * BT) * H * K
+        dq_c, dk_c, da_c, db_c = dq_s + rebase, dk_s + rebase, da_s + rebase, db_s + rebase
+        b_dqk, b_dqb, b_dak, b_dab = local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq_c, dk_c,
+                                                 da_c, db_c, pairs, i_t, i_c, bos, T, i_h, scale, H, K, V, BT, BK, BV,
+                                                 DOT_PRECISION, DIAG_PRECISION)
+        tl.debug_barrier()
+        if tl.load(wide + i_t * H + i_h) == 0:
+            for i_k in range(0, tl.cdiv(K, BK)):
+                o_k = i_k * BK + tl.arange(0, BK)
+                m_k = o_k < K
+                m_tk = m_t[:, None] & m_k[None, :]
+                b_g = load_rows(gc, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+                b_gp = load_rows(gp, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+                _, b_ref = span_ref(b_gp, b_g, m_tk)
+                b_q = load_rows(q, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+                b_k = load_rows(k, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+                b_a = load_rows(a, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+                b_b = load_rows(b, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+                b_z = tl.zeros([BT, BK], dtype=tl.float32)
+                b_dq, b_dk, b_da, b_db = factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_z, b_z, b_z, b_z,
+                                                       b_dqk, b_dqb, b_dak, b_dab, m_tk, scale, DOT_PRECISION)
+                bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, k, a, b, pairs, bos, o_t, m_t, i_c * BT,
+                            tl.minimum(T, i_c * BT + BT), i_h, o_k, m_k, scale, H, K, dq_c, dk_c, da_c, db_c, dq, dk,
+                            da, db, dq_c, da_c, dk_c)
+                tl.debug_barrier()
+                gate_sum(gc, h, dh, dq_c, da_c, dk_c, dg, i_t, i_c, bos, T, i_h, o_k, m_k, H, K, V, BT, BK, BV)
+        else:
+            # the chunk's dA slot, addressed as its rows of a [T, H, BT] buffer
+            rebase_A = (tl.load(slots + i_t).to(tl.int64) * BT - bos - i_c * BT) * H * BT
+            dAqk_c, dAqb_c, dAak_c, dAab_c = dAqk + rebase_A, dAqb + rebase_A, dAak + rebase_A, dAab + rebase_A
+            p_A = ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
+            tl.store(dAqk_c + p_A, b_dqk, mask=m_t[:, None])
+            tl.store(dAqb_c + p_A, b_dqb, mask=m_t[:, None])
+            tl.store(dAak_c + p_A, b_dak, mask=m_t[:, None])
+            tl.store(dAab_c + p_A, b_dab, mask=m_t[:, None])
+            tl.debug_barrier()
+            for i_k in range(0, tl.cdiv(K, BK)):
+                o_k = i_k * BK + tl.arange(0, BK)
+                m_k = o_k < K
+                for i_i in range(0, BT // BC):
+                    if i_c * BT + i_i * BC < T:
+                        bwd_sub(q, k, a, b, gc, gp, dAqk_c, dAqb_c, dAak_c, dAab_c, pairs, dq_c, dk_c, da_c, db_c, dq,
+                                 dk, da, db, dq_c, da_c, dk_c, scale, i_k, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
+                                 DOT_PRECISION, DIAG_PRECISION, SPAN)
+                tl.debug_barrier()
+                gate_sum(gc, h, dh, dq_c, da_c, dk_c, dg, i_t, i_c, bos, T, i_h, o_k, m_k, H, K, V, BT, BK, BV)
+        # the next chunk writes the same scratch rows
+        tl.debug_barrier()
+        i_t += tl.num_programs(0)
+
+
+def programs_per_head(NC: int, H: int, device: torch.device) -> int:
+    """P, the backward's programs a head: enough for ~8 per SM (several waves at one or two CTAs
+    an SM, the last wave's tail a small part), never more than the chunks."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(NC, triton.cdiv(8 * sms, H)))
+
+
+def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale: float, chunks: Chunks,
+             g_dtype: torch.dtype, *, span: float = SAFE_SPAN, blocks: tuple[int, int] | None = None,
+             config: tuple[int, int] | None = None, programs: int | None = None):
+    """dq, dk, dv, da, db (inputs' dtypes) and dg (``g_dtype``), the gradient of the log gates.
+    ``wide``: the forward's [NC, H] flags (``dplr_intra.dplr_intra_fwd``), which size the dA buffers: one
+    [BT, H, BT] slot per chunk with a wide head (RWKV-7's gates, >= -e^-0.5 a token, leave none; the
+    count costs one device sync). ``span``: as in ``dplr_intra.dplr_intra_fwd``; ``blocks`` (BK, BV)
+    and ``config`` (num_warps, num_stages) of dplr_bwd_kernel instead of ``launch_config(K)``'s;
+    ``programs`` a head instead of ``programs_per_head``'s (its scratch: 4 x programs x BT x H x K fp32)."""
+    _, T, H, K = q.shape
+    V = v.shape[-1]
+    default_blocks, default_config = launch_config(K)
+    BK, BV = blocks or default_blocks
+    BK, BV = min(BK, max(16, triton.next_power_of_2(K))), min(BV, max(16, triton.next_power_of_2(V)))
+    warps, stages = config or default_config
+    if programs is None:
+        programs = programs_per_head(chunks.NC, H, q.device)
+    P = chunks.NC if programs == 0 else min(programs, chunks.NC)
+    dq, dk, dv, da, db = (torch.empty_like(x) for x in (q, k, v, a, b))
+    dg = torch.empty(1, T, H, K, dtype=g_dtype, device=q.device)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    # the dA's are written only by chunks that take the sub-chunk path; the scratch by every program
+    wide_chunk = wide.amax(1) > 0
+    slots = (torch.cumsum(wide_chunk, 0, dtype=torch.int32) - 1)
+    n_wide = int(wide_chunk.sum())
+    dAs = [torch.empty(max(n_wide, 1) * chunks.BT, H, chunks.BT, **f32) for _ in range(4)]
+    pairs = torch.empty(1, T, H, 4, **f32)
+    scratch = [torch.empty(P * chunks.BT, H, K, **f32) for _ in range(4)]
+    dplr_bwd_kernel[(P, H)](
+        q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, *dAs, pairs, *scratch, dq, dk, dv,
+        da, db, dg, chunks.cu_seqlens, chunks.chunk_indices, scale, chunks.NC, H=H, K=K, V=V, BT=chunks.BT, BC=16,
+        BK=BK, BV=BV, DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=span,
+        num_warps=warps, num_stages=stages)
+    return dq, dk, dv, da, db, dg

@@ -1,0 +1,192 @@
+"""The WY stage of the generic DPLR chunk algorithm and the per-chunk backward that mirrors it.
+
+fla's names: ``a`` is read against the state, ``b`` is the write direction. Per chunk (G the
+chunk-local cumulative log decay, G^- = G one token earlier, all decays <= 1; the intra-chunk
+matrices from ``decay_intra.py``):
+
+    A_ab = strictLower(a b^T * exp(G^-_t - G_s))    A_ak = strictLower(a k^T * exp(G^-_t - G_s))
+    T    = (I - A_ab)^{-1}                          (``kkt_solve.solve``, blockwise exact)
+    W    = T (a * exp(G^-))     U~ = T A_ak V       (this file, forward)
+
+Backward, per chunk, given the state S = h[c], its gradient after the chunk dS' = dh[c], the
+reads U = W S + U~ and their gradient dU (``state.py``):
+
+    dX = T^T dU,   dA~ = T^T (dU S^T)                       (the transposed solves)
+    dV = A_qk^T dO + A_ak^T dX + (k * exp(G_e - G)) dS'
+    dA_qk = dO V^T,  dA_qb = dO U^T,  dA_ak = dX V^T,  dA_ab = dA~ W^T + dX U~^T   (masked)
+    da (via W) = dA~ * exp(G^-),  dq (via S) = scale (dO S^T) * exp(G),
+    db, dk (via S') = (U dS'^T, V dS'^T) * exp(G_e - G)
+
+``local_grads`` is the backward's first half (``dplr_bwd.py`` runs it, then the intra-chunk
+matrices' gradients to q, k, a, b of ``dplr_intra.py``, in one program per chunk).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastweight.kernels.common import Chunks, dot_precision
+from fastweight.kernels.decay_intra import diag_precision
+
+
+@triton.jit
+def dplr_wy_fwd_kernel(a, v, gp, Ai, Aak, w, ut, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+                       V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, UT_PRECISION: tl.constexpr):
+    """W = T (a exp(G^-)) and U~ = T (A_ak V) of a chunk. UT_PRECISION (3 x TF32 for fp16) serves U~'s
+    two fp32 x fp32 dots: the H200's TF32 truncates their operands, a bias the backward's exact dh
+    dots (``local_grads``) no longer cancel (db up to 11.8x the fp16 floor under
+    ``testing.emulate_tf32``; the all-exact figure with these two exact)."""
+    i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = eos - bos
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    m_all = m_t[:, None] & m_t[None, :]
+    p_A = ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
+    b_T = tl.load(Ai + p_A, mask=m_all & (o_t[:, None] >= o_t[None, :]), other=0.)
+    b_Aak = tl.load(Aak + p_A, mask=m_all & (o_t[:, None] > o_t[None, :]), other=0.)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        p_k = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
+        b_a = tl.load(a + p_k, mask=m_tk, other=0.).to(tl.float32) * tl.exp(tl.load(gp + p_k, mask=m_tk, other=0.))
+        b_w = tl.dot(b_T, b_a, input_precision=DOT_PRECISION)
+        tl.store(w + p_k, b_w.to(w.dtype.element_ty), mask=m_tk)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_v = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
+        b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_y = tl.dot(b_Aak, b_v, input_precision=UT_PRECISION)
+        b_ut = tl.dot(b_T, b_y, input_precision=UT_PRECISION)
+        tl.store(ut + p_v, b_ut.to(ut.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit
+def local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, dk, da, db, pairs, i_t, i_c, bos, T,
+                i_h, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                BV: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr):
+    """Chunk i_t (i_c in its sequence): stores dv and the state parts of dq, dk, da, db (fp32) and
+    returns the four matrices' gradients (dA_qk, dA_qb, dA_ak, dA_ab, [BT, BT] fp32, masked) without
+    their gate-free pairs: the diagonal of dA_qk, dA_qb (decay exp(G_t - G_t) = 1) and the first
+    subdiagonal of dA_ak, dA_ab (exp(G^-_t - G_{t-1}) = 1). Those go to ``pairs`` [1, T, H, 4] fp32,
+    row t holding dA_qk[t, t], dA_qb[t, t], dA_ak[t, t-1], dA_ab[t, t-1] (0 at the chunk's first row):
+    their terms in the gate gradient cancel exactly, so they are added to dq, dk, da, db only
+    (``dplr_intra.bwd_finish``). GRAD_PRECISION serves the three dots with the state pass's fp32 dh
+    (into dv, db, dk): the H200's TF32 truncates it (a bias of up to 2^-10 that does not average out
+    where a gradient is a few terms, as under strong decay), so fp16 takes 3 x TF32 there
+    (``decay_intra.diag_precision``); the dU dots keep DOT_PRECISION (their error stays within ~3x
+    the fp16 floor)."""
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    m_all = m_t[:, None] & m_t[None, :]
+    m_incl = m_all & (o_t[:, None] >= o_t[None, :])
+    m_strict = m_all & (o_t[:, None] > o_t[None, :])
+    last = bos + tl.minimum(T, i_c * BT + BT) - 1
+    p_A = ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
+    # held through both loops: loading them where used is slower on the H200
+    # (`python -m fastweight.bench.gpu_decay_dplr variants`)
+    b_T = tl.load(Ai + p_A, mask=m_incl, other=0.)
+    b_Aqk = tl.load(Aqk + p_A, mask=m_incl, other=0.).to(tl.float32)
+    b_Aak = tl.load(Aak + p_A, mask=m_strict, other=0.)
+    b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dAqb = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dAak = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dAab = tl.zeros([BT, BT], dtype=tl.float32)
+    o_h = (i_t * H + i_h) * K * V
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_v = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
+        b_du = tl.load(du + p_v, mask=m_tv, other=0.)
+        b_dx = tl.dot(tl.trans(b_T), b_du, input_precision=DOT_PRECISION)
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_dv = tl.dot(tl.trans(b_Aqk), b_do, input_precision=DOT_PRECISION)
+        b_dv += tl.dot(tl.trans(b_Aak), b_dx, input_precision=DOT_PRECISION)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            m_tk = m_t[:, None] & m_k[None, :]
+            p_k = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
+            b_gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k, other=0.)
+            b_e = tl.exp(tl.where(m_tk, b_gl[None, :] - tl.load(gc + p_k, mask=m_tk, other=0.), float("-inf")))
+            b_kd = tl.load(k + p_k, mask=m_tk, other=0.).to(tl.float32) * b_e
+            b_dh = tl.load(dh + o_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.)
+            b_dv += tl.dot(b_kd, b_dh, input_precision=GRAD_PRECISION)
+        tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_tv)
+        b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_ut = tl.load(ut + p_v, mask=m_tv, other=0.).to(tl.float32)
+        b_dAqk += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
+        b_dAqb += tl.dot(b_do, tl.trans(b_u), input_precision=DOT_PRECISION)
+        b_dAak += tl.dot(b_dx, tl.trans(b_v), input_precision=DOT_PRECISION)
+        b_dAab += tl.dot(b_dx, tl.trans(b_ut), input_precision=DOT_PRECISION)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        p_k = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
+        b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dqi = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dbi = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dki = tl.zeros([BT, BK], dtype=tl.float32)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_tv = m_t[:, None] & m_v[None, :]
+            p_v = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
+            p_h = o_h + o_k[:, None] * V + o_v[None, :]
+            b_h = tl.load(h + p_h, mask=m_k[:, None] & m_v[None, :], other=0.).to(tl.float32)
+            b_dh = tl.load(dh + p_h, mask=m_k[:, None] & m_v[None, :], other=0.)
+            b_du = tl.load(du + p_v, mask=m_tv, other=0.)
+            b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(tl.float32)
+            b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
+            b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
+            b_dw += tl.dot(b_du, tl.trans(b_h), input_precision=DOT_PRECISION)
+            b_dqi += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PRECISION)
+            b_dbi += tl.dot(b_u, tl.trans(b_dh), input_precision=GRAD_PRECISION)
+            b_dki += tl.dot(b_v, tl.trans(b_dh), input_precision=GRAD_PRECISION)
+        b_da = tl.dot(tl.trans(b_T), b_dw, input_precision=DOT_PRECISION)
+        b_w = tl.load(w + p_k, mask=m_tk, other=0.).to(tl.float32)
+        b_dAab += tl.dot(b_da, tl.trans(b_w), input_precision=DOT_PRECISION)
+        b_g = tl.load(gc + p_k, mask=m_tk, other=0.)
+        b_gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k, other=0.)
+        b_e = tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, float("-inf")))
+        tl.store(da + p_k, b_da * tl.exp(tl.load(gp + p_k, mask=m_tk, other=0.)), mask=m_tk)
+        tl.store(dq + p_k, b_dqi * scale * tl.exp(b_g), mask=m_tk)
+        tl.store(db + p_k, b_dbi * b_e, mask=m_tk)
+        tl.store(dk + p_k, b_dki * b_e, mask=m_tk)
+    o_r = tl.arange(0, BT)
+    m_diag = o_r[:, None] == o_r[None, :]
+    m_sub = o_r[:, None] == o_r[None, :] + 1
+    p_p = ((bos + o_t) * H + i_h) * 4
+    tl.store(pairs + p_p, tl.sum(tl.where(m_diag, b_dAqk, 0.), 1), mask=m_t)
+    tl.store(pairs + p_p + 1, tl.sum(tl.where(m_diag, b_dAqb, 0.), 1), mask=m_t)
+    tl.store(pairs + p_p + 2, tl.sum(tl.where(m_sub, b_dAak, 0.), 1), mask=m_t)
+    tl.store(pairs + p_p + 3, tl.sum(tl.where(m_sub, b_dAab, 0.), 1), mask=m_t)
+    m_far = m_strict & (o_r[:, None] > o_r[None, :] + 1)
+    return (tl.where(m_strict, b_dAqk, 0.), tl.where(m_strict, b_dAqb, 0.), tl.where(m_far, b_dAak, 0.),
+            tl.where(m_far, b_dAab, 0.))
+
+
+def _blocks(K, V):
+    return min(64, max(16, triton.next_power_of_2(K))), min(64, max(16, triton.next_power_of_2(V)))
+
+
+def dplr_wy_fwd(a, v, gp, Ai, Aak, chunks: Chunks):
+    """W = T (a * exp(G^-)) [1, T, H, K] and U~ = T A_ak V [1, T, H, V], both in a's dtype."""
+    _, T, H, K = a.shape
+    V = v.shape[-1]
+    BK, BV = _blocks(K, V)
+    w = torch.empty_like(a)
+    ut = torch.empty(1, T, H, V, dtype=a.dtype, device=a.device)
+    # 4 warps: 0.16 ms faster than 8 (H200 sweep)
+    dplr_wy_fwd_kernel[(chunks.NC, H)](a, v, gp, Ai, Aak, w, ut, chunks.cu_seqlens, chunks.chunk_indices, H=H, K=K,
+                                       V=V, BT=chunks.BT, BK=BK, BV=BV, DOT_PRECISION=dot_precision(a.dtype),
+                                       UT_PRECISION=diag_precision(a.dtype), num_warps=4, num_stages=1)
+    return w, ut

@@ -1,0 +1,313 @@
+"""Per-channel decayed products inside a chunk (KDA), forward and backward, overflow-safe.
+
+For a chunk (local rows i, j; ``G`` the chunk-local cumsum of the per-channel log gate, [BT, K]):
+
+    Aqk_ij = sum_d q_id k_jd exp(G_id - G_jd)      i >= j
+    Akk_ij = sum_d k_id k_jd exp(G_id - G_jd)      i >  j
+
+exp(G_i) * exp(-G_j) over a whole chunk overflows for strong decays, so the chunk is cut into
+4 blocks of 16 rows. Off-diagonal blocks (rows r > columns c) factor through the first row of
+block r, ``R_r``: both ``exp(G_i - R_r)`` (i >= ref) and ``exp(R_r - G_j)`` (j < ref) are
+<= 1, and the block is one matrix product in the input dtype. A diagonal block is factored the
+same way, with fp32 operands, when its decay over 16 rows stays under e^SAFE_SPAN, and otherwise
+takes the pairwise differences directly (16 channels at a time).
+
+One program per (chunk, head) holds a whole row block's channels ([16, K]) and walks the four
+blocks in turn, so that each product is stored (forward) or folded into its gradient (backward)
+as soon as it is formed: no [16, 16] accumulator lives across a loop over channels, and the
+registers go to the [16, K] rows.
+
+Backward, given dAqk, dAkk (gradients of the raw sums above):
+
+    dq_i += sum_j dAqk_ij k_j e_ij            dk_j += sum_i (dAqk_ij q_i + dAkk_ij k_i) e_ij
+    dk_i += sum_j dAkk_ij k_j e_ij            dG_i += q_i * dq_i + k_i * dk_i (row parts) - k_j * dk_j (column parts)
+
+with ``e_ij = exp(G_i - G_j)`` per channel; the dG terms are with respect to the chunk-local cumsum.
+The diagonal of Aqk (i = j, e_ii = 1) enters dG_i as a row part and a column part that cancel
+exactly: it is left out of dG (a strong decay makes the gate's gradient O(e_ij) small, and the
+rounding of those O(1) terms alone would swamp it) and added to dq and dk only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastweight.kernels.common import SAFE_SPAN, Chunks, alloc, mm
+
+# SPAN (``common.SAFE_SPAN``): a diagonal block whose decay over its 16 rows stays under exp(SPAN) in
+# every channel is factored through its first row like the off-diagonal ones, with its operands (up
+# to e^40) in fp32, not in the input dtype as the off-diagonal blocks: bf16 operands put KDA's bf16
+# dg at 4.3x its rounding floor on the H200, fp32 ones at 2.2x (docs/bench/delta.md, KDA bf16 dg).
+# The forward multiplies them as TF32 for 16-bit inputs (exactly for fp32 inputs): exact fp32 (FMA)
+# products over all of K cost the forward 2x on the H200, and TF32 leaves the bf16 dg where it was
+# (docs/bench/delta.md, KDA's intra kernels). Beyond SPAN the exact pairwise form runs.
+
+# (forward, backward) warps: the backward holds three [16, K] column sums across its row blocks and
+# spills at 4 warps from K = 64 on (H200, K = 128: 2.41 ms at 8 warps against 3.62 at 4; the
+# forward 0.65 at 4 against 1.09 at 8)
+def _warps(K: int) -> tuple[int, int]:
+    return (4 if K <= 128 else 8), (4 if K < 64 else 8)
+
+
+@triton.jit
+def _rows16(x, T, r0, STRIDE: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """Rows r0 .. r0 + 16 of a [T, K] slab (rows STRIDE apart), all K channels (padded to BK)."""
+    return tl.load(tl.make_block_ptr(x, (T, K), (STRIDE, 1), (r0, 0), (16, BK), (1, 0)), boundary_check=(0, 1))
+
+
+@triton.jit
+def _block_rows(q, k, g, T, r0, HK: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """A row block: q, k (input dtype), G, its first row R (the reference), e = exp(G - R) <= 1 and
+    f = exp(R - G) >= 1 (both 0 on rows past T), and the block's span max(R - G)."""
+    b_q, b_k = _rows16(q, T, r0, HK * K, K, BK), _rows16(k, T, r0, HK * K, K, BK)
+    b_g = _rows16(g, T, r0, H * K, K, BK)
+    o_k = tl.arange(0, BK)
+    b_ref = tl.load(g + tl.minimum(r0, T - 1) * H * K + o_k, mask=o_k < K, other=0.)
+    m_v = (r0 + tl.arange(0, 16) < T)[:, None]
+    b_d = b_ref[None, :] - b_g
+    b_e = tl.exp(tl.where(m_v, -b_d, float("-inf")))
+    b_f = tl.exp(tl.where(m_v, b_d, float("-inf")))
+    return b_q, b_k, b_ref, b_e, b_f, tl.max(tl.max(tl.where(m_v, b_d, 0.), 1), 0)
+
+
+@triton.jit
+def _columns(k, g, T, c0, b_ref, HK: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """Column block c0 .. c0 + 16 against a later row block's reference R: k_c and exp(R - G_c) <= 1."""
+    b_k, b_g = _rows16(k, T, c0, HK * K, K, BK), _rows16(g, T, c0, H * K, K, BK)
+    m_v = (c0 + tl.arange(0, 16) < T)[:, None]
+    return b_k, tl.exp(tl.where(m_v, b_ref[None, :] - b_g, float("-inf")))
+
+
+@triton.jit
+def _diag_exact(q, k, g, T, r0, HK: tl.constexpr, H: tl.constexpr, K: tl.constexpr):
+    """A diagonal block's raw sums, pairwise (every exponent <= 0), 16 channels at a time."""
+    o_i = tl.arange(0, 16)
+    m_v = r0 + o_i < T
+    m_d = (o_i[:, None] >= o_i[None, :]) & m_v[:, None]
+    b_qk = tl.zeros([16, 16], dtype=tl.float32)
+    b_kk = tl.zeros([16, 16], dtype=tl.float32)
+    for s in range(tl.cdiv(K, 16)):
+        o_k = 16 * s + tl.arange(0, 16)
+        m = m_v[:, None] & (o_k < K)[None, :]
+        rows = (r0 + o_i).to(tl.int64)[:, None]
+        b_g = tl.load(g + rows * (H * K) + o_k[None, :], mask=m, other=0.)
+        b_k = tl.load(k + rows * (HK * K) + o_k[None, :], mask=m, other=0.).to(tl.float32)
+        b_q = tl.load(q + rows * (HK * K) + o_k[None, :], mask=m, other=0.).to(tl.float32)
+        b_ke = b_k[None, :, :] * tl.exp(tl.where(m_d[:, :, None], b_g[:, None, :] - b_g[None, :, :], float("-inf")))
+        b_qk += tl.sum(b_q[:, None, :] * b_ke, 2)
+        b_kk += tl.sum(b_k[:, None, :] * b_ke, 2)
+    return b_qk, b_kk
+
+
+@triton.jit
+def _diag(b_q, b_k, b_e, b_f, span, q, k, g, T, r0, HK: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+          SPAN: tl.constexpr):
+    """A diagonal block's (Aqk masked i >= j, Akk masked i > j): factored through its first row with
+    fp32 operands when its span allows, else pairwise."""
+    if span < SPAN:
+        b_kf = tl.trans(b_k.to(tl.float32) * b_f)
+        if b_q.dtype == tl.float32:
+            b_qk = tl.dot(b_q * b_e, b_kf, input_precision="ieee")
+            b_kk = tl.dot(b_k * b_e, b_kf, input_precision="ieee")
+        else:
+            b_qk = tl.dot(b_q.to(tl.float32) * b_e, b_kf, input_precision="tf32")
+            b_kk = tl.dot(b_k.to(tl.float32) * b_e, b_kf, input_precision="tf32")
+    else:
+        b_qk, b_kk = _diag_exact(q, k, g, T, r0, HK, H, K)
+    o_i = tl.arange(0, 16)
+    return tl.where(o_i[:, None] >= o_i[None, :], b_qk, 0.), tl.where(o_i[:, None] > o_i[None, :], b_kk, 0.)
+
+
+@triton.jit
+def _store16(A, T, r0, c0, H: tl.constexpr, BT: tl.constexpr, b_x):
+    p = tl.make_block_ptr(A, (T, BT), (H * BT, 1), (r0, c0), (16, 16), (1, 0))
+    tl.store(p, b_x.to(p.dtype.element_ty), boundary_check=(0, 1))
+
+
+@triton.jit
+def _fwd_row(q, k, g, Aqk, Akk, T, t0, R: tl.constexpr, HK: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+             BK: tl.constexpr, BT: tl.constexpr, SPAN: tl.constexpr):
+    """Row block R of a chunk: its blocks against column blocks c < R, its diagonal block, zeros above."""
+    r0 = t0 + 16 * R
+    b_q, b_k, b_ref, b_e, b_f, span = _block_rows(q, k, g, T, r0, HK, H, K, BK)
+    dt = b_q.dtype
+    b_qe, b_ke = (b_q * b_e).to(dt), (b_k * b_e).to(dt)
+    for c in tl.static_range(R):
+        b_kc, b_w = _columns(k, g, T, t0 + 16 * c, b_ref, HK, H, K, BK)
+        b_y = tl.trans((b_kc * b_w).to(dt))
+        _store16(Aqk, T, r0, 16 * c, H, BT, mm(b_qe, b_y))
+        _store16(Akk, T, r0, 16 * c, H, BT, mm(b_ke, b_y))
+    b_qk, b_kk = _diag(b_q, b_k, b_e, b_f, span, q, k, g, T, r0, HK, H, K, SPAN)
+    _store16(Aqk, T, r0, 16 * R, H, BT, b_qk)
+    _store16(Akk, T, r0, 16 * R, H, BT, b_kk)
+    z = tl.zeros([16, 16], dtype=tl.float32)
+    for c in tl.static_range(R + 1, 4):
+        _store16(Aqk, T, r0, 16 * c, H, BT, z)
+        _store16(Akk, T, r0, 16 * c, H, BT, z)
+
+
+@triton.jit
+def intra_fwd_kernel(q, k, g, Aqk, Akk, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
+                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
+    bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
+    T = eos - bos
+    t0 = i_t * BT
+    q += (bos * HK + i_h // (H // HK)) * K
+    k += (bos * HK + i_h // (H // HK)) * K
+    g += (bos * H + i_h) * K
+    Aqk += (bos * H + i_h) * BT
+    Akk += (bos * H + i_h) * BT
+    for R in tl.static_range(4):
+        _fwd_row(q, k, g, Aqk, Akk, T, t0, R, HK, H, K, BK, BT, SPAN)
+
+
+@triton.jit
+def _blk(A, T, r0, c0, H: tl.constexpr, BT: tl.constexpr):
+    return tl.load(tl.make_block_ptr(A, (T, BT), (H * BT, 1), (r0, c0), (16, 16), (1, 0)), boundary_check=(0, 1))
+
+
+@triton.jit
+def _diag_exact_bwd(q, k, g, dq, dk, dg, b_dqk, b_dkk, T, r0, HK: tl.constexpr, H: tl.constexpr, K: tl.constexpr):
+    """A diagonal block's gradient parts, pairwise (every exponent <= 0), added in memory, 16
+    channels at a time; b_dqk, b_dkk: its strictly lower dA blocks (fp32)."""
+    o_i = tl.arange(0, 16)
+    m_v = r0 + o_i < T
+    m_d = (o_i[:, None] > o_i[None, :]) & m_v[:, None]
+    for s in range(tl.cdiv(K, 16)):
+        o_k = 16 * s + tl.arange(0, 16)
+        m = m_v[:, None] & (o_k < K)[None, :]
+        rows = (r0 + o_i).to(tl.int64)[:, None]
+        b_g = tl.load(g + rows * (H * K) + o_k[None, :], mask=m, other=0.)
+        b_k = tl.load(k + rows * (HK * K) + o_k[None, :], mask=m, other=0.).to(tl.float32)
+        b_q = tl.load(q + rows * (HK * K) + o_k[None, :], mask=m, other=0.).to(tl.float32)
+        b_e = tl.exp(tl.where(m_d[:, :, None], b_g[:, None, :] - b_g[None, :, :], float("-inf")))
+        b_dq = tl.sum(b_dqk[:, :, None] * b_e * b_k[None, :, :], 1)
+        b_dkr = tl.sum(b_dkk[:, :, None] * b_e * b_k[None, :, :], 1)
+        b_dkc = tl.sum((b_dqk[:, :, None] * b_q[:, None, :] + b_dkk[:, :, None] * b_k[:, None, :]) * b_e, 0)
+        p = rows * (H * K) + o_k[None, :]
+        tl.store(dq + p, tl.load(dq + p, mask=m, other=0.) + b_dq, mask=m)
+        tl.store(dk + p, tl.load(dk + p, mask=m, other=0.) + b_dkr + b_dkc, mask=m)
+        tl.store(dg + p, tl.load(dg + p, mask=m, other=0.) + b_q * b_dq + b_k * (b_dkr - b_dkc), mask=m)
+
+
+@triton.jit
+def _bwd_row(q, k, g, dAqk, dAkk, dq, dk, dg, b_x0, b_x1, b_x2, T, t0, R: tl.constexpr, HK: tl.constexpr,
+             H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SPAN: tl.constexpr):
+    """Row block R's gradients, its column part b_xR complete (every row block below it is done);
+    adds its own column contributions to b_x0 .. b_x(R-1) and returns them."""
+    r0 = t0 + 16 * R
+    b_q, b_k, b_ref, b_e, b_f, span = _block_rows(q, k, g, T, r0, HK, H, K, BK)
+    dt = b_q.dtype
+    b_qf, b_kf = b_q.to(tl.float32), b_k.to(tl.float32)
+    b_qe, b_ke = (b_qf * b_e).to(dt), (b_kf * b_e).to(dt)
+    b_dq = tl.zeros([16, BK], dtype=tl.float32)
+    b_dkr = tl.zeros([16, BK], dtype=tl.float32)
+    for c in tl.static_range(R):
+        b_kc, b_w = _columns(k, g, T, t0 + 16 * c, b_ref, HK, H, K, BK)
+        b_y = (b_kc * b_w).to(dt)
+        b_p = _blk(dAqk, T, r0, 16 * c, H, BT).to(dt)
+        b_s = _blk(dAkk, T, r0, 16 * c, H, BT).to(dt)
+        b_dq += mm(b_p, b_y)
+        b_dkr += mm(b_s, b_y)
+        b_xc = (mm(tl.trans(b_p), b_qe) + mm(tl.trans(b_s), b_ke)) * b_w
+        if c == 0:
+            b_x0 += b_xc
+        elif c == 1:
+            b_x1 += b_xc
+        else:
+            b_x2 += b_xc
+    if R == 0:
+        b_dkc = b_x0
+    elif R == 1:
+        b_dkc = b_x1
+    elif R == 2:
+        b_dkc = b_x2
+    else:
+        b_dkc = tl.zeros([16, BK], dtype=tl.float32)
+    b_dq, b_dkr = b_dq * b_e, b_dkr * b_e
+    # the diagonal block: Aqk's strictly lower part and its diagonal (a vector, kept out of dG), Akk's
+    o_i = tl.arange(0, 16)
+    m_v = (r0 + o_i < T)[:, None]
+    m_s = o_i[:, None] > o_i[None, :]
+    b_a = _blk(dAqk, T, r0, 16 * R, H, BT).to(tl.float32)
+    b_ii = tl.sum(tl.where((o_i[:, None] == o_i[None, :]) & m_v, b_a, 0.), 1)
+    b_dqk = tl.where(m_s & m_v, b_a, 0.)
+    b_dkk = tl.where(m_s, _blk(dAkk, T, r0, 16 * R, H, BT).to(tl.float32), 0.)
+    fast = span < SPAN
+    if fast:
+        b_kec = b_kf * b_f
+        b_dq += mm(b_dqk, b_kec) * b_e
+        b_dkr += mm(b_dkk, b_kec) * b_e
+        b_dkc += (mm(tl.trans(b_dqk), b_qf * b_e) + mm(tl.trans(b_dkk), b_kf * b_e)) * b_f
+    b_dg = b_qf * b_dq + b_kf * (b_dkr - b_dkc)
+    b_dq += b_ii[:, None] * b_kf
+    b_dk = b_dkr + b_dkc + b_ii[:, None] * b_qf
+    p_dq = tl.make_block_ptr(dq, (T, K), (H * K, 1), (r0, 0), (16, BK), (1, 0))
+    p_dk = tl.make_block_ptr(dk, (T, K), (H * K, 1), (r0, 0), (16, BK), (1, 0))
+    p_dg = tl.make_block_ptr(dg, (T, K), (H * K, 1), (r0, 0), (16, BK), (1, 0))
+    tl.store(p_dq, tl.load(p_dq, boundary_check=(0, 1)) + b_dq, boundary_check=(0, 1))
+    tl.store(p_dk, tl.load(p_dk, boundary_check=(0, 1)) + b_dk, boundary_check=(0, 1))
+    tl.store(p_dg, tl.load(p_dg, boundary_check=(0, 1)) + b_dg, boundary_check=(0, 1))
+    if not fast:
+        # the pairwise part reads back the rows of dq, dk, dg that other threads have just stored
+        tl.debug_barrier()
+        _diag_exact_bwd(q, k, g, dq, dk, dg, b_dqk, b_dkk, T, r0, HK, H, K)
+    return b_x0, b_x1, b_x2
+
+
+@triton.jit
+def intra_bwd_kernel(q, k, g, dAqk, dAkk, dq, dk, dg, cu_seqlens, chunk_indices, H: tl.constexpr,
+                     HK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
+    """dq, dk, dg (float32, per value head [T, H, K]) arrive with the other stages' parts and are updated.
+
+    Row blocks from the last to the first: block r's rows take sum_c dA_rc C_rc (C_rc = k_c exp(R_r - G_c))
+    times exp(G_r - R_r); its (dA_rc^T q_r e_r + ...) exp(R_r - G_c) go to column block c's running sum,
+    complete by the time block c's own rows come.
+    """
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
+    bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
+    T = eos - bos
+    t0 = i_t * BT
+    q += (bos * HK + i_h // (H // HK)) * K
+    k += (bos * HK + i_h // (H // HK)) * K
+    g += (bos * H + i_h) * K
+    dAqk += (bos * H + i_h) * BT
+    dAkk += (bos * H + i_h) * BT
+    dq += (bos * H + i_h) * K
+    dk += (bos * H + i_h) * K
+    dg += (bos * H + i_h) * K
+    b_x0 = tl.zeros([16, BK], dtype=tl.float32)
+    b_x1, b_x2 = b_x0, b_x0
+    for i in tl.static_range(4):
+        b_x0, b_x1, b_x2 = _bwd_row(q, k, g, dAqk, dAkk, dq, dk, dg, b_x0, b_x1, b_x2, T, t0, 3 - i,
+                                    HK, H, K, BK, BT, SPAN)
+
+
+def intra_fwd(q, k, g_cum, chunks: Chunks, *, num_warps: int | None = None):
+    """q, k: [1, T, HK, K]; g_cum: [1, T, H, K] -> (Aqk in q's dtype, Akk float32), [1, T, H, BT]
+    (no scale, no beta)."""
+    _, T, HK, K = k.shape
+    H = g_cum.shape[2]
+    f32 = dict(dtype=torch.float32, device=k.device)
+    Aqk, Akk = alloc((1, T, H, chunks.BT), dtype=q.dtype, device=k.device), alloc((1, T, H, chunks.BT), **f32)
+    intra_fwd_kernel[(chunks.NC, H)](q, k, g_cum, Aqk, Akk, chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK,
+                                     K=K, BT=chunks.BT, BK=max(16, triton.next_power_of_2(K)), SPAN=SAFE_SPAN,
+                                     num_warps=num_warps or _warps(K)[0])
+    return Aqk, Akk
+
+
+def intra_bwd(q, k, g_cum, dAqk, dAkk, dq, dk, dg, chunks: Chunks, *, num_warps: int | None = None,
+              num_stages: int = 2):
+    """Adds the intra-chunk parts into dq, dk, dg (float32 [1, T, H, K], in place). dAqk, dAkk:
+    [1, T, H, BT], read on and below the diagonal (i >= j, i > j). num_warps (None: ``_warps``) and
+    num_stages: the launch, for benchmark variants."""
+    _, T, HK, K = k.shape
+    H = g_cum.shape[2]
+    intra_bwd_kernel[(chunks.NC, H)](q, k, g_cum, dAqk, dAkk, dq, dk, dg, chunks.cu_seqlens, chunks.chunk_indices,
+                                     H=H, HK=HK, K=K, BT=chunks.BT, BK=max(16, triton.next_power_of_2(K)),
+                                     SPAN=SAFE_SPAN, num_warps=num_warps or _warps(K)[1], num_stages=num_stages)

@@ -1,0 +1,255 @@
+"""The UT transform's matrix: T = (I + A)^{-1} with A = strictLower(Diag(beta) (Gamma * K K^T)).
+
+Per chunk of BT = 64 tokens (local index i, j; ``g`` the chunk-local cumsum of the log gate):
+
+    A_ij  = beta_i (k_i . k_j) exp(g_i - g_j)     i > j, else 0     (USE_G; Gamma = 1 without)
+    Ai    = (I + A)^{-1}                           unit lower triangular
+
+The solve: the chunk is cut into 4 blocks of 16; each diagonal block is inverted by forward
+substitution (row i of the inverse from rows < i), then the blocks are merged,
+block forward substitution on the 4 x 4 block matrix:
+
+    Ai_rr = (I + A_rr)^{-1}       Ai_rc = -Ai_rr sum_{c <= m < r} A_rm Ai_mc      (r > c)
+
+The substitution is exact fp32; the merge's dots are too for fp32 inputs, and run on the tensor
+cores for 16-bit ones (``merge_precision``: 3 x TF32 for fp16, TF32 for bf16, whose Ai is stored
+in bf16, 8 times coarser than one TF32 rounding).
+
+Output: ``Ai`` [1, T, H, BT] (solved in float32, stored in k's dtype; row t holds its chunk's
+row of the inverse; the columns
+are the chunk's tokens). W = Ai Diag(beta gamma) K and U = Ai Diag(beta) V are in ``wy.py``;
+the backward of this stage (dA = -Ai^T dAi Ai^T and the chain to k, beta, g) is there too,
+where dAi is formed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastweight.kernels.common import Chunks, alloc, mm
+from fastweight.kernels.decay_intra import diag_precision
+
+BT_DELTA = 64
+# 16 x 16 blocks: one warp keeps the substitution's row reductions inside the warp
+# (H200, GDN (4, 8192, 16, 128): 0.244 ms with 1 warp, 0.309 with 2, 0.552 with 4)
+SOLVE_WARPS = 1
+
+
+@triton.jit
+def _substitute_row(b_Y, i, o_i):
+    """Row i of (I + A)^{-1} - I from the rows above it (b_Y holds -A below row i)."""
+    b_a = tl.sum(tl.where(o_i[:, None] == i, b_Y, 0.), 0)
+    b_a = b_a + tl.sum(b_a[:, None] * b_Y, 0)
+    return tl.where(o_i[:, None] == i, b_a[None, :], b_Y)
+
+
+@triton.jit
+def invert_unit_lower16x4(b_A1, b_A2, b_A3, b_A4):
+    """(I + A)^{-1} for four strictly lower [16, 16] blocks, by forward substitution, interleaved."""
+    o_i = tl.arange(0, 16)
+    b_Y1, b_Y2, b_Y3, b_Y4 = -b_A1, -b_A2, -b_A3, -b_A4
+    for i in range(1, 16):
+        b_Y1 = _substitute_row(b_Y1, i, o_i)
+        b_Y2 = _substitute_row(b_Y2, i, o_i)
+        b_Y3 = _substitute_row(b_Y3, i, o_i)
+        b_Y4 = _substitute_row(b_Y4, i, o_i)
+    b_I = tl.where(o_i[:, None] == o_i[None, :], 1., 0.)
+    return b_Y1 + b_I, b_Y2 + b_I, b_Y3 + b_I, b_Y4 + b_I
+
+
+@triton.jit
+def _gamma(g, gr, bos, T, H: tl.constexpr, i_h, r0, c0, USE_G: tl.constexpr, STRICT: tl.constexpr):
+    """Mask (strict lower or full) times exp(gr_i - g_j) for rows r0.. and columns c0.. (16 each)."""
+    o_r, o_c = r0 + tl.arange(0, 16), c0 + tl.arange(0, 16)
+    m = (o_r[:, None] < T) & (o_c[None, :] < T)
+    if STRICT:
+        m = m & (o_r[:, None] > o_c[None, :])
+    if USE_G:
+        b_gr = tl.load(gr + (bos + o_r) * H + i_h, mask=o_r < T, other=0.)
+        b_gc = tl.load(g + (bos + o_c) * H + i_h, mask=o_c < T, other=0.)
+        return tl.exp(tl.where(m, b_gr[:, None] - b_gc[None, :], float("-inf")))
+    return tl.where(m, 1., 0.)
+
+
+@triton.jit
+def kkt_solve_kernel(k, p, beta, g, gr, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
+                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr, USE_P: tl.constexpr,
+                     MERGE_PRECISION: tl.constexpr):
+    """Rows read with p and the gate gr (USE_P: Comba's read key and its exclusive cumsum), columns
+    with k and g; without USE_P both are k and g."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
+    bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
+    T = eos - bos
+    t0 = i_t * BT
+    k += (bos * HK + i_h // (H // HK)) * K
+    p += (bos * HK + i_h // (H // HK)) * K
+    b_A11 = tl.zeros([16, 16], dtype=tl.float32)
+    b_A21, b_A22 = tl.zeros([16, 16], dtype=tl.float32), tl.zeros([16, 16], dtype=tl.float32)
+    b_A31, b_A32, b_A33 = b_A11, b_A11, b_A11
+    b_A41, b_A42, b_A43, b_A44 = b_A11, b_A11, b_A11, b_A11
+    for i_k in range(tl.cdiv(K, BK)):
+        p_k1 = tl.make_block_ptr(k, (T, K), (HK * K, 1), (t0, i_k * BK), (16, BK), (1, 0))
+        p_k2 = tl.make_block_ptr(k, (T, K), (HK * K, 1), (t0 + 16, i_k * BK), (16, BK), (1, 0))
+        p_k3 = tl.make_block_ptr(k, (T, K), (HK * K, 1), (t0 + 32, i_k * BK), (16, BK), (1, 0))
+        p_k4 = tl.make_block_ptr(k, (T, K), (HK * K, 1), (t0 + 48, i_k * BK), (16, BK), (1, 0))
+        b_k1, b_k2 = tl.load(p_k1, boundary_check=(0, 1)), tl.load(p_k2, boundary_check=(0, 1))
+        b_k3, b_k4 = tl.load(p_k3, boundary_check=(0, 1)), tl.load(p_k4, boundary_check=(0, 1))
+        b_p1, b_p2, b_p3, b_p4 = b_k1, b_k2, b_k3, b_k4
+        if USE_P:
+            b_p1 = tl.load(tl.make_block_ptr(p, (T, K), (HK * K, 1), (t0, i_k * BK), (16, BK), (1, 0)),
+                           boundary_check=(0, 1))
+            b_p2 = tl.load(tl.make_block_ptr(p, (T, K), (HK * K, 1), (t0 + 16, i_k * BK), (16, BK), (1, 0)),
+                           boundary_check=(0, 1))
+            b_p3 = tl.load(tl.make_block_ptr(p, (T, K), (HK * K, 1), (t0 + 32, i_k * BK), (16, BK), (1, 0)),
+                           boundary_check=(0, 1))
+            b_p4 = tl.load(tl.make_block_ptr(p, (T, K), (HK * K, 1), (t0 + 48, i_k * BK), (16, BK), (1, 0)),
+                           boundary_check=(0, 1))
+        b_A11 += mm(b_p1, tl.trans(b_k1))
+        b_A21 += mm(b_p2, tl.trans(b_k1))
+        b_A22 += mm(b_p2, tl.trans(b_k2))
+        b_A31 += mm(b_p3, tl.trans(b_k1))
+        b_A32 += mm(b_p3, tl.trans(b_k2))
+        b_A33 += mm(b_p3, tl.trans(b_k3))
+        b_A41 += mm(b_p4, tl.trans(b_k1))
+        b_A42 += mm(b_p4, tl.trans(b_k2))
+        b_A43 += mm(b_p4, tl.trans(b_k3))
+        b_A44 += mm(b_p4, tl.trans(b_k4))
+    b_b1 = _beta16(beta, bos, T, t0, H, i_h)
+    b_b2 = _beta16(beta, bos, T, t0 + 16, H, i_h)
+    b_b3 = _beta16(beta, bos, T, t0 + 32, H, i_h)
+    b_b4 = _beta16(beta, bos, T, t0 + 48, H, i_h)
+    b_A11 *= b_b1 * _gamma(g, gr, bos, T, H, i_h, t0, t0, USE_G, True)
+    b_A21 *= b_b2 * _gamma(g, gr, bos, T, H, i_h, t0 + 16, t0, USE_G, False)
+    b_A22 *= b_b2 * _gamma(g, gr, bos, T, H, i_h, t0 + 16, t0 + 16, USE_G, True)
+    b_A31 *= b_b3 * _gamma(g, gr, bos, T, H, i_h, t0 + 32, t0, USE_G, False)
+    b_A32 *= b_b3 * _gamma(g, gr, bos, T, H, i_h, t0 + 32, t0 + 16, USE_G, False)
+    b_A33 *= b_b3 * _gamma(g, gr, bos, T, H, i_h, t0 + 32, t0 + 32, USE_G, True)
+    b_A41 *= b_b4 * _gamma(g, gr, bos, T, H, i_h, t0 + 48, t0, USE_G, False)
+    b_A42 *= b_b4 * _gamma(g, gr, bos, T, H, i_h, t0 + 48, t0 + 16, USE_G, False)
+    b_A43 *= b_b4 * _gamma(g, gr, bos, T, H, i_h, t0 + 48, t0 + 32, USE_G, False)
+    b_A44 *= b_b4 * _gamma(g, gr, bos, T, H, i_h, t0 + 48, t0 + 48, USE_G, True)
+    store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44,
+                 Ai + (bos * H + i_h) * BT, T, t0, H, BT, MERGE_PRECISION)
+
+
+@triton.jit
+def solve_kernel(Akk, beta, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, BT: tl.constexpr,
+                 MERGE_PRECISION: tl.constexpr):
+    """Ai = (I + Diag(beta) Akk)^{-1} for an Akk already formed (strictly lower, [T, H, BT], e.g. by intra.py)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
+    bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
+    T = eos - bos
+    t0 = i_t * BT
+    Akk += (bos * H + i_h) * BT
+    b_b1 = _beta16(beta, bos, T, t0, H, i_h)
+    b_b2 = _beta16(beta, bos, T, t0 + 16, H, i_h)
+    b_b3 = _beta16(beta, bos, T, t0 + 32, H, i_h)
+    b_b4 = _beta16(beta, bos, T, t0 + 48, H, i_h)
+    o_i = tl.arange(0, 16)
+    m_strict = o_i[:, None] > o_i[None, :]
+    b_A11 = tl.where(m_strict, _load16(Akk, T, t0, 0, H, BT), 0.) * b_b1
+    b_A21 = _load16(Akk, T, t0 + 16, 0, H, BT) * b_b2
+    b_A22 = tl.where(m_strict, _load16(Akk, T, t0 + 16, 16, H, BT), 0.) * b_b2
+    b_A31 = _load16(Akk, T, t0 + 32, 0, H, BT) * b_b3
+    b_A32 = _load16(Akk, T, t0 + 32, 16, H, BT) * b_b3
+    b_A33 = tl.where(m_strict, _load16(Akk, T, t0 + 32, 32, H, BT), 0.) * b_b3
+    b_A41 = _load16(Akk, T, t0 + 48, 0, H, BT) * b_b4
+    b_A42 = _load16(Akk, T, t0 + 48, 16, H, BT) * b_b4
+    b_A43 = _load16(Akk, T, t0 + 48, 32, H, BT) * b_b4
+    b_A44 = tl.where(m_strict, _load16(Akk, T, t0 + 48, 48, H, BT), 0.) * b_b4
+    store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44,
+                 Ai + (bos * H + i_h) * BT, T, t0, H, BT, MERGE_PRECISION)
+
+
+@triton.jit
+def _beta16(beta, bos, T, r0, H: tl.constexpr, i_h):
+    o_t = r0 + tl.arange(0, 16)
+    return tl.load(beta + (bos + o_t) * H + i_h, mask=o_t < T, other=0.).to(tl.float32)[:, None]
+
+
+@triton.jit
+def _load16(A, T, r0, c0, H: tl.constexpr, BT: tl.constexpr):
+    p = tl.make_block_ptr(A, (T, BT), (H * BT, 1), (r0, c0), (16, 16), (1, 0))
+    return tl.load(p, boundary_check=(0, 1))
+
+
+@triton.jit
+def _mm(a, b, P: tl.constexpr):
+    return tl.dot(a, b, input_precision=P)
+
+
+@triton.jit
+def store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44,
+                 Ai, T, t0, H: tl.constexpr, BT: tl.constexpr, P: tl.constexpr):
+    """Invert I + A (A given as its 10 lower 16 x 16 blocks) and store the 64 x 64 inverse rows.
+
+    Ai points at the sequence's first row for this head; rows are ``H * BT`` apart.
+    """
+    b_I11, b_I22, b_I33, b_I44 = invert_unit_lower16x4(b_A11, b_A22, b_A33, b_A44)
+    b_I21 = -_mm(b_I22, _mm(b_A21, b_I11, P), P)
+    b_I32 = -_mm(b_I33, _mm(b_A32, b_I22, P), P)
+    b_I43 = -_mm(b_I44, _mm(b_A43, b_I33, P), P)
+    b_I31 = -_mm(b_I33, _mm(b_A31, b_I11, P) + _mm(b_A32, b_I21, P), P)
+    b_I42 = -_mm(b_I44, _mm(b_A42, b_I22, P) + _mm(b_A43, b_I32, P), P)
+    b_I41 = -_mm(b_I44, _mm(b_A41, b_I11, P) + _mm(b_A42, b_I21, P) + _mm(b_A43, b_I31, P), P)
+    b_0 = tl.zeros([16, 16], dtype=tl.float32)
+    store_row_blocks(Ai, T, t0, H, BT, b_I11, b_0, b_0, b_0)
+    store_row_blocks(Ai, T, t0 + 16, H, BT, b_I21, b_I22, b_0, b_0)
+    store_row_blocks(Ai, T, t0 + 32, H, BT, b_I31, b_I32, b_I33, b_0)
+    store_row_blocks(Ai, T, t0 + 48, H, BT, b_I41, b_I42, b_I43, b_I44)
+
+
+@triton.jit
+def store_row_blocks(Ai, T, r0, H: tl.constexpr, BT: tl.constexpr, b_1, b_2, b_3, b_4):
+    """16 rows (r0 ..) of a per-chunk [T, BT] matrix from its four [16, 16] column blocks."""
+    p_1 = tl.make_block_ptr(Ai, (T, BT), (H * BT, 1), (r0, 0), (16, 16), (1, 0))
+    p_2 = tl.make_block_ptr(Ai, (T, BT), (H * BT, 1), (r0, 16), (16, 16), (1, 0))
+    p_3 = tl.make_block_ptr(Ai, (T, BT), (H * BT, 1), (r0, 32), (16, 16), (1, 0))
+    p_4 = tl.make_block_ptr(Ai, (T, BT), (H * BT, 1), (r0, 48), (16, 16), (1, 0))
+    tl.store(p_1, b_1.to(p_1.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(p_2, b_2.to(p_2.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(p_3, b_3.to(p_3.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(p_4, b_4.to(p_4.dtype.element_ty), boundary_check=(0, 1))
+
+
+def merge_precision(dtype: torch.dtype) -> str:
+    """The merge's [16, 16] dots by the op's input dtype: exact fp32 (ieee) for fp32 inputs, else on
+    the tensor cores, as the diagonal sub-chunks (``decay_intra.diag_precision``): 3 x TF32 for fp16,
+    TF32 for bf16. The FMA (ieee) form held 255 registers a thread and spilled ~0.8 KB."""
+    return diag_precision(dtype)
+
+
+def kkt_solve(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor | None, chunks: Chunks,
+              num_warps: int = SOLVE_WARPS, p: torch.Tensor | None = None,
+              g_read: torch.Tensor | None = None) -> torch.Tensor:
+    """k: [1, T, HK, K]; beta: [1, T, H] (H a multiple of HK); g_cum: [1, T, H] chunk-local cumsum or None.
+
+    Returns Ai [1, T, H, 64], solved in fp32 and stored in k's dtype (its consumers multiply in that dtype).
+    Comba: the rows of A read with ``p`` [1, T, HK, K] and the gate ``g_read`` (the exclusive cumsum):
+    A_ij = beta_i (p_i . k_j) exp(g_read_i - g_j)."""
+    _, T, HK, K = k.shape
+    H = beta.shape[2]
+    BT = chunks.BT
+    assert BT == BT_DELTA
+    Ai = alloc((1, T, H, BT), device=k.device, dtype=k.dtype)
+    BK = min(64, triton.next_power_of_2(K))
+    use_p = p is not None
+    kkt_solve_kernel[(chunks.NC, H)](k, p if use_p else k, beta, g_cum, g_read if use_p else g_cum, Ai,
+                                     chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK, K=K, BT=BT, BK=BK,
+                                     USE_G=g_cum is not None, USE_P=use_p,
+                                     MERGE_PRECISION=merge_precision(k.dtype), num_warps=num_warps)
+    return Ai
+
+
+def solve(Akk: torch.Tensor, beta: torch.Tensor, chunks: Chunks, dtype=torch.float32,
+          num_warps: int = SOLVE_WARPS, precision_of: torch.dtype = torch.float32) -> torch.Tensor:
+    """Akk: [1, T, H, 64] strictly lower per chunk (fp32); beta: [1, T, H] -> Ai [1, T, H, 64] in ``dtype``."""
+    _, T, H, BT = Akk.shape
+    Ai = alloc((1, T, H, BT), device=Akk.device, dtype=dtype)
+    solve_kernel[(chunks.NC, H)](Akk, beta, Ai, chunks.cu_seqlens, chunks.chunk_indices, H=H, BT=BT,
+                                 MERGE_PRECISION=merge_precision(precision_of), num_warps=num_warps)
+    return Ai

@@ -1,0 +1,423 @@
+"""The inter-chunk state pass: the one sequential loop over chunks, shared by every family.
+
+Per sequence, head and [BK, BV] block of the state, chunk after chunk (S the state at the chunk's
+start, D = Diag(exp G_C) the chunk's decay, Kd = Diag(exp(G_C - G)) K its decayed write keys, G
+the chunk-local cumulative log gate, scalar or per channel, C the chunk's last row). The
+transitions differ only in what is written, which is what ``TRANSITION`` selects:
+
+    DECAY (linear attention, GLA, Mamba-2, RWKV-6):   S <- D S + Kd^T V
+    DELTA (the delta rule: U, W from wy.py):          R = U - W S,   S <- D S + Kd^T R
+    DPLR  (generic, U~, W from dplr_wy.py):           R = U~ + W S,  S <- D S + Bd^T R + Kd^T V
+
+R is the low-rank read (DELTA: the pseudo values v_tilde; DPLR: the reads a_t^T S). ``h`` (the
+state at each chunk's start, [NC, H, K, V]) and R are stored when asked; the DELTA forward can
+also form the output on the fly (FUSE_OUTPUT), so inference writes neither:
+
+    O = scale (Diag(exp G) Q S + ((Q K^T) * Gamma * M) R)          M: i >= j
+
+(the per-channel gate's Q K^T * Gamma comes precomputed, ``A``, from intra.py).
+
+The backward runs the same loop from the last chunk, dS the gradient of the state at the chunk's
+end (``dh`` stores it per chunk); Qd = Diag(exp Gq) Q scale (Gq = G, or RWKV-6's exclusive gate):
+
+    DECAY:  dS <- D dS + Qd^T dO
+    DELTA:  dR = scale (A^T dO) + Kd dS,       dS <- D dS + Qd^T dO - W^T dR
+    DPLR:   dR = A_qb^T dO + Bd dS,            dS <- D dS + Qd^T dO + W^T dR
+
+Rows past a sequence's end read as zero; their gates repeat G_C, so no exponent a padded lane
+forms can overflow. DELTA and DPLR contract all of K against S (W S), so their programs hold the
+whole key dimension; DECAY tiles it. ``launch_config`` is the one table of blocks, warps and
+stages for every transition.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastweight.kernels.common import Chunks, alloc, dot_block, mm, while_loops
+
+# the transitions, as the kernels' TRANSITION constexpr (a kernel reads globals only as constexprs)
+DECAY, DELTA, DPLR = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+TRANSITIONS = {"decay": 0, "delta": 1, "dplr": 2}
+
+
+@triton.jit
+def chunk_gates(g, bos, T, i_t, H: tl.constexpr, i_h, BT: tl.constexpr):
+    """(scalar g of the chunk's rows [BT], g at its last row C); rows past the end repeat g_C.
+    With 0 there, exp(0 - g_j) would pass e^88 once the chunk decays that much, and inf times the
+    lane's zero operand would put NaN into the valid rows' sums."""
+    o_t = i_t * BT + tl.arange(0, BT)
+    b_glast = tl.load(g + (bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h)
+    b_g = tl.load(g + (bos + o_t) * H + i_h, mask=o_t < T, other=b_glast)
+    return b_g, b_glast
+
+
+@triton.jit
+def chunk_gates_k(g, bos, T, i_t, H: tl.constexpr, i_h, i_k, K: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr):
+    """(per-channel G of the chunk's rows [BT, BK] in key block i_k, G at its last row [BK]); rows
+    past the end repeat the last row, as in ``chunk_gates``."""
+    p_g = tl.make_block_ptr(g + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+    m_t = i_t * BT + tl.arange(0, BT) < T
+    b_glast = chunk_gate_last_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
+    return tl.where(m_t[:, None], tl.load(p_g, boundary_check=(0, 1)), b_glast[None, :]), b_glast
+
+
+@triton.jit
+def chunk_gate_last_k(g, bos, T, i_t, H: tl.constexpr, i_h, i_k, K: tl.constexpr, BT: tl.constexpr,
+                      BK: tl.constexpr):
+    """G at the chunk's last row [BK], key block i_k, of the per-channel cumsum g [1, T, H, K]."""
+    o_k = i_k * BK + tl.arange(0, BK)
+    return tl.load(g + ((bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h) * K + o_k, mask=o_k < K, other=0.)
+
+
+@triton.jit
+def _rows(x, bos, T, i_t, heads, i_head, D: tl.constexpr, i_d, BT: tl.constexpr, BD: tl.constexpr):
+    """The chunk's rows of a packed [1, T, heads, D] tensor: block (i_t, i_d) of [BT, BD]."""
+    return tl.make_block_ptr(x + (bos * heads + i_head) * D, (T, D), (heads * D, 1), (i_t * BT, i_d * BD), (BT, BD),
+                             (1, 0))
+
+
+@triton.jit
+def _state_block(x, i, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, i_k, i_v, BK: tl.constexpr,
+                 BV: tl.constexpr):
+    """Block (i_k, i_v) of state i of a [*, H, K, V] tensor (i = chunk * H + head)."""
+    return tl.make_block_ptr(x + i.to(tl.int64) * K * V, (K, V), (V, 1), (i_k * BK, i_v * BV), (BK, BV), (1, 0))
+
+
+@triton.jit
+def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, Ai, beta, o, h, r, bos, T, boh, i_h, i_k, i_v, scale,
+              H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+              BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
+              FUSE_OUTPUT: tl.constexpr, STORE_H: tl.constexpr, STORE_R: tl.constexpr, PRESCALED: tl.constexpr,
+              FUSE_WY: tl.constexpr):
+    """One chunk of the forward pass; returns the state at the chunk's end. PRESCALED (per-channel
+    gate): q and k hold the gated rows qg = q exp(G) and kd = k exp(G_C - G) (``wy.recompute_w_u``).
+    FUSE_WY (DELTA, scalar or no gate): the read from Ai and the raw rows, R = Ai Diag(beta) (V -
+    Diag(gamma) K S), so W and U are never formed (v is V, w and u unused)."""
+    o_i = tl.arange(0, BT)
+    m_row = i_t * BT + o_i < T
+    i_hk = i_h // (H // HK)
+    # the order of the same operations sets the compiled schedule, which moves this kernel by up to
+    # 30% on the H200: DPLR stores the state first, then reads k and its gates; the delta rule and
+    # DECAY load the chunk's tiles first, store the state, and read their gates after W S
+    if STORE_H and TRANSITION == DPLR:
+        p_h = _state_block(h, (boh + i_t) * H + i_h, H, K, V, i_k, i_v, BK, BV)
+        tl.store(p_h, b_h.to(p_h.dtype.element_ty), boundary_check=(0, 1))
+    if FUSE_OUTPUT:
+        b_q = tl.load(_rows(q, bos, T, i_t, HK, i_hk, K, 0, BT, BK), boundary_check=(0, 1))
+    b_k = tl.load(_rows(k, bos, T, i_t, HK, i_hk, K, i_k, BT, BK), boundary_check=(0, 1))
+    dt = b_k.dtype
+    if TRANSITION == DPLR:
+        b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
+        b_ek = tl.where(m_row[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)
+        b_hc = b_h.to(dt)
+        b_w = tl.load(_rows(w, bos, T, i_t, H, i_h, K, 0, BT, BK), boundary_check=(0, 1))
+    if TRANSITION == DELTA:
+        if FUSE_WY:
+            b_Ai = tl.load(_rows(Ai, bos, T, i_t, H, i_h, BT, 0, BT, BT), boundary_check=(0, 1))
+            b_beta = tl.load(beta + (bos + i_t * BT + o_i) * H + i_h, mask=m_row, other=0.).to(tl.float32)
+        else:
+            b_w = tl.load(_rows(w, bos, T, i_t, H, i_h, K, 0, BT, BK), boundary_check=(0, 1))
+        b_hc = b_h.to(dt)
+    if STORE_H and TRANSITION != DPLR:
+        p_h = _state_block(h, (boh + i_t) * H + i_h, H, K, V, i_k, i_v, BK, BV)
+        tl.store(p_h, b_h.to(p_h.dtype.element_ty), boundary_check=(0, 1))
+    if TRANSITION != DECAY:
+        # the read R = U -/+ W S against the state at the chunk's start
+        if FUSE_WY:
+            b_vr = tl.load(_rows(v, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(tl.float32)
+            b_ks = b_beta
+            if GATE == 1:
+                b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT)
+                b_ks = b_beta * tl.exp(b_g)
+            b_xr = b_vr * b_beta[:, None] - mm((b_k * b_ks[:, None]).to(dt), b_hc)
+            b_r = mm(b_Ai.to(dt), b_xr.to(dt))
+        else:
+            b_u = tl.load(_rows(u, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(tl.float32)
+            if TRANSITION == DELTA:
+                b_r = b_u - mm(b_w, b_hc)
+            else:
+                b_r = b_u + mm(b_w, b_hc)
+        if STORE_R:
+            p_r = _rows(r, bos, T, i_t, H, i_h, V, i_v, BT, BV)
+            tl.store(p_r, b_r.to(p_r.dtype.element_ty), boundary_check=(0, 1))
+    if GATE == 1 and not FUSE_WY:
+        b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT)
+    if GATE == 2 and TRANSITION != DPLR:
+        if PRESCALED:
+            b_gklast = chunk_gate_last_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
+        else:
+            b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
+            b_ek = tl.where(m_row[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)
+    if FUSE_OUTPUT:
+        if GATE == 2:
+            if PRESCALED:
+                b_o = mm(b_q, b_hc)
+            else:
+                b_o = mm((b_q * tl.exp(b_gk)).to(dt), b_hc)
+            p_A = tl.make_block_ptr(A + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_t * BT, 0), (BT, BT), (1, 0))
+            b_A = tl.load(p_A, boundary_check=(0, 1))
+        else:
+            m_causal = o_i[:, None] >= o_i[None, :]
+            b_o = mm(b_q, b_hc)
+            b_A = mm(b_q, tl.trans(b_k))
+            if GATE == 1:
+                b_o = b_o * tl.exp(b_g)[:, None]
+                b_A = b_A * tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
+            else:
+                b_A = tl.where(m_causal, b_A, 0.)
+        b_o = (b_o + mm(b_A.to(dt), b_r.to(dt))) * scale
+        p_o = _rows(o, bos, T, i_t, H, i_h, V, i_v, BT, BV)
+        tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))
+    # the write: scalar gates scale the written rows, per-channel gates the write keys
+    if TRANSITION == DELTA:
+        b_x = b_r
+    else:
+        b_x = tl.load(_rows(v, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(tl.float32)
+    b_kd = b_k
+    if GATE == 1:
+        b_x = b_x * tl.exp(b_glast - b_g)[:, None]
+        b_h = b_h * tl.exp(b_glast)
+    if GATE == 2:
+        if not PRESCALED:
+            b_kd = (b_k * b_ek).to(dt)
+        b_h = b_h * tl.exp(b_gklast)[:, None]
+    b_h += mm(tl.trans(b_kd), b_x.to(dt))
+    if TRANSITION == DPLR:
+        b_b = tl.load(_rows(b, bos, T, i_t, H, i_h, K, 0, BT, BK), boundary_check=(0, 1))
+        b_h += mm(tl.trans((b_b * b_ek).to(dt)), b_r.to(dt))
+    return b_h
+
+
+@triton.jit
+def state_fwd_kernel(q, k, v, w, u, b, g, A, Ai, beta, h0, o, ht, h, r, cu_seqlens, chunk_offsets, order, scale, NT_ALL,
+                     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
+                     FUSE_OUTPUT: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
+                     STORE_H: tl.constexpr, STORE_R: tl.constexpr, UNIFORM: tl.constexpr,
+                     WHILE_LOOP: tl.constexpr, PRESCALED: tl.constexpr, FUSE_WY: tl.constexpr):
+    i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # sequences longest first (Chunks.order); i_nh below is the (sequence, head) pair's state index
+    i_n, i_h = tl.load(order + i_nh // H), i_nh % H
+    i_nh = i_n * H + i_h
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = (eos - bos).to(tl.int32)
+    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += tl.load(_state_block(h0, i_nh, H, K, V, i_k, i_v, BK, BV), boundary_check=(0, 1)).to(tl.float32)
+    if WHILE_LOOP:
+        # the interpreter cannot range() to a bound loaded through program_id
+        NT = tl.cdiv(T, BT)
+        i_t = 0
+        while i_t < NT:
+            b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, Ai, beta, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H,
+                            HK, K, V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R, PRESCALED,
+                            FUSE_WY)
+            i_t += 1
+    else:
+        # compiled: a for loop, which Triton software-pipelines (the next chunk's loads overlap); its
+        # bound from the host when every sequence has NT_ALL chunks (UNIFORM)
+        if UNIFORM:
+            NT = NT_ALL
+        else:
+            NT = tl.cdiv(T, BT)
+        for i_t in range(0, NT):
+            b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, Ai, beta, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H,
+                            HK, K, V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R, PRESCALED,
+                            FUSE_WY)
+    if STORE_HT:
+        tl.store(_state_block(ht, i_nh, H, K, V, i_k, i_v, BK, BV), b_h, boundary_check=(0, 1))
+
+
+@triton.jit
+def _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dr, bos, T, boh, i_h, i_k, i_v, scale, H: tl.constexpr,
+              HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+              BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr):
+    """One chunk of the backward pass, last chunk first; returns dS at the chunk's start."""
+    o_i = tl.arange(0, BT)
+    m_row = i_t * BT + o_i < T
+    m_anticausal = o_i[:, None] <= o_i[None, :]
+    i_hk = i_h // (H // HK)
+    p_dh = _state_block(dh, (boh + i_t) * H + i_h, H, K, V, i_k, i_v, BK, BV)
+    tl.store(p_dh, b_dh.to(p_dh.dtype.element_ty), boundary_check=(0, 1))
+    b_q = tl.load(_rows(q, bos, T, i_t, HK, i_hk, K, i_k, BT, BK), boundary_check=(0, 1))
+    dt = b_q.dtype
+    b_do = tl.load(_rows(do, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(dt)
+    if GATE == 1:
+        b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT)
+        b_gq = b_g
+        if gq is not None:
+            b_gq = tl.load(gq + (bos + i_t * BT + o_i) * H + i_h, mask=m_row, other=0.)
+        b_qd = (b_q * (tl.exp(b_gq) * scale)[:, None]).to(dt)
+    elif GATE == 2:
+        b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
+        b_ek = tl.where(m_row[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)
+        b_gq = b_gk
+        if gq is not None:
+            b_gq = tl.load(_rows(gq, bos, T, i_t, H, i_h, K, i_k, BT, BK), boundary_check=(0, 1))
+        b_qd = (b_q * tl.exp(b_gq) * scale).to(dt)
+    else:
+        b_qd = (b_q * scale).to(dt)
+    if TRANSITION != DECAY:
+        b_w = tl.load(_rows(w, bos, T, i_t, H, i_h, K, 0, BT, BK), boundary_check=(0, 1))
+        if TRANSITION == DELTA:
+            # the write keys and A^T, [BT, BT]: entry (j, i) = k_j . q_i (gated), the output's scores
+            b_k = tl.load(_rows(k, bos, T, i_t, HK, i_hk, K, 0, BT, BK), boundary_check=(0, 1))
+            if GATE == 2:
+                p_A = tl.make_block_ptr(A + (bos * H + i_h) * BT, (BT, T), (1, H * BT), (0, i_t * BT), (BT, BT),
+                                        (0, 1))
+                b_At = tl.load(p_A, boundary_check=(0, 1)).to(tl.float32)
+                b_kd = (b_k * b_ek).to(dt)
+            elif GATE == 1:
+                b_At = mm(b_k, tl.trans(b_q)) * tl.exp(tl.where(m_anticausal, b_g[None, :] - b_g[:, None],
+                                                                float("-inf")))
+                b_kd = (b_k * tl.exp(b_glast - b_g)[:, None]).to(dt)
+            else:
+                b_At = tl.where(m_anticausal, mm(b_k, tl.trans(b_q)), 0.)
+                b_kd = b_k
+            b_dr = mm((b_At * scale).to(dt), b_do) + mm(b_kd, b_dh.to(dt))
+        else:
+            p_A = tl.make_block_ptr(A + (bos * H + i_h) * BT, (BT, T), (1, H * BT), (0, i_t * BT), (BT, BT), (0, 1))
+            b_At = tl.where(m_anticausal & m_row[None, :], tl.load(p_A, boundary_check=(0, 1)), 0.)
+            b_b = tl.load(_rows(b, bos, T, i_t, H, i_h, K, 0, BT, BK), boundary_check=(0, 1))
+            b_dr = mm(b_At.to(dt), b_do) + mm((b_b * b_ek).to(dt), b_dh.to(dt))
+        p_dr = _rows(dr, bos, T, i_t, H, i_h, V, i_v, BT, BV)
+        tl.store(p_dr, b_dr.to(p_dr.dtype.element_ty), boundary_check=(0, 1))
+    if GATE == 1:
+        b_dh = b_dh * tl.exp(b_glast)
+    if GATE == 2:
+        b_dh = b_dh * tl.exp(b_gklast)[:, None]
+    b_dh += mm(tl.trans(b_qd), b_do)
+    if TRANSITION == DELTA:
+        b_dh -= mm(tl.trans(b_w), b_dr.to(dt))
+    if TRANSITION == DPLR:
+        b_dh += mm(tl.trans(b_w), b_dr.to(dt))
+    return b_dh
+
+
+@triton.jit
+def state_bwd_kernel(q, k, w, b, g, gq, A, do, dht, dh, dh0, dr, cu_seqlens, chunk_offsets, order, scale,
+                     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
+                     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, WHILE_LOOP: tl.constexpr):
+    i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # sequences longest first (Chunks.order); i_nh below is the (sequence, head) pair's state index
+    i_n, i_h = tl.load(order + i_nh // H), i_nh % H
+    i_nh = i_n * H + i_h
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = (eos - bos).to(tl.int32)
+    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_dh += tl.load(_state_block(dht, i_nh, H, K, V, i_k, i_v, BK, BV), boundary_check=(0, 1)).to(tl.float32)
+    if WHILE_LOOP:
+        i_t = tl.cdiv(T, BT) - 1
+        while i_t >= 0:
+            b_dh = _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dr, bos, T, boh, i_h, i_k, i_v, scale, H, HK,
+                             K, V, BT, BK, BV, TRANSITION, GATE)
+            i_t -= 1
+    else:
+        NT = tl.cdiv(T, BT)
+        for i_c in range(0, NT):
+            b_dh = _bwd_step(NT - 1 - i_c, b_dh, q, k, w, b, g, gq, A, do, dh, dr, bos, T, boh, i_h, i_k, i_v, scale,
+                             H, HK, K, V, BT, BK, BV, TRANSITION, GATE)
+    if STORE_DH0:
+        tl.store(_state_block(dh0, i_nh, H, K, V, i_k, i_v, BK, BV), b_dh, boundary_check=(0, 1))
+
+
+def launch_config(transition: str, K: int, V: int, itemsize: int, backward: bool = False,
+                  per_channel: bool = False, block_v: int | None = None) -> tuple[int, int, int, int]:
+    """(BK, BV, num_warps, num_stages) of a state pass: the one table, by transition and shape.
+
+    The value block is 64 (a smaller V padded, masked) for DECAY and DELTA: Triton 3.6 on the
+    H200 addresses shared memory out of range in 16-bit dots over narrower blocks (``common.
+    dot_block``). DECAY tiles K by 64 (8 warps, 3 stages: the fastest of `python -m
+    fastweight.bench.gpu_sweep`). DELTA holds all of K: 8 warps for K = 256 (the [K, BV] fp32
+    state in registers) and for the per-channel (KDA) backward at K = 128, else 4; two stages of
+    prefetch while a chunk's q, k, w tiles fit twice in the H200's 227 KiB of shared memory (up to
+    256 bytes a row), else one. DPLR holds all of K and narrows BV to a small V (16 at least);
+    4 warps 2 stages up to K = 64, else 8 warps, the forward 1 stage, the backward 2 (1 at K = 256):
+    the fastest for RWKV-7 on the H200. Measurements: docs/bench/delta.md, decay_dplr.md."""
+    if transition == "decay":
+        return 64, dot_block(block_v or 64), 8, 3
+    if transition == "delta":
+        BK = triton.next_power_of_2(K)
+        warps = 8 if K > 128 or (backward and per_channel and K == 128) else 4
+        return BK, block_v or 64, warps, 2 if BK * itemsize <= 256 else 1
+    if transition == "dplr":
+        BK = max(16, triton.next_power_of_2(K))
+        BV = min(block_v or 64, max(16, triton.next_power_of_2(V)))
+        if BK <= 64:
+            return BK, BV, 4, 2
+        return BK, BV, 8, (2 if BK <= 128 else 1) if backward else 1
+    raise ValueError(f"transition must be one of {tuple(TRANSITIONS)}, got {transition!r}")
+
+
+def _gate_kind(g) -> int:
+    return 0 if g is None else (1 if g.dim() == 3 else 2)
+
+
+def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, b=None, q=None, A=None,
+              scale: float = 1.0, initial_state=None, output_final_state: bool = False, store_h: bool = True,
+              store_r: bool = False, fuse_output: bool = False, state_dtype=None, block_v=None,
+              prescaled: bool = False, Ai=None, beta=None):
+    """The forward state pass (module docstring).
+
+    k: [1, T, HK, K] (q likewise, with ``fuse_output``); v: [1, T, H, V]; w, b: [1, T, H, K]; u:
+    [1, T, H, V]; g: None, [1, T, H] or [1, T, H, K] (fp32 chunk-local cumsum); A: [1, T, H, BT];
+    initial_state: [N, H, K, V]; ``prescaled`` (delta, per-channel g): k and q are the gated rows
+    kd, qg [1, T, H, K] of ``wy.recompute_w_u``. ``Ai`` [1, T, H, BT] and ``beta`` [1, T, H] (delta,
+    scalar or no gate) in place of w and u: the read is formed from v, R = Ai Diag(beta) (V -
+    Diag(gamma) K S) (one [BT, BT] product more a chunk; W and U are not formed). Returns (h [NC,
+    H, K, V] in ``state_dtype`` (default k's) or None, R [1, T, H, V] in v's dtype or None, o [1,
+    T, H, V] in v's dtype or None, final state fp32 or None)."""
+    _, T, HK, K = k.shape
+    H, V = v.shape[2], v.shape[-1]
+    BK, BV, warps, stages = launch_config(transition, K, V, k.element_size(), per_channel=_gate_kind(g) == 2,
+                                          block_v=block_v)
+    # the delta rule's loop takes its bound from the host when every sequence has NT chunks (its forward
+    # keeping h is faster so on the H200); decay and DPLR read it from cu_seqlens, which is faster for them
+    uniform = chunks.NT is not None and transition == "delta"
+    dev = k.device
+    h = alloc((chunks.NC, H, K, V), dtype=state_dtype or k.dtype, device=dev) if store_h else None
+    r = alloc(v.shape, dtype=v.dtype, device=dev) if store_r else None
+    o = alloc(v.shape, dtype=v.dtype, device=dev) if fuse_output else None
+    ht = alloc((chunks.N, H, K, V), dtype=torch.float32, device=dev) if output_final_state else None
+    grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), chunks.N * H)
+    fuse_wy = Ai is not None
+    if fuse_wy and (transition != "delta" or _gate_kind(g) == 2 or beta is None):
+        raise ValueError("`Ai` (the fused W/U read) needs the delta transition, a scalar or no gate and `beta`")
+    state_fwd_kernel[grid](q, k, v, w, u, b, g, A, Ai, beta, initial_state, o, ht, h, r, chunks.cu_seqlens,
+                           chunks.chunk_offsets, chunks.order, scale, chunks.NT or 0, H=H, HK=HK, K=K, V=V,
+                           BT=chunks.BT, BK=BK, BV=BV, TRANSITION=TRANSITIONS[transition], GATE=_gate_kind(g),
+                           FUSE_OUTPUT=fuse_output, USE_H0=initial_state is not None, STORE_HT=output_final_state,
+                           STORE_H=store_h, STORE_R=store_r, UNIFORM=uniform, WHILE_LOOP=while_loops(),
+                           PRESCALED=prescaled, FUSE_WY=fuse_wy, num_warps=warps, num_stages=stages)
+    return h, r, o, ht
+
+
+def state_bwd(transition: str, q, do, chunks: Chunks, *, g=None, gq=None, k=None, w=None, b=None, A=None,
+              scale: float = 1.0, dht=None, need_dh0: bool = False, state_dtype=None, dr_dtype=None,
+              block_v=None):
+    """The backward state pass (module docstring): q [1, T, HK, K], do [1, T, H, V], gq (RWKV-6's
+    exclusive readout gate) as g, the rest as in :func:`state_fwd`. Returns (dh [NC, H, K, V] in
+    ``state_dtype`` (default q's), dR [1, T, H, V] in ``dr_dtype`` (default do's) or None (DECAY),
+    d initial_state fp32 or None)."""
+    _, T, HK, K = q.shape
+    H, V = do.shape[2], do.shape[-1]
+    BK, BV, warps, stages = launch_config(transition, K, V, q.element_size(), backward=True,
+                                          per_channel=_gate_kind(g) == 2, block_v=block_v)
+    dev = q.device
+    dh = alloc((chunks.NC, H, K, V), dtype=state_dtype or q.dtype, device=dev)
+    dr = alloc(do.shape, dtype=dr_dtype or do.dtype, device=dev) if transition != "decay" else None
+    dh0 = alloc((chunks.N, H, K, V), dtype=torch.float32, device=dev) if need_dh0 else None
+    grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), chunks.N * H)
+    state_bwd_kernel[grid](q, k, w, b, g, gq, A, do, dht, dh, dh0, dr, chunks.cu_seqlens, chunks.chunk_offsets,
+                           chunks.order, scale, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
+                           TRANSITION=TRANSITIONS[transition], GATE=_gate_kind(g), USE_DHT=dht is not None,
+                           STORE_DH0=need_dh0, WHILE_LOOP=while_loops(), num_warps=warps, num_stages=stages)
+    return dh, dr, dh0
