@@ -8,7 +8,8 @@
 | hgrn2  | Diag(alpha_t) S + (1 - alpha_t) v^T| log alpha = logsigmoid(W_f x); the key is 1 - alpha   | hgrn2       |
 | mamba2 | exp(dt A) S + dt B x^T, y = C^T S + D x | Mamba-2's A_log, dt_bias, softplus               | simple_gla  |
 
-All but Mamba-2 share ``q, k, v = W_q x, W_k x, W_v x`` and ``y = W_o (RMSNorm(o) [* silu(W_g x)])``.
+All but Mamba-2 share ``q, k, v = W_q x, W_k x, W_v x`` and ``y = W_o (RMSNorm(o) [* silu(W_g x)])``;
+GLA's q, k, v go through short convolutions when ``LMConfig.gla_short_conv`` (fla's ``use_short_conv``).
 Linear attention's normaliser ``1 / phi(q)^T sum phi(k)`` is a positive per-head scalar, so
 the output RMSNorm (scale invariant) makes it redundant; it is left out.
 Mamba-2 keeps its own block: one input projection to (z, x, B, C, dt), a ShortConv over
@@ -43,12 +44,20 @@ class DecayMixer(Mixer):
         self.g_proj = nn.Linear(D, H * V, bias=False) if variant in ("gla", "retnet") else None
         if variant == "gla":
             self.gk_proj = LowRank(D, GATE_RANK, H * K, activation=None, bias=True)
+        self.qkv_conv = None
+        if variant == "gla" and cfg.gla_short_conv:
+            self.qkv_conv = nn.ModuleDict({"q": ShortConv(H * K, cfg.conv_size, "silu"),
+                                           "k": ShortConv(H * K, cfg.conv_size, "silu"),
+                                           "v": ShortConv(H * V, cfg.conv_size, "silu")})
         self.o_norm = GatedRMSNorm(V, cfg.norm_eps, "silu")
         self.o_proj = nn.Linear(H * V, D, bias=False)
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, shared: dict | None = None) -> torch.Tensor:
         H = self.n_heads
-        q, k, v = (split_heads(p(x), H) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        if self.qkv_conv is not None:
+            q, k, v = (self.conv(self.qkv_conv[n], y, cache, f"conv_{n}", shared) for n, y in zip("qkv", (q, k, v)))
+        q, k, v = (split_heads(y, H) for y in (q, k, v))
         scale = self.head_k ** -0.5
         if self.variant == "la":
             q, k = F.elu(q) + 1, F.elu(k) + 1

@@ -50,6 +50,11 @@ class LMConfig:
     fla's HGRN2 forget-gate lower bounds (its ``use_lower_bound``), a parameter ``lower_bounds``
     [n_layers, d_model]; layer l > 0 takes lb_l = cumsum_l(softmax over layers) - softmax_0.
 
+    ``gla_short_conv``: the ``gla`` mixer's q, k, v each through a short convolution (width
+    ``conv_size``, then SiLU), fla's GLA ``use_short_conv=True``; off by default, as in fla. Without
+    it GLA has no local token mixing: on MQAR it stays near 11% where it reaches 99.98% with it
+    (``docs/results/published.md``).
+
     ``attn_heads``: the heads of the attention layers (``attn``, ``swa``), None: ``n_heads`` (fla's
     hybrid models give their attention layers their own count).
 
@@ -92,6 +97,7 @@ class LMConfig:
     rwkv7_group_norm_eps: float | None = None
     num_householder: int | None = None
     use_mlp: bool = True
+    gla_short_conv: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "conv_size", "window_size",

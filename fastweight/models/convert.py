@@ -286,6 +286,9 @@ def _fla_config_from_lm_mixer(cfg: LMConfig, mixer: str) -> dict:
     if not cfg.use_mlp and model_type != "mamba2":
         raise NotImplementedError(f"fla's {spec.architecture} has an MLP in every block; this model has "
                                   "use_mlp=False")
+    if model_type == "gla" and cfg.gla_short_conv:
+        raise NotImplementedError("fla's GatedLinearAttention with use_short_conv=True is not converted (its "
+                                  "convolutions' names and cache); this model has gla_short_conv=True")
     if model_type == "rwkv7":
         if not cfg.rwkv7_official:
             raise NotImplementedError("the LM's own rwkv7 mixer (per-head RMSNorm, one LoRA rank) has no fla model; "

@@ -150,3 +150,30 @@ def test_packed_sequences_errors():
         model(ids(B=1, T=6), cu_seqlens=torch.tensor([0, 3, 5]))
     with pytest.raises(ValueError, match="cache"):
         model(ids(B=1, T=6), cache=model.new_cache(), cu_seqlens=torch.tensor([0, 3, 6]))
+
+
+def test_gla_short_conv():
+    """``gla_short_conv``: GLA's q, k, v through short convolutions (fla's use_short_conv). The
+    convolutions exist and change the output; prefill then decode matches one pass (the
+    convolutions' tails cached); packed sequences match separate ones (no tap crosses a boundary);
+    no fla config is written for it (fla's GLAForCausalLM would build it without them)."""
+    from fastweight.models.convert import fla_config_from_lm
+    plain, conv = tiny("gla"), tiny("gla", gla_short_conv=True)
+    names = {n for n, _ in conv.named_parameters()} - {n for n, _ in plain.named_parameters()}
+    assert names and all("qkv_conv" in n for n in names), names
+    x = ids()
+    conv.load_state_dict(plain.state_dict(), strict=False)
+    with torch.no_grad():
+        assert rel_err(conv(x), plain(x)) > 1e-3
+        conv.eval()
+        full = conv(x)
+        cache = conv.new_cache()
+        parts = [conv(x[:, :7], cache=cache)] + [conv(x[:, t:t + 1], cache=cache) for t in range(7, 21)]
+    assert rel_err(torch.cat(parts, 1), full) < 5e-5
+    seqs = [ids(B=1, T=n) for n in (5, 1, 9)]
+    with torch.no_grad():
+        packed = conv(torch.cat(seqs, 1), cu_seqlens=torch.tensor([0, 5, 6, 15]))
+        separate = torch.cat([conv(s) for s in seqs], 1)
+    assert rel_err(packed, separate) < 1e-5
+    with pytest.raises(NotImplementedError, match="gla_short_conv"):
+        fla_config_from_lm(conv.cfg)
