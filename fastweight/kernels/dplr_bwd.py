@@ -10,8 +10,8 @@ Given the state pass's results (h, dh, U, dU from ``state.py``), a program
        through the per-channel midpoint of its gates, eight [BT, BT] x [BT, BK] dots per K block,
        with the dA's never leaving the chip; a wider one stores them and goes sub-chunk by
        sub-chunk (reference rows between sub-chunks, the diagonal ones factored or token at a time);
-    3. stores dq, dk, da, db and three per-token gate terms (scratch), and
-    4. sums those into the gate gradient (``gate_sum``).
+    3. stores dq, dk, da, db and three per-token gate terms (scratch);
+then ``dplr_gate_bwd_kernel`` sums the terms into the gate gradient (``gate_sum``).
 
 The gate gradient, per key channel, chunk by chunk. With G the chunk-local cumulative log gate,
 G^-_t = G_{t-1} (q, k, b read at G, a at G^-), h the state before chunk c and dh' the gradient
@@ -33,13 +33,15 @@ The sequence-wide form (sum_{t >= u} of q dq - k dk - b db + a da, plus the carr
 the same in exact arithmetic, but cancels those pairs and the state terms against the carry.
 
 The scratch written in 1 is read back in 2 by other threads of the same program, after a barrier;
-3 stores the gate terms over it (read first, then overwritten after a barrier), and 4 sums them
-after another. Nothing of it outlives the chunk, so the chunks go in launches of P (one after
-the other on the stream), each program with its own scratch rows: 4 x P x BT x H x K fp32 (at
+3 stores the gate terms over it (read first, then overwritten after a barrier), and the gate
+kernel reads them. Nothing of it outlives that, so the chunks go in launches of P (the main
+kernel, then the gate kernel, then the next P), each program with its own scratch rows: 4 x P x BT x H x K fp32 (at
 most ``SCRATCH_BYTES``), where one launch of all needs 4 x T x H x K (16 B a token and key
 channel: 8.6 GB at B 8, T 16384, H 64, K 64). A loop over chunks inside the kernel would do the
 same in one launch, but doubles its register spill (``bench.compile_delta``, sm_90, bf16: 2,160
-against 1,080 B a thread at K = 64, 1,624 against 608 at K = 128).
+against 1,080 B a thread at K = 64, 1,624 against 608 at K = 128); the gate sum inside the main
+kernel (one kernel, no second read of the terms) made the backward 11-17% slower on the H100
+(its occupancy of one CTA an SM for a latency-bound pass).
 Shapes as in ``dplr.py``: q, k, a, b, gc, gp [1, T, H, K]; v, U, dU, dO [1, T, H, V]; A's [1, T, H, BT];
 h, dh [NC, H, K, V].
 """
@@ -152,11 +154,21 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
                     bwd_sub(q, k, a, b, gc, gp, dAqk_c, dAqb_c, dAak_c, dAab_c, pairs, dq_c, dk_c, da_c, db_c, dq,
                              dk, da, db, dq_c, da_c, dk_c, scale, i_k, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
                              DOT_PRECISION, DIAG_PRECISION, SPAN)
-    # after every K block (the dA tiles dead), in 32 x 32 blocks
-    tl.debug_barrier()
-    for i_k in range(0, tl.cdiv(K, 32)):
-        o_k = i_k * 32 + tl.arange(0, 32)
-        gate_sum(gc, h, dh, dq_c, da_c, dk_c, dg, i_t, i_c, bos, T, i_h, o_k, o_k < K, H, K, V, BT, 32, 32)
+
+
+@triton.jit
+def dplr_gate_bwd_kernel(gc, h, dh, dgk, dga, dgs, dg, cu_seqlens, chunk_indices, t0, H: tl.constexpr, K: tl.constexpr,
+                         V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Program (p, head): chunk t0 + p's gate gradient from the terms ``dplr_bwd_kernel`` left in
+    the scratch rows of its program p (``gate_sum``)."""
+    i_p, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i_t = t0 + i_p
+    i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
+    rebase = (i_p * BT - bos - i_c * BT) * H * K
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        gate_sum(gc, h, dh, dgk + rebase, dga + rebase, dgs + rebase, dg, i_t, i_c, bos, T, i_h, o_k, o_k < K, H, K, V,
+                 BT, BK, BV)
 
 
 SCRATCH_BYTES = 512 * 2 ** 20
@@ -200,10 +212,15 @@ def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
     dAs = [torch.empty(max(n_wide, 1) * chunks.BT, H, chunks.BT, **f32) for _ in range(4)]
     pairs = torch.empty(1, T, H, 4, **f32)
     scratch = [torch.empty(P * chunks.BT, H, K, **f32) for _ in range(4)]
+    GK, GV = min(64, max(16, triton.next_power_of_2(K))), min(64, max(16, triton.next_power_of_2(V)))
     for t0 in range(0, chunks.NC, P):
-        dplr_bwd_kernel[(min(P, chunks.NC - t0), H)](
+        n = min(P, chunks.NC - t0)
+        dplr_bwd_kernel[(n, H)](
             q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, *dAs, pairs, *scratch, dq, dk,
             dv, da, db, dg, chunks.cu_seqlens, chunks.chunk_indices, scale, t0, H=H, K=K, V=V, BT=chunks.BT, BC=16,
             BK=BK, BV=BV, DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=span,
             num_warps=warps, num_stages=stages)
+        # the gate terms (over three of the scratch buffers) summed before the next launch writes them
+        dplr_gate_bwd_kernel[(n, H)](gc, h, dh, scratch[0], scratch[2], scratch[1], dg, chunks.cu_seqlens,
+                                     chunks.chunk_indices, t0, H=H, K=K, V=V, BT=chunks.BT, BK=GK, BV=GV, num_warps=4)
     return dq, dk, dv, da, db, dg
