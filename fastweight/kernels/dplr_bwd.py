@@ -88,18 +88,20 @@ def gate_sum(gc, h, dh, dgk, dga, dgs, dg, i_t, i_c, bos, T, i_h, o_k, m_k, H: t
     b_x = load_rows(dgk, bos, o_t, m_t, i_h, o_k, m_k, H, K) + load_rows(dga, bos, o_t + 1, m_next, i_h, o_k, m_k, H, K)
     b_p = load_rows(dgs, bos, o_t - 1, m_prev, i_h, o_k, m_k, H, K)
     b_dg = tl.cumsum(b_x, axis=0, reverse=True) + tl.cumsum(b_p, axis=0) + b_e[None, :]
+    tl.debug_barrier()  # dg may be dgk's buffer: every thread's loads first
     tl.store(dg + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], b_dg.to(dg.dtype.element_ty),
              mask=m_t[:, None] & m_k[None, :])
 
 
 @triton.jit
 def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, dAqk, dAqb, dAak, dAab,
-                    pairs, dq_s, dk_s, da_s, db_s, dq, dk, dv, da, db, dg, cu_seqlens, chunk_indices, scale, t0,
+                    pairs, dq_s, dk_s, da_s, db_s, dq, dk, dv, da, db, cu_seqlens, chunk_indices, scale, t0,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr,
-                    SPAN: tl.constexpr):
+                    SPAN: tl.constexpr, SLOTTED: tl.constexpr):
     """Program (p, head) takes chunk t0 + p, its scratch the rows ``p * BT ...`` of the [P * BT, H, K]
-    fp32 buffers dq_s, dk_s, da_s, db_s (``dplr_bwd`` launches the chunks P at a time).
+    fp32 buffers dq_s, dk_s, da_s, db_s (``dplr_bwd`` launches the chunks P at a time); not
+    SLOTTED (one launch of all), the chunk's own rows of [T, H, K] buffers.
     DOT_PRECISION serves the local part and the whole-chunk path (its [BT, BT] fp32 operands: 3 x
     TF32 there would need more shared memory than the H200 has), DIAG_PRECISION the diagonal
     sub-chunks of the sub-chunk path and the local part's dots with dh (``local_grads``). ``wide``
@@ -112,8 +114,11 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
     m_t = o_t < T
     # the program's scratch rows, addressed as the chunk's rows of a [T, H, K] buffer (every
     # scratch index below is unchanged); the gate terms go over three of them
-    rebase = (i_p * BT - bos - i_c * BT) * H * K
-    dq_c, dk_c, da_c, db_c = dq_s + rebase, dk_s + rebase, da_s + rebase, db_s + rebase
+    if SLOTTED:
+        rebase = (i_p * BT - bos - i_c * BT) * H * K
+        dq_c, dk_c, da_c, db_c = dq_s + rebase, dk_s + rebase, da_s + rebase, db_s + rebase
+    else:
+        dq_c, dk_c, da_c, db_c = dq_s, dk_s, da_s, db_s
     b_dqk, b_dqb, b_dak, b_dab = local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq_c, dk_c,
                                              da_c, db_c, pairs, i_t, i_c, bos, T, i_h, scale, H, K, V, BT, BK, BV,
                                              DOT_PRECISION, DIAG_PRECISION)
@@ -158,27 +163,29 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
 
 @triton.jit
 def dplr_gate_bwd_kernel(gc, h, dh, dgk, dga, dgs, dg, cu_seqlens, chunk_indices, t0, H: tl.constexpr, K: tl.constexpr,
-                         V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                         V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         SLOTTED: tl.constexpr):
     """Program (p, head): chunk t0 + p's gate gradient from the terms ``dplr_bwd_kernel`` left in
     the scratch rows of its program p (``gate_sum``)."""
     i_p, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_t = t0 + i_p
     i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
-    rebase = (i_p * BT - bos - i_c * BT) * H * K
+    rebase = (i_p * BT - bos - i_c * BT) * H * K if SLOTTED else 0
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         gate_sum(gc, h, dh, dgk + rebase, dga + rebase, dgs + rebase, dg, i_t, i_c, bos, T, i_h, o_k, o_k < K, H, K, V,
                  BT, BK, BV)
 
 
-SCRATCH_BYTES = 512 * 2 ** 20
+SCRATCH_BYTES = 2 * 2 ** 30
 
 
 def chunks_per_launch(NC: int, H: int, K: int, BT: int) -> int:
-    """P, the chunks of one launch of the backward: its scratch (4 x P x BT x H x K fp32) within
-    ``SCRATCH_BYTES``, so launches of >= ~30 programs an SM (the last wave's tail a small part of
-    each) and the memory no longer growing with T: 8.6 GB at one launch for B 8, T 16384, H 64,
-    K 64, 0.5 GiB in 16 launches."""
+    """P, the chunks of one launch of the backward: all of them while the scratch (4 x NC x BT x H x
+    K fp32) fits ``SCRATCH_BYTES``, else as many as fit. Measured on the H100 (RWKV-7 bf16
+    fwd+bwd): the launches in turn cost ~4% at (8, 16384, 64, 64) (the scratch rows addressed by
+    program, and the waves' tails) and save 6 GiB of its 40 at 4 launches; at (4, 8192, 16, 128)
+    (1 GiB of scratch) they would cost 2-3% for 0.25 GiB, so it stays one launch."""
     return max(1, min(NC, SCRATCH_BYTES // (16 * BT * H * K)))
 
 
@@ -201,8 +208,8 @@ def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
     if programs is None:
         programs = chunks_per_launch(chunks.NC, H, K, chunks.BT)
     P = chunks.NC if programs == 0 else min(programs, chunks.NC)
+    slotted = P < chunks.NC
     dq, dk, dv, da, db = (torch.empty_like(x) for x in (q, k, v, a, b))
-    dg = torch.empty(1, T, H, K, dtype=g_dtype, device=q.device)
     f32 = dict(dtype=torch.float32, device=q.device)
     # the dA's are written only by chunks that take the sub-chunk path; the scratch by every program,
     # and the next launch (same stream: after this one ends) writes it again
@@ -211,16 +218,20 @@ def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
     n_wide = int(wide_chunk.sum())
     dAs = [torch.empty(max(n_wide, 1) * chunks.BT, H, chunks.BT, **f32) for _ in range(4)]
     pairs = torch.empty(1, T, H, 4, **f32)
-    scratch = [torch.empty(P * chunks.BT, H, K, **f32) for _ in range(4)]
+    scratch = [torch.empty(P * chunks.BT if slotted else T, H, K, **f32) for _ in range(4)]
+    # in one launch an fp32 dg goes over dgk (each gate program reads its chunk's rows, then writes them)
+    same = not slotted and g_dtype == torch.float32
+    dg = scratch[0].view(1, T, H, K) if same else torch.empty(1, T, H, K, dtype=g_dtype, device=q.device)
     GK, GV = min(64, max(16, triton.next_power_of_2(K))), min(64, max(16, triton.next_power_of_2(V)))
     for t0 in range(0, chunks.NC, P):
         n = min(P, chunks.NC - t0)
         dplr_bwd_kernel[(n, H)](
             q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, *dAs, pairs, *scratch, dq, dk,
-            dv, da, db, dg, chunks.cu_seqlens, chunks.chunk_indices, scale, t0, H=H, K=K, V=V, BT=chunks.BT, BC=16,
+            dv, da, db, chunks.cu_seqlens, chunks.chunk_indices, scale, t0, H=H, K=K, V=V, BT=chunks.BT, BC=16,
             BK=BK, BV=BV, DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=span,
-            num_warps=warps, num_stages=stages)
+            SLOTTED=slotted, num_warps=warps, num_stages=stages)
         # the gate terms (over three of the scratch buffers) summed before the next launch writes them
         dplr_gate_bwd_kernel[(n, H)](gc, h, dh, scratch[0], scratch[2], scratch[1], dg, chunks.cu_seqlens,
-                                     chunks.chunk_indices, t0, H=H, K=K, V=V, BT=chunks.BT, BK=GK, BV=GV, num_warps=4)
+                                     chunks.chunk_indices, t0, H=H, K=K, V=V, BT=chunks.BT, BK=GK, BV=GV,
+                                     SLOTTED=slotted, num_warps=4)
     return dq, dk, dv, da, db, dg
