@@ -163,8 +163,8 @@ def variants():
     (span 0, the path of strong gates); RWKV-7 keeping its intermediates (default) vs
     recomputing them in the backward; RWKV-7 at the paper's shape (where its forward goes), with
     the wide-chunk kernel's programs one a chunk (``DplrLaunch.wide_grid``), and with the fused
-    backward in one launch (``DplrLaunch.bwd_programs=0``: its scratch as large as the input, as
-    before it went in launches of bounded scratch)."""
+    backward in one launch (``DplrLaunch.bwd_programs=0``: its scratch as large as the input; the
+    default goes in launches of bounded scratch past ``dplr_bwd.SCRATCH_BYTES``)."""
     cases = [("gla", "rwkv7paper", "factored", DecayLaunch()),
              ("gla", "rwkv7paper", "token at a time", DecayLaunch(span=0.0)),
              ("rwkv7", "gdn1.3b", "kept", DplrLaunch()), ("rwkv7", "gdn1.3b", "recomputed", DplrLaunch(recompute=True)),

@@ -10,8 +10,8 @@ Given the state pass's results (h, dh, U, dU from ``state.py``), a program
        through the per-channel midpoint of its gates, eight [BT, BT] x [BT, BK] dots per K block,
        with the dA's never leaving the chip; a wider one stores them and goes sub-chunk by
        sub-chunk (reference rows between sub-chunks, the diagonal ones factored or token at a time);
-    3. stores dq, dk, da, db and three per-token gate terms (scratch);
-then ``dplr_gate_bwd_kernel`` sums the terms into the gate gradient (``gate_sum``).
+    3. stores dq, dk, da, db and three per-token gate terms, which ``dplr_gate_bwd_kernel`` sums
+       into the gate gradient.
 
 The gate gradient, per key channel, chunk by chunk. With G the chunk-local cumulative log gate,
 G^-_t = G_{t-1} (q, k, b read at G, a at G^-), h the state before chunk c and dh' the gradient
@@ -35,8 +35,8 @@ the same in exact arithmetic, but cancels those pairs and the state terms agains
 The scratch written in 1 is read back in 2 by other threads of the same program, after a barrier;
 3 stores the gate terms over it (read first, then overwritten after a barrier), and the gate
 kernel reads them. Nothing of it outlives that, so the chunks go in launches of P (the main
-kernel, then the gate kernel, then the next P), each program with its own scratch rows: 4 x P x BT x H x K fp32 (at
-most ``SCRATCH_BYTES``), where one launch of all needs 4 x T x H x K (16 B a token and key
+kernel, then the gate kernel, then the next P), each program with its own scratch rows:
+4 x P x BT x H x K fp32 (at most ``SCRATCH_BYTES``), where one launch of all needs 4 x T x H x K (16 B a token and key
 channel: 8.6 GB at B 8, T 16384, H 64, K 64). A loop over chunks inside the kernel would do the
 same in one launch, but doubles its register spill (``bench.compile_delta``, sm_90, bf16: 2,160
 against 1,080 B a thread at K = 64, 1,624 against 608 at K = 128); the gate sum inside the main
@@ -64,33 +64,6 @@ def launch_config(K: int) -> tuple[tuple[int, int], tuple[int, int]]:
     K or V): the fastest for RWKV-7 bf16 forward+backward at K = V = 64 and 128 on the H200
     (docs/bench/decay_dplr.md)."""
     return ((32, 64), (4, 1)) if K <= 64 else ((64, 64), (8, 1))
-
-
-@triton.jit
-def gate_sum(gc, h, dh, dgk, dga, dgs, dg, i_t, i_c, bos, T, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
-             V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """Chunk i_t's gate gradient in the key block o_k: dg_u = sum_{t >= u} dgk_t + sum_{t > u} dga_t
-    + sum_{t < u} dgs_t + exp(G_C) rowsum(h dh'), every sum inside the chunk (the terms as
-    ``bwd_finish`` stored them, addressed as the chunk's rows)."""
-    o_t = i_c * BT + tl.arange(0, BT)
-    m_t = o_t < T
-    hi = tl.minimum(T, i_c * BT + BT)
-    m_prev, m_next = m_t & (o_t > i_c * BT), o_t + 1 < hi
-    o_h = (i_t * H + i_h) * K * V
-    b_e = tl.zeros([BK], dtype=tl.float32)
-    for i_v in range(0, tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        p_h = o_h + o_k[:, None] * V + o_v[None, :]
-        m_h = m_k[:, None] & (o_v < V)[None, :]
-        b_h = tl.load(h + p_h, mask=m_h, other=0.).to(tl.float32)
-        b_e += tl.sum(b_h * tl.load(dh + p_h, mask=m_h, other=0.), 1)
-    b_e *= tl.exp(tl.load(gc + ((bos + hi - 1) * H + i_h) * K + o_k, mask=m_k, other=0.))
-    b_x = load_rows(dgk, bos, o_t, m_t, i_h, o_k, m_k, H, K) + load_rows(dga, bos, o_t + 1, m_next, i_h, o_k, m_k, H, K)
-    b_p = load_rows(dgs, bos, o_t - 1, m_prev, i_h, o_k, m_k, H, K)
-    b_dg = tl.cumsum(b_x, axis=0, reverse=True) + tl.cumsum(b_p, axis=0) + b_e[None, :]
-    tl.debug_barrier()  # dg may be dgk's buffer: every thread's loads first
-    tl.store(dg + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], b_dg.to(dg.dtype.element_ty),
-             mask=m_t[:, None] & m_k[None, :])
 
 
 @triton.jit
@@ -136,45 +109,65 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
             b_a = load_rows(a, bos, o_t, m_t, i_h, o_k, m_k, H, K)
             b_b = load_rows(b, bos, o_t, m_t, i_h, o_k, m_k, H, K)
             b_z = tl.zeros([BT, BK], dtype=tl.float32)
-            b_dq, b_dk, b_da, b_db = factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_z, b_z, b_z, b_z,
-                                                   b_dqk, b_dqb, b_dak, b_dab, m_tk, scale, DOT_PRECISION)
+            b_dq, b_dk, b_da, b_db = factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_z, b_z, b_z, b_z, b_dqk,
+                                                   b_dqb, b_dak, b_dab, m_tk, scale, DOT_PRECISION)
             bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, k, a, b, pairs, bos, o_t, m_t, i_c * BT,
                         tl.minimum(T, i_c * BT + BT), i_h, o_k, m_k, scale, H, K, dq_c, dk_c, da_c, db_c, dq, dk,
                         da, db, dq_c, da_c, dk_c)
     else:
-        # the chunk's dA slot, addressed as its rows of a [T, H, BT] buffer
-        rebase_A = (tl.load(slots + i_t).to(tl.int64) * BT - bos - i_c * BT) * H * BT
-        dAqk_c, dAqb_c, dAak_c, dAab_c = dAqk + rebase_A, dAqb + rebase_A, dAak + rebase_A, dAab + rebase_A
+        # the chunk's slot, addressed as its rows of a [T, H, BT] buffer: every dA index below is unchanged
+        rebase = (tl.load(slots + i_t).to(tl.int64) * BT - bos - i_c * BT) * H * BT
+        dAqk, dAqb, dAak, dAab = dAqk + rebase, dAqb + rebase, dAak + rebase, dAab + rebase
         p_A = ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
-        tl.store(dAqk_c + p_A, b_dqk, mask=m_t[:, None])
-        tl.store(dAqb_c + p_A, b_dqb, mask=m_t[:, None])
-        tl.store(dAak_c + p_A, b_dak, mask=m_t[:, None])
-        tl.store(dAab_c + p_A, b_dab, mask=m_t[:, None])
+        tl.store(dAqk + p_A, b_dqk, mask=m_t[:, None])
+        tl.store(dAqb + p_A, b_dqb, mask=m_t[:, None])
+        tl.store(dAak + p_A, b_dak, mask=m_t[:, None])
+        tl.store(dAab + p_A, b_dab, mask=m_t[:, None])
         tl.debug_barrier()
         for i_k in range(0, tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            m_k = o_k < K
             for i_i in range(0, BT // BC):
                 if i_c * BT + i_i * BC < T:
-                    bwd_sub(q, k, a, b, gc, gp, dAqk_c, dAqb_c, dAak_c, dAab_c, pairs, dq_c, dk_c, da_c, db_c, dq,
-                             dk, da, db, dq_c, da_c, dk_c, scale, i_k, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
-                             DOT_PRECISION, DIAG_PRECISION, SPAN)
+                    bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, pairs, dq_c, dk_c, da_c, db_c, dq, dk, da,
+                             db, dq_c, da_c, dk_c, scale, i_k, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK, DOT_PRECISION,
+                             DIAG_PRECISION, SPAN)
 
 
 @triton.jit
 def dplr_gate_bwd_kernel(gc, h, dh, dgk, dga, dgs, dg, cu_seqlens, chunk_indices, t0, H: tl.constexpr, K: tl.constexpr,
                          V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          SLOTTED: tl.constexpr):
-    """Program (p, head): chunk t0 + p's gate gradient from the terms ``dplr_bwd_kernel`` left in
-    the scratch rows of its program p (``gate_sum``)."""
+    """Program (p, head), chunk t0 + p: dg_u = sum_{t >= u} dgk_t + sum_{t > u} dga_t
+    + sum_{t < u} dgs_t + exp(G_C) rowsum(h dh'), every sum inside the chunk; the terms as
+    ``dplr_bwd_kernel``'s program p left them (SLOTTED: its scratch rows)."""
     i_p, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_t = t0 + i_p
     i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
-    rebase = (i_p * BT - bos - i_c * BT) * H * K if SLOTTED else 0
+    if SLOTTED:
+        rebase = (i_p * BT - bos - i_c * BT) * H * K
+        dgk, dga, dgs = dgk + rebase, dga + rebase, dgs + rebase
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    hi = tl.minimum(T, i_c * BT + BT)
+    m_prev, m_next = m_t & (o_t > i_c * BT), o_t + 1 < hi
+    o_h = (i_t * H + i_h) * K * V
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        gate_sum(gc, h, dh, dgk + rebase, dga + rebase, dgs + rebase, dg, i_t, i_c, bos, T, i_h, o_k, o_k < K, H, K, V,
-                 BT, BK, BV)
+        m_k = o_k < K
+        b_e = tl.zeros([BK], dtype=tl.float32)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            p_h = o_h + o_k[:, None] * V + o_v[None, :]
+            m_h = m_k[:, None] & (o_v < V)[None, :]
+            b_h = tl.load(h + p_h, mask=m_h, other=0.).to(tl.float32)
+            b_e += tl.sum(b_h * tl.load(dh + p_h, mask=m_h, other=0.), 1)
+        b_e *= tl.exp(tl.load(gc + ((bos + hi - 1) * H + i_h) * K + o_k, mask=m_k, other=0.))
+        b_x = load_rows(dgk, bos, o_t, m_t, i_h, o_k, m_k, H, K) + load_rows(dga, bos, o_t + 1, m_next, i_h, o_k, m_k,
+                                                                               H, K)
+        b_p = load_rows(dgs, bos, o_t - 1, m_prev, i_h, o_k, m_k, H, K)
+        b_dg = tl.cumsum(b_x, axis=0, reverse=True) + tl.cumsum(b_p, axis=0) + b_e[None, :]
+        tl.debug_barrier()  # dg may be dgk's buffer: every thread's loads first
+        tl.store(dg + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], b_dg.to(dg.dtype.element_ty),
+                 mask=m_t[:, None] & m_k[None, :])
 
 
 SCRATCH_BYTES = 2 * 2 ** 30
