@@ -77,12 +77,12 @@ class DplrLaunch:
 def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):
     """Steps 1-2: gates, the four intra-chunk matrices, T, W and U~ (and the chunks' wide flags)."""
     T, H = q.shape[1], q.shape[2]
-    gc, gp, Aqk, Aqb, Aak, Aab, wide = dplr_intra_fwd(q, k, a, b, gk, scale, chunks, span=launch.span,
+    gc, Aqk, Aqb, Aak, Aab, wide = dplr_intra_fwd(q, k, a, b, gk, scale, chunks, span=launch.span,
                                                       wide_kernel=launch.wide_kernel, config=launch.intra_config,
                                                       wide_grid=launch.wide_grid)
     Ai = solve(Aab, torch.full((1, T, H), -1.0, device=q.device), chunks, precision_of=q.dtype)
-    w, ut = dplr_wy_fwd(a, v, gp, Ai, Aak, chunks)
-    return gc, gp, Aqk, Aqb, Aak, Ai, w, ut, wide
+    w, ut = dplr_wy_fwd(a, v, gc, gk, Ai, Aak, chunks)
+    return gc, Aqk, Aqb, Aak, Ai, w, ut, wide
 
 
 class ChunkDplrFunction(torch.autograd.Function):
@@ -90,7 +90,7 @@ class ChunkDplrFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, a, b, gk, initial_state, scale: float, output_final_state: bool, chunks: Chunks,
                 launch: DplrLaunch):
-        gc, gp, Aqk, Aqb, Aak, Ai, w, ut, wide = _prepare(q, k, v, a, b, gk, scale, chunks, launch)
+        gc, Aqk, Aqb, Aak, Ai, w, ut, wide = _prepare(q, k, v, a, b, gk, scale, chunks, launch)
         h, u, _, ht = state_fwd("dplr", k, v, chunks, g=gc, w=w, u=ut, b=b, initial_state=initial_state,
                                 output_final_state=output_final_state, store_r=True, block_v=launch.state_block_v)
         o = output_fwd(q, k, v, gc, gc, h, Aqk, scale, chunks, False, A2=Aqb, v2=u)
@@ -108,17 +108,17 @@ class ChunkDplrFunction(torch.autograd.Function):
         do = do.contiguous()
         dht = dht.contiguous() if dht is not None else None
         if launch.recompute:
-            gc, gp, Aqk, Aqb, Aak, Ai, w, ut, wide = _prepare(q, k, v, a, b, gk, scale, chunks, launch)
+            gc, Aqk, Aqb, Aak, Ai, w, ut, wide = _prepare(q, k, v, a, b, gk, scale, chunks, launch)
             h, u, _, _ = state_fwd("dplr", k, v, chunks, g=gc, w=w, u=ut, b=b, initial_state=initial_state,
                                    store_r=True, block_v=launch.state_block_v)
         else:
             Aqk, Aqb, Aak, Ai, w, ut, h, u, wide = kept
-            gc, gp = chunk_cumsum(gk, chunks, exclusive=True)
+            gc = chunk_cumsum(gk, chunks)
         dh, du, dh0 = state_bwd("dplr", q, do, chunks, g=gc, w=w, b=b, A=Aqb, scale=scale, dht=dht,
                                 need_dh0=initial_state is not None, state_dtype=torch.float32,
                                 dr_dtype=torch.float32, block_v=launch.state_block_v)
         del Aqb  # the state pass's only (recomputed: ours to free before the backward's peak)
-        dq, dk, dv, da, db, dg = dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale,
+        dq, dk, dv, da, db, dg = dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale,
                                           chunks, gk.dtype, span=launch.span, blocks=launch.bwd_blocks,
                                           config=launch.bwd_config, programs=launch.bwd_programs)
         if dh0 is not None:

@@ -42,7 +42,8 @@ same in one launch, but doubles its register spill (``bench.compile_delta``, sm_
 against 1,080 B a thread at K = 64, 1,624 against 608 at K = 128); the gate sum inside the main
 kernel (one kernel, no second read of the terms) made the backward 11-17% slower on the H100
 (its occupancy of one CTA an SM for a latency-bound pass).
-Shapes as in ``dplr.py``: q, k, a, b, gc, gp [1, T, H, K]; v, U, dU, dO [1, T, H, V]; A's [1, T, H, BT];
+Shapes as in ``dplr.py``: q, k, a, b, gk and gc (its chunk-local sums, fp32; G^- = gc - gk is
+formed where read) [1, T, H, K]; v, U, dU, dO [1, T, H, V]; A's [1, T, H, BT];
 h, dh [NC, H, K, V].
 """
 
@@ -54,7 +55,7 @@ import triton.language as tl
 
 from fastweight.kernels.common import Chunks, SAFE_SPAN, chunk_bounds, dot_precision
 from fastweight.kernels.decay_intra import diag_precision, span_ref
-from fastweight.kernels.dplr_intra import bwd_finish, bwd_sub, factored_bwd, load_rows
+from fastweight.kernels.dplr_intra import bwd_finish, bwd_sub, factored_bwd, load_gp, load_rows
 from fastweight.kernels.dplr_wy import local_grads
 
 
@@ -67,7 +68,7 @@ def launch_config(K: int) -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 @triton.jit
-def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, dAqk, dAqb, dAak, dAab,
+def dplr_bwd_kernel(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, dAqk, dAqb, dAak, dAab,
                     pairs, dq_s, dk_s, da_s, db_s, dq, dk, dv, da, db, cu_seqlens, chunk_indices, scale, t0,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr,
@@ -92,7 +93,7 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
         dq_c, dk_c, da_c, db_c = dq_s + rebase, dk_s + rebase, da_s + rebase, db_s + rebase
     else:
         dq_c, dk_c, da_c, db_c = dq_s, dk_s, da_s, db_s
-    b_dqk, b_dqb, b_dak, b_dab = local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq_c, dk_c,
+    b_dqk, b_dqb, b_dak, b_dab = local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq_c, dk_c,
                                              da_c, db_c, pairs, i_t, i_c, bos, T, i_h, scale, H, K, V, BT, BK, BV,
                                              DOT_PRECISION, DIAG_PRECISION)
     tl.debug_barrier()
@@ -102,7 +103,7 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
             m_k = o_k < K
             m_tk = m_t[:, None] & m_k[None, :]
             b_g = load_rows(gc, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-            b_gp = load_rows(gp, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+            b_gp = load_gp(gc, gk, bos, o_t, m_t, i_h, o_k, m_k, H, K)
             _, b_ref = span_ref(b_gp, b_g, m_tk)
             b_q = load_rows(q, bos, o_t, m_t, i_h, o_k, m_k, H, K)
             b_k = load_rows(k, bos, o_t, m_t, i_h, o_k, m_k, H, K)
@@ -127,7 +128,7 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
         for i_k in range(0, tl.cdiv(K, BK)):
             for i_i in range(0, BT // BC):
                 if i_c * BT + i_i * BC < T:
-                    bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, pairs, dq_c, dk_c, da_c, db_c, dq, dk, da,
+                    bwd_sub(q, k, a, b, gc, gk, dAqk, dAqb, dAak, dAab, pairs, dq_c, dk_c, da_c, db_c, dq, dk, da,
                              db, dq_c, da_c, dk_c, scale, i_k, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK, DOT_PRECISION,
                              DIAG_PRECISION, SPAN)
 
@@ -182,7 +183,7 @@ def chunks_per_launch(NC: int, H: int, K: int, BT: int) -> int:
     return max(1, min(NC, SCRATCH_BYTES // (16 * BT * H * K)))
 
 
-def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale: float, chunks: Chunks,
+def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale: float, chunks: Chunks,
              g_dtype: torch.dtype, *, span: float = SAFE_SPAN, blocks: tuple[int, int] | None = None,
              config: tuple[int, int] | None = None, programs: int | None = None):
     """dq, dk, dv, da, db (inputs' dtypes) and dg (``g_dtype``), the gradient of the log gates.
@@ -219,7 +220,7 @@ def dplr_bwd(q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
     for t0 in range(0, chunks.NC, P):
         n = min(P, chunks.NC - t0)
         dplr_bwd_kernel[(n, H)](
-            q, k, v, a, b, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, *dAs, pairs, *scratch, dq, dk,
+            q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, *dAs, pairs, *scratch, dq, dk,
             dv, da, db, chunks.cu_seqlens, chunks.chunk_indices, scale, t0, H=H, K=K, V=V, BT=chunks.BT, BC=16,
             BK=BK, BV=BV, DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=span,
             SLOTTED=slotted, num_warps=warps, num_stages=stages)

@@ -55,16 +55,24 @@ def load_rows(x, bos, o, m, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
+def load_gp(gc, gk, bos, o, m, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr):
+    """G^- = G - g, the gate sum one token earlier, formed from G and the raw log gate as every
+    gate-sum pass forms it (bit for bit): no [T, H, K] fp32 buffer of its own (2 GiB at B 8, T
+    16384, H 64, K 64)."""
+    return load_rows(gc, bos, o, m, i_h, o_k, m_k, H, K) - load_rows(gk, bos, o, m, i_h, o_k, m_k, H, K)
+
+
+@triton.jit
 def _load_dA(dA, bos, o_r, m_r, c0, i_h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     return tl.load(dA + ((bos + o_r) * H + i_h)[:, None] * BT + (c0 + tl.arange(0, BC))[None, :], mask=m_r[:, None],
                    other=0.)
 
 
 @triton.jit
-def chunk_span(gk, gc, gp, bos, o_t, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
-    """The chunk's gate sums from the raw log gates, gc = cumsum(gk) and gp = gc - gk over its rows
-    (``cumsum.chunk_cumsum(exclusive=True)``'s sums, stored for the later stages), and the widest
-    span of the chunk (rows' G^- and G, every channel): max - min."""
+def chunk_span(gk, gc, bos, o_t, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """The chunk's gate sums from the raw log gates, gc = cumsum(gk) over its rows
+    (``cumsum.chunk_cumsum``'s sums, stored for the later stages), and the widest span of the
+    chunk (rows' G^- = gc - gk and G, every channel): max - min."""
     b_span = tl.max(tl.zeros([BK], dtype=tl.float32), 0)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
@@ -74,14 +82,13 @@ def chunk_span(gk, gc, gp, bos, o_t, m_t, i_h, H: tl.constexpr, K: tl.constexpr,
         b_gc = tl.cumsum(b_g, axis=0)
         b_gp = b_gc - b_g
         tl.store(gc + p_g, b_gc, mask=m_tk)
-        tl.store(gp + p_g, b_gp, mask=m_tk)
         b_s, _ = span_ref(b_gp, b_gc, m_tk)
         b_span = tl.maximum(b_span, b_s)
     return b_span
 
 
 @triton.jit
-def _fwd_sub(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_h, H: tl.constexpr, K: tl.constexpr,
+def _fwd_sub(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_h, H: tl.constexpr, K: tl.constexpr,
              BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr,
              DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr):
     """Sub-chunk i_i's rows of the four matrices (the path for chunks whose gates span SPAN or more)."""
@@ -107,7 +114,7 @@ def _fwd_sub(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_
                 b_qg = load_rows(q, bos, o_i, m_i, i_h, o_k, m_k, H, K) * tl.exp(
                     tl.where(m_ik, load_rows(gc, bos, o_i, m_i, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
                 b_ag = load_rows(a, bos, o_i, m_i, i_h, o_k, m_k, H, K) * tl.exp(
-                    tl.where(m_ik, load_rows(gp, bos, o_i, m_i, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
+                    tl.where(m_ik, load_gp(gc, gk, bos, o_i, m_i, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
                 b_e = tl.exp(b_gr[None, :] - load_rows(gc, bos, o_j, o_j < T, i_h, o_k, m_k, H, K))
                 b_kg = tl.trans(load_rows(k, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e)
                 b_bg = tl.trans(load_rows(b, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e)
@@ -133,7 +140,7 @@ def _fwd_sub(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_
         b_q = load_rows(q, bos, o_i, m_i, i_h, o_k, m_k, H, K)
         b_a = load_rows(a, bos, o_i, m_i, i_h, o_k, m_k, H, K)
         b_g = load_rows(gc, bos, o_i, m_i, i_h, o_k, m_k, H, K)
-        b_gp = load_rows(gp, bos, o_i, m_i, i_h, o_k, m_k, H, K)
+        b_gp = load_gp(gc, gk, bos, o_i, m_i, i_h, o_k, m_k, H, K)
         b_span, b_ref = span_ref(b_gp, b_g, m_ik)
         if b_span < SPAN:
             b_fc = factor(1., b_g, b_ref, m_ik, False)
@@ -170,7 +177,7 @@ def _fwd_sub(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_
 
 
 @triton.jit
-def dplr_intra_fwd_kernel(q, k, a, b, gk, gc, gp, Aqk, Aqb, Aak, Aab, wide, cu_seqlens, chunk_indices, scale,
+def dplr_intra_fwd_kernel(q, k, a, b, gk, gc, Aqk, Aqb, Aak, Aab, wide, cu_seqlens, chunk_indices, scale,
                           H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                           DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr,
                           FLAG: tl.constexpr):
@@ -179,13 +186,13 @@ def dplr_intra_fwd_kernel(q, k, a, b, gk, gc, gp, Aqk, Aqb, Aak, Aab, wide, cu_s
     takes the sub-chunk path (``_fwd_sub``): here, or (FLAG) in ``dplr_intra_wide_kernel``, which
     reads the flag stored in wide[chunk, head] (the sub-chunk path's registers then stay out of
     this kernel). The flag is stored either way: the backward branches on it. The chunk's gate
-    sums are formed here from gk and written to gc, gp (``chunk_span``), then read back: the
+    sums are formed here from gk and written to gc (``chunk_span``), then read back: the
     barrier makes one thread's stores visible to the others (they hit L2)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T
-    is_wide = chunk_span(gk, gc, gp, bos, o_t, m_t, i_h, H, K, BK) >= SPAN
+    is_wide = chunk_span(gk, gc, bos, o_t, m_t, i_h, H, K, BK) >= SPAN
     tl.debug_barrier()
     tl.store(wide + i_t * H + i_h, is_wide.to(tl.int8))
     if not is_wide:
@@ -198,7 +205,7 @@ def dplr_intra_fwd_kernel(q, k, a, b, gk, gc, gp, Aqk, Aqb, Aak, Aab, wide, cu_s
             m_k = o_k < K
             m_tk = m_t[:, None] & m_k[None, :]
             b_g = load_rows(gc, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-            b_gp = load_rows(gp, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+            b_gp = load_gp(gc, gk, bos, o_t, m_t, i_h, o_k, m_k, H, K)
             _, b_ref = span_ref(b_gp, b_g, m_tk)
             b_fc = factor(1., b_g, b_ref, m_tk, False)
             b_kg = tl.trans(load_rows(k, bos, o_t, m_t, i_h, o_k, m_k, H, K) * b_fc)
@@ -220,12 +227,12 @@ def dplr_intra_fwd_kernel(q, k, a, b, gk, gc, gp, Aqk, Aqb, Aak, Aab, wide, cu_s
     elif not FLAG:
         for i_i in range(0, BT // BC):
             if i_c * BT + i_i * BC < T:
-                _fwd_sub(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
+                _fwd_sub(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
                          DOT_PRECISION, DIAG_PRECISION, SPAN)
 
 
 @triton.jit
-def dplr_intra_wide_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, wide, cu_seqlens, chunk_indices, scale,
+def dplr_intra_wide_kernel(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, wide, cu_seqlens, chunk_indices, scale,
                            H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                            DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr,
                            PER_CHUNK: tl.constexpr):
@@ -242,12 +249,12 @@ def dplr_intra_wide_kernel(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, wide, cu_seql
         if PER_CHUNK:
             for i_i in range(0, BT // BC):
                 if i_c * BT + i_i * BC < T:
-                    _fwd_sub(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
+                    _fwd_sub(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
                              DOT_PRECISION, DIAG_PRECISION, SPAN)
         else:
             i_i = i_tc % (BT // BC)
             if i_c * BT + i_i * BC < T:
-                _fwd_sub(q, k, a, b, gc, gp, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
+                _fwd_sub(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
                          DOT_PRECISION, DIAG_PRECISION, SPAN)
 
 
@@ -293,7 +300,7 @@ def bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, k, a, b, pairs, bos, 
 
 
 @triton.jit
-def bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, pairs, dq_s, dk_s, da_s, db_s, dq, dk, da, db, dgk, dga,
+def bwd_sub(q, k, a, b, gc, gk, dAqk, dAqb, dAak, dAab, pairs, dq_s, dk_s, da_s, db_s, dq, dk, da, db, dgk, dga,
              dgs, scale, i_k, i_c, i_i, bos, T, i_h, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
              BC: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr,
              SPAN: tl.constexpr):
@@ -310,7 +317,7 @@ def bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, pairs, dq_s, dk_s, da_s,
     b_a = load_rows(a, bos, o_i, m_i, i_h, o_k, m_k, H, K)
     b_b = load_rows(b, bos, o_i, m_i, i_h, o_k, m_k, H, K)
     b_g = load_rows(gc, bos, o_i, m_i, i_h, o_k, m_k, H, K)
-    b_gp = load_rows(gp, bos, o_i, m_i, i_h, o_k, m_k, H, K)
+    b_gp = load_gp(gc, gk, bos, o_i, m_i, i_h, o_k, m_k, H, K)
     # row side (dq, da) from earlier sub-chunks, through the reference row before sub-chunk i
     b_dq = tl.zeros([BC, BK], dtype=tl.float32)
     b_da = tl.zeros([BC, BK], dtype=tl.float32)
@@ -344,7 +351,7 @@ def bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, pairs, dq_s, dk_s, da_s,
             b_qj = load_rows(q, bos, o_j, m_j, i_h, o_k, m_k, H, K) * scale * tl.exp(
                 tl.where(m_jk, load_rows(gc, bos, o_j, m_j, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
             b_aj = load_rows(a, bos, o_j, m_j, i_h, o_k, m_k, H, K) * tl.exp(
-                tl.where(m_jk, load_rows(gp, bos, o_j, m_j, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
+                tl.where(m_jk, load_gp(gc, gk, bos, o_j, m_j, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
             b_e = tl.exp(tl.where(m_ik, b_gr[None, :] - b_g, 0.))
             b_dkj = tl.dot(tl.trans(_load_dA(dAqk, bos, o_j, m_j, i_i * BC, i_h, H, BT, BC)), b_qj,
                            input_precision=DOT_PRECISION)
@@ -382,7 +389,7 @@ def bwd_sub(q, k, a, b, gc, gp, dAqk, dAqb, dAak, dAab, pairs, dq_s, dk_s, da_s,
             b_qj = tl.load(q + p_j, mask=m_kj, other=0.).to(tl.float32) * scale
             b_aj = tl.load(a + p_j, mask=m_kj, other=0.).to(tl.float32)
             b_gj = tl.load(gc + p_j, mask=m_kj, other=0.)
-            b_gpj = tl.load(gp + p_j, mask=m_kj, other=0.)
+            b_gpj = b_gj - tl.load(gk + p_j, mask=m_kj, other=0.).to(tl.float32)
             b_e = tl.exp(tl.where(m_ti[:, None], b_g - b_gj[None, :], float("-inf")))
             b_dq += (tl.load(dAqk + p_c, mask=m_ti, other=0.)[:, None] * b_kj[None, :]
                      + tl.load(dAqb + p_c, mask=m_ti, other=0.)[:, None] * b_bj[None, :]) * b_e
@@ -443,8 +450,8 @@ def dplr_intra_fwd(q, k, a, b, gk, scale: float, chunks: Chunks, *, span: float 
     the main kernel (its registers then count there too). ``config``:
     (BK, (num_warps, num_stages)) of the main kernel instead of ``fwd_launch_config(K, q.dtype)``'s.
     The chunk-local gate sums are formed in the kernel from the log gates ``gk`` [1, T, H, K] (no
-    cumsum pass of their own). Returns (gc, gp, A_qk, A_qb, A_ak, A_ab, wide): gc, gp [1, T, H, K]
-    fp32 as ``chunk_cumsum(gk, exclusive=True)``; ``wide`` [NC, H] int8, 1 where the chunk's gates
+    cumsum pass of their own). Returns (gc, A_qk, A_qb, A_ak, A_ab, wide): gc [1, T, H, K] fp32 as
+    ``chunk_cumsum(gk)`` (G^- = gc - gk is formed by each reader, ``load_gp``); ``wide`` [NC, H] int8, 1 where the chunk's gates
     span ``span`` or more for that head (the sub-chunk path; ``dplr_bwd`` takes the same branch
     from it)."""
     _, T, H, K = q.shape
@@ -455,11 +462,11 @@ def dplr_intra_fwd(q, k, a, b, gk, scale: float, chunks: Chunks, *, span: float 
                                                                               torch.float32)]
     wide = torch.empty(chunks.NC, H, dtype=torch.int8, device=q.device)
     gk = gk.contiguous()
-    gc, gp = (alloc(gk.shape, dtype=torch.float32, device=q.device) for _ in range(2))
+    gc = alloc(gk.shape, dtype=torch.float32, device=q.device)
     meta = dict(H=H, K=K, BT=BT, BC=BC, BK=BK, DOT_PRECISION=dot_precision(q.dtype),
                 DIAG_PRECISION=diag_precision(q.dtype), SPAN=span)
-    args = (q, k, a, b, gc, gp, *As, wide, chunks.cu_seqlens, chunks.chunk_indices, scale)
-    dplr_intra_fwd_kernel[(chunks.NC, H)](q, k, a, b, gk, *args[4:], **meta, FLAG=wide_kernel, num_warps=warps,
+    args = (q, k, a, b, gc, gk, *As, wide, chunks.cu_seqlens, chunks.chunk_indices, scale)
+    dplr_intra_fwd_kernel[(chunks.NC, H)](q, k, a, b, gk, gc, *args[6:], **meta, FLAG=wide_kernel, num_warps=warps,
                                           num_stages=stages)
     if wide_kernel:
         # the sub-chunk path keeps K blocks of 32 (its [16, 16] tiles gain nothing from a wider K block)
@@ -468,4 +475,4 @@ def dplr_intra_fwd(q, k, a, b, gk, scale: float, chunks: Chunks, *, span: float 
         per_chunk = wide_grid == "chunk"
         grid = (chunks.NC if per_chunk else chunks.NC * (BT // BC), H)
         dplr_intra_wide_kernel[grid](*args, **{**meta, "BK": min(BK, 32)}, PER_CHUNK=per_chunk, num_warps=4)
-    return (gc, gp, *As, wide)
+    return (gc, *As, wide)

@@ -32,7 +32,7 @@ from fastweight.kernels.decay_intra import diag_precision
 
 
 @triton.jit
-def dplr_wy_fwd_kernel(a, v, gp, Ai, Aak, w, ut, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+def dplr_wy_fwd_kernel(a, v, gc, gk, Ai, Aak, w, ut, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
                        V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, UT_PRECISION: tl.constexpr):
     """W = T (a exp(G^-)) and U~ = T (A_ak V) of a chunk. UT_PRECISION (3 x TF32 for fp16) serves U~'s
@@ -53,7 +53,8 @@ def dplr_wy_fwd_kernel(a, v, gp, Ai, Aak, w, ut, cu_seqlens, chunk_indices, H: t
         o_k = i_k * BK + tl.arange(0, BK)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
         p_k = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
-        b_a = tl.load(a + p_k, mask=m_tk, other=0.).to(tl.float32) * tl.exp(tl.load(gp + p_k, mask=m_tk, other=0.))
+        b_gp = tl.load(gc + p_k, mask=m_tk, other=0.) - tl.load(gk + p_k, mask=m_tk, other=0.).to(tl.float32)
+        b_a = tl.load(a + p_k, mask=m_tk, other=0.).to(tl.float32) * tl.exp(b_gp)
         b_w = tl.dot(b_T, b_a, input_precision=DOT_PRECISION)
         tl.store(w + p_k, b_w.to(w.dtype.element_ty), mask=m_tk)
     for i_v in range(0, tl.cdiv(V, BV)):
@@ -67,7 +68,7 @@ def dplr_wy_fwd_kernel(a, v, gp, Ai, Aak, w, ut, cu_seqlens, chunk_indices, H: t
 
 
 @triton.jit
-def local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, dk, da, db, pairs, i_t, i_c, bos, T,
+def local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, dk, da, db, pairs, i_t, i_c, bos, T,
                 i_h, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                 BV: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr):
     """Chunk i_t (i_c in its sequence): stores dv and the state parts of dq, dk, da, db (fp32) and
@@ -157,7 +158,8 @@ def local_grads(q, k, v, gc, gp, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
         b_g = tl.load(gc + p_k, mask=m_tk, other=0.)
         b_gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k, other=0.)
         b_e = tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, float("-inf")))
-        tl.store(da + p_k, b_da * tl.exp(tl.load(gp + p_k, mask=m_tk, other=0.)), mask=m_tk)
+        b_gp = b_g - tl.load(gk + p_k, mask=m_tk, other=0.).to(tl.float32)
+        tl.store(da + p_k, b_da * tl.exp(b_gp), mask=m_tk)
         tl.store(dq + p_k, b_dqi * scale * tl.exp(b_g), mask=m_tk)
         tl.store(db + p_k, b_dbi * b_e, mask=m_tk)
         tl.store(dk + p_k, b_dki * b_e, mask=m_tk)
@@ -178,15 +180,15 @@ def _blocks(K, V):
     return min(64, max(16, triton.next_power_of_2(K))), min(64, max(16, triton.next_power_of_2(V)))
 
 
-def dplr_wy_fwd(a, v, gp, Ai, Aak, chunks: Chunks):
-    """W = T (a * exp(G^-)) [1, T, H, K] and U~ = T A_ak V [1, T, H, V], both in a's dtype."""
+def dplr_wy_fwd(a, v, gc, gk, Ai, Aak, chunks: Chunks):
+    """W = T (a * exp(G^-)) [1, T, H, K] (G^- = gc - gk) and U~ = T A_ak V [1, T, H, V], both in a's dtype."""
     _, T, H, K = a.shape
     V = v.shape[-1]
     BK, BV = _blocks(K, V)
     w = torch.empty_like(a)
     ut = torch.empty(1, T, H, V, dtype=a.dtype, device=a.device)
     # 4 warps: 0.16 ms faster than 8 (H200 sweep)
-    dplr_wy_fwd_kernel[(chunks.NC, H)](a, v, gp, Ai, Aak, w, ut, chunks.cu_seqlens, chunks.chunk_indices, H=H, K=K,
+    dplr_wy_fwd_kernel[(chunks.NC, H)](a, v, gc, gk, Ai, Aak, w, ut, chunks.cu_seqlens, chunks.chunk_indices, H=H, K=K,
                                        V=V, BT=chunks.BT, BK=BK, BV=BV, DOT_PRECISION=dot_precision(a.dtype),
                                        UT_PRECISION=diag_precision(a.dtype), num_warps=4, num_stages=1)
     return w, ut

@@ -303,10 +303,10 @@ def test_gate_gradient_strong_decay(op, T, per_token, cu, dtype):
 
 @pytest.mark.parametrize("BK", [16, 32])
 def test_intra_gate_sums(BK):
-    """The intra kernel forms the chunk-local gate sums itself: its gc, gp are
-    ``chunk_cumsum(gk, exclusive=True)``'s (to fp32 rounding of the scan order), varlen with a
-    short last chunk and an empty sequence, K split into blocks (BK 16) or whole (BK 32), with a
-    wide chunk (whose sub-chunk path reads the stored sums back)."""
+    """The intra kernel forms the chunk-local gate sums itself: its gc is ``chunk_cumsum(gk)``'s
+    (to fp32 rounding of the scan order), varlen with a short last chunk and an empty sequence, K
+    split into blocks (BK 16) or whole (BK 32), with a wide chunk (whose sub-chunk path reads the
+    stored sums back, and forms G^- = gc - gk as ``chunk_cumsum(exclusive=True)`` does)."""
     from fastweight.kernels.common import prepare_chunks
     from fastweight.kernels.cumsum import chunk_cumsum
     gen = generator()
@@ -315,8 +315,7 @@ def test_intra_gate_sums(BK):
     x = _inputs("rwkv7", T, H=H, K=K, gen=gen, w_scale=torch.where(t // 64 == 1, 8.0, 1.0))
     chunks = prepare_chunks(torch.tensor([0, 70, 70, 150]), 1, T, 64, "cpu")
     gk = x["w"]
-    gc, gp, *_, wide = dplr_intra.dplr_intra_fwd(x["r"], x["k"], x["a"], x["b"], gk, 1.0, chunks,
-                                                 config=(BK, (4, 2)))
+    gc, *_, wide = dplr_intra.dplr_intra_fwd(x["r"], x["k"], x["a"], x["b"], gk, 1.0, chunks, config=(BK, (4, 2)))
     want_c, want_p = chunk_cumsum(gk, chunks, exclusive=True)
-    assert rel_err(gc, want_c) < 1e-6 and rel_err(gp, want_p) < 1e-6
+    assert rel_err(gc, want_c) < 1e-6 and rel_err(gc - gk, want_p) < 1e-6
     assert wide.sum() > 0
