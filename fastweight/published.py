@@ -27,6 +27,10 @@ from dataclasses import dataclass, field
 
 GROUPS = ("zoology", "grazzi", "deltaproduct")
 ZOOLOGY_MIXERS = ("attn", "mamba2", "gla", "deltanet", "gdn", "kda", "rwkv7")
+# rows beyond each mixer's own layer: (mixer, label and name suffix, model args). GLA with fla's
+# optional short convolutions on q, k, v (off in fla's layer and ours by default; without them GLA
+# must copy the previous token through its state: docs/results/published.md)
+ZOOLOGY_VARIANTS = (("gla", "+conv", "gla_short_conv=true"),)
 GRAZZI_MIXERS = (("mamba2", False), ("mamba2", True), ("deltanet", False), ("deltanet", True))
 # (mixer, negative eigenvalues, Householder steps a token: the gdp mixer's n_h)
 DELTAPRODUCT_MIXERS = (("deltanet", True, 1), ("gdn", True, 1), ("gdp", True, 2), ("gdp", True, 3), ("gdp", True, 4),
@@ -81,12 +85,12 @@ def zoology(scale: str, widths=None, lengths=None) -> list[Run]:
         for d in s["widths"]:
             if widths and d not in widths:
                 continue
-            for mixer in ZOOLOGY_MIXERS:
+            for mixer, suffix, args in [(m, "", "") for m in ZOOLOGY_MIXERS] + list(ZOOLOGY_VARIANTS):
                 # no MLP: zoology's blocks are the mixer alone (state_mixer: Identity)
-                runs.append(Run("zoology", f"{mixer} d{d}", f"{mixer}-d{d}-T{seq_len}", s["lrs"], dict(
+                runs.append(Run("zoology", f"{mixer}{suffix} d{d}", f"{mixer}{suffix}-d{d}-T{seq_len}", s["lrs"], dict(
                     mixer=mixer, task=task, eval_tasks=task, d_model=d, n_layers=2, n_heads=max(1, d // 64),
-                    model_args="use_mlp=false", batch_size=batch, steps=steps, warmup=max(1, steps // 20),
-                    eval_examples=s["eval_examples"])))
+                    model_args=",".join(filter(None, ("use_mlp=false", args))), batch_size=batch, steps=steps,
+                    warmup=max(1, steps // 20), eval_examples=s["eval_examples"])))
     return runs
 
 

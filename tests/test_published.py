@@ -15,12 +15,15 @@ def test_zoology_full_is_the_papers_grid():
     assert {(t.seq_len, t.n_pairs) for t in tasks} == {(64, 4), (128, 8), (256, 16), (512, 64)}
     assert {(t.vocab_size, t.power_a, t.distinct_values) for t in tasks} == {(8192, 0.01, 1)}
     assert {r.fields["d_model"] for r in runs} == {64, 128, 256, 512} and {r.fields["n_layers"] for r in runs} == {2}
-    assert {r.fields["model_args"] for r in runs} == {"use_mlp=false"}   # state_mixer: Identity
+    # state_mixer: Identity; the extra GLA row with fla's short convolutions
+    assert {(r.label.split()[0], r.fields["model_args"]) for r in runs} == {
+        *((m, "use_mlp=false") for m in ("attn", "mamba2", "gla", "deltanet", "gdn", "kda", "rwkv7")),
+        ("gla+conv", "use_mlp=false,gla_short_conv=true")}
     assert {r.fields["mixer"] for r in runs} == {"attn", "mamba2", "gla", "deltanet", "gdn", "kda", "rwkv7"}
     assert {(from_spec(r.fields["task"]).seq_len, r.fields["batch_size"]) for r in runs} == {
         (64, 512), (128, 512), (256, 256), (512, 128)}
     np.testing.assert_allclose(runs[0].lrs, np.logspace(-4, -2, 4), rtol=1e-4)
-    assert len(runs) == 4 * 4 * 7
+    assert len(runs) == 4 * 4 * 8 and len({r.name for r in runs}) == len(runs)
     # our budget: 4 passes over zoology's 100k examples (the paper: 64)
     assert {r.fields["steps"] * r.fields["batch_size"] // 1000 for r in runs} == {399, 400}
 
