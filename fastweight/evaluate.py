@@ -144,7 +144,8 @@ def suite(scale_name: str = "tiny", *, mixers=None, groups=GROUPS, seed: int = 0
     if unknown:
         raise ValueError(f"`groups` must be among {', '.join(map(repr, ALL_GROUPS))}, got {sorted(unknown)}")
     known = (set(RETRIEVAL_MIXERS) | set(RECALL_MIXERS) | {m for m, _ in STATE_TRACKING_MIXERS}
-             | {m[0] for m in published.GRAZZI_MIXERS + published.DELTAPRODUCT_MIXERS})
+             | {m[0] for m in published.GRAZZI_MIXERS + published.DELTAPRODUCT_MIXERS}
+             | {m + suffix for m, suffix, _ in published.ZOOLOGY_VARIANTS})
     if mixers and set(mixers) - known:
         raise ValueError(f"`mixers` must be among {sorted(known)}, got {sorted(set(mixers) - known)}")
     for name, value in (("steps", steps), ("eval_examples", eval_examples)):
@@ -198,7 +199,8 @@ def suite(scale_name: str = "tiny", *, mixers=None, groups=GROUPS, seed: int = 0
         if group not in groups:
             continue
         for r in published.runs(group, scale_name, widths=widths, lengths=lengths):
-            if mixers and r.fields["mixer"] not in mixers:
+            # a mixer's name takes its rows; a variant's (``gla+conv``) that row alone
+            if mixers and r.fields["mixer"] not in mixers and r.label.split()[0] not in mixers:
                 continue
             fields = dict(r.fields)
             if steps:
@@ -462,7 +464,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--tiny", action="store_true", help="CPU setting, minutes (the default)")
     size.add_argument("--full", action="store_true", help="one-GPU setting")
-    parser.add_argument("--mixers", default="", help="only these mixers (comma-separated)")
+    parser.add_argument("--mixers", default="", help="only these mixers (comma-separated; zoology's "
+                        "variant rows by name, e.g. gla+conv)")
     parser.add_argument("--groups", default="retrieval,recall,state-tracking",
                         help="retrieval, recall, state-tracking; the published results: zoology, grazzi, deltaproduct")
     parser.add_argument("--tasks", default="", help="only runs trained on these (s_niah_1, mqar, parity, s5, s3, "

@@ -122,6 +122,16 @@ def test_seeds_repeat_every_experiment():
     assert len({e.config.out_dir for e in three}) == len(three)
 
 
+def test_mixers_select_a_zoology_variant_row_by_name():
+    """``gla`` takes both GLA rows (fla's layer and +conv); ``gla+conv`` that row alone, whose model
+    has the short convolutions."""
+    both = suite("tiny", groups=("zoology",), mixers=["gla"])
+    conv = suite("tiny", groups=("zoology",), mixers=["gla+conv"])
+    assert {e.label.split()[0] for e in both} == {"gla", "gla+conv"}
+    assert {e.label.split()[0] for e in conv} == {"gla+conv"} and 2 * len(conv) == len(both)
+    assert {e.config.model_args for e in conv} == {"use_mlp=false,gla_short_conv=true"}
+
+
 @pytest.mark.parametrize("kw, name", [(dict(mixers=["gdnn"]), "mixers"), (dict(steps=0), "steps"),
                                       (dict(eval_examples=0), "eval_examples")])
 def test_bad_suite_arguments_name_them(kw, name):
