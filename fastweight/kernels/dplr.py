@@ -78,8 +78,8 @@ def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch
     """Steps 1-2: gates, the four intra-chunk matrices, T, W and U~ (and the chunks' wide flags)."""
     T, H = q.shape[1], q.shape[2]
     gc, Aqk, Aqb, Aak, Aab, wide = dplr_intra_fwd(q, k, a, b, gk, scale, chunks, span=launch.span,
-                                                      wide_kernel=launch.wide_kernel, config=launch.intra_config,
-                                                      wide_grid=launch.wide_grid)
+                                                  wide_kernel=launch.wide_kernel, config=launch.intra_config,
+                                                  wide_grid=launch.wide_grid)
     Ai = solve(Aab, torch.full((1, T, H), -1.0, device=q.device), chunks, precision_of=q.dtype)
     w, ut = dplr_wy_fwd(a, v, gc, gk, Ai, Aak, chunks)
     return gc, Aqk, Aqb, Aak, Ai, w, ut, wide

@@ -443,17 +443,16 @@ def dplr_intra_fwd(q, k, a, b, gk, scale: float, chunks: Chunks, *, span: float 
     """A_qk, A_qb (scale folded in) [1, T, H, BT] in q's dtype, A_ak, A_ab fp32 (the solve and the
     reads need them exact; the output multiplies A_qk, A_qb in the input dtype anyway, dV = A_qk^T
     dO now sees A_qk rounded to it, as fla's, and these two are half of what the forward writes per
-    token), row t holding its chunk's row; only
-    the (strict) lower triangle is written. A chunk whose gates span less than ``span`` is
-    factored whole; a wider one goes sub-chunk by sub-chunk, in ``dplr_intra_wide_kernel``
-    (``wide_kernel``; one program per sub-chunk, or per chunk with ``wide_grid`` "chunk") or inside
-    the main kernel (its registers then count there too). ``config``:
-    (BK, (num_warps, num_stages)) of the main kernel instead of ``fwd_launch_config(K, q.dtype)``'s.
-    The chunk-local gate sums are formed in the kernel from the log gates ``gk`` [1, T, H, K] (no
-    cumsum pass of their own). Returns (gc, A_qk, A_qb, A_ak, A_ab, wide): gc [1, T, H, K] fp32 as
-    ``chunk_cumsum(gk)`` (G^- = gc - gk is formed by each reader, ``load_gp``); ``wide`` [NC, H] int8, 1 where the chunk's gates
-    span ``span`` or more for that head (the sub-chunk path; ``dplr_bwd`` takes the same branch
-    from it)."""
+    token), row t holding its chunk's row; only the (strict) lower triangle is written. A chunk
+    whose gates span less than ``span`` is factored whole; a wider one goes sub-chunk by sub-chunk,
+    in ``dplr_intra_wide_kernel`` (``wide_kernel``; one program per sub-chunk, or per chunk with
+    ``wide_grid`` "chunk") or inside the main kernel (its registers then count there too).
+    ``config``: (BK, (num_warps, num_stages)) of the main kernel instead of ``fwd_launch_config(K,
+    q.dtype)``'s. The chunk-local gate sums are formed in the kernel from the log gates ``gk`` [1,
+    T, H, K] (no cumsum pass of their own). Returns (gc, A_qk, A_qb, A_ak, A_ab, wide): gc [1, T, H,
+    K] fp32 as ``chunk_cumsum(gk)`` (G^- = gc - gk is formed by each reader, ``load_gp``); ``wide``
+    [NC, H] int8, 1 where the chunk's gates span ``span`` or more for that head (the sub-chunk path;
+    ``dplr_bwd`` takes the same branch from it)."""
     _, T, H, K = q.shape
     BT, BC = chunks.BT, 16
     BK, (warps, stages) = config or fwd_launch_config(K, q.dtype)

@@ -188,7 +188,7 @@ def dplr_wy_fwd(a, v, gc, gk, Ai, Aak, chunks: Chunks):
     w = torch.empty_like(a)
     ut = torch.empty(1, T, H, V, dtype=a.dtype, device=a.device)
     # 4 warps: 0.16 ms faster than 8 (H200 sweep)
-    dplr_wy_fwd_kernel[(chunks.NC, H)](a, v, gc, gk, Ai, Aak, w, ut, chunks.cu_seqlens, chunks.chunk_indices, H=H, K=K,
-                                       V=V, BT=chunks.BT, BK=BK, BV=BV, DOT_PRECISION=dot_precision(a.dtype),
+    dplr_wy_fwd_kernel[(chunks.NC, H)](a, v, gc, gk, Ai, Aak, w, ut, chunks.cu_seqlens, chunks.chunk_indices, H=H,
+                                       K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, DOT_PRECISION=dot_precision(a.dtype),
                                        UT_PRECISION=diag_precision(a.dtype), num_warps=4, num_stages=1)
     return w, ut
