@@ -62,7 +62,10 @@ class DplrLaunch:
     ("chunk"). ``intra_config`` (BK, (num_warps, num_stages)) of the intra forward,
     ``bwd_blocks`` (BK, BV) and ``bwd_config`` (num_warps, num_stages) of the fused backward,
     ``bwd_programs`` its chunks a launch (0: all in one, the scratch as large as the input),
-    ``state_block_v`` the state passes' V block: None is each launcher's own choice by shape."""
+    ``state_block_v`` the state passes' V block: None is each launcher's own choice by shape.
+    ``state_grads_fp32``: the backward state pass stores dh [NC, H, K, V] and dU [1, T, H, V] in fp32
+    (False: in the input dtype, fla's choice for dh; 2 GiB less at B 8, T 16384, H 64, K = V = 64;
+    they accumulate in fp32 either way, only the stored copies are rounded)."""
     recompute: bool = False
     span: float = SAFE_SPAN
     wide_kernel: bool = True
@@ -72,6 +75,7 @@ class DplrLaunch:
     bwd_config: tuple[int, int] | None = None
     bwd_programs: int | None = None
     state_block_v: int | None = None
+    state_grads_fp32: bool = True
 
 
 def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):
@@ -114,9 +118,10 @@ class ChunkDplrFunction(torch.autograd.Function):
         else:
             Aqk, Aqb, Aak, Ai, w, ut, h, u, wide = kept
             gc = chunk_cumsum(gk, chunks)
+        grads_dtype = torch.float32 if launch.state_grads_fp32 else None  # None: the inputs' dtypes
         dh, du, dh0 = state_bwd("dplr", q, do, chunks, g=gc, w=w, b=b, A=Aqb, scale=scale, dht=dht,
-                                need_dh0=initial_state is not None, state_dtype=torch.float32,
-                                dr_dtype=torch.float32, block_v=launch.state_block_v)
+                                need_dh0=initial_state is not None, state_dtype=grads_dtype, dr_dtype=grads_dtype,
+                                block_v=launch.state_block_v)
         del Aqb  # the state pass's only (recomputed: ours to free before the backward's peak)
         dq, dk, dv, da, db, dg = dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale,
                                           chunks, gk.dtype, span=launch.span, blocks=launch.bwd_blocks,

@@ -160,7 +160,7 @@ def dplr_gate_bwd_kernel(gc, h, dh, dgk, dga, dgs, dg, cu_seqlens, chunk_indices
             p_h = o_h + o_k[:, None] * V + o_v[None, :]
             m_h = m_k[:, None] & (o_v < V)[None, :]
             b_h = tl.load(h + p_h, mask=m_h, other=0.).to(tl.float32)
-            b_e += tl.sum(b_h * tl.load(dh + p_h, mask=m_h, other=0.), 1)
+            b_e += tl.sum(b_h * tl.load(dh + p_h, mask=m_h, other=0.).to(tl.float32), 1)
         b_e *= tl.exp(tl.load(gc + ((bos + hi - 1) * H + i_h) * K + o_k, mask=m_k, other=0.))
         b_x = load_rows(dgk, bos, o_t, m_t, i_h, o_k, m_k, H, K) + load_rows(dga, bos, o_t + 1, m_next, i_h, o_k, m_k,
                                                                                H, K)

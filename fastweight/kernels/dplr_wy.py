@@ -104,7 +104,7 @@ def local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
         p_v = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
-        b_du = tl.load(du + p_v, mask=m_tv, other=0.)
+        b_du = tl.load(du + p_v, mask=m_tv, other=0.).to(tl.float32)
         b_dx = tl.dot(tl.trans(b_T), b_du, input_precision=DOT_PRECISION)
         b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(tl.float32)
         b_dv = tl.dot(tl.trans(b_Aqk), b_do, input_precision=DOT_PRECISION)
@@ -117,7 +117,8 @@ def local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
             b_gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k, other=0.)
             b_e = tl.exp(tl.where(m_tk, b_gl[None, :] - tl.load(gc + p_k, mask=m_tk, other=0.), float("-inf")))
             b_kd = tl.load(k + p_k, mask=m_tk, other=0.).to(tl.float32) * b_e
-            b_dh = tl.load(dh + o_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.)
+            b_dh = tl.load(dh + o_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
+                           other=0.).to(tl.float32)
             b_dv += tl.dot(b_kd, b_dh, input_precision=GRAD_PRECISION)
         tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_tv)
         b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
@@ -143,8 +144,8 @@ def local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
             p_v = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
             p_h = o_h + o_k[:, None] * V + o_v[None, :]
             b_h = tl.load(h + p_h, mask=m_k[:, None] & m_v[None, :], other=0.).to(tl.float32)
-            b_dh = tl.load(dh + p_h, mask=m_k[:, None] & m_v[None, :], other=0.)
-            b_du = tl.load(du + p_v, mask=m_tv, other=0.)
+            b_dh = tl.load(dh + p_h, mask=m_k[:, None] & m_v[None, :], other=0.).to(tl.float32)
+            b_du = tl.load(du + p_v, mask=m_tv, other=0.).to(tl.float32)
             b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(tl.float32)
             b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
             b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
