@@ -15,12 +15,15 @@ Checks also run strong gates (x64 on alternate 16-token sub-chunks: both diagona
 long:  RWKV-7 over T = 65536, bf16 inputs, fp32 state: finite, and close to the fp32
 per-token reference. ``CHECK_OPS=a,b`` limits the check section to those ops,
 ``TIME_CASES=op:shape,...`` the time section to those cases, ``TIME_DTYPE`` (default bfloat16) its inputs' dtype.
+``DPLR_LAUNCH=field=value,...`` (``DplrLaunch`` fields, e.g. ``state_grads_fp32=False``): check and time
+run the DPLR ops through the kernels' entry with that launch instead of the default path.
 Prints a short table last; writes every row to $OUT/gpu_decay_dplr.json when OUT is set (after
 each row, so a run stopped by its time limit keeps what it finished).
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
 import os
@@ -87,6 +90,18 @@ def inputs(op, B, T, H, K, dtype, gen_scale=1.0, V=None, strong=False, device=DE
     raise ValueError(op)
 
 
+def fast_op(op, K):
+    """The op as check and time run it: ``fastweight.ops.chunk_<op>`` with ``backend="triton"`` (the
+    path users get), or for a DPLR op under ``DPLR_LAUNCH`` the kernels' entry with that
+    ``DplrLaunch`` (at the op's default scale: 1 for RWKV-7, K^-0.5 for the generic op)."""
+    spec = os.environ.get("DPLR_LAUNCH")
+    if not spec or op not in ("rwkv7", "dplr_delta_rule"):
+        return functools.partial(getattr(ops, f"chunk_{op}"), backend="triton")
+    launch = DplrLaunch(**{f: ast.literal_eval(v) for f, v in (item.split("=", 1) for item in spec.split(","))})
+    return functools.partial(getattr(kernels, f"chunk_{op}"), scale=1.0 if op == "rwkv7" else K ** -0.5,
+                             launch=launch)
+
+
 def check(op, dtype, T=200, H=3, K=64, cu_seqlens=None, V=None, B=2, strong=False):
     """Errors of output, final state and every gradient against float64 (inf on NaN)."""
     t0 = time.time()
@@ -102,7 +117,7 @@ def check(op, dtype, T=200, H=3, K=64, cu_seqlens=None, V=None, B=2, strong=Fals
     torch.empty = lambda *a, **kw: (lambda t: nan_like(t) if t.is_floating_point() else t)(empty(*a, **kw))
     torch.empty_like = lambda *a, **kw: (lambda t: nan_like(t) if t.is_floating_point() else t)(empty_like(*a, **kw))
     try:
-        o, ht = fn(**low, output_final_state=True, cu_seqlens=cu_seqlens, backend="triton")
+        o, ht = fast_op(op, K)(**low, output_final_state=True, cu_seqlens=cu_seqlens)
         ht = ht[0] if isinstance(ht, tuple) else ht   # linear attention's (S, z): the kernels' state S
         do, dht = torch.randn_like(o, dtype=torch.float32), torch.randn_like(ht)
         torch.autograd.backward([o, ht], [do.to(o.dtype), dht])
@@ -184,20 +199,20 @@ def bench(op, shape, backward):
     between forward and backward (the output included; 0 without ``backward``), the inputs' GiB)."""
     B, T, H, K = SHAPES[shape]
     x = inputs(op, B, T, H, K, getattr(torch, os.environ.get("TIME_DTYPE", "bfloat16")))
-    fn = getattr(ops, f"chunk_{op}")
+    fn = fast_op(op, K)
     leaves = {n: t.detach().clone().requires_grad_(backward) for n, t in x.items()}
     del x  # the peak counts one copy of the inputs
     inp = sum(t.numel() * t.element_size() for t in leaves.values()) / 2 ** 30
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    o = fn(**leaves, backend="triton")[0]
+    o = fn(**leaves)[0]
     torch.cuda.synchronize()
     held = (torch.cuda.memory_allocated() - base) / 2 ** 30 if backward else 0.0
     do = torch.randn_like(o)
     del o
 
     def run():
-        out = fn(**leaves, backend="triton")[0]
+        out = fn(**leaves)[0]
         if backward:
             out.backward(do)
     run()
