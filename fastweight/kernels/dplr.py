@@ -65,7 +65,9 @@ class DplrLaunch:
     ``state_block_v`` the state passes' V block: None is each launcher's own choice by shape.
     ``state_grads_fp32``: the backward state pass stores dh [NC, H, K, V] and dU [1, T, H, V] in fp32
     (False: in the input dtype, fla's choice for dh; 2 GiB less at B 8, T 16384, H 64, K = V = 64;
-    they accumulate in fp32 either way, only the stored copies are rounded)."""
+    they accumulate in fp32 either way, only the stored copies are rounded). ``factors_fp32``: T =
+    (I - A_ab)^{-1} and A_ak, kept from the forward for the backward, stored in fp32 (False: in the
+    input dtype, 2 GiB less at that shape; the solve still reads an fp32 A_ab)."""
     recompute: bool = False
     span: float = SAFE_SPAN
     wide_kernel: bool = True
@@ -76,15 +78,17 @@ class DplrLaunch:
     bwd_programs: int | None = None
     state_block_v: int | None = None
     state_grads_fp32: bool = True
+    factors_fp32: bool = True
 
 
 def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):
     """Steps 1-2: gates, the four intra-chunk matrices, T, W and U~ (and the chunks' wide flags)."""
     T, H = q.shape[1], q.shape[2]
+    factors = torch.float32 if launch.factors_fp32 else q.dtype
     gc, Aqk, Aqb, Aak, Aab, wide = dplr_intra_fwd(q, k, a, b, gk, scale, chunks, span=launch.span,
                                                   wide_kernel=launch.wide_kernel, config=launch.intra_config,
-                                                  wide_grid=launch.wide_grid)
-    Ai = solve(Aab, torch.full((1, T, H), -1.0, device=q.device), chunks, precision_of=q.dtype)
+                                                  wide_grid=launch.wide_grid, ak_dtype=factors)
+    Ai = solve(Aab, torch.full((1, T, H), -1.0, device=q.device), chunks, dtype=factors, precision_of=q.dtype)
     w, ut = dplr_wy_fwd(a, v, gc, gk, Ai, Aak, chunks)
     return gc, Aqk, Aqb, Aak, Ai, w, ut, wide
 

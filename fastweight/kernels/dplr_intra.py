@@ -439,8 +439,8 @@ def chunk_spans(g: torch.Tensor, BK: int, BT: int = 64) -> torch.Tensor:
 
 def dplr_intra_fwd(q, k, a, b, gk, scale: float, chunks: Chunks, *, span: float = SAFE_SPAN,
                    wide_kernel: bool = True, config: tuple[int, tuple[int, int]] | None = None,
-                   wide_grid: str = "sub_chunk"):
-    """A_qk, A_qb (scale folded in) [1, T, H, BT] in q's dtype, A_ak, A_ab fp32 (the solve and the
+                   wide_grid: str = "sub_chunk", ak_dtype: torch.dtype = torch.float32):
+    """A_qk, A_qb (scale folded in) [1, T, H, BT] in q's dtype, A_ak (in ``ak_dtype``), A_ab fp32 (the solve and the
     reads need them exact; the output multiplies A_qk, A_qb in the input dtype anyway, dV = A_qk^T
     dO now sees A_qk rounded to it, as fla's, and these two are half of what the forward writes per
     token), row t holding its chunk's row; only the (strict) lower triangle is written. A chunk
@@ -457,7 +457,7 @@ def dplr_intra_fwd(q, k, a, b, gk, scale: float, chunks: Chunks, *, span: float 
     BT, BC = chunks.BT, 16
     BK, (warps, stages) = config or fwd_launch_config(K, q.dtype)
     BK = min(BK, max(16, triton.next_power_of_2(K)))
-    As = [torch.empty(1, T, H, BT, dtype=dtype, device=q.device) for dtype in (q.dtype, q.dtype, torch.float32,
+    As = [torch.empty(1, T, H, BT, dtype=dtype, device=q.device) for dtype in (q.dtype, q.dtype, ak_dtype,
                                                                               torch.float32)]
     wide = torch.empty(chunks.NC, H, dtype=torch.int8, device=q.device)
     gk = gk.contiguous()

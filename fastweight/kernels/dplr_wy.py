@@ -47,8 +47,8 @@ def dplr_wy_fwd_kernel(a, v, gc, gk, Ai, Aak, w, ut, cu_seqlens, chunk_indices, 
     m_t = o_t < T
     m_all = m_t[:, None] & m_t[None, :]
     p_A = ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
-    b_T = tl.load(Ai + p_A, mask=m_all & (o_t[:, None] >= o_t[None, :]), other=0.)
-    b_Aak = tl.load(Aak + p_A, mask=m_all & (o_t[:, None] > o_t[None, :]), other=0.)
+    b_T = tl.load(Ai + p_A, mask=m_all & (o_t[:, None] >= o_t[None, :]), other=0.).to(tl.float32)
+    b_Aak = tl.load(Aak + p_A, mask=m_all & (o_t[:, None] > o_t[None, :]), other=0.).to(tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
@@ -91,9 +91,9 @@ def local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
     p_A = ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
     # held through both loops: loading them where used is slower on the H200
     # (`python -m fastweight.bench.gpu_decay_dplr variants`)
-    b_T = tl.load(Ai + p_A, mask=m_incl, other=0.)
+    b_T = tl.load(Ai + p_A, mask=m_incl, other=0.).to(tl.float32)
     b_Aqk = tl.load(Aqk + p_A, mask=m_incl, other=0.).to(tl.float32)
-    b_Aak = tl.load(Aak + p_A, mask=m_strict, other=0.)
+    b_Aak = tl.load(Aak + p_A, mask=m_strict, other=0.).to(tl.float32)
     b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
     b_dAqb = tl.zeros([BT, BT], dtype=tl.float32)
     b_dAak = tl.zeros([BT, BT], dtype=tl.float32)
