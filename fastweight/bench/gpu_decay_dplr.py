@@ -196,7 +196,8 @@ def variants():
 
 def bench(op, shape, backward):
     """(median ms, peak GiB allocated during one call, inputs and do included, GiB autograd keeps
-    between forward and backward (the output included; 0 without ``backward``), the inputs' GiB)."""
+    between forward and backward (the output included; 0 without ``backward``), the inputs' GiB
+    with do's)."""
     B, T, H, K = SHAPES[shape]
     x = inputs(op, B, T, H, K, getattr(torch, os.environ.get("TIME_DTYPE", "bfloat16")))
     fn = fast_op(op, K)
@@ -209,6 +210,7 @@ def bench(op, shape, backward):
     torch.cuda.synchronize()
     held = (torch.cuda.memory_allocated() - base) / 2 ** 30 if backward else 0.0
     do = torch.randn_like(o)
+    inp += do.numel() * do.element_size() / 2 ** 30 if backward else 0.0
     del o
 
     def run():
@@ -230,15 +232,18 @@ def timing(op, shape):
     t0 = time.time()
     fwd = bench(op, shape, False)[0]
     fb, peak, held, inp = bench(op, shape, True)
+    # the anchors' measure (../shared/anchors/anchor_rwkv7_official.py): the peak on top of what was
+    # allocated before the call, the inputs and dO
+    on_top = peak - inp
     fla = ANCHORS.get((op, shape), (None, None))
     row = dict(kind="time", op=op, shape=shape, fwd_ms=fwd, fwdbwd_ms=fb, peak_gib_fwdbwd=peak, saved_gib=held,
-               inputs_gib=inp, fla_fwd_ms=fla[0],
+               inputs_gib=inp, peak_on_top_gib=on_top, fla_fwd_ms=fla[0],
                fla_fwdbwd_ms=fla[1],
                ratio_fwd=fwd / fla[0] if fla[0] else None, ratio_fwdbwd=fb / fla[1] if fla[1] else None,
                wall_s=time.time() - t0)
     record(row)
-    print(f"time {op} {shape}: fwd {fwd:.3f} ms, fwd+bwd {fb:.3f} ms, peak {peak:.2f} GiB (inputs {inp:.2f}, "
-          f"kept for the backward {held:.2f}) "
+    print(f"time {op} {shape}: fwd {fwd:.3f} ms, fwd+bwd {fb:.3f} ms, peak {peak:.2f} GiB (inputs and dO {inp:.2f}, "
+          f"on top of them {on_top:.2f}, kept for the backward {held:.2f}) "
           f"(fla {fla[0]} / {fla[1]})", flush=True)
     torch.cuda.empty_cache()
 
