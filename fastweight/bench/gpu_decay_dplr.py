@@ -97,7 +97,9 @@ def fast_op(op, K):
     spec = os.environ.get("DPLR_LAUNCH")
     if not spec or op not in ("rwkv7", "dplr_delta_rule"):
         return functools.partial(getattr(ops, f"chunk_{op}"), backend="triton")
-    launch = DplrLaunch(**{f: ast.literal_eval(v) for f, v in (item.split("=", 1) for item in spec.split(","))})
+    # keyword arguments as Python writes them: tuples (bwd_config=(4, 2)) and strings (wide_grid='chunk') too
+    call = ast.parse(f"DplrLaunch({spec})", mode="eval").body
+    launch = DplrLaunch(**{kw.arg: ast.literal_eval(kw.value) for kw in call.keywords})
     return functools.partial(getattr(kernels, f"chunk_{op}"), scale=1.0 if op == "rwkv7" else K ** -0.5,
                              launch=launch)
 
@@ -196,8 +198,8 @@ def variants():
 
 def bench(op, shape, backward):
     """(median ms, peak GiB allocated during one call, inputs and do included, GiB autograd keeps
-    between forward and backward (the output included; 0 without ``backward``), the inputs' GiB
-    with do's)."""
+    between forward and backward (the output included; 0 without ``backward``), the inputs' GiB,
+    the peak on top of what was allocated before the timed call: inputs, do)."""
     B, T, H, K = SHAPES[shape]
     x = inputs(op, B, T, H, K, getattr(torch, os.environ.get("TIME_DTYPE", "bfloat16")))
     fn = fast_op(op, K)
@@ -210,7 +212,6 @@ def bench(op, shape, backward):
     torch.cuda.synchronize()
     held = (torch.cuda.memory_allocated() - base) / 2 ** 30 if backward else 0.0
     do = torch.randn_like(o)
-    inp += do.numel() * do.element_size() / 2 ** 30 if backward else 0.0
     del o
 
     def run():
@@ -222,19 +223,20 @@ def bench(op, shape, backward):
     for t in leaves.values():
         t.grad = None
     torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     run()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2 ** 30
-    return triton.testing.do_bench(run, warmup=25, rep=150, return_mode="median"), peak, held, inp
+    on_top = peak - before / 2 ** 30
+    return triton.testing.do_bench(run, warmup=25, rep=150, return_mode="median"), peak, held, inp, on_top
 
 
 def timing(op, shape):
     t0 = time.time()
     fwd = bench(op, shape, False)[0]
-    fb, peak, held, inp = bench(op, shape, True)
-    # the anchors' measure (../shared/anchors/anchor_rwkv7_official.py): the peak on top of what was
-    # allocated before the call, the inputs and dO
-    on_top = peak - inp
+    # on_top: the anchors' measure (../shared/anchors/anchor_rwkv7_official.py), the peak less what was
+    # allocated before the call (the inputs and dO)
+    fb, peak, held, inp, on_top = bench(op, shape, True)
     fla = ANCHORS.get((op, shape), (None, None))
     row = dict(kind="time", op=op, shape=shape, fwd_ms=fwd, fwdbwd_ms=fb, peak_gib_fwdbwd=peak, saved_gib=held,
                inputs_gib=inp, peak_on_top_gib=on_top, fla_fwd_ms=fla[0],
@@ -242,8 +244,8 @@ def timing(op, shape):
                ratio_fwd=fwd / fla[0] if fla[0] else None, ratio_fwdbwd=fb / fla[1] if fla[1] else None,
                wall_s=time.time() - t0)
     record(row)
-    print(f"time {op} {shape}: fwd {fwd:.3f} ms, fwd+bwd {fb:.3f} ms, peak {peak:.2f} GiB (inputs and dO {inp:.2f}, "
-          f"on top of them {on_top:.2f}, kept for the backward {held:.2f}) "
+    print(f"time {op} {shape}: fwd {fwd:.3f} ms, fwd+bwd {fb:.3f} ms, peak {peak:.2f} GiB (inputs {inp:.2f}, on top of "
+          f"them and dO {on_top:.2f}, kept for the backward {held:.2f}) "
           f"(fla {fla[0]} / {fla[1]})", flush=True)
     torch.cuda.empty_cache()
 
@@ -252,7 +254,7 @@ def long_rwkv7(T=65536, H=2, K=64):
     """RWKV-7 over T = 65536: bf16 inputs, fp32 state, vs the per-token recurrence in fp32 on the
     same (upcast) inputs."""
     x = inputs("rwkv7", 1, T, H, K, torch.bfloat16)
-    o, ht = ops.chunk_rwkv7(**x, output_final_state=True, backend="triton")
+    o, ht = fast_op("rwkv7", K)(**x, output_final_state=True)
     x32 = {n: t.float() for n, t in x.items()}
     ro, rht = ops.chunk_rwkv7(**x32, output_final_state=True, backend="reference")
     finite = bool(torch.isfinite(o).all()) and bool(torch.isfinite(ht).all())

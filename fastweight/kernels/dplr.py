@@ -65,7 +65,8 @@ class DplrLaunch:
     ``state_block_v`` the state passes' V block: None is each launcher's own choice by shape.
     ``state_grads_fp32``: the backward state pass stores dh [NC, H, K, V] and dU [1, T, H, V] in fp32
     (False: in the input dtype, fla's choice for dh; 2 GiB less at B 8, T 16384, H 64, K = V = 64;
-    they accumulate in fp32 either way, only the stored copies are rounded). ``factors_fp32``: T =
+    they accumulate in fp32 either way, only the stored copies are rounded; fp16's range bounds the
+    stored dh, as in fla). ``factors_fp32``: T =
     (I - A_ab)^{-1} and A_ak, kept from the forward for the backward, stored in fp32 (False: in the
     input dtype, 2 GiB less at that shape; the solve still reads an fp32 A_ab)."""
     recompute: bool = False
