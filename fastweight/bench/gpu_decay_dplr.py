@@ -15,7 +15,7 @@ Checks also run strong gates (x64 on alternate 16-token sub-chunks: both diagona
 long:  RWKV-7 over T = 65536, bf16 inputs, fp32 state: finite, and close to the fp32
 per-token reference. ``CHECK_OPS=a,b`` limits the check section to those ops,
 ``TIME_CASES=op:shape,...`` the time section to those cases, ``TIME_DTYPE`` (default bfloat16) its inputs' dtype.
-``DPLR_LAUNCH=field=value,...`` (``DplrLaunch`` fields, e.g. ``state_grads_fp32=False``): check and time
+``DPLR_LAUNCH=field=value,...`` (``DplrLaunch`` fields, e.g. ``state_grads_fp32=True``): check and time
 run the DPLR ops through the kernels' entry with that launch instead of the default path.
 Prints a short table last; writes every row to $OUT/gpu_decay_dplr.json when OUT is set (after
 each row, so a run stopped by its time limit keeps what it finished).
