@@ -14,7 +14,8 @@ or all token at a time (``DecayLaunch(span=0)``), RWKV-7 with the forward's inte
 Checks also run strong gates (x64 on alternate 16-token sub-chunks: both diagonal paths).
 long:  RWKV-7 over T = 65536, bf16 inputs, fp32 state: finite, and close to the fp32
 per-token reference. ``CHECK_OPS=a,b`` limits the check section to those ops,
-``TIME_CASES=op:shape,...`` the time section to those cases, ``TIME_DTYPE`` (default bfloat16) its inputs' dtype.
+``TIME_CASES=op:shape,...`` the time section to those cases, ``TIME_DTYPE`` (default bfloat16) its inputs' dtype,
+``TIME_REP`` (default 150) do_bench's ms of repetitions (at 100 ms a call, 150 is one sample: ~4% apart run to run).
 ``DPLR_LAUNCH=field=value,...`` (``DplrLaunch`` fields, e.g. ``state_grads_fp32=True``): check and time
 run the DPLR ops through the kernels' entry with that launch instead of the default path.
 Prints a short table last; writes every row to $OUT/gpu_decay_dplr.json when OUT is set (after
@@ -228,7 +229,7 @@ def bench(op, shape, backward):
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2 ** 30
     on_top = peak - before / 2 ** 30
-    return triton.testing.do_bench(run, warmup=25, rep=150, return_mode="median"), peak, held, inp, on_top
+    return triton.testing.do_bench(run, warmup=25, rep=int(os.environ.get("TIME_REP", 150)), return_mode="median"), peak, held, inp, on_top
 
 
 def timing(op, shape):

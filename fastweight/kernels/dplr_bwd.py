@@ -68,7 +68,7 @@ def launch_config(K: int) -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 @triton.jit
-def dplr_bwd_kernel(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, dAqk, dAqb, dAak, dAab,
+def dplr_bwd_kernel(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, h, dh, du, do, wide, slots, dAqk, dAqb, dAak, dAab,
                     pairs, dq_s, dk_s, da_s, db_s, dq, dk, dv, da, db, cu_seqlens, chunk_indices, scale, t0,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr,
@@ -93,7 +93,7 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
         dq_c, dk_c, da_c, db_c = dq_s + rebase, dk_s + rebase, da_s + rebase, db_s + rebase
     else:
         dq_c, dk_c, da_c, db_c = dq_s, dk_s, da_s, db_s
-    b_dqk, b_dqb, b_dak, b_dab = local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq_c, dk_c,
+    b_dqk, b_dqb, b_dak, b_dab = local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, h, dh, du, do, dv, dq_c, dk_c,
                                              da_c, db_c, pairs, i_t, i_c, bos, T, i_h, scale, H, K, V, BT, BK, BV,
                                              DOT_PRECISION, DIAG_PRECISION)
     tl.debug_barrier()
@@ -166,7 +166,7 @@ def dplr_gate_bwd_kernel(gc, h, dh, dgk, dga, dgs, dg, cu_seqlens, chunk_indices
                                                                                H, K)
         b_p = load_rows(dgs, bos, o_t - 1, m_prev, i_h, o_k, m_k, H, K)
         b_dg = tl.cumsum(b_x, axis=0, reverse=True) + tl.cumsum(b_p, axis=0) + b_e[None, :]
-        tl.debug_barrier()  # dg may be dgk's buffer: every thread's loads first
+        tl.debug_barrier()  # dg may be gc's buffer: every thread's loads first
         tl.store(dg + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], b_dg.to(dg.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
 
@@ -183,10 +183,11 @@ def chunks_per_launch(NC: int, H: int, K: int, BT: int) -> int:
     return max(1, min(NC, SCRATCH_BYTES // (16 * BT * H * K)))
 
 
-def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale: float, chunks: Chunks,
+def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, h, dh, du, do, wide, scale: float, chunks: Chunks,
              g_dtype: torch.dtype, *, span: float = SAFE_SPAN, blocks: tuple[int, int] | None = None,
              config: tuple[int, int] | None = None, programs: int | None = None):
-    """dq, dk, dv, da, db (inputs' dtypes) and dg (``g_dtype``), the gradient of the log gates.
+    """dq, dk, dv, da, db (inputs' dtypes) and dg (``g_dtype``), the gradient of the log gates; an
+    fp32 dg is written over gc (the caller's to give: nothing reads it after).
     ``wide``: the forward's [NC, H] flags (``dplr_intra.dplr_intra_fwd``), which size the dA buffers: one
     [BT, H, BT] slot per chunk with a wide head (RWKV-7's gates, >= -e^-0.5 a token, leave none; the
     count costs one device sync). ``span``: as in ``dplr_intra.dplr_intra_fwd``; ``blocks`` (BK, BV)
@@ -213,14 +214,15 @@ def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
     dAs = [torch.empty(max(n_wide, 1) * chunks.BT, H, chunks.BT, **f32) for _ in range(4)]
     pairs = torch.empty(1, T, H, 4, **f32)
     scratch = [torch.empty(P * chunks.BT if slotted else T, H, K, **f32) for _ in range(4)]
-    # in one launch an fp32 dg goes over dgk (each gate program reads its chunk's rows, then writes them)
-    same = not slotted and g_dtype == torch.float32
-    dg = scratch[0].view(1, T, H, K) if same else torch.empty(1, T, H, K, dtype=g_dtype, device=q.device)
+    # an fp32 dg goes over gc: a chunk's gate sums are read only by its own programs (the state pass
+    # before, the main kernel of its launch, then its gate program, which reads its rows and then
+    # writes them); gc is this backward's own (``ChunkDplrFunction.backward`` forms it)
+    dg = gc if g_dtype == torch.float32 else torch.empty(1, T, H, K, dtype=g_dtype, device=q.device)
     GK, GV = min(64, max(16, triton.next_power_of_2(K))), min(64, max(16, triton.next_power_of_2(V)))
     for t0 in range(0, chunks.NC, P):
         n = min(P, chunks.NC - t0)
         dplr_bwd_kernel[(n, H)](
-            q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, *dAs, pairs, *scratch, dq, dk,
+            q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, h, dh, du, do, wide, slots, *dAs, pairs, *scratch, dq, dk,
             dv, da, db, chunks.cu_seqlens, chunks.chunk_indices, scale, t0, H=H, K=K, V=V, BT=chunks.BT, BC=16,
             BK=BK, BV=BV, DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=span,
             SLOTTED=slotted, num_warps=warps, num_stages=stages)
