@@ -18,11 +18,13 @@ state before the chunk (the readable spec is ``fastweight/chunk/dplr.py``):
 
 Backward: the forward's intra-chunk matrices, T, W, the chunk states and the reads U are kept
 (``DplrLaunch.recompute`` False, the default) or recomputed (steps 1-3 again, True: fla's choice,
-less memory); U~ is not kept (its one use, dX U~^T in dA_ab, is (dX V^T) A_ak^T T^T per chunk) and
-the gates' cumsum is always recomputed (an fp32 gate gradient is written over it). Kept, they cost
-per token and head 4 x 64 + K + V + K V / 64 in the input dtype (A_qk, A_qb, A_ak, T, W, U, h;
-``DplrLaunch.factors_fp32`` keeps A_ak and T in fp32): 0.9 KiB at K = V = 64, 1.5 KiB at
-K = V = 128 in bf16, against 0.9 / 1.8 KiB for the inputs the op keeps anyway. The state gradient runs the loop in reverse (with the reads' gradient dU),
+less memory); U~ is kept only where K > 64 (``DplrLaunch.ut_kept``; its one use, dX U~^T in dA_ab,
+is (dX V^T) A_ak^T T^T per chunk), and the gates' cumsum is always recomputed (an fp32 gate
+gradient is written over it). Kept, they cost per token and head 4 x 64 + K + V + K V / 64 in the
+input dtype (A_qk, A_qb, A_ak, T, W, U, h; ``DplrLaunch.factors_fp32`` keeps A_ak and T in fp32),
+plus V for U~ where K > 64: 0.9 KiB at K = V = 64, 1.75 KiB at K = V = 128 in bf16, against
+0.9 / 1.8 KiB for the inputs the op keeps anyway.
+The state gradient runs the loop in reverse (with the reads' gradient dU),
 then a program per (chunk, head) (``dplr_bwd.py``; the chunks in launches whose scratch is
 bounded) forms dV and the four matrices' gradients (``dplr_wy.local_grads``), takes them to q, k,
 a, b and the per-token gate terms (``dplr_intra.py``) and sums those into the gate gradient
@@ -69,8 +71,11 @@ class DplrLaunch:
     K = V = 64; they accumulate in fp32 either way, only the stored copies are rounded; fp16's range
     bounds the stored dh, as in fla). ``factors_fp32``: T = (I - A_ab)^{-1} and A_ak, kept from the
     forward for the backward, stored in fp32 (default False: in the input dtype, 2 GiB less at that
-    shape; the solve still reads an fp32 A_ab). Rounding both costs bf16 ~8% in the worst error
-    (H200: 3.62e-3 -> 3.91e-3 at (1, 1024, 4, 32, 128), fla's 5.1e-3 the bound) for 4 GiB."""
+    shape; the solve still reads an fp32 A_ab). ``ut_kept``: U~ kept from the forward for the backward
+    (False: recomputed per chunk, 1 GiB less at that shape; None: kept where K > 64, whose backward
+    the recompute makes 14% slower on the H100, against 3% at K = 64). Rounding dh, dU, T and A_ak
+    costs bf16 ~8% in the worst error (H200: 3.62e-3 -> 3.91e-3 at (1, 1024, 4, 32, 128), fla's
+    5.1e-3 the bound) for 4 GiB."""
     recompute: bool = False
     span: float = SAFE_SPAN
     wide_kernel: bool = True
@@ -82,6 +87,7 @@ class DplrLaunch:
     state_block_v: int | None = None
     state_grads_fp32: bool = False
     factors_fp32: bool = False
+    ut_kept: bool | None = None
 
 
 def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):
@@ -105,7 +111,8 @@ class ChunkDplrFunction(torch.autograd.Function):
         h, u, _, ht = state_fwd("dplr", k, v, chunks, g=gc, w=w, u=ut, b=b, initial_state=initial_state,
                                 output_final_state=output_final_state, store_r=True, block_v=launch.state_block_v)
         o = output_fwd(q, k, v, gc, gc, h, Aqk, scale, chunks, False, A2=Aqb, v2=u)
-        kept = (Aqk, Aqb, Aak, Ai, w, h, u, wide) if not launch.recompute else ()
+        ut_kept = launch.ut_kept if launch.ut_kept is not None else k.shape[-1] > 64
+        kept = (Aqk, Aqb, Aak, Ai, w, ut if ut_kept else None, h, u, wide) if not launch.recompute else ()
         ctx.save_for_backward(q, k, v, a, b, gk, initial_state, *kept)
         ctx.scale, ctx.chunks, ctx.launch = scale, chunks, launch
         return o, ht
@@ -123,14 +130,14 @@ class ChunkDplrFunction(torch.autograd.Function):
             h, u, _, _ = state_fwd("dplr", k, v, chunks, g=gc, w=w, u=ut, b=b, initial_state=initial_state,
                                    store_r=True, block_v=launch.state_block_v)
         else:
-            Aqk, Aqb, Aak, Ai, w, h, u, wide = kept
+            Aqk, Aqb, Aak, Ai, w, ut, h, u, wide = kept
             gc = chunk_cumsum(gk, chunks)
         grads_dtype = torch.float32 if launch.state_grads_fp32 else None  # None: the inputs' dtypes
         dh, du, dh0 = state_bwd("dplr", q, do, chunks, g=gc, w=w, b=b, A=Aqb, scale=scale, dht=dht,
                                 need_dh0=initial_state is not None, state_dtype=grads_dtype, dr_dtype=grads_dtype,
                                 block_v=launch.state_block_v)
         del Aqb  # the state pass's only (recomputed: ours to free before the backward's peak)
-        dq, dk, dv, da, db, dg = dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, h, dh, du, do, wide, scale,
+        dq, dk, dv, da, db, dg = dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale,
                                           chunks, gk.dtype, span=launch.span, blocks=launch.bwd_blocks,
                                           config=launch.bwd_config, programs=launch.bwd_programs)
         if dh0 is not None:

@@ -68,11 +68,11 @@ def launch_config(K: int) -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 @triton.jit
-def dplr_bwd_kernel(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, h, dh, du, do, wide, slots, dAqk, dAqb, dAak, dAab,
+def dplr_bwd_kernel(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, dAqk, dAqb, dAak, dAab,
                     pairs, dq_s, dk_s, da_s, db_s, dq, dk, dv, da, db, cu_seqlens, chunk_indices, scale, t0,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr,
-                    SPAN: tl.constexpr, SLOTTED: tl.constexpr):
+                    SPAN: tl.constexpr, SLOTTED: tl.constexpr, UT_KEPT: tl.constexpr):
     """Program (p, head) takes chunk t0 + p, its scratch the rows ``p * BT ...`` of the [P * BT, H, K]
     fp32 buffers dq_s, dk_s, da_s, db_s (``dplr_bwd`` launches the chunks P at a time); not
     SLOTTED (one launch of all), the chunk's own rows of [T, H, K] buffers.
@@ -93,9 +93,9 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, h, dh, du, do, wi
         dq_c, dk_c, da_c, db_c = dq_s + rebase, dk_s + rebase, da_s + rebase, db_s + rebase
     else:
         dq_c, dk_c, da_c, db_c = dq_s, dk_s, da_s, db_s
-    b_dqk, b_dqb, b_dak, b_dab = local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, h, dh, du, do, dv, dq_c, dk_c,
+    b_dqk, b_dqb, b_dak, b_dab = local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq_c, dk_c,
                                              da_c, db_c, pairs, i_t, i_c, bos, T, i_h, scale, H, K, V, BT, BK, BV,
-                                             DOT_PRECISION, DIAG_PRECISION)
+                                             DOT_PRECISION, DIAG_PRECISION, UT_KEPT)
     tl.debug_barrier()
     if tl.load(wide + i_t * H + i_h) == 0:
         for i_k in range(0, tl.cdiv(K, BK)):
@@ -171,23 +171,24 @@ def dplr_gate_bwd_kernel(gc, h, dh, dgk, dga, dgs, dg, cu_seqlens, chunk_indices
                  mask=m_t[:, None] & m_k[None, :])
 
 
-SCRATCH_BYTES = 2 * 2 ** 30
+SCRATCH_BYTES = 2 ** 29
 
 
 def chunks_per_launch(NC: int, H: int, K: int, BT: int) -> int:
     """P, the chunks of one launch of the backward: all of them while the scratch (4 x NC x BT x H x
     K fp32) fits ``SCRATCH_BYTES``, else as many as fit. Measured on the H100 (RWKV-7 bf16
-    fwd+bwd): the launches in turn cost ~4% at (8, 16384, 64, 64) (the scratch rows addressed by
-    program, and the waves' tails) and save 6 GiB of its 40 at 4 launches; at (4, 8192, 16, 128)
-    (1 GiB of scratch) they would cost 2-3% for 0.25 GiB, so it stays one launch."""
+    fwd+bwd): launches in turn cost ~4% at (8, 16384, 64, 64) against one launch of all (the
+    scratch rows addressed by program); 16 launches of 512 MiB take the same time as 4 of 2 GiB
+    (119.9 against 120.1 ms) for 1.5 GiB less."""
     return max(1, min(NC, SCRATCH_BYTES // (16 * BT * H * K)))
 
 
-def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, h, dh, du, do, wide, scale: float, chunks: Chunks,
+def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale: float, chunks: Chunks,
              g_dtype: torch.dtype, *, span: float = SAFE_SPAN, blocks: tuple[int, int] | None = None,
              config: tuple[int, int] | None = None, programs: int | None = None):
     """dq, dk, dv, da, db (inputs' dtypes) and dg (``g_dtype``), the gradient of the log gates; an
-    fp32 dg is written over gc (the caller's to give: nothing reads it after).
+    fp32 dg is written over gc (the caller's to give: nothing reads it after). ``ut``: the forward's
+    U~, or None (recomputed per chunk, ``dplr_wy.local_grads``).
     ``wide``: the forward's [NC, H] flags (``dplr_intra.dplr_intra_fwd``), which size the dA buffers: one
     [BT, H, BT] slot per chunk with a wide head (RWKV-7's gates, >= -e^-0.5 a token, leave none; the
     count costs one device sync). ``span``: as in ``dplr_intra.dplr_intra_fwd``; ``blocks`` (BK, BV)
@@ -222,10 +223,10 @@ def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, h, dh, du, do, wide, sca
     for t0 in range(0, chunks.NC, P):
         n = min(P, chunks.NC - t0)
         dplr_bwd_kernel[(n, H)](
-            q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, h, dh, du, do, wide, slots, *dAs, pairs, *scratch, dq, dk,
+            q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, *dAs, pairs, *scratch, dq, dk,
             dv, da, db, chunks.cu_seqlens, chunks.chunk_indices, scale, t0, H=H, K=K, V=V, BT=chunks.BT, BC=16,
             BK=BK, BV=BV, DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=span,
-            SLOTTED=slotted, num_warps=warps, num_stages=stages)
+            SLOTTED=slotted, UT_KEPT=ut is not None, num_warps=warps, num_stages=stages)
         # the gate terms (over three of the scratch buffers) summed before the next launch writes them
         dplr_gate_bwd_kernel[(n, H)](gc, h, dh, scratch[0], scratch[2], scratch[1], dg, chunks.cu_seqlens,
                                      chunks.chunk_indices, t0, H=H, K=K, V=V, BT=chunks.BT, BK=GK, BV=GV,

@@ -13,7 +13,8 @@ reads U = W S + U~ and their gradient dU (``state.py``):
 
     dX = T^T dU,   dA~ = T^T (dU S^T)                       (the transposed solves)
     dV = A_qk^T dO + A_ak^T dX + (k * exp(G_e - G)) dS'
-    dA_qk = dO V^T,  dA_qb = dO U^T,  dA_ak = dX V^T,  dA_ab = dA~ W^T + dA_ak A_ak^T T^T   (masked)
+    dA_qk = dO V^T,  dA_qb = dO U^T,  dA_ak = dX V^T,  dA_ab = dA~ W^T + dX U~^T   (masked; dX U~^T = dA_ak A_ak^T T^T
+                                                  where U~ is not kept)
     da (via W) = dA~ * exp(G^-),  dq (via S) = scale (dO S^T) * exp(G),
     db, dk (via S') = (U dS'^T, V dS'^T) * exp(G_e - G)
 
@@ -68,9 +69,9 @@ def dplr_wy_fwd_kernel(a, v, gc, gk, Ai, Aak, w, ut, cu_seqlens, chunk_indices, 
 
 
 @triton.jit
-def local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, h, dh, du, do, dv, dq, dk, da, db, pairs, i_t, i_c, bos, T,
+def local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, dk, da, db, pairs, i_t, i_c, bos, T,
                 i_h, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                BV: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr):
+                BV: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr, UT_KEPT: tl.constexpr):
     """Chunk i_t (i_c in its sequence): stores dv and the state parts of dq, dk, da, db (fp32) and
     returns the four matrices' gradients (dA_qk, dA_qb, dA_ak, dA_ab, [BT, BT] fp32, masked) without
     their gate-free pairs: the diagonal of dA_qk, dA_qb (decay exp(G_t - G_t) = 1) and the first
@@ -126,10 +127,14 @@ def local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, h, dh, du, do, dv, dq, dk, 
         b_dAqk += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
         b_dAqb += tl.dot(b_do, tl.trans(b_u), input_precision=DOT_PRECISION)
         b_dAak += tl.dot(b_dx, tl.trans(b_v), input_precision=DOT_PRECISION)
-    # dX U~^T = (dX V^T) A_ak^T T^T: U~ is not kept from the forward (1 GiB at B 8, T 16384, H 64, V 64);
-    # its two dots take the forward's precision for U~ (3 x TF32 in fp16)
-    b_y = tl.dot(b_dAak, tl.trans(b_Aak), input_precision=GRAD_PRECISION)
-    b_dAab += tl.dot(b_y, tl.trans(b_T), input_precision=GRAD_PRECISION)
+        if UT_KEPT:
+            b_ut = tl.load(ut + p_v, mask=m_tv, other=0.).to(tl.float32)
+            b_dAab += tl.dot(b_dx, tl.trans(b_ut), input_precision=DOT_PRECISION)
+    if not UT_KEPT:
+        # dX U~^T = (dX V^T) A_ak^T T^T, U~ not kept from the forward; its two dots take the
+        # forward's precision for U~ (3 x TF32 in fp16)
+        b_y = tl.dot(b_dAak, tl.trans(b_Aak), input_precision=GRAD_PRECISION)
+        b_dAab += tl.dot(b_y, tl.trans(b_T), input_precision=GRAD_PRECISION)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K

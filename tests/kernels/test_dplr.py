@@ -157,11 +157,12 @@ def test_rwkv7_chunk_paths(wide_kernel, wide_chunk, wide_grid):
 
 
 @pytest.mark.parametrize("launch", [DplrLaunch(), DplrLaunch(state_grads_fp32=True), DplrLaunch(factors_fp32=True),
-                                    DplrLaunch(state_grads_fp32=True, factors_fp32=True)])
+                                    DplrLaunch(state_grads_fp32=True, factors_fp32=True), DplrLaunch(ut_kept=True),
+                                    DplrLaunch(ut_kept=False)])
 def test_dplr_intermediates_dtype(launch):
     """dh and dU (``state_grads_fp32``), T and A_ak (``factors_fp32``) stored in fp16 (the default) or
-    fp32: output and every gradient within fp16's tolerance, varlen with an empty sequence, a wide
-    chunk, two heads."""
+    fp32, U~ kept or recomputed in the backward (``ut_kept``; None: by K): output and every gradient
+    within fp16's tolerance, varlen with an empty sequence, a wide chunk, two heads."""
     gen = generator()
     t = torch.arange(150)
     x = _inputs("rwkv7", 150, H=2, gen=gen, w_scale=torch.where(t // 64 == 1, 8.0, 1.0))
