@@ -14,7 +14,8 @@ or all token at a time (``DecayLaunch(span=0)``), RWKV-7 with the forward's inte
 Checks also run strong gates (x64 on alternate 16-token sub-chunks: both diagonal paths).
 long:  RWKV-7 over T = 65536, bf16 inputs, fp32 state: finite, and close to the fp32
 per-token reference. ``CHECK_OPS=a,b`` limits the check section to those ops,
-``TIME_CASES=op:shape,...`` the time section to those cases, ``TIME_DTYPE`` (default bfloat16) its inputs' dtype,
+``TIME_CASES=op:shape,...`` the time section to those cases, ``TIME_DTYPE`` (default bfloat16) its inputs' dtype
+(the log gates stay fp32 unless ``TIME_GATE_DTYPE`` names theirs),
 ``TIME_REP`` (default 150) do_bench's ms of repetitions (at 100 ms a call, 150 is one sample: ~4% apart run to run).
 ``DPLR_LAUNCH=field=value,...`` (``DplrLaunch`` fields, e.g. ``state_grads_fp32=True``): check and time
 run the DPLR ops through the kernels' entry with that launch instead of the default path.
@@ -52,6 +53,9 @@ ANCHORS = {
 }
 SHAPES = {"gdn1.3b": (4, 8192, 16, 128), "rwkv7paper": (8, 16384, 64, 64)}
 ROWS = []
+
+
+GATES = ("g", "gk", "w")
 
 
 def inputs(op, B, T, H, K, dtype, gen_scale=1.0, V=None, strong=False, device=DEV):
@@ -203,6 +207,8 @@ def bench(op, shape, backward):
     the peak on top of what was allocated before the timed call: inputs, do)."""
     B, T, H, K = SHAPES[shape]
     x = inputs(op, B, T, H, K, getattr(torch, os.environ.get("TIME_DTYPE", "bfloat16")))
+    if os.environ.get("TIME_GATE_DTYPE"):  # the gates too in a 16-bit dtype (the official RWKV-7 kernel's w)
+        x = {n: t.to(getattr(torch, os.environ["TIME_GATE_DTYPE"])) if n in GATES else t for n, t in x.items()}
     fn = fast_op(op, K)
     leaves = {n: t.detach().clone().requires_grad_(backward) for n, t in x.items()}
     del x  # the peak counts one copy of the inputs

@@ -112,8 +112,12 @@ class ChunkDplrFunction(torch.autograd.Function):
                                 output_final_state=output_final_state, store_r=True, block_v=launch.state_block_v)
         o = output_fwd(q, k, v, gc, gc, h, Aqk, scale, chunks, False, A2=Aqb, v2=u)
         ut_kept = launch.ut_kept if launch.ut_kept is not None else k.shape[-1] > 64
-        kept = (Aqk, Aqb, Aak, Ai, w, ut if ut_kept else None, h, u, wide) if not launch.recompute else ()
+        kept = (Aqk, Aak, Ai, w, ut if ut_kept else None, h, u, wide) if not launch.recompute else ()
         ctx.save_for_backward(q, k, v, a, b, gk, initial_state, *kept)
+        # A_qb's one reader in the backward is its state pass; a saved tensor would live until the
+        # backward returns, through dplr_bwd's peak, so it is held here and dropped after that pass
+        # (a second backward through a retained graph recomputes it)
+        ctx.aqb = [Aqb] if not launch.recompute else []
         ctx.scale, ctx.chunks, ctx.launch = scale, chunks, launch
         return o, ht
 
@@ -130,19 +134,21 @@ class ChunkDplrFunction(torch.autograd.Function):
             h, u, _, _ = state_fwd("dplr", k, v, chunks, g=gc, w=w, u=ut, b=b, initial_state=initial_state,
                                    store_r=True, block_v=launch.state_block_v)
         else:
-            Aqk, Aqb, Aak, Ai, w, ut, h, u, wide = kept
+            Aqk, Aak, Ai, w, ut, h, u, wide = kept
+            Aqb = ctx.aqb.pop() if ctx.aqb else _prepare(q, k, v, a, b, gk, scale, chunks, launch)[2]
             gc = chunk_cumsum(gk, chunks)
         grads_dtype = torch.float32 if launch.state_grads_fp32 else None  # None: the inputs' dtypes
         dh, du, dh0 = state_bwd("dplr", q, do, chunks, g=gc, w=w, b=b, A=Aqb, scale=scale, dht=dht,
                                 need_dh0=initial_state is not None, state_dtype=grads_dtype, dr_dtype=grads_dtype,
                                 block_v=launch.state_block_v)
-        del Aqb  # the state pass's only (recomputed: ours to free before the backward's peak)
+        del Aqb  # the state pass's only reader: freed before the backward's peak
         dq, dk, dv, da, db, dg = dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale,
-                                          chunks, gk.dtype, span=launch.span, blocks=launch.bwd_blocks,
+                                          chunks, span=launch.span, blocks=launch.bwd_blocks,
                                           config=launch.bwd_config, programs=launch.bwd_programs)
+        del dh, du  # before a 16-bit gate's copy of dg is allocated
         if dh0 is not None:
             dh0 = dh0.to(initial_state.dtype)
-        return dq, dk, dv, da, db, dg, dh0, None, None, None, None
+        return dq, dk, dv, da, db, dg.to(gk.dtype), dh0, None, None, None, None
 
 
 def chunk_dplr(q, k, v, a, b, gk, *, scale, initial_state=None, output_final_state=False,

@@ -184,10 +184,11 @@ def chunks_per_launch(NC: int, H: int, K: int, BT: int) -> int:
 
 
 def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale: float, chunks: Chunks,
-             g_dtype: torch.dtype, *, span: float = SAFE_SPAN, blocks: tuple[int, int] | None = None,
+             *, span: float = SAFE_SPAN, blocks: tuple[int, int] | None = None,
              config: tuple[int, int] | None = None, programs: int | None = None):
-    """dq, dk, dv, da, db (inputs' dtypes) and dg (``g_dtype``), the gradient of the log gates; an
-    fp32 dg is written over gc (the caller's to give: nothing reads it after). ``ut``: the forward's
+    """dq, dk, dv, da, db (inputs' dtypes) and dg, the gradient of the log gates, in fp32 written over
+    gc (the caller's to give: nothing reads it after; a 16-bit gate's copy is the caller's to make,
+    after the scratch is freed). ``ut``: the forward's
     U~, or None (recomputed per chunk, ``dplr_wy.local_grads``).
     ``wide``: the forward's [NC, H] flags (``dplr_intra.dplr_intra_fwd``), which size the dA buffers: one
     [BT, H, BT] slot per chunk with a wide head (RWKV-7's gates, >= -e^-0.5 a token, leave none; the
@@ -215,10 +216,10 @@ def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
     dAs = [torch.empty(max(n_wide, 1) * chunks.BT, H, chunks.BT, **f32) for _ in range(4)]
     pairs = torch.empty(1, T, H, 4, **f32)
     scratch = [torch.empty(P * chunks.BT if slotted else T, H, K, **f32) for _ in range(4)]
-    # an fp32 dg goes over gc: a chunk's gate sums are read only by its own programs (the state pass
-    # before, the main kernel of its launch, then its gate program, which reads its rows and then
-    # writes them); gc is this backward's own (``ChunkDplrFunction.backward`` forms it)
-    dg = gc if g_dtype == torch.float32 else torch.empty(1, T, H, K, dtype=g_dtype, device=q.device)
+    # dg goes over gc: a chunk's gate sums are read only by its own programs (the state pass before,
+    # the main kernel of its launch, then its gate program, which reads its rows and then writes
+    # them); gc is this backward's own (``ChunkDplrFunction.backward`` forms it)
+    dg = gc
     GK, GV = min(64, max(16, triton.next_power_of_2(K))), min(64, max(16, triton.next_power_of_2(V)))
     for t0 in range(0, chunks.NC, P):
         n = min(P, chunks.NC - t0)

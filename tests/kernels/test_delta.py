@@ -132,6 +132,8 @@ def test_launch_configs():
         assert warps == (8 if K == 256 else 4) and (K * itemsize <= 256 or stages == 1)
         per_channel = state.launch_config("delta", K, V, itemsize, backward=True, per_channel=True)
         assert per_channel[2:] == (8 if K >= 128 else 4, stages)
+        scalar = state.launch_config("delta", K, V, itemsize, backward=True)
+        assert scalar[2:] == ((8, 3) if K == 128 and itemsize == 2 else (warps, stages))
         assert state.launch_config("decay", K, V, itemsize)[:2] == (64, 64)
     assert output.launch_config(256, 512, 2)[2] == 2 and output.launch_config(128, 512, 4)[2] == 1
     assert output.launch_config(128, 128, 2)[1:] == (8, 3)     # the H200-timed configuration

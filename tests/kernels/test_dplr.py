@@ -332,3 +332,35 @@ def test_intra_gate_sums(BK):
     want_c, want_p = chunk_cumsum(gk, chunks, exclusive=True)
     assert rel_err(gc, want_c) < 1e-6 and rel_err(gc - gk, want_p) < 1e-6
     assert wide.sum() > 0
+
+
+def test_dplr_gate_in_input_dtype():
+    """A 16-bit log decay (the official RWKV-7 kernel's inputs are all bf16): its gradient, summed
+    in fp32 over the gate sums' buffer, comes back in the gate's dtype within fp16's tolerance."""
+    gen = generator()
+    x = _inputs("rwkv7", 100, H=2, gen=gen)
+    fn = functools.partial(ops.chunk_rwkv7, scale=16 ** -0.5, output_final_state=True)
+    low = {n: t.half().requires_grad_(True) for n, t in x.items()}
+    ref = {n: t.half().double().requires_grad_(True) for n, t in x.items()}
+    o, ht = fn(**low, backend="triton")
+    ro, rht = fn(**ref, backend="reference")
+    assert rel_err(o, ro) < TOL[torch.float16]
+    do = torch.randn(o.shape, generator=gen)
+    torch.autograd.backward([o, ht], [do.half(), torch.ones_like(ht)])
+    torch.autograd.backward([ro, rht], [do.double(), torch.ones_like(rht)])
+    assert low["w"].grad.dtype == torch.float16
+    for n in x:
+        assert rel_err(low[n].grad, ref[n].grad) < TOL[torch.float16], n
+
+
+def test_dplr_retained_graph():
+    """A second backward through a retained graph (A_qb, freed by the first, recomputed) gives the
+    first's gradients, bit for bit."""
+    gen = generator()
+    x = {n: t.requires_grad_(True) for n, t in _inputs("rwkv7", 100, H=2, gen=gen).items()}
+    o, _ = kernels.chunk_rwkv7(**x, scale=16 ** -0.5)
+    do = torch.randn(o.shape, generator=gen)
+    first = torch.autograd.grad(o, list(x.values()), do, retain_graph=True)
+    second = torch.autograd.grad(o, list(x.values()), do)
+    for n, g1, g2 in zip(x, first, second):
+        assert torch.equal(g1, g2), n
