@@ -20,7 +20,8 @@ Backward: the forward's intra-chunk matrices, T, W, the chunk states and the rea
 (``DplrLaunch.recompute`` False, the default) or recomputed (steps 1-3 again, True: fla's choice,
 less memory); U~ is kept only where K > 64 (``DplrLaunch.ut_kept``; its one use, dX U~^T in dA_ab,
 is (dX V^T) A_ak^T T^T per chunk), and the gates' cumsum is always recomputed (an fp32 gate
-gradient is written over it). Kept, they cost per token and head 4 x 64 + K + V + K V / 64 in the
+gradient is written over it). A_qb, read only by the backward's state pass, is dropped after it
+(held outside the saved tensors unless ``saved_tensors_hooks`` are active, which must see it). Kept, they cost per token and head 4 x 64 + K + V + K V / 64 in the
 input dtype (A_qk, A_qb, A_ak, T, W, U, h; ``DplrLaunch.factors_fp32`` keeps A_ak and T in fp32),
 plus V for U~ where K > 64: 0.9 KiB at K = V = 64, 1.75 KiB at K = V = 128 in bf16, against
 0.9 / 1.8 KiB for the inputs the op keeps anyway.
@@ -90,13 +91,26 @@ class DplrLaunch:
     ut_kept: bool | None = None
 
 
+def _intra(q, k, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):
+    """Step 1: gc, A_qk, A_qb, A_ak, A_ab and the chunks' wide flags."""
+    factors = torch.float32 if launch.factors_fp32 else q.dtype
+    return dplr_intra_fwd(q, k, a, b, gk, scale, chunks, span=launch.span, wide_kernel=launch.wide_kernel,
+                          config=launch.intra_config, wide_grid=launch.wide_grid, ak_dtype=factors)
+
+
+def _saved_tensors_hooked() -> bool:
+    """Whether a ``saved_tensors_hooks`` context is active (non-reentrant checkpointing, offloading
+    to the CPU): it must see every tensor kept for the backward. torch has no public query; where
+    the private one is missing, assume one is."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
+
+
 def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):
     """Steps 1-2: gates, the four intra-chunk matrices, T, W and U~ (and the chunks' wide flags)."""
     T, H = q.shape[1], q.shape[2]
     factors = torch.float32 if launch.factors_fp32 else q.dtype
-    gc, Aqk, Aqb, Aak, Aab, wide = dplr_intra_fwd(q, k, a, b, gk, scale, chunks, span=launch.span,
-                                                  wide_kernel=launch.wide_kernel, config=launch.intra_config,
-                                                  wide_grid=launch.wide_grid, ak_dtype=factors)
+    gc, Aqk, Aqb, Aak, Aab, wide = _intra(q, k, a, b, gk, scale, chunks, launch)
     Ai = solve(Aab, torch.full((1, T, H), -1.0, device=q.device), chunks, dtype=factors, precision_of=q.dtype)
     w, ut = dplr_wy_fwd(a, v, gc, gk, Ai, Aak, chunks)
     return gc, Aqk, Aqb, Aak, Ai, w, ut, wide
@@ -113,11 +127,12 @@ class ChunkDplrFunction(torch.autograd.Function):
         o = output_fwd(q, k, v, gc, gc, h, Aqk, scale, chunks, False, A2=Aqb, v2=u)
         ut_kept = launch.ut_kept if launch.ut_kept is not None else k.shape[-1] > 64
         kept = (Aqk, Aak, Ai, w, ut if ut_kept else None, h, u, wide) if not launch.recompute else ()
-        ctx.save_for_backward(q, k, v, a, b, gk, initial_state, *kept)
         # A_qb's one reader in the backward is its state pass; a saved tensor would live until the
         # backward returns, through dplr_bwd's peak, so it is held here and dropped after that pass
-        # (a second backward through a retained graph recomputes it)
-        ctx.aqb = [Aqb] if not launch.recompute else []
+        # (a second backward through a retained graph recomputes it); saved, where hooks must see it
+        hooked = not launch.recompute and _saved_tensors_hooked()
+        ctx.save_for_backward(q, k, v, a, b, gk, initial_state, *kept, *((Aqb,) if hooked else ()))
+        ctx.aqb = [Aqb] if not launch.recompute and not hooked else []
         ctx.scale, ctx.chunks, ctx.launch = scale, chunks, launch
         return o, ht
 
@@ -134,9 +149,12 @@ class ChunkDplrFunction(torch.autograd.Function):
             h, u, _, _ = state_fwd("dplr", k, v, chunks, g=gc, w=w, u=ut, b=b, initial_state=initial_state,
                                    store_r=True, block_v=launch.state_block_v)
         else:
-            Aqk, Aak, Ai, w, ut, h, u, wide = kept
-            Aqb = ctx.aqb.pop() if ctx.aqb else _prepare(q, k, v, a, b, gk, scale, chunks, launch)[2]
-            gc = chunk_cumsum(gk, chunks)
+            Aqk, Aak, Ai, w, ut, h, u, wide, *saved_aqb = kept
+            try:
+                Aqb = saved_aqb[0] if saved_aqb else ctx.aqb.pop()
+                gc = chunk_cumsum(gk, chunks)
+            except IndexError:  # taken by an earlier backward through this graph
+                gc, _, Aqb, *_ = _intra(q, k, a, b, gk, scale, chunks, launch)
         grads_dtype = torch.float32 if launch.state_grads_fp32 else None  # None: the inputs' dtypes
         dh, du, dh0 = state_bwd("dplr", q, do, chunks, g=gc, w=w, b=b, A=Aqb, scale=scale, dht=dht,
                                 need_dh0=initial_state is not None, state_dtype=grads_dtype, dr_dtype=grads_dtype,

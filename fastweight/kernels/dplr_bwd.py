@@ -166,7 +166,7 @@ def dplr_gate_bwd_kernel(gc, h, dh, dgk, dga, dgs, dg, cu_seqlens, chunk_indices
                                                                                H, K)
         b_p = load_rows(dgs, bos, o_t - 1, m_prev, i_h, o_k, m_k, H, K)
         b_dg = tl.cumsum(b_x, axis=0, reverse=True) + tl.cumsum(b_p, axis=0) + b_e[None, :]
-        tl.debug_barrier()  # dg may be gc's buffer: every thread's loads first
+        tl.debug_barrier()  # dg is gc's buffer: every thread's loads first
         tl.store(dg + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], b_dg.to(dg.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
 

@@ -41,6 +41,8 @@ from fastweight.kernels.common import Chunks, alloc, dot_block, mm, while_loops
 # the transitions, as the kernels' TRANSITION constexpr (a kernel reads globals only as constexprs)
 DECAY, DELTA, DPLR = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 TRANSITIONS = {"decay": 0, "delta": 1, "dplr": 2}
+# the DELTA forward reads k as K^T tiles (scalar or no gate)
+K_TRANSPOSED = False
 
 
 @triton.jit
@@ -81,6 +83,13 @@ def _rows(x, bos, T, i_t, heads, i_head, D: tl.constexpr, i_d, BT: tl.constexpr,
 
 
 @triton.jit
+def _cols(x, bos, T, i_t, heads, i_head, D: tl.constexpr, i_d, BT: tl.constexpr, BD: tl.constexpr):
+    """The chunk's rows of a packed [1, T, heads, D] tensor, transposed: block (i_d, i_t) of [BD, BT]."""
+    return tl.make_block_ptr(x + (bos * heads + i_head) * D, (D, T), (1, heads * D), (i_d * BD, i_t * BT), (BD, BT),
+                             (0, 1))
+
+
+@triton.jit
 def _state_block(x, i, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, i_k, i_v, BK: tl.constexpr,
                  BV: tl.constexpr):
     """Block (i_k, i_v) of state i of a [*, H, K, V] tensor (i = chunk * H + head)."""
@@ -92,11 +101,12 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, Ai, beta, o, h, r, bos, T, boh, 
               H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
               BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
               FUSE_OUTPUT: tl.constexpr, STORE_H: tl.constexpr, STORE_R: tl.constexpr, PRESCALED: tl.constexpr,
-              FUSE_WY: tl.constexpr):
+              FUSE_WY: tl.constexpr, KT: tl.constexpr):
     """One chunk of the forward pass; returns the state at the chunk's end. PRESCALED (per-channel
     gate): q and k hold the gated rows qg = q exp(G) and kd = k exp(G_C - G) (``wy.recompute_w_u``).
     FUSE_WY (DELTA, scalar or no gate): the read from Ai and the raw rows, R = Ai Diag(beta) (V -
-    Diag(gamma) K S), so W and U are never formed (v is V, w and u unused)."""
+    Diag(gamma) K S), so W and U are never formed (v is V, w and u unused). KT (DELTA, scalar or no
+    gate): k read as K^T [BK, BT] from memory, the form both Q K^T and K^T R take."""
     o_i = tl.arange(0, BT)
     m_row = i_t * BT + o_i < T
     i_hk = i_h // (H // HK)
@@ -108,8 +118,12 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, Ai, beta, o, h, r, bos, T, boh, 
         tl.store(p_h, b_h.to(p_h.dtype.element_ty), boundary_check=(0, 1))
     if FUSE_OUTPUT:
         b_q = tl.load(_rows(q, bos, T, i_t, HK, i_hk, K, 0, BT, BK), boundary_check=(0, 1))
-    b_k = tl.load(_rows(k, bos, T, i_t, HK, i_hk, K, i_k, BT, BK), boundary_check=(0, 1))
-    dt = b_k.dtype
+    if KT:
+        b_kt = tl.load(_cols(k, bos, T, i_t, HK, i_hk, K, i_k, BT, BK), boundary_check=(0, 1))
+        dt = b_kt.dtype
+    else:
+        b_k = tl.load(_rows(k, bos, T, i_t, HK, i_hk, K, i_k, BT, BK), boundary_check=(0, 1))
+        dt = b_k.dtype
     if TRANSITION == DPLR:
         b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
         b_ek = tl.where(m_row[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)
@@ -133,7 +147,10 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, Ai, beta, o, h, r, bos, T, boh, 
             if GATE == 1:
                 b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT)
                 b_ks = b_beta * tl.exp(b_g)
-            b_xr = b_vr * b_beta[:, None] - mm((b_k * b_ks[:, None]).to(dt), b_hc)
+            if KT:
+                b_xr = b_vr * b_beta[:, None] - mm(tl.trans(b_kt), b_hc) * b_ks[:, None]
+            else:
+                b_xr = b_vr * b_beta[:, None] - mm((b_k * b_ks[:, None]).to(dt), b_hc)
             b_r = mm(b_Ai.to(dt), b_xr.to(dt))
         else:
             b_u = tl.load(_rows(u, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(tl.float32)
@@ -163,7 +180,10 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, Ai, beta, o, h, r, bos, T, boh, 
         else:
             m_causal = o_i[:, None] >= o_i[None, :]
             b_o = mm(b_q, b_hc)
-            b_A = mm(b_q, tl.trans(b_k))
+            if KT:
+                b_A = mm(b_q, b_kt)
+            else:
+                b_A = mm(b_q, tl.trans(b_k))
             if GATE == 1:
                 b_o = b_o * tl.exp(b_g)[:, None]
                 b_A = b_A * tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
@@ -177,15 +197,18 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, Ai, beta, o, h, r, bos, T, boh, 
         b_x = b_r
     else:
         b_x = tl.load(_rows(v, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(tl.float32)
-    b_kd = b_k
     if GATE == 1:
         b_x = b_x * tl.exp(b_glast - b_g)[:, None]
         b_h = b_h * tl.exp(b_glast)
-    if GATE == 2:
-        if not PRESCALED:
-            b_kd = (b_k * b_ek).to(dt)
-        b_h = b_h * tl.exp(b_gklast)[:, None]
-    b_h += mm(tl.trans(b_kd), b_x.to(dt))
+    if KT:
+        b_h += mm(b_kt, b_x.to(dt))
+    else:
+        b_kd = b_k
+        if GATE == 2:
+            if not PRESCALED:
+                b_kd = (b_k * b_ek).to(dt)
+            b_h = b_h * tl.exp(b_gklast)[:, None]
+        b_h += mm(tl.trans(b_kd), b_x.to(dt))
     if TRANSITION == DPLR:
         b_b = tl.load(_rows(b, bos, T, i_t, H, i_h, K, 0, BT, BK), boundary_check=(0, 1))
         b_h += mm(tl.trans((b_b * b_ek).to(dt)), b_r.to(dt))
@@ -198,7 +221,8 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, Ai, beta, h0, o, ht, h, r, cu_seqle
                      BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
                      FUSE_OUTPUT: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
                      STORE_H: tl.constexpr, STORE_R: tl.constexpr, UNIFORM: tl.constexpr,
-                     WHILE_LOOP: tl.constexpr, PRESCALED: tl.constexpr, FUSE_WY: tl.constexpr):
+                     WHILE_LOOP: tl.constexpr, PRESCALED: tl.constexpr, FUSE_WY: tl.constexpr,
+                     KT: tl.constexpr):
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # sequences longest first (Chunks.order); i_nh below is the (sequence, head) pair's state index
     i_n, i_h = tl.load(order + i_nh // H), i_nh % H
@@ -216,7 +240,7 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, Ai, beta, h0, o, ht, h, r, cu_seqle
         while i_t < NT:
             b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, Ai, beta, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H,
                             HK, K, V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R, PRESCALED,
-                            FUSE_WY)
+                            FUSE_WY, KT)
             i_t += 1
     else:
         # compiled: a for loop, which Triton software-pipelines (the next chunk's loads overlap); its
@@ -228,7 +252,7 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, Ai, beta, h0, o, ht, h, r, cu_seqle
         for i_t in range(0, NT):
             b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, Ai, beta, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H,
                             HK, K, V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R, PRESCALED,
-                            FUSE_WY)
+                            FUSE_WY, KT)
     if STORE_HT:
         tl.store(_state_block(ht, i_nh, H, K, V, i_k, i_v, BK, BV), b_h, boundary_check=(0, 1))
 
@@ -367,7 +391,7 @@ def _gate_kind(g) -> int:
 def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, b=None, q=None, A=None,
               scale: float = 1.0, initial_state=None, output_final_state: bool = False, store_h: bool = True,
               store_r: bool = False, fuse_output: bool = False, state_dtype=None, block_v=None,
-              prescaled: bool = False, Ai=None, beta=None):
+              prescaled: bool = False, Ai=None, beta=None, k_transposed: bool | None = None):
     """The forward state pass (module docstring).
 
     k: [1, T, HK, K] (q likewise, with ``fuse_output``); v: [1, T, H, V]; w, b: [1, T, H, K]; u:
@@ -377,11 +401,13 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     scalar or no gate) in place of w and u: the read is formed from v, R = Ai Diag(beta) (V -
     Diag(gamma) K S) (one [BT, BT] product more a chunk; W and U are not formed). Returns (h [NC,
     H, K, V] in ``state_dtype`` (default k's) or None, R [1, T, H, V] in v's dtype or None, o [1,
-    T, H, V] in v's dtype or None, final state fp32 or None)."""
+    T, H, V] in v's dtype or None, final state fp32 or None). ``k_transposed`` (DELTA, scalar or no
+    gate): k read as K^T tiles (default ``K_TRANSPOSED``)."""
     _, T, HK, K = k.shape
     H, V = v.shape[2], v.shape[-1]
     BK, BV, warps, stages = launch_config(transition, K, V, k.element_size(), per_channel=_gate_kind(g) == 2,
                                           block_v=block_v)
+    kt = (K_TRANSPOSED if k_transposed is None else k_transposed) and transition == "delta" and _gate_kind(g) != 2
     # the delta rule's loop takes its bound from the host when every sequence has NT chunks (its forward
     # keeping h is faster so on the H200); decay and DPLR read it from cu_seqlens, which is faster for them
     uniform = chunks.NT is not None and transition == "delta"
@@ -399,7 +425,7 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
                            BT=chunks.BT, BK=BK, BV=BV, TRANSITION=TRANSITIONS[transition], GATE=_gate_kind(g),
                            FUSE_OUTPUT=fuse_output, USE_H0=initial_state is not None, STORE_HT=output_final_state,
                            STORE_H=store_h, STORE_R=store_r, UNIFORM=uniform, WHILE_LOOP=while_loops(),
-                           PRESCALED=prescaled, FUSE_WY=fuse_wy, num_warps=warps, num_stages=stages)
+                           PRESCALED=prescaled, FUSE_WY=fuse_wy, KT=kt, num_warps=warps, num_stages=stages)
     return h, r, o, ht
 
 

@@ -8,6 +8,7 @@ poisoned with NaN. Each test compares the public op with ``backend="triton"`` (a
 """
 
 import functools
+import weakref
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 import fastweight.kernels as kernels
 from fastweight import ops
-from fastweight.kernels import decay_intra, dplr_intra
+from fastweight.kernels import decay_intra, dplr, dplr_intra
 from fastweight.kernels.dplr import DplrLaunch
 from fastweight.testing import generator, rel_err, strided
 
@@ -334,33 +335,72 @@ def test_intra_gate_sums(BK):
     assert wide.sum() > 0
 
 
-def test_dplr_gate_in_input_dtype():
+@pytest.mark.parametrize("launch", [DplrLaunch(), DplrLaunch(recompute=True), DplrLaunch(span=0.0),
+                                    DplrLaunch(bwd_programs=1)])
+def test_dplr_gate_in_input_dtype(launch):
     """A 16-bit log decay (the official RWKV-7 kernel's inputs are all bf16): its gradient, summed
-    in fp32 over the gate sums' buffer, comes back in the gate's dtype within fp16's tolerance."""
+    in fp32 over the gate sums' buffer, comes back in the gate's dtype within fp16's tolerance;
+    intermediates kept or recomputed, every chunk wide (span 0), launches of one chunk; varlen with
+    an empty sequence."""
     gen = generator()
-    x = _inputs("rwkv7", 100, H=2, gen=gen)
-    fn = functools.partial(ops.chunk_rwkv7, scale=16 ** -0.5, output_final_state=True)
-    low = {n: t.half().requires_grad_(True) for n, t in x.items()}
-    ref = {n: t.half().double().requires_grad_(True) for n, t in x.items()}
-    o, ht = fn(**low, backend="triton")
-    ro, rht = fn(**ref, backend="reference")
-    assert rel_err(o, ro) < TOL[torch.float16]
-    do = torch.randn(o.shape, generator=gen)
-    torch.autograd.backward([o, ht], [do.half(), torch.ones_like(ht)])
-    torch.autograd.backward([ro, rht], [do.double(), torch.ones_like(rht)])
-    assert low["w"].grad.dtype == torch.float16
-    for n in x:
-        assert rel_err(low[n].grad, ref[n].grad) < TOL[torch.float16], n
+    x = {n: t.half() for n, t in _inputs("rwkv7", 150, H=2, gen=gen).items()}
+    assert x["w"].dtype == torch.float16
+    _check("rwkv7", x, dtype=torch.float16, cu_seqlens=torch.tensor([0, 70, 70, 150]), gen=gen, launch=launch)
 
 
-def test_dplr_retained_graph():
-    """A second backward through a retained graph (A_qb, freed by the first, recomputed) gives the
-    first's gradients, bit for bit."""
+def _capture_aqb(monkeypatch):
+    """Weak references to every A_qb the intra kernel returns."""
+    refs = []
+    intra = dplr.dplr_intra_fwd
+
+    def spy(*args, **kwargs):
+        out = intra(*args, **kwargs)
+        refs.append(weakref.ref(out[2]))
+        return out
+    monkeypatch.setattr(dplr, "dplr_intra_fwd", spy)
+    return refs
+
+
+def test_dplr_aqb_freed_and_retained_graph(monkeypatch):
+    """A_qb is gone once the backward's state pass has read it (before the backward returns); a
+    second backward through the retained graph recomputes it and gives the first's gradients, bit
+    for bit."""
+    refs = _capture_aqb(monkeypatch)
     gen = generator()
     x = {n: t.requires_grad_(True) for n, t in _inputs("rwkv7", 100, H=2, gen=gen).items()}
     o, _ = kernels.chunk_rwkv7(**x, scale=16 ** -0.5)
+    assert len(refs) == 1 and refs[0]() is not None
+    seen = []
+    dplr_bwd = dplr.dplr_bwd
+
+    def spy_bwd(*args, **kwargs):
+        seen.append(refs[0]() is None)
+        return dplr_bwd(*args, **kwargs)
+    monkeypatch.setattr(dplr, "dplr_bwd", spy_bwd)
     do = torch.randn(o.shape, generator=gen)
     first = torch.autograd.grad(o, list(x.values()), do, retain_graph=True)
+    assert seen == [True]
     second = torch.autograd.grad(o, list(x.values()), do)
+    assert len(refs) == 2
     for n, g1, g2 in zip(x, first, second):
         assert torch.equal(g1, g2), n
+
+
+def test_dplr_aqb_under_saved_tensor_hooks(monkeypatch):
+    """Under ``saved_tensors_hooks`` (checkpointing, offloading) A_qb is a saved tensor like the
+    others: the hooks pack it."""
+    refs = _capture_aqb(monkeypatch)
+    packed = []
+
+    def pack(t):
+        packed.append(weakref.ref(t))
+        return t
+    gen = generator()
+    x = {n: t.requires_grad_(True) for n, t in _inputs("rwkv7", 100, H=2, gen=gen).items()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        o, _ = kernels.chunk_rwkv7(**x, scale=16 ** -0.5)
+    aqb = refs[0]()
+    assert aqb is not None and any(r() is aqb for r in packed)
+    del aqb
+    o.backward(torch.randn(o.shape, generator=gen))
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in x.values())
