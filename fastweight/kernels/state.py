@@ -41,8 +41,9 @@ from fastweight.kernels.common import Chunks, alloc, dot_block, mm, while_loops
 # the transitions, as the kernels' TRANSITION constexpr (a kernel reads globals only as constexprs)
 DECAY, DELTA, DPLR = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 TRANSITIONS = {"decay": 0, "delta": 1, "dplr": 2}
-# the DELTA forward reads k as K^T tiles (scalar or no gate)
-K_TRANSPOSED = False
+# the DELTA forward reads k as K^T tiles (scalar or no gate): GDN's inference forward 7% faster
+# on the H100 (docs/bench/delta.md)
+K_TRANSPOSED = True
 
 
 @triton.jit
@@ -363,8 +364,9 @@ def launch_config(transition: str, K: int, V: int, itemsize: int, backward: bool
     fastweight.bench.gpu_sweep`). DELTA holds all of K: 8 warps for K = 256 (the [K, BV] fp32
     state in registers) and for the per-channel (KDA) backward at K = 128, else 4; two stages of
     prefetch while a chunk's q, k, w tiles fit twice in the H200's 227 KiB of shared memory (up to
-    256 bytes a row), else one; the 16-bit backward at K = 128 without a per-channel gate 8 warps
-    and 3 stages (GDN: -4% forward+backward on the H100). DPLR holds all of K and narrows BV to a small V (16 at least);
+    256 bytes a row), else one; without a per-channel gate in 16 bits, the backward at K = 128 8 warps
+    and 3 stages (GDN: -4% forward+backward), the forward at K <= 64 3 stages (DeltaNet's inference
+    forward -14% on the H100; at K = 128 3 stages cost GDN 6%). DPLR holds all of K and narrows BV to a small V (16 at least);
     4 warps 2 stages up to K = 64, else 8 warps, the forward 1 stage, the backward 2 (1 at K = 256):
     the fastest for RWKV-7 on the H200. Measurements: docs/bench/delta.md, decay_dplr.md."""
     if transition == "decay":
@@ -373,6 +375,8 @@ def launch_config(transition: str, K: int, V: int, itemsize: int, backward: bool
         BK = triton.next_power_of_2(K)
         if backward and BK == 128 and itemsize == 2 and not per_channel:
             return BK, block_v or 64, 8, 3
+        if not backward and BK <= 64 and itemsize == 2 and not per_channel:
+            return BK, block_v or 64, 4, 3
         warps = 8 if K > 128 or (backward and per_channel and K == 128) else 4
         return BK, block_v or 64, warps, 2 if BK * itemsize <= 256 else 1
     if transition == "dplr":
