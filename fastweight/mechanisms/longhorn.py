@@ -172,7 +172,9 @@ def _triton_chunk(q, k, v, beta, *, scale, initial_state=None, output_final_stat
     kk = (k.float() * k.float()).sum(-1)
     if v.shape[2] != k.shape[2]:
         kk = kk.repeat_interleave(v.shape[2] // k.shape[2], dim=2)
-    eps = (beta.float() / (1 + beta.float() * kk)).to(beta.dtype)
+    # eps stays fp32 into the kernels, which read beta in fp32 anyway: rounded to beta's dtype it
+    # would round the forward's step and, through autograd, d eps before d beta
+    eps = beta.float() / (1 + beta.float() * kk)
     return chunk_delta(q, k, v, None, eps, **kw)
 
 
