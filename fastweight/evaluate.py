@@ -102,7 +102,7 @@ SCALES = {
     "full": Scale(niah_train_len=512, niah_eval_lens=(512, 1024, 2048), niah_warmup_len=128, number_digits=7,
                   uuid_hex=32, mqar="mqar:seq_len=256,n_pairs=16,vocab_size=1024", mqar_eval_lens=(256, 512, 1024),
                   state_len=64, d_model=128, n_layers=2, n_heads=2, niah_steps=1200, niah_warmup_steps=300,
-                  mqar_steps=800, parity_steps=1000, s5_steps=1000, batch_size=32,
+                  mqar_steps=3000, parity_steps=1000, s5_steps=1000, batch_size=32,
                   mqar_lrs=(3e-3, 1e-3), niah_lr=1e-3, state_lr=3e-3, eval_examples=128, data_workers=1),
 }
 
