@@ -21,8 +21,8 @@ Backward: the forward's intra-chunk matrices, T, W, the chunk states and the rea
 less memory); U~ is kept only where K > 64 (``DplrLaunch.ut_kept``; its one use, dX U~^T in dA_ab,
 is (dX V^T) A_ak^T T^T per chunk), and the gates' cumsum is always recomputed (an fp32 gate
 gradient is written over it). A_qb, read only by the backward's state pass, is dropped after it
-(held outside the saved tensors unless ``saved_tensors_hooks`` are active, which must see it). Kept, they cost per token and head 4 x 64 + K + V + K V / 64 in the
-input dtype (A_qk, A_qb, A_ak, T, W, U, h; ``DplrLaunch.factors_fp32`` keeps A_ak and T in fp32),
+(held outside the saved tensors unless ``saved_tensors_hooks`` are active, which must see it).
+Kept, they cost per token and head 4 x 64 + K + V + K V / 64 in the input dtype (A_qk, A_qb, A_ak, T, W, U, h; ``DplrLaunch.factors_fp32`` keeps A_ak and T in fp32),
 plus V for U~ where K > 64: 0.9 KiB at K = V = 64, 1.75 KiB at K = V = 128 in bf16, against
 0.9 / 1.8 KiB for the inputs the op keeps anyway.
 The state gradient runs the loop in reverse (with the reads' gradient dU),
@@ -152,9 +152,10 @@ class ChunkDplrFunction(torch.autograd.Function):
             Aqk, Aak, Ai, w, ut, h, u, wide, *saved_aqb = kept
             try:
                 Aqb = saved_aqb[0] if saved_aqb else ctx.aqb.pop()
-                gc = chunk_cumsum(gk, chunks)
             except IndexError:  # taken by an earlier backward through this graph
                 gc, _, Aqb, *_ = _intra(q, k, a, b, gk, scale, chunks, launch)
+            else:
+                gc = chunk_cumsum(gk, chunks)
         grads_dtype = torch.float32 if launch.state_grads_fp32 else None  # None: the inputs' dtypes
         dh, du, dh0 = state_bwd("dplr", q, do, chunks, g=gc, w=w, b=b, A=Aqb, scale=scale, dht=dht,
                                 need_dh0=initial_state is not None, state_dtype=grads_dtype, dr_dtype=grads_dtype,

@@ -41,9 +41,6 @@ from fastweight.kernels.common import Chunks, alloc, dot_block, mm, while_loops
 # the transitions, as the kernels' TRANSITION constexpr (a kernel reads globals only as constexprs)
 DECAY, DELTA, DPLR = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 TRANSITIONS = {"decay": 0, "delta": 1, "dplr": 2}
-# the DELTA forward reads k as K^T tiles (scalar or no gate): GDN's inference forward 7% faster
-# on the H100 (docs/bench/delta.md)
-K_TRANSPOSED = True
 
 
 @triton.jit
@@ -366,8 +363,8 @@ def launch_config(transition: str, K: int, V: int, itemsize: int, backward: bool
     prefetch while a chunk's q, k, w tiles fit twice in the H200's 227 KiB of shared memory (up to
     256 bytes a row), else one; without a per-channel gate in 16 bits, the backward at K = 128 8 warps
     and 3 stages (GDN: -4% forward+backward), the forward at K <= 64 3 stages (DeltaNet's inference
-    forward -14% on the H100; at K = 128 3 stages cost GDN 6%). DPLR holds all of K and narrows BV to a small V (16 at least);
-    4 warps 2 stages up to K = 64, else 8 warps, the forward 1 stage, the backward 2 (1 at K = 256):
+    forward -14% on the H100; at K = 128 3 stages cost GDN 6%). DPLR holds all of K and narrows BV
+    to a small V (16 at least); 4 warps 2 stages up to K = 64, else 8 warps, the forward 1 stage, the backward 2 (1 at K = 256):
     the fastest for RWKV-7 on the H200. Measurements: docs/bench/delta.md, decay_dplr.md."""
     if transition == "decay":
         return 64, dot_block(block_v or 64), 8, 3
@@ -395,7 +392,7 @@ def _gate_kind(g) -> int:
 def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, b=None, q=None, A=None,
               scale: float = 1.0, initial_state=None, output_final_state: bool = False, store_h: bool = True,
               store_r: bool = False, fuse_output: bool = False, state_dtype=None, block_v=None,
-              prescaled: bool = False, Ai=None, beta=None, k_transposed: bool | None = None):
+              prescaled: bool = False, Ai=None, beta=None, k_transposed: bool = True):
     """The forward state pass (module docstring).
 
     k: [1, T, HK, K] (q likewise, with ``fuse_output``); v: [1, T, H, V]; w, b: [1, T, H, K]; u:
@@ -406,12 +403,13 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     Diag(gamma) K S) (one [BT, BT] product more a chunk; W and U are not formed). Returns (h [NC,
     H, K, V] in ``state_dtype`` (default k's) or None, R [1, T, H, V] in v's dtype or None, o [1,
     T, H, V] in v's dtype or None, final state fp32 or None). ``k_transposed`` (DELTA, scalar or no
-    gate): k read as K^T tiles (default ``K_TRANSPOSED``)."""
+    gate): k read as K^T tiles (False: as rows; the tiles made GDN's inference forward 7% faster on
+    the H100, docs/bench/delta.md)."""
     _, T, HK, K = k.shape
     H, V = v.shape[2], v.shape[-1]
     BK, BV, warps, stages = launch_config(transition, K, V, k.element_size(), per_channel=_gate_kind(g) == 2,
                                           block_v=block_v)
-    kt = (K_TRANSPOSED if k_transposed is None else k_transposed) and transition == "delta" and _gate_kind(g) != 2
+    kt = k_transposed and transition == "delta" and _gate_kind(g) != 2
     # the delta rule's loop takes its bound from the host when every sequence has NT chunks (its forward
     # keeping h is faster so on the H200); decay and DPLR read it from cu_seqlens, which is faster for them
     uniform = chunks.NT is not None and transition == "delta"
