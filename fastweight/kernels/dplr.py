@@ -13,8 +13,10 @@ state before the chunk (the readable spec is ``fastweight/chunk/dplr.py``):
     2. T = (I - A_ab)^{-1} (blockwise exact solve)                    ``kkt_solve.py``
        W = T (a * exp(G^-)),  U~ = T A_ak V                          ``dplr_wy.py``
     3. per chunk in order: U = W S + U~,
+       o = scale (q * exp G) S + A_qb U + A_qk V,
        S <- Diag(exp G_e) S + (b exp(G_e - G))^T U + (k exp(G_e - G))^T V   ``state.py``
-    4. o = scale (q * exp G) S + A_qb U + A_qk V                     ``decay_output.py``
+       (the output in the same pass, so inference stores neither the chunk states nor U;
+       ``DplrLaunch(fused_output=False)``: by its own kernel after the pass, ``decay_output.py``)
 
 Backward: the forward's intra-chunk matrices, T, W, the chunk states and the reads U are kept
 (``DplrLaunch.recompute`` False, the default) or recomputed (steps 1-3 again, True: fla's choice,
@@ -74,7 +76,9 @@ class DplrLaunch:
     forward for the backward, stored in fp32 (default False: in the input dtype, 2 GiB less at that
     shape; the solve still reads an fp32 A_ab). ``ut_kept``: U~ kept from the forward for the backward
     (False: recomputed per chunk, 1 GiB less at that shape; None: kept where K > 64, whose backward
-    the recompute makes 14% slower on the H100, against 3% at K = 64). Rounding dh, dU, T and A_ak
+    the recompute makes 14% slower on the H100, against 3% at K = 64). ``fused_output``: the output
+    formed in the forward state pass (False: by its own kernel, ``decay_output``, from the stored
+    chunk states and reads; the pass then stores them whether or not a backward follows). Rounding dh, dU, T and A_ak
     costs bf16 ~8% in the worst error (H200: 3.62e-3 -> 3.91e-3 at (1, 1024, 4, 32, 128), fla's
     5.1e-3 the bound) for 4 GiB."""
     recompute: bool = False
@@ -89,6 +93,7 @@ class DplrLaunch:
     state_grads_fp32: bool = False
     factors_fp32: bool = False
     ut_kept: bool | None = None
+    fused_output: bool = True
 
 
 def _intra(q, k, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):
@@ -120,11 +125,22 @@ class ChunkDplrFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, a, b, gk, initial_state, scale: float, output_final_state: bool, chunks: Chunks,
-                launch: DplrLaunch):
+                launch: DplrLaunch, keep: bool):
         gc, Aqk, Aqb, Aak, Ai, w, ut, wide = _prepare(q, k, v, a, b, gk, scale, chunks, launch)
-        h, u, _, ht = state_fwd("dplr", k, v, chunks, g=gc, w=w, u=ut, b=b, initial_state=initial_state,
-                                output_final_state=output_final_state, store_r=True, block_v=launch.state_block_v)
-        o = output_fwd(q, k, v, gc, gc, h, Aqk, scale, chunks, False, A2=Aqb, v2=u)
+        if launch.fused_output:
+            # the chunk states and reads are stored only for a backward (``keep``)
+            h, u, o, ht = state_fwd("dplr", k, v, chunks, g=gc, w=w, u=ut, b=b, q=q, A=Aqk, A2=Aqb, scale=scale,
+                                    initial_state=initial_state, output_final_state=output_final_state,
+                                    store_h=keep, store_r=keep, fuse_output=True, block_v=launch.state_block_v)
+        else:
+            h, u, _, ht = state_fwd("dplr", k, v, chunks, g=gc, w=w, u=ut, b=b, initial_state=initial_state,
+                                    output_final_state=output_final_state, store_r=True,
+                                    block_v=launch.state_block_v)
+            o = output_fwd(q, k, v, gc, gc, h, Aqk, scale, chunks, False, A2=Aqb, v2=u)
+        if not keep:
+            ctx.save_for_backward()
+            ctx.aqb = []
+            return o, ht
         ut_kept = launch.ut_kept if launch.ut_kept is not None else k.shape[-1] > 64
         kept = (Aqk, Aak, Ai, w, ut if ut_kept else None, h, u, wide) if not launch.recompute else ()
         # A_qb's one reader in the backward is its state pass; a saved tensor would live until the
@@ -167,7 +183,7 @@ class ChunkDplrFunction(torch.autograd.Function):
         del dh, du  # before a 16-bit gate's copy of dg is allocated
         if dh0 is not None:
             dh0 = dh0.to(initial_state.dtype)
-        return dq, dk, dv, da, db, dg.to(gk.dtype), dh0, None, None, None, None
+        return dq, dk, dv, da, db, dg.to(gk.dtype), dh0, None, None, None, None, None
 
 
 def chunk_dplr(q, k, v, a, b, gk, *, scale, initial_state=None, output_final_state=False,
@@ -184,6 +200,9 @@ def chunk_dplr(q, k, v, a, b, gk, *, scale, initial_state=None, output_final_sta
 
     if initial_state is not None:
         initial_state = initial_state.contiguous()
+    # the forward's intermediates are kept only when a backward can follow
+    keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (q, k, v, a, b, gk, initial_state))
     o, ht = ChunkDplrFunction.apply(pack(q), pack(k), pack(v), pack(a), pack(b), pack(gk), initial_state, scale,
-                                    output_final_state, chunks, launch)
+                                    output_final_state, chunks, launch, keep)
     return o.reshape(B, T, H, V), ht

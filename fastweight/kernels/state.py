@@ -10,12 +10,14 @@ transitions differ only in what is written, which is what ``TRANSITION`` selects
     DPLR  (generic, U~, W from dplr_wy.py):           R = U~ + W S,  S <- D S + Bd^T R + Kd^T V
 
 R is the low-rank read (DELTA: the pseudo values v_tilde; DPLR: the reads a_t^T S). ``h`` (the
-state at each chunk's start, [NC, H, K, V]) and R are stored when asked; the DELTA forward can
-also form the output on the fly (FUSE_OUTPUT), so inference writes neither:
+state at each chunk's start, [NC, H, K, V]) and R are stored when asked; the DELTA and DPLR
+forwards can also form the output on the fly (FUSE_OUTPUT), so inference writes neither:
 
-    O = scale (Diag(exp G) Q S + ((Q K^T) * Gamma * M) R)          M: i >= j
+    DELTA:  O = scale (Diag(exp G) Q S + ((Q K^T) * Gamma * M) R)          M: i >= j
+    DPLR:   O = scale Diag(exp G) Q S + (A_qk * M) V + (A_qb * M) R
 
-(the per-channel gate's Q K^T * Gamma comes precomputed, ``A``, from intra.py).
+(the per-channel gate's Q K^T * Gamma comes precomputed, ``A``, from intra.py; DPLR's A_qk and
+A_qb, scaled, from dplr_intra.py as ``A`` and ``A2``).
 
 The backward runs the same loop from the last chunk, dS the gradient of the state at the chunk's
 end (``dh`` stores it per chunk); Qd = Diag(exp Gq) Q scale (Gq = G, or RWKV-6's exclusive gate):
@@ -95,7 +97,7 @@ def _state_block(x, i, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, i_k, i
 
 
 @triton.jit
-def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, Ai, beta, o, h, r, bos, T, boh, i_h, i_k, i_v, scale,
+def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, boh, i_h, i_k, i_v, scale,
               H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
               BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
               FUSE_OUTPUT: tl.constexpr, STORE_H: tl.constexpr, STORE_R: tl.constexpr, PRESCALED: tl.constexpr,
@@ -167,7 +169,18 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, Ai, beta, o, h, r, bos, T, boh, 
         else:
             b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
             b_ek = tl.where(m_row[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)
-    if FUSE_OUTPUT:
+    if FUSE_OUTPUT and TRANSITION == DPLR:
+        # o = scale (q exp G) S + A_qk V + A_qb R (A_qk, A_qb scaled, lower-inclusive)
+        m_causal = o_i[:, None] >= o_i[None, :]
+        b_x = tl.load(_rows(v, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1))
+        b_o = mm((b_q * tl.exp(b_gk)).to(dt), b_hc) * scale
+        p_A = tl.make_block_ptr(A + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_t * BT, 0), (BT, BT), (1, 0))
+        b_o += mm(tl.where(m_causal, tl.load(p_A, boundary_check=(0, 1)), 0.).to(dt), b_x.to(dt))
+        p_A = tl.make_block_ptr(A2 + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_t * BT, 0), (BT, BT), (1, 0))
+        b_o += mm(tl.where(m_causal, tl.load(p_A, boundary_check=(0, 1)), 0.).to(dt), b_r.to(dt))
+        p_o = _rows(o, bos, T, i_t, H, i_h, V, i_v, BT, BV)
+        tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))
+    elif FUSE_OUTPUT:
         if GATE == 2:
             if PRESCALED:
                 b_o = mm(b_q, b_hc)
@@ -193,7 +206,7 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, Ai, beta, o, h, r, bos, T, boh, 
     # the write: scalar gates scale the written rows, per-channel gates the write keys
     if TRANSITION == DELTA:
         b_x = b_r
-    else:
+    elif not (FUSE_OUTPUT and TRANSITION == DPLR):
         b_x = tl.load(_rows(v, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(tl.float32)
     if GATE == 1:
         b_x = b_x * tl.exp(b_glast - b_g)[:, None]
@@ -214,7 +227,7 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, Ai, beta, o, h, r, bos, T, boh, 
 
 
 @triton.jit
-def state_fwd_kernel(q, k, v, w, u, b, g, A, Ai, beta, h0, o, ht, h, r, cu_seqlens, chunk_offsets, order, scale, NT_ALL,
+def state_fwd_kernel(q, k, v, w, u, b, g, A, A2, Ai, beta, h0, o, ht, h, r, cu_seqlens, chunk_offsets, order, scale, NT_ALL,
                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
                      FUSE_OUTPUT: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
@@ -236,7 +249,7 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, Ai, beta, h0, o, ht, h, r, cu_seqle
         NT = tl.cdiv(T, BT)
         i_t = 0
         while i_t < NT:
-            b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, Ai, beta, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H,
+            b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H,
                             HK, K, V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R, PRESCALED,
                             FUSE_WY, KT)
             i_t += 1
@@ -248,7 +261,7 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, Ai, beta, h0, o, ht, h, r, cu_seqle
         else:
             NT = tl.cdiv(T, BT)
         for i_t in range(0, NT):
-            b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, Ai, beta, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H,
+            b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H,
                             HK, K, V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R, PRESCALED,
                             FUSE_WY, KT)
     if STORE_HT:
@@ -390,15 +403,16 @@ def _gate_kind(g) -> int:
 
 
 def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, b=None, q=None, A=None,
-              scale: float = 1.0, initial_state=None, output_final_state: bool = False, store_h: bool = True,
+              A2=None, scale: float = 1.0, initial_state=None, output_final_state: bool = False, store_h: bool = True,
               store_r: bool = False, fuse_output: bool = False, state_dtype=None, block_v=None,
               prescaled: bool = False, Ai=None, beta=None, k_transposed: bool = True):
     """The forward state pass (module docstring).
 
     k: [1, T, HK, K] (q likewise, with ``fuse_output``); v: [1, T, H, V]; w, b: [1, T, H, K]; u:
-    [1, T, H, V]; g: None, [1, T, H] or [1, T, H, K] (fp32 chunk-local cumsum); A: [1, T, H, BT];
-    initial_state: [N, H, K, V]; ``prescaled`` (delta, per-channel g): k and q are the gated rows
-    kd, qg [1, T, H, K] of ``wy.recompute_w_u``. ``Ai`` [1, T, H, BT] and ``beta`` [1, T, H] (delta,
+    [1, T, H, V]; g: None, [1, T, H] or [1, T, H, K] (fp32 chunk-local cumsum); A: [1, T, H, BT]
+    (DPLR: A_qk, and A2 A_qb, both with ``fuse_output``); initial_state: [N, H, K, V];
+    ``prescaled`` (delta, per-channel g): k and q are the gated rows kd, qg [1, T, H, K] of
+    ``wy.recompute_w_u``. ``Ai`` [1, T, H, BT] and ``beta`` [1, T, H] (delta,
     scalar or no gate) in place of w and u: the read is formed from v, R = Ai Diag(beta) (V -
     Diag(gamma) K S) (one [BT, BT] product more a chunk; W and U are not formed). Returns (h [NC,
     H, K, V] in ``state_dtype`` (default k's) or None, R [1, T, H, V] in v's dtype or None, o [1,
@@ -420,9 +434,11 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     ht = alloc((chunks.N, H, K, V), dtype=torch.float32, device=dev) if output_final_state else None
     grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), chunks.N * H)
     fuse_wy = Ai is not None
+    if fuse_output and (q is None or A is None or (transition == "dplr" and A2 is None)):
+        raise ValueError("`fuse_output` needs `q` and `A` (and `A2`, A_qb, for the dplr transition)")
     if fuse_wy and (transition != "delta" or _gate_kind(g) == 2 or beta is None):
         raise ValueError("`Ai` (the fused W/U read) needs the delta transition, a scalar or no gate and `beta`")
-    state_fwd_kernel[grid](q, k, v, w, u, b, g, A, Ai, beta, initial_state, o, ht, h, r, chunks.cu_seqlens,
+    state_fwd_kernel[grid](q, k, v, w, u, b, g, A, A2, Ai, beta, initial_state, o, ht, h, r, chunks.cu_seqlens,
                            chunks.chunk_offsets, chunks.order, scale, chunks.NT or 0, H=H, HK=HK, K=K, V=V,
                            BT=chunks.BT, BK=BK, BV=BV, TRANSITION=TRANSITIONS[transition], GATE=_gate_kind(g),
                            FUSE_OUTPUT=fuse_output, USE_H0=initial_state is not None, STORE_HT=output_final_state,

@@ -78,6 +78,34 @@ def _check(op, inputs, dtype=torch.float32, initial_state=True, cu_seqlens=None,
         assert err < tol, f"d{n}: {err:.3g}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fused_output", [True, False])
+def test_dplr_forward_without_grad(fused_output, dtype, monkeypatch):
+    """Inference (no gradient): the output formed in the state pass, which then stores neither the
+    chunk states nor the reads (``fused_output``), or by its own kernel; varlen with an empty
+    sequence, partial chunks, an initial state, K = 80 and V = 72 (padded blocks, two V blocks)."""
+    gen = generator()
+    x = _inputs("dplr_delta_rule", 150, H=2, K=80, V=72, gen=gen)
+    cu = torch.tensor([0, 70, 70, 150], dtype=torch.int64)
+    h0 = torch.randn(3, 2, 80, 72, generator=gen)
+    stores, state_fwd = [], dplr.state_fwd
+
+    def recorded(*args, **kw):
+        stores.append((kw.get("store_h", True), kw.get("store_r", False)))
+        return state_fwd(*args, **kw)
+    monkeypatch.setattr(dplr, "state_fwd", recorded)
+    low = {n: t.to(dtype if n != "gk" else t.dtype) for n, t in x.items()}
+    with torch.no_grad():
+        o, ht = kernels.chunk_dplr_delta_rule(**low, scale=80 ** -0.5, initial_state=h0, output_final_state=True,
+                                              cu_seqlens=cu, launch=DplrLaunch(fused_output=fused_output))
+    ro, rht = ops.chunk_dplr_delta_rule(**{n: t.double() for n, t in x.items()}, scale=80 ** -0.5,
+                                        initial_state=h0.double(), output_final_state=True, cu_seqlens=cu,
+                                        backend="reference")
+    assert o.dtype == dtype and rel_err(o, ro) < TOL[dtype], f"o: {rel_err(o, ro):.3g}"
+    assert rel_err(ht, rht) < TOL[dtype], f"final state: {rel_err(ht, rht):.3g}"
+    assert stores == [(False, False) if fused_output else (True, True)]
+
+
 @pytest.mark.parametrize("recompute", [False, True])
 def test_dplr_fwd_bwd_two_chunks(recompute):
     """Both backward modes: the forward's intermediates kept (default) or recomputed."""
@@ -103,10 +131,13 @@ def test_rwkv7_fp16():
     _check("rwkv7", _inputs("rwkv7", 63, K=32, gen=gen), dtype=torch.float16, gen=gen)
 
 
-def test_dplr_wide_head_dims():
-    """K = 80 (padded to 128 in the state pass), V = 72 (several V blocks, a partial last one)."""
+@pytest.mark.parametrize("fused_output", [True, False])
+def test_dplr_wide_head_dims(fused_output):
+    """K = 80 (padded to 128 in the state pass), V = 72 (several V blocks, a partial last one);
+    the output in the state pass or in its own kernel."""
     gen = generator()
-    _check("dplr_delta_rule", _inputs("dplr_delta_rule", 40, K=80, V=72, gen=gen), gen=gen)
+    _check("dplr_delta_rule", _inputs("dplr_delta_rule", 40, K=80, V=72, gen=gen), gen=gen,
+           launch=DplrLaunch(fused_output=fused_output))
 
 
 @pytest.mark.parametrize("blocks", [(64, 32), (32, 64), (64, 64)])
