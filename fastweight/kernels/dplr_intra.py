@@ -192,43 +192,82 @@ def dplr_intra_fwd_kernel(q, k, a, b, gk, gc, Aqk, Aqb, Aak, Aab, wide, cu_seqle
     i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T
-    is_wide = chunk_span(gk, gc, bos, o_t, m_t, i_h, H, K, BK) >= SPAN
-    tl.debug_barrier()
-    tl.store(wide + i_t * H + i_h, is_wide.to(tl.int8))
-    if not is_wide:
-        b_qk = tl.zeros([BT, BT], dtype=tl.float32)
-        b_qb = tl.zeros([BT, BT], dtype=tl.float32)
-        b_ak = tl.zeros([BT, BT], dtype=tl.float32)
-        b_ab = tl.zeros([BT, BT], dtype=tl.float32)
-        for i_k in range(0, tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            m_k = o_k < K
-            m_tk = m_t[:, None] & m_k[None, :]
-            b_g = load_rows(gc, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-            b_gp = load_gp(gc, gk, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-            _, b_ref = span_ref(b_gp, b_g, m_tk)
+    if K <= BK:
+        # one key block: the gate sums stay in registers, and each matrix is stored as soon as it is
+        # formed, so at most three factored [BT, BK] tiles and one product are live at a time
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        p_g = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
+        b_gk = tl.load(gk + p_g, mask=m_tk, other=0.).to(tl.float32)
+        b_g = tl.cumsum(b_gk, axis=0)
+        b_gp = b_g - b_gk
+        tl.store(gc + p_g, b_g, mask=m_tk)
+        b_span, b_ref = span_ref(b_gp, b_g, m_tk)
+        is_wide = b_span >= SPAN
+        tl.store(wide + i_t * H + i_h, is_wide.to(tl.int8))
+        if not is_wide:
+            o_r = tl.arange(0, BT)
+            m_incl = o_r[:, None] >= o_r[None, :]
+            m_strict = o_r[:, None] > o_r[None, :]
+            p_A = ((bos + o_t) * H + i_h)[:, None] * BT + o_r[None, :]
             b_fc = factor(1., b_g, b_ref, m_tk, False)
-            b_kg = tl.trans(load_rows(k, bos, o_t, m_t, i_h, o_k, m_k, H, K) * b_fc)
-            b_bg = tl.trans(load_rows(b, bos, o_t, m_t, i_h, o_k, m_k, H, K) * b_fc)
             b_qg = factor(load_rows(q, bos, o_t, m_t, i_h, o_k, m_k, H, K), b_g, b_ref, m_tk, True)
+            b_kg = tl.trans(load_rows(k, bos, o_t, m_t, i_h, o_k, m_k, H, K) * b_fc)
+            b_A = tl.dot(b_qg, b_kg, input_precision=DIAG_PRECISION)
+            tl.store(Aqk + p_A, tl.where(m_incl, b_A * scale, 0.), mask=m_t[:, None])
+            b_bg = tl.trans(load_rows(b, bos, o_t, m_t, i_h, o_k, m_k, H, K) * b_fc)
+            b_A = tl.dot(b_qg, b_bg, input_precision=DIAG_PRECISION)
+            tl.store(Aqb + p_A, tl.where(m_incl, b_A * scale, 0.), mask=m_t[:, None])
             b_ag = factor(load_rows(a, bos, o_t, m_t, i_h, o_k, m_k, H, K), b_gp, b_ref, m_tk, True)
-            b_qk += tl.dot(b_qg, b_kg, input_precision=DIAG_PRECISION)
-            b_qb += tl.dot(b_qg, b_bg, input_precision=DIAG_PRECISION)
-            b_ak += tl.dot(b_ag, b_kg, input_precision=DIAG_PRECISION)
-            b_ab += tl.dot(b_ag, b_bg, input_precision=DIAG_PRECISION)
-        o_r = tl.arange(0, BT)
-        m_incl = o_r[:, None] >= o_r[None, :]
-        m_strict = o_r[:, None] > o_r[None, :]
-        p_A = ((bos + o_t) * H + i_h)[:, None] * BT + o_r[None, :]
-        tl.store(Aqk + p_A, tl.where(m_incl, b_qk * scale, 0.), mask=m_t[:, None])
-        tl.store(Aqb + p_A, tl.where(m_incl, b_qb * scale, 0.), mask=m_t[:, None])
-        tl.store(Aak + p_A, tl.where(m_strict, b_ak, 0.), mask=m_t[:, None])
-        tl.store(Aab + p_A, tl.where(m_strict, b_ab, 0.), mask=m_t[:, None])
-    elif not FLAG:
-        for i_i in range(0, BT // BC):
-            if i_c * BT + i_i * BC < T:
-                _fwd_sub(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
-                         DOT_PRECISION, DIAG_PRECISION, SPAN)
+            b_A = tl.dot(b_ag, b_bg, input_precision=DIAG_PRECISION)
+            tl.store(Aab + p_A, tl.where(m_strict, b_A, 0.), mask=m_t[:, None])
+            b_A = tl.dot(b_ag, b_kg, input_precision=DIAG_PRECISION)
+            tl.store(Aak + p_A, tl.where(m_strict, b_A, 0.), mask=m_t[:, None])
+        elif not FLAG:
+            tl.debug_barrier()  # the sub-chunk path reads the sums back
+            for i_i in range(0, BT // BC):
+                if i_c * BT + i_i * BC < T:
+                    _fwd_sub(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_h, H, K, BT, BC,
+                             BK, DOT_PRECISION, DIAG_PRECISION, SPAN)
+    else:
+        is_wide = chunk_span(gk, gc, bos, o_t, m_t, i_h, H, K, BK) >= SPAN
+        tl.debug_barrier()
+        tl.store(wide + i_t * H + i_h, is_wide.to(tl.int8))
+        if not is_wide:
+            b_qk = tl.zeros([BT, BT], dtype=tl.float32)
+            b_qb = tl.zeros([BT, BT], dtype=tl.float32)
+            b_ak = tl.zeros([BT, BT], dtype=tl.float32)
+            b_ab = tl.zeros([BT, BT], dtype=tl.float32)
+            for i_k in range(0, tl.cdiv(K, BK)):
+                o_k = i_k * BK + tl.arange(0, BK)
+                m_k = o_k < K
+                m_tk = m_t[:, None] & m_k[None, :]
+                b_g = load_rows(gc, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+                b_gp = load_gp(gc, gk, bos, o_t, m_t, i_h, o_k, m_k, H, K)
+                _, b_ref = span_ref(b_gp, b_g, m_tk)
+                b_fc = factor(1., b_g, b_ref, m_tk, False)
+                b_kg = tl.trans(load_rows(k, bos, o_t, m_t, i_h, o_k, m_k, H, K) * b_fc)
+                b_bg = tl.trans(load_rows(b, bos, o_t, m_t, i_h, o_k, m_k, H, K) * b_fc)
+                b_qg = factor(load_rows(q, bos, o_t, m_t, i_h, o_k, m_k, H, K), b_g, b_ref, m_tk, True)
+                b_ag = factor(load_rows(a, bos, o_t, m_t, i_h, o_k, m_k, H, K), b_gp, b_ref, m_tk, True)
+                b_qk += tl.dot(b_qg, b_kg, input_precision=DIAG_PRECISION)
+                b_qb += tl.dot(b_qg, b_bg, input_precision=DIAG_PRECISION)
+                b_ak += tl.dot(b_ag, b_kg, input_precision=DIAG_PRECISION)
+                b_ab += tl.dot(b_ag, b_bg, input_precision=DIAG_PRECISION)
+            o_r = tl.arange(0, BT)
+            m_incl = o_r[:, None] >= o_r[None, :]
+            m_strict = o_r[:, None] > o_r[None, :]
+            p_A = ((bos + o_t) * H + i_h)[:, None] * BT + o_r[None, :]
+            tl.store(Aqk + p_A, tl.where(m_incl, b_qk * scale, 0.), mask=m_t[:, None])
+            tl.store(Aqb + p_A, tl.where(m_incl, b_qb * scale, 0.), mask=m_t[:, None])
+            tl.store(Aak + p_A, tl.where(m_strict, b_ak, 0.), mask=m_t[:, None])
+            tl.store(Aab + p_A, tl.where(m_strict, b_ab, 0.), mask=m_t[:, None])
+        elif not FLAG:
+            for i_i in range(0, BT // BC):
+                if i_c * BT + i_i * BC < T:
+                    _fwd_sub(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
+                             DOT_PRECISION, DIAG_PRECISION, SPAN)
 
 
 @triton.jit
