@@ -434,8 +434,9 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     ht = alloc((chunks.N, H, K, V), dtype=torch.float32, device=dev) if output_final_state else None
     grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), chunks.N * H)
     fuse_wy = Ai is not None
-    if fuse_output and (q is None or A is None or (transition == "dplr" and A2 is None)):
-        raise ValueError("`fuse_output` needs `q` and `A` (and `A2`, A_qb, for the dplr transition)")
+    if fuse_output and (q is None or (A is None and (transition == "dplr" or _gate_kind(g) == 2))
+                        or (transition == "dplr" and A2 is None)):
+        raise ValueError("`fuse_output` needs `q`, `A` with a per-channel gate, and `A2` (A_qb) for dplr")
     if fuse_wy and (transition != "delta" or _gate_kind(g) == 2 or beta is None):
         raise ValueError("`Ai` (the fused W/U read) needs the delta transition, a scalar or no gate and `beta`")
     state_fwd_kernel[grid](q, k, v, w, u, b, g, A, A2, Ai, beta, initial_state, o, ht, h, r, chunks.cu_seqlens,
