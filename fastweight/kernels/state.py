@@ -83,6 +83,24 @@ def _rows(x, bos, T, i_t, heads, i_head, D: tl.constexpr, i_d, BT: tl.constexpr,
 
 
 @triton.jit
+def _bounds(cu_seqlens, i_n, OFF32: tl.constexpr):
+    """Sequence i_n's (bos, eos), in int32 where every token offset of the launch fits (``OFF32``):
+    64-bit row offsets cost the state passes registers they spill (sm_90: the delta forward at K =
+    128 and 3 stages 216 B of stack, 40 B in int32)."""
+    bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
+    if OFF32:
+        bos, eos = bos.to(tl.int32), eos.to(tl.int32)
+    else:
+        bos, eos = bos.to(tl.int64), eos.to(tl.int64)
+    return bos, eos
+
+
+def _off32(*tensors) -> bool:
+    """Whether every element offset of these tensors fits in int32 (``_bounds``)."""
+    return all(t is None or t.numel() < 2 ** 31 for t in tensors)
+
+
+@triton.jit
 def _cols(x, bos, T, i_t, heads, i_head, D: tl.constexpr, i_d, BT: tl.constexpr, BD: tl.constexpr):
     """The chunk's rows of a packed [1, T, heads, D] tensor, transposed: block (i_d, i_t) of [BD, BT]."""
     return tl.make_block_ptr(x + (bos * heads + i_head) * D, (D, T), (1, heads * D), (i_d * BD, i_t * BT), (BD, BT),
@@ -233,12 +251,12 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, A2, Ai, beta, h0, o, ht, h, r, cu_s
                      FUSE_OUTPUT: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
                      STORE_H: tl.constexpr, STORE_R: tl.constexpr, UNIFORM: tl.constexpr,
                      WHILE_LOOP: tl.constexpr, PRESCALED: tl.constexpr, FUSE_WY: tl.constexpr,
-                     KT: tl.constexpr):
+                     KT: tl.constexpr, OFF32: tl.constexpr):
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # sequences longest first (Chunks.order); i_nh below is the (sequence, head) pair's state index
     i_n, i_h = tl.load(order + i_nh // H), i_nh % H
     i_nh = i_n * H + i_h
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    bos, eos = _bounds(cu_seqlens, i_n, OFF32)
     T = (eos - bos).to(tl.int32)
     boh = tl.load(chunk_offsets + i_n).to(tl.int64)
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
@@ -338,12 +356,13 @@ def _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dr, bos, T, boh, i_h, i_k
 def state_bwd_kernel(q, k, w, b, g, gq, A, do, dht, dh, dh0, dr, cu_seqlens, chunk_offsets, order, scale,
                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
-                     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, WHILE_LOOP: tl.constexpr):
+                     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, WHILE_LOOP: tl.constexpr,
+                     OFF32: tl.constexpr):
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # sequences longest first (Chunks.order); i_nh below is the (sequence, head) pair's state index
     i_n, i_h = tl.load(order + i_nh // H), i_nh % H
     i_nh = i_n * H + i_h
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    bos, eos = _bounds(cu_seqlens, i_n, OFF32)
     T = (eos - bos).to(tl.int32)
     boh = tl.load(chunk_offsets + i_n).to(tl.int64)
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
@@ -444,7 +463,8 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
                            BT=chunks.BT, BK=BK, BV=BV, TRANSITION=TRANSITIONS[transition], GATE=_gate_kind(g),
                            FUSE_OUTPUT=fuse_output, USE_H0=initial_state is not None, STORE_HT=output_final_state,
                            STORE_H=store_h, STORE_R=store_r, UNIFORM=uniform, WHILE_LOOP=while_loops(),
-                           PRESCALED=prescaled, FUSE_WY=fuse_wy, KT=kt, num_warps=warps, num_stages=stages)
+                           PRESCALED=prescaled, FUSE_WY=fuse_wy, KT=kt,
+                           OFF32=_off32(q, k, v, w, u, b, g, A, Ai, beta, o, r), num_warps=warps, num_stages=stages)
     return h, r, o, ht
 
 
@@ -467,5 +487,6 @@ def state_bwd(transition: str, q, do, chunks: Chunks, *, g=None, gq=None, k=None
     state_bwd_kernel[grid](q, k, w, b, g, gq, A, do, dht, dh, dh0, dr, chunks.cu_seqlens, chunks.chunk_offsets,
                            chunks.order, scale, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
                            TRANSITION=TRANSITIONS[transition], GATE=_gate_kind(g), USE_DHT=dht is not None,
-                           STORE_DH0=need_dh0, WHILE_LOOP=while_loops(), num_warps=warps, num_stages=stages)
+                           STORE_DH0=need_dh0, WHILE_LOOP=while_loops(), OFF32=_off32(q, k, w, b, g, gq, A, do, dr),
+                           num_warps=warps, num_stages=stages)
     return dh, dr, dh0

@@ -252,3 +252,33 @@ def test_delta_forward_fused_read_backward():
         grads.append((o,) + delta.delta_bwd(q, k, v, beta, saved, do, None, 0.3, ch, False)[:5])
     for a, b in zip(*grads):
         assert rel_err(b, a) < 1e-5
+
+
+@pytest.mark.parametrize("transition", ["delta", "decay"])
+def test_state_passes_int64_offsets(monkeypatch, transition):
+    """The state passes with 64-bit token offsets (taken where a launch's offsets pass int32) give the
+    int32 path's states, reads, outputs and gradients exactly (varlen, initial state)."""
+    from fastweight.kernels import state
+    from fastweight.kernels.state import state_bwd, state_fwd
+    from fastweight.kernels.wy import recompute_w_u
+    q, k, _, beta, g, _ = inputs(14)
+    v = torch.randn(1, T, H, 48, generator=generator(15))
+    cu = torch.tensor([0, 0, 37, T])
+    ch = prepare_chunks(cu, 1, T, 64, "cpu")
+    h0 = torch.randn(3, H, K, 48, generator=generator(16))
+    gc = chunk_cumsum(g, ch)
+    extra = {}
+    if transition == "delta":
+        Ai = kkt_solve(k, beta, gc, ch)
+        extra = dict(zip("wu", recompute_w_u(k, v, beta, gc, Ai, ch)))
+    do = torch.randn(1, T, H, 48, generator=generator(17))
+    runs = []
+    for off32 in (True, False):
+        monkeypatch.setattr(state, "_off32", lambda *_, flag=off32: flag)
+        fwd = state_fwd(transition, k, extra.get("u", v), ch, g=gc, q=q, scale=0.3, initial_state=h0,
+                        output_final_state=True, store_h=True, store_r=transition == "delta",
+                        fuse_output=transition == "delta", **extra)
+        bwd = state_bwd(transition, q, do, ch, g=gc, k=k, w=extra.get("w"), scale=0.3, need_dh0=True)
+        runs.append([t for t in fwd + bwd if t is not None])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
