@@ -56,6 +56,10 @@ from fastweight.kernels.dplr_wy import dplr_wy_fwd
 from fastweight.kernels.kkt_solve import solve
 
 BT = 64
+# the output is formed in the forward state pass up to this key size (timed there: RWKV-7 forward -2.8 ms
+# at (8, 16384, 64, 64), -4% at (4, 8192, 16, 128), H100); at K = 256 that pass spills 928 B a thread
+# against 560 B without the output (sm_90 compile), untimed, so it keeps the output kernel
+FUSED_OUTPUT_MAX_K = 128
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,7 @@ class DplrLaunch:
     shape; the solve still reads an fp32 A_ab). ``ut_kept``: U~ kept from the forward for the backward
     (False: recomputed per chunk, 1 GiB less at that shape; None: kept where K > 64, whose backward
     the recompute makes 14% slower on the H100, against 3% at K = 64). ``fused_output``: the output
-    formed in the forward state pass (False: by its own kernel, ``decay_output``, from the stored
+    formed in the forward state pass where K <= ``FUSED_OUTPUT_MAX_K`` (False: by its own kernel, ``decay_output``, from the stored
     chunk states and reads; the pass then stores them whether or not a backward follows). Rounding dh, dU, T and A_ak
     costs bf16 ~8% in the worst error (H200: 3.62e-3 -> 3.91e-3 at (1, 1024, 4, 32, 128), fla's
     5.1e-3 the bound) for 4 GiB."""
@@ -127,7 +131,7 @@ class ChunkDplrFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, a, b, gk, initial_state, scale: float, output_final_state: bool, chunks: Chunks,
                 launch: DplrLaunch, keep: bool):
         gc, Aqk, Aqb, Aak, Ai, w, ut, wide = _prepare(q, k, v, a, b, gk, scale, chunks, launch)
-        if launch.fused_output:
+        if launch.fused_output and k.shape[-1] <= FUSED_OUTPUT_MAX_K:
             # the chunk states and reads are stored only for a backward (``keep``)
             h, u, o, ht = state_fwd("dplr", k, v, chunks, g=gc, w=w, u=ut, b=b, q=q, A=Aqk, A2=Aqb, scale=scale,
                                     initial_state=initial_state, output_final_state=output_final_state,

@@ -396,8 +396,9 @@ def launch_config(transition: str, K: int, V: int, itemsize: int, backward: bool
     256 bytes a row), else one; without a per-channel gate in 16 bits, the backward at K = 128 8 warps
     and 3 stages (GDN: -4% forward+backward), the forward at K <= 64 3 stages (DeltaNet's inference
     forward -14% on the H100; at K = 128 3 stages cost GDN 6%). DPLR holds all of K and narrows BV
-    to a small V (16 at least); 4 warps 2 stages up to K = 64, else 8 warps, the forward 1 stage, the backward 2 (1 at K = 256):
-    the fastest for RWKV-7 on the H200. Measurements: docs/bench/delta.md, decay_dplr.md."""
+    to a small V (16 at least); 4 warps 2 stages up to K = 64, else 8 warps 2 stages (1 at K =
+    256): the fastest for RWKV-7 (the forward with its output fused: at K = 128 one stage spilled
+    400 B a thread and was 7% slower on the H100). Measurements: docs/bench/delta.md, decay_dplr.md."""
     if transition == "decay":
         return 64, dot_block(block_v or 64), 8, 3
     if transition == "delta":
@@ -413,7 +414,7 @@ def launch_config(transition: str, K: int, V: int, itemsize: int, backward: bool
         BV = min(block_v or 64, max(16, triton.next_power_of_2(V)))
         if BK <= 64:
             return BK, BV, 4, 2
-        return BK, BV, 8, (2 if BK <= 128 else 1) if backward else 1
+        return BK, BV, 8, 2 if BK <= 128 else 1
     raise ValueError(f"transition must be one of {tuple(TRANSITIONS)}, got {transition!r}")
 
 
@@ -464,7 +465,7 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
                            FUSE_OUTPUT=fuse_output, USE_H0=initial_state is not None, STORE_HT=output_final_state,
                            STORE_H=store_h, STORE_R=store_r, UNIFORM=uniform, WHILE_LOOP=while_loops(),
                            PRESCALED=prescaled, FUSE_WY=fuse_wy, KT=kt,
-                           OFF32=_off32(q, k, v, w, u, b, g, A, Ai, beta, o, r), num_warps=warps, num_stages=stages)
+                           OFF32=_off32(q, k, v, w, u, b, g, A, A2, Ai, beta, o, r), num_warps=warps, num_stages=stages)
     return h, r, o, ht
 
 

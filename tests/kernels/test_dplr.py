@@ -78,16 +78,17 @@ def _check(op, inputs, dtype=torch.float32, initial_state=True, cu_seqlens=None,
         assert err < tol, f"d{n}: {err:.3g}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype, K", [(torch.float32, 80), (torch.float16, 80), (torch.float32, 144)])
 @pytest.mark.parametrize("fused_output", [True, False])
-def test_dplr_forward_without_grad(fused_output, dtype, monkeypatch):
+def test_dplr_forward_without_grad(fused_output, dtype, K, monkeypatch):
     """Inference (no gradient): the output formed in the state pass, which then stores neither the
-    chunk states nor the reads (``fused_output``), or by its own kernel; varlen with an empty
-    sequence, partial chunks, an initial state, K = 80 and V = 72 (padded blocks, two V blocks)."""
+    chunk states nor the reads (``fused_output``, up to ``FUSED_OUTPUT_MAX_K``), or by its own
+    kernel; varlen with an empty sequence, partial chunks, an initial state, K = 80 or 144 (padded
+    key blocks) and V = 72 (two V blocks, the last partial)."""
     gen = generator()
-    x = _inputs("dplr_delta_rule", 150, H=2, K=80, V=72, gen=gen)
+    x = _inputs("dplr_delta_rule", 150, H=2, K=K, V=72, gen=gen)
     cu = torch.tensor([0, 70, 70, 150], dtype=torch.int64)
-    h0 = torch.randn(3, 2, 80, 72, generator=gen)
+    h0 = torch.randn(3, 2, K, 72, generator=gen)
     stores, state_fwd = [], dplr.state_fwd
 
     def recorded(*args, **kw):
@@ -96,14 +97,14 @@ def test_dplr_forward_without_grad(fused_output, dtype, monkeypatch):
     monkeypatch.setattr(dplr, "state_fwd", recorded)
     low = {n: t.to(dtype if n != "gk" else t.dtype) for n, t in x.items()}
     with torch.no_grad():
-        o, ht = kernels.chunk_dplr_delta_rule(**low, scale=80 ** -0.5, initial_state=h0, output_final_state=True,
+        o, ht = kernels.chunk_dplr_delta_rule(**low, scale=K ** -0.5, initial_state=h0, output_final_state=True,
                                               cu_seqlens=cu, launch=DplrLaunch(fused_output=fused_output))
-    ro, rht = ops.chunk_dplr_delta_rule(**{n: t.double() for n, t in x.items()}, scale=80 ** -0.5,
+    ro, rht = ops.chunk_dplr_delta_rule(**{n: t.double() for n, t in x.items()}, scale=K ** -0.5,
                                         initial_state=h0.double(), output_final_state=True, cu_seqlens=cu,
                                         backend="reference")
     assert o.dtype == dtype and rel_err(o, ro) < TOL[dtype], f"o: {rel_err(o, ro):.3g}"
     assert rel_err(ht, rht) < TOL[dtype], f"final state: {rel_err(ht, rht):.3g}"
-    assert stores == [(False, False) if fused_output else (True, True)]
+    assert stores == [(False, False) if fused_output and K <= dplr.FUSED_OUTPUT_MAX_K else (True, True)]
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -330,7 +331,9 @@ def test_gate_gradient_strong_decay(op, T, per_token, cu, dtype):
     """The gate gradient under strong decay (log gates about -6 and -3 per token; None: RWKV-7's own
     range, [-0.607, 0]): full, partial and several chunks, varlen, an initial state, a loss on o and
     on the final state. Its error against float64 is at most 0.005 in fp16 (fla's tolerance) and
-    within 1.5x of the PyTorch chunk path's in the same dtype; in fp32 within GATE_TOL_FP32."""
+    within 2x of the PyTorch chunk path's in the same dtype (the ratio of the two paths' errors over
+    fresh draws, dplr_delta_rule at -6 a token, T 64: median 1.1, largest 1.59 in 292 draws, 1.70
+    in one CI draw); in fp32 within GATE_TOL_FP32."""
     gen = generator()
     K = 64 if T == 64 else 32
     x = _strong(op, T, per_token, H=2, K=K, V=K, gen=gen) if per_token else _inputs(op, T, H=2, K=K, V=K, gen=gen)
@@ -341,7 +344,7 @@ def test_gate_gradient_strong_decay(op, T, per_token, cu, dtype):
     bad = {n: e for n, e in others.items() if e[0] > max(TOL[dtype], 2 * e[1])}
     assert not bad, f"other gradients (Triton, PyTorch path): {bad}"
     if dtype == torch.float16:
-        assert err <= 0.005 and err <= 1.5 * err_torch, f"d gate: {err:.3g} (PyTorch path {err_torch:.3g})"
+        assert err <= 0.005 and err <= 2 * err_torch, f"d gate: {err:.3g} (PyTorch path {err_torch:.3g})"
     else:
         assert err <= GATE_TOL_FP32, f"d gate: {err:.3g} (PyTorch path {err_torch:.3g})"
 
