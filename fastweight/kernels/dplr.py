@@ -82,7 +82,9 @@ class DplrLaunch:
     (False: recomputed per chunk, 1 GiB less at that shape; None: kept where K > 64, whose backward
     the recompute makes 14% slower on the H100, against 3% at K = 64). ``fused_output``: the output
     formed in the forward state pass where K <= ``FUSED_OUTPUT_MAX_K`` (False: by its own kernel, ``decay_output``, from the stored
-    chunk states and reads; the pass then stores them whether or not a backward follows). Rounding dh, dU, T and A_ak
+    chunk states and reads; the pass then stores them whether or not a backward follows).
+    ``bwd_split``: the fused backward in two launches, its local part and its intra part, the four
+    dA's through fp32 buffers (``dplr_bwd.dplr_bwd(split=True)``). Rounding dh, dU, T and A_ak
     costs bf16 ~8% in the worst error (H200: 3.62e-3 -> 3.91e-3 at (1, 1024, 4, 32, 128), fla's
     5.1e-3 the bound) for 4 GiB."""
     recompute: bool = False
@@ -98,6 +100,7 @@ class DplrLaunch:
     factors_fp32: bool = False
     ut_kept: bool | None = None
     fused_output: bool = True
+    bwd_split: bool = False
 
 
 def _intra(q, k, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):
@@ -183,7 +186,8 @@ class ChunkDplrFunction(torch.autograd.Function):
         del Aqb  # the state pass's only reader: freed before the backward's peak
         dq, dk, dv, da, db, dg = dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale,
                                           chunks, span=launch.span, blocks=launch.bwd_blocks,
-                                          config=launch.bwd_config, programs=launch.bwd_programs)
+                                          config=launch.bwd_config, programs=launch.bwd_programs,
+                                          split=launch.bwd_split)
         del dh, du  # before a 16-bit gate's copy of dg is allocated
         if dh0 is not None:
             dh0 = dh0.to(initial_state.dtype)

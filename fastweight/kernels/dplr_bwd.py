@@ -72,7 +72,7 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
                     pairs, dq_s, dk_s, da_s, db_s, dq, dk, dv, da, db, cu_seqlens, chunk_indices, scale, t0,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr,
-                    SPAN: tl.constexpr, SLOTTED: tl.constexpr, UT_KEPT: tl.constexpr):
+                    SPAN: tl.constexpr, SLOTTED: tl.constexpr, UT_KEPT: tl.constexpr, PHASE: tl.constexpr):
     """Program (p, head) takes chunk t0 + p, its scratch the rows ``p * BT ...`` of the [P * BT, H, K]
     fp32 buffers dq_s, dk_s, da_s, db_s (``dplr_bwd`` launches the chunks P at a time); not
     SLOTTED (one launch of all), the chunk's own rows of [T, H, K] buffers.
@@ -80,7 +80,10 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
     TF32 there would need more shared memory than the H200 has), DIAG_PRECISION the diagonal
     sub-chunks of the sub-chunk path and the local part's dots with dh (``local_grads``). ``wide``
     [NC, H]: the forward's branch (``dplr_intra_fwd``); ``slots`` [NC]: a wide chunk's place in the
-    dA buffers, [slots, BT, H, BT] (only wide chunks have one)."""
+    dA buffers, [slots, BT, H, BT] (only wide chunks have one). PHASE 0 runs both halves; split
+    (``dplr_bwd(split=True)``), PHASE 1 runs the local part and stores every chunk's dA's in its
+    launch slot (p), PHASE 2 reads them back and takes them to q, k, a, b, so that neither program
+    holds the other's tiles."""
     i_p, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_t = t0 + i_p
     i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
@@ -93,11 +96,28 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
         dq_c, dk_c, da_c, db_c = dq_s + rebase, dk_s + rebase, da_s + rebase, db_s + rebase
     else:
         dq_c, dk_c, da_c, db_c = dq_s, dk_s, da_s, db_s
-    b_dqk, b_dqb, b_dak, b_dab = local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq_c, dk_c,
-                                             da_c, db_c, pairs, i_t, i_c, bos, T, i_h, scale, H, K, V, BT, BK, BV,
-                                             DOT_PRECISION, DIAG_PRECISION, UT_KEPT)
-    tl.debug_barrier()
-    if tl.load(wide + i_t * H + i_h) == 0:
+    p_A = ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
+    if PHASE != 2:
+        b_dqk, b_dqb, b_dak, b_dab = local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq_c,
+                                                 dk_c, da_c, db_c, pairs, i_t, i_c, bos, T, i_h, scale, H, K, V, BT,
+                                                 BK, BV, DOT_PRECISION, DIAG_PRECISION, UT_KEPT)
+    if PHASE != 0:
+        # the launch slot p, addressed as the chunk's rows of a [T, H, BT] buffer
+        rebase = (i_p * BT - bos - i_c * BT) * H * BT
+        dAqk, dAqb, dAak, dAab = dAqk + rebase, dAqb + rebase, dAak + rebase, dAab + rebase
+    if PHASE == 1:
+        tl.store(dAqk + p_A, b_dqk, mask=m_t[:, None])
+        tl.store(dAqb + p_A, b_dqb, mask=m_t[:, None])
+        tl.store(dAak + p_A, b_dak, mask=m_t[:, None])
+        tl.store(dAab + p_A, b_dab, mask=m_t[:, None])
+    elif tl.load(wide + i_t * H + i_h) == 0:
+        if PHASE == 0:
+            tl.debug_barrier()
+        else:
+            b_dqk = tl.load(dAqk + p_A, mask=m_t[:, None], other=0.)
+            b_dqb = tl.load(dAqb + p_A, mask=m_t[:, None], other=0.)
+            b_dak = tl.load(dAak + p_A, mask=m_t[:, None], other=0.)
+            b_dab = tl.load(dAab + p_A, mask=m_t[:, None], other=0.)
         for i_k in range(0, tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
@@ -116,14 +136,15 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
                         tl.minimum(T, i_c * BT + BT), i_h, o_k, m_k, scale, H, K, dq_c, dk_c, da_c, db_c, dq, dk,
                         da, db, dq_c, da_c, dk_c)
     else:
-        # the chunk's slot, addressed as its rows of a [T, H, BT] buffer: every dA index below is unchanged
-        rebase = (tl.load(slots + i_t).to(tl.int64) * BT - bos - i_c * BT) * H * BT
-        dAqk, dAqb, dAak, dAab = dAqk + rebase, dAqb + rebase, dAak + rebase, dAab + rebase
-        p_A = ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
-        tl.store(dAqk + p_A, b_dqk, mask=m_t[:, None])
-        tl.store(dAqb + p_A, b_dqb, mask=m_t[:, None])
-        tl.store(dAak + p_A, b_dak, mask=m_t[:, None])
-        tl.store(dAab + p_A, b_dab, mask=m_t[:, None])
+        if PHASE == 0:
+            # the chunk's slot, addressed as its rows of a [T, H, BT] buffer: every dA index below is unchanged
+            rebase = (tl.load(slots + i_t).to(tl.int64) * BT - bos - i_c * BT) * H * BT
+            dAqk, dAqb, dAak, dAab = dAqk + rebase, dAqb + rebase, dAak + rebase, dAab + rebase
+            tl.debug_barrier()
+            tl.store(dAqk + p_A, b_dqk, mask=m_t[:, None])
+            tl.store(dAqb + p_A, b_dqb, mask=m_t[:, None])
+            tl.store(dAak + p_A, b_dak, mask=m_t[:, None])
+            tl.store(dAab + p_A, b_dab, mask=m_t[:, None])
         tl.debug_barrier()
         for i_k in range(0, tl.cdiv(K, BK)):
             for i_i in range(0, BT // BC):
@@ -185,7 +206,7 @@ def chunks_per_launch(NC: int, H: int, K: int, BT: int) -> int:
 
 def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale: float, chunks: Chunks,
              *, span: float = SAFE_SPAN, blocks: tuple[int, int] | None = None,
-             config: tuple[int, int] | None = None, programs: int | None = None):
+             config: tuple[int, int] | None = None, programs: int | None = None, split: bool = False):
     """dq, dk, dv, da, db (inputs' dtypes) and dg, the gradient of the log gates, in fp32 written over
     gc (the caller's to give: nothing reads it after; a 16-bit gate's copy is the caller's to make,
     after the scratch is freed). ``ut``: the forward's
@@ -195,7 +216,8 @@ def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
     count costs one device sync). ``span``: as in ``dplr_intra.dplr_intra_fwd``; ``blocks`` (BK, BV)
     and ``config`` (num_warps, num_stages) of dplr_bwd_kernel instead of ``launch_config(K)``'s;
     ``programs``: the chunks of a launch instead of ``chunks_per_launch``'s (0: all in one launch; the
-    scratch is 4 x programs x BT x H x K fp32)."""
+    scratch is 4 x programs x BT x H x K fp32). ``split``: the main kernel in two launches, the local
+    part and then the intra part, the dA's through 4 x programs x BT x H x BT fp32 buffers."""
     _, T, H, K = q.shape
     V = v.shape[-1]
     default_blocks, default_config = launch_config(K)
@@ -210,10 +232,13 @@ def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
     f32 = dict(dtype=torch.float32, device=q.device)
     # the dA's are written only by chunks that take the sub-chunk path; the scratch by every program,
     # and the next launch (same stream: after this one ends) writes it again
-    wide_chunk = wide.amax(1) > 0
-    slots = (torch.cumsum(wide_chunk, 0, dtype=torch.int32) - 1)
-    n_wide = int(wide_chunk.sum())
-    dAs = [torch.empty(max(n_wide, 1) * chunks.BT, H, chunks.BT, **f32) for _ in range(4)]
+    if split:  # every chunk's dA's, in its launch slot
+        slots, n_slots = wide, P
+    else:
+        wide_chunk = wide.amax(1) > 0
+        slots = (torch.cumsum(wide_chunk, 0, dtype=torch.int32) - 1)
+        n_slots = max(int(wide_chunk.sum()), 1)
+    dAs = [torch.empty(n_slots * chunks.BT, H, chunks.BT, **f32) for _ in range(4)]
     pairs = torch.empty(1, T, H, 4, **f32)
     scratch = [torch.empty(P * chunks.BT if slotted else T, H, K, **f32) for _ in range(4)]
     # dg goes over gc: a chunk's gate sums are read only by its own programs (the state pass before,
@@ -223,11 +248,13 @@ def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
     GK, GV = min(64, max(16, triton.next_power_of_2(K))), min(64, max(16, triton.next_power_of_2(V)))
     for t0 in range(0, chunks.NC, P):
         n = min(P, chunks.NC - t0)
-        dplr_bwd_kernel[(n, H)](
-            q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, *dAs, pairs, *scratch, dq, dk,
-            dv, da, db, chunks.cu_seqlens, chunks.chunk_indices, scale, t0, H=H, K=K, V=V, BT=chunks.BT, BC=16,
-            BK=BK, BV=BV, DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype), SPAN=span,
-            SLOTTED=slotted, UT_KEPT=ut is not None, num_warps=warps, num_stages=stages)
+        for phase in (1, 2) if split else (0,):
+            dplr_bwd_kernel[(n, H)](
+                q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, *dAs, pairs, *scratch, dq,
+                dk, dv, da, db, chunks.cu_seqlens, chunks.chunk_indices, scale, t0, H=H, K=K, V=V, BT=chunks.BT,
+                BC=16, BK=BK, BV=BV, DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype),
+                SPAN=span, SLOTTED=slotted, UT_KEPT=ut is not None, PHASE=phase, num_warps=warps,
+                num_stages=stages)
         # the gate terms (over three of the scratch buffers) summed before the next launch writes them
         dplr_gate_bwd_kernel[(n, H)](gc, h, dh, scratch[0], scratch[2], scratch[1], dg, chunks.cu_seqlens,
                                      chunks.chunk_indices, t0, H=H, K=K, V=V, BT=chunks.BT, BK=GK, BV=GV,
