@@ -195,13 +195,14 @@ def dplr_gate_bwd_kernel(gc, h, dh, dgk, dga, dgs, dg, cu_seqlens, chunk_indices
 SCRATCH_BYTES = 2 ** 29
 
 
-def chunks_per_launch(NC: int, H: int, K: int, BT: int) -> int:
+def chunks_per_launch(NC: int, H: int, K: int, BT: int, split: bool = False) -> int:
     """P, the chunks of one launch of the backward: all of them while the scratch (4 x NC x BT x H x
-    K fp32) fits ``SCRATCH_BYTES``, else as many as fit. Measured on the H100 (RWKV-7 bf16
+    K fp32, and with ``split`` the dA slots, 4 x NC x BT x H x BT fp32) fits ``SCRATCH_BYTES``, else
+    as many as fit. Measured on the H100 (RWKV-7 bf16
     fwd+bwd): launches in turn cost ~4% at (8, 16384, 64, 64) against one launch of all (the
     scratch rows addressed by program); 16 launches of 512 MiB take the same time as 4 of 2 GiB
     (119.9 against 120.1 ms) for 1.5 GiB less."""
-    return max(1, min(NC, SCRATCH_BYTES // (16 * BT * H * K)))
+    return max(1, min(NC, SCRATCH_BYTES // (16 * BT * H * (K + (BT if split else 0)))))
 
 
 def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale: float, chunks: Chunks,
@@ -225,7 +226,7 @@ def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
     BK, BV = min(BK, max(16, triton.next_power_of_2(K))), min(BV, max(16, triton.next_power_of_2(V)))
     warps, stages = config or default_config
     if programs is None:
-        programs = chunks_per_launch(chunks.NC, H, K, chunks.BT)
+        programs = chunks_per_launch(chunks.NC, H, K, chunks.BT, split)
     P = chunks.NC if programs == 0 else min(programs, chunks.NC)
     slotted = P < chunks.NC
     dq, dk, dv, da, db = (torch.empty_like(x) for x in (q, k, v, a, b))

@@ -202,6 +202,17 @@ def test_dplr_bwd_split(programs):
     _check("rwkv7", x, cu_seqlens=torch.tensor([0, 70, 150]), gen=gen, launch=launch)
 
 
+def test_dplr_bwd_split_scratch_bound():
+    """A split launch's scratch and dA slots together stay within ``SCRATCH_BYTES`` (the paper
+    shape: 64 chunks a launch where the fused kernel's scratch alone takes 128)."""
+    from fastweight.kernels.dplr_bwd import SCRATCH_BYTES, chunks_per_launch
+    for NC, H, K in ((2048, 64, 64), (512, 16, 128), (7, 2, 32)):
+        P = chunks_per_launch(NC, H, K, 64, split=True)
+        assert 1 <= P <= NC and (P == 1 or 16 * 64 * H * (K + 64) * P <= SCRATCH_BYTES)
+        assert P < chunks_per_launch(NC, H, K, 64) or P == NC
+    assert chunks_per_launch(2048, 64, 64, 64, split=True) == 64
+
+
 @pytest.mark.parametrize("launch", [DplrLaunch(), DplrLaunch(state_grads_fp32=True), DplrLaunch(factors_fp32=True),
                                     DplrLaunch(state_grads_fp32=True, factors_fp32=True), DplrLaunch(ut_kept=True),
                                     DplrLaunch(ut_kept=False)])
