@@ -135,10 +135,11 @@ class ChunkDplrFunction(torch.autograd.Function):
                 launch: DplrLaunch, keep: bool):
         gc, Aqk, Aqb, Aak, Ai, w, ut, wide = _prepare(q, k, v, a, b, gk, scale, chunks, launch)
         if launch.fused_output and k.shape[-1] <= FUSED_OUTPUT_MAX_K:
-            # the chunk states and reads are stored only for a backward (``keep``)
+            # the chunk states and reads are stored only for a backward that keeps them
+            store = keep and not launch.recompute
             h, u, o, ht = state_fwd("dplr", k, v, chunks, g=gc, w=w, u=ut, b=b, q=q, A=Aqk, A2=Aqb, scale=scale,
                                     initial_state=initial_state, output_final_state=output_final_state,
-                                    store_h=keep, store_r=keep, fuse_output=True, block_v=launch.state_block_v)
+                                    store_h=store, store_r=store, fuse_output=True, block_v=launch.state_block_v)
         else:
             h, u, _, ht = state_fwd("dplr", k, v, chunks, g=gc, w=w, u=ut, b=b, initial_state=initial_state,
                                     output_final_state=output_final_state, store_r=True,

@@ -396,9 +396,11 @@ def launch_config(transition: str, K: int, V: int, itemsize: int, backward: bool
     256 bytes a row), else one; without a per-channel gate in 16 bits, the backward at K = 128 8 warps
     and 3 stages (GDN: -4% forward+backward), the forward at K <= 64 3 stages (DeltaNet's inference
     forward -14% on the H100; at K = 128 3 stages cost GDN 6%). DPLR holds all of K and narrows BV
-    to a small V (16 at least); 4 warps 2 stages up to K = 64, else 8 warps 2 stages (1 at K =
-    256): the fastest for RWKV-7 (the forward with its output fused: at K = 128 one stage spilled
-    400 B a thread and was 7% slower on the H100). Measurements: docs/bench/delta.md, decay_dplr.md."""
+    to a small V (16 at least); 4 warps 2 stages up to K = 64, else 8 warps and 2 stages (1 at K =
+    256; the forward with its output fused 2 only while a key row fits 256 bytes: fp32 K = 128 would
+    need 262 KB of shared memory): the fastest for RWKV-7 (the fused forward at 16-bit K = 128 spilled
+    400 B a thread at 1 stage and was 7% slower on the H100). Measurements: docs/bench/delta.md,
+    decay_dplr.md."""
     if transition == "decay":
         return 64, dot_block(block_v or 64), 8, 3
     if transition == "delta":
@@ -414,7 +416,9 @@ def launch_config(transition: str, K: int, V: int, itemsize: int, backward: bool
         BV = min(block_v or 64, max(16, triton.next_power_of_2(V)))
         if BK <= 64:
             return BK, BV, 4, 2
-        return BK, BV, 8, 2 if BK <= 128 else 1
+        if backward:
+            return BK, BV, 8, 2 if BK <= 128 else 1
+        return BK, BV, 8, 2 if BK * itemsize <= 256 else 1
     raise ValueError(f"transition must be one of {tuple(TRANSITIONS)}, got {transition!r}")
 
 
@@ -454,9 +458,11 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     ht = alloc((chunks.N, H, K, V), dtype=torch.float32, device=dev) if output_final_state else None
     grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), chunks.N * H)
     fuse_wy = Ai is not None
-    if fuse_output and (q is None or (A is None and (transition == "dplr" or _gate_kind(g) == 2))
+    if fuse_output and (transition == "decay" or q is None
+                        or (A is None and (transition == "dplr" or _gate_kind(g) == 2))
                         or (transition == "dplr" and A2 is None)):
-        raise ValueError("`fuse_output` needs `q`, `A` with a per-channel gate, and `A2` (A_qb) for dplr")
+        raise ValueError("`fuse_output` is for the delta and dplr transitions and needs `q`, `A` with a "
+                         "per-channel gate, and `A2` (A_qb) for dplr")
     if fuse_wy and (transition != "delta" or _gate_kind(g) == 2 or beta is None):
         raise ValueError("`Ai` (the fused W/U read) needs the delta transition, a scalar or no gate and `beta`")
     state_fwd_kernel[grid](q, k, v, w, u, b, g, A, A2, Ai, beta, initial_state, o, ht, h, r, chunks.cu_seqlens,

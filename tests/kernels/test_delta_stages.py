@@ -282,3 +282,18 @@ def test_state_passes_int64_offsets(monkeypatch, transition):
         runs.append([t for t in fwd + bwd if t is not None])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def test_state_fwd_fused_output_arguments():
+    """The forward state pass refuses a fused output it cannot form, naming the arguments, instead of
+    failing inside the kernel: the decay transition (no read to form it from), DPLR without A_qb."""
+    from fastweight.kernels.state import state_fwd
+    T, H, K = 64, 1, 16
+    x = torch.randn(1, T, H, K)
+    chunks = prepare_chunks(None, 1, T, 64, "cpu")
+    g = torch.zeros(1, T, H, K)
+    A = torch.zeros(1, T, H, 64)
+    with pytest.raises(ValueError, match="fuse_output"):
+        state_fwd("decay", x, x, chunks, g=g, q=x, A=A, fuse_output=True)
+    with pytest.raises(ValueError, match="A2"):
+        state_fwd("dplr", x, x, chunks, g=g, w=x, u=x, b=x, q=x, A=A, fuse_output=True)

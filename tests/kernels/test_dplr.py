@@ -78,13 +78,17 @@ def _check(op, inputs, dtype=torch.float32, initial_state=True, cu_seqlens=None,
         assert err < tol, f"d{n}: {err:.3g}"
 
 
-@pytest.mark.parametrize("dtype, K", [(torch.float32, 80), (torch.float16, 80), (torch.float32, 144)])
+@pytest.mark.parametrize("dtype, K, how", [(torch.float32, 80, "no_grad"), (torch.float16, 80, "no_grad"),
+                                           (torch.float32, 144, "no_grad"), (torch.float32, 80, "leaves"),
+                                           (torch.float32, 80, "recompute")])
 @pytest.mark.parametrize("fused_output", [True, False])
-def test_dplr_forward_without_grad(fused_output, dtype, K, monkeypatch):
-    """Inference (no gradient): the output formed in the state pass, which then stores neither the
-    chunk states nor the reads (``fused_output``, up to ``FUSED_OUTPUT_MAX_K``), or by its own
-    kernel; varlen with an empty sequence, partial chunks, an initial state, K = 80 or 144 (padded
-    key blocks) and V = 72 (two V blocks, the last partial)."""
+def test_dplr_forward_without_grad(fused_output, dtype, K, how, monkeypatch):
+    """Without a backward that reads them, the output is formed in the state pass, which then stores
+    neither the chunk states nor the reads (``fused_output``, up to ``FUSED_OUTPUT_MAX_K``), or by
+    its own kernel: inputs that require grad under ``no_grad``; inputs that do not, grad enabled
+    ("leaves"); a backward that recomputes them (``recompute``, grad taken). Varlen with an empty
+    sequence, partial chunks, an initial state, K = 80 or 144 (padded key blocks) and V = 72 (two V
+    blocks, the last partial)."""
     gen = generator()
     x = _inputs("dplr_delta_rule", 150, H=2, K=K, V=72, gen=gen)
     cu = torch.tensor([0, 70, 70, 150], dtype=torch.int64)
@@ -95,16 +99,21 @@ def test_dplr_forward_without_grad(fused_output, dtype, K, monkeypatch):
         stores.append((kw.get("store_h", True), kw.get("store_r", False)))
         return state_fwd(*args, **kw)
     monkeypatch.setattr(dplr, "state_fwd", recorded)
-    low = {n: t.to(dtype if n != "gk" else t.dtype) for n, t in x.items()}
-    with torch.no_grad():
+    low = {n: t.to(dtype if n != "gk" else t.dtype).requires_grad_(how != "leaves") for n, t in x.items()}
+    launch = DplrLaunch(fused_output=fused_output, recompute=how == "recompute")
+    with torch.set_grad_enabled(how != "no_grad"):
         o, ht = kernels.chunk_dplr_delta_rule(**low, scale=K ** -0.5, initial_state=h0, output_final_state=True,
-                                              cu_seqlens=cu, launch=DplrLaunch(fused_output=fused_output))
+                                              cu_seqlens=cu, launch=launch)
+    assert o.requires_grad == (how == "recompute")
     ro, rht = ops.chunk_dplr_delta_rule(**{n: t.double() for n, t in x.items()}, scale=K ** -0.5,
                                         initial_state=h0.double(), output_final_state=True, cu_seqlens=cu,
                                         backend="reference")
     assert o.dtype == dtype and rel_err(o, ro) < TOL[dtype], f"o: {rel_err(o, ro):.3g}"
     assert rel_err(ht, rht) < TOL[dtype], f"final state: {rel_err(ht, rht):.3g}"
-    assert stores == [(False, False) if fused_output and K <= dplr.FUSED_OUTPUT_MAX_K else (True, True)]
+    assert stores[0] == ((False, False) if fused_output and K <= dplr.FUSED_OUTPUT_MAX_K else (True, True))
+    if how == "recompute":  # the backward's own pass stores them
+        (o.float().sum() + ht.sum()).backward()
+        assert stores[1:] == [(True, True)] and all(t.grad is not None for t in low.values())
 
 
 @pytest.mark.parametrize("recompute", [False, True])
