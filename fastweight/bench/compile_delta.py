@@ -6,6 +6,7 @@ compared on before it is timed.
 
     python -m fastweight.bench.compile_delta [--ops gated_delta_rule,kda] [--dtype bf16]
     python -m fastweight.bench.compile_delta --ops rwkv7,dplr_delta_rule --heads 64x64,128x128
+    python -m fastweight.bench.compile_delta --ops rwkv7 --heads 128x128 --dtype fp32 --kernels state_fwd_kernel
 
 The ops run on CPU tensors with every launch replaced by ``triton.compile`` of the kernel as
 launched (same constexprs, num_warps, num_stages); nothing runs, so values are garbage and only
@@ -39,9 +40,12 @@ _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", 
           torch.int32: "i32"}
 _seen: dict = {}
 failures: list = []
+only: set = set()  # kernel names to compile (--kernels); empty: every one
 
 
 def _compile_instead(self, *args, grid, warmup, **kwargs):
+    if only and self.fn.__name__ not in only:
+        return None
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     bound = inspect.signature(self.fn).bind(*args, **kwargs)
     bound.apply_defaults()
@@ -110,7 +114,9 @@ def main():
     ap.add_argument("--ops", default=",".join(n for n, op in OPS.items() if op.family == "delta"))
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--heads", default="128x128,256x512,256x16,64x16,16x16", help="KxV head sizes")
+    ap.add_argument("--kernels", default="", help="compile only these kernels (comma-separated names)")
     args = ap.parse_args()
+    only.update(n for n in args.kernels.split(",") if n)
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: this compiles for the GPU")
     JITFunction.run = _compile_instead
