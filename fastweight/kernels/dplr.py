@@ -84,7 +84,8 @@ class DplrLaunch:
     formed in the forward state pass where K <= ``FUSED_OUTPUT_MAX_K`` (False: by its own kernel, ``decay_output``, from the stored
     chunk states and reads; the pass then stores them whether or not a backward follows).
     ``bwd_split``: the fused backward in two launches, its local part and its intra part, the four
-    dA's through fp32 buffers (``dplr_bwd.dplr_bwd(split=True)``). Rounding dh, dU, T and A_ak
+    dA's through fp32 buffers (``dplr_bwd.dplr_bwd(split=True)``; "reread": the intra part reads them
+    where each side uses them). Rounding dh, dU, T and A_ak
     costs bf16 ~8% in the worst error (H200: 3.62e-3 -> 3.91e-3 at (1, 1024, 4, 32, 128), fla's
     5.1e-3 the bound) for 4 GiB."""
     recompute: bool = False
@@ -100,7 +101,7 @@ class DplrLaunch:
     factors_fp32: bool = False
     ut_kept: bool | None = None
     fused_output: bool = True
-    bwd_split: bool = False
+    bwd_split: bool | str = False
 
 
 def _intra(q, k, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):

@@ -198,12 +198,13 @@ def test_rwkv7_chunk_paths(wide_kernel, wide_chunk, wide_grid):
     _check("rwkv7", x, cu_seqlens=torch.tensor([0, 70, 150]), gen=gen, launch=launch)
 
 
-@pytest.mark.parametrize("programs", [0, 2])
-def test_dplr_bwd_split(programs):
+@pytest.mark.parametrize("programs, split", [(0, True), (2, True), (2, "reread")])
+def test_dplr_bwd_split(programs, split):
     """The fused backward in two launches (``bwd_split``), the dA's through launch slots: a wide chunk
     between narrow ones (sub-chunk path) and whole-chunk ones, a short last chunk, varlen, two heads;
-    all chunks in one launch (0) or two chunks a launch (the slots reused launch after launch)."""
-    launch = DplrLaunch(bwd_split=True, bwd_programs=programs)
+    all chunks in one launch (0) or two chunks a launch (the slots reused launch after launch); the
+    intra part holding the dA's or reading them where used ("reread")."""
+    launch = DplrLaunch(bwd_split=split, bwd_programs=programs)
     gen = generator()
     t = torch.arange(150)
     x = _inputs("rwkv7", 150, H=2, gen=gen, w_scale=torch.where(t // 64 == 1, 8.0, 1.0))
