@@ -76,15 +76,22 @@ def chunk_span(gk, gc, bos, o_t, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BK:
     b_span = tl.max(tl.zeros([BK], dtype=tl.float32), 0)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        m_tk = m_t[:, None] & (o_k < K)[None, :]
-        p_g = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
-        b_g = tl.load(gk + p_g, mask=m_tk, other=0.).to(tl.float32)
-        b_gc = tl.cumsum(b_g, axis=0)
-        b_gp = b_gc - b_g
-        tl.store(gc + p_g, b_gc, mask=m_tk)
-        b_s, _ = span_ref(b_gp, b_gc, m_tk)
+        b_s, _, _, _ = block_sums(gk, gc, bos, o_t, m_t, i_h, o_k, H, K)
         b_span = tl.maximum(b_span, b_s)
     return b_span
+
+
+@triton.jit
+def block_sums(gk, gc, bos, o_t, m_t, i_h, o_k, H: tl.constexpr, K: tl.constexpr):
+    """Key block o_k of ``chunk_span``: stores its gate sums gc and returns (span, midpoint, G, G^-)."""
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    p_g = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
+    b_gk = tl.load(gk + p_g, mask=m_tk, other=0.).to(tl.float32)
+    b_g = tl.cumsum(b_gk, axis=0)
+    b_gp = b_g - b_gk
+    tl.store(gc + p_g, b_g, mask=m_tk)
+    b_span, b_ref = span_ref(b_gp, b_g, m_tk)
+    return b_span, b_ref, b_g, b_gp
 
 
 @triton.jit
@@ -177,6 +184,17 @@ def _fwd_sub(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_
 
 
 @triton.jit
+def _fwd_subs(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, bos, T, i_h, H: tl.constexpr, K: tl.constexpr,
+              BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr):
+    """A wide chunk's rows, sub-chunk after sub-chunk (``_fwd_sub``)."""
+    for i_i in range(0, BT // BC):
+        if i_c * BT + i_i * BC < T:
+            _fwd_sub(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
+                     DOT_PRECISION, DIAG_PRECISION, SPAN)
+
+
+@triton.jit
 def dplr_intra_fwd_kernel(q, k, a, b, gk, gc, Aqk, Aqb, Aak, Aab, wide, cu_seqlens, chunk_indices, scale,
                           H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                           DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr,
@@ -198,12 +216,7 @@ def dplr_intra_fwd_kernel(q, k, a, b, gk, gc, Aqk, Aqb, Aak, Aab, wide, cu_seqle
         o_k = tl.arange(0, BK)
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
-        p_g = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
-        b_gk = tl.load(gk + p_g, mask=m_tk, other=0.).to(tl.float32)
-        b_g = tl.cumsum(b_gk, axis=0)
-        b_gp = b_g - b_gk
-        tl.store(gc + p_g, b_g, mask=m_tk)
-        b_span, b_ref = span_ref(b_gp, b_g, m_tk)
+        b_span, b_ref, b_g, b_gp = block_sums(gk, gc, bos, o_t, m_t, i_h, o_k, H, K)
         is_wide = b_span >= SPAN
         tl.store(wide + i_t * H + i_h, is_wide.to(tl.int8))
         if not is_wide:
@@ -226,10 +239,8 @@ def dplr_intra_fwd_kernel(q, k, a, b, gk, gc, Aqk, Aqb, Aak, Aab, wide, cu_seqle
             tl.store(Aak + p_A, tl.where(m_strict, b_A, 0.), mask=m_t[:, None])
         elif not FLAG:
             tl.debug_barrier()  # the sub-chunk path reads the sums back
-            for i_i in range(0, BT // BC):
-                if i_c * BT + i_i * BC < T:
-                    _fwd_sub(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_h, H, K, BT, BC,
-                             BK, DOT_PRECISION, DIAG_PRECISION, SPAN)
+            _fwd_subs(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, bos, T, i_h, H, K, BT, BC, BK,
+                      DOT_PRECISION, DIAG_PRECISION, SPAN)
     else:
         is_wide = chunk_span(gk, gc, bos, o_t, m_t, i_h, H, K, BK) >= SPAN
         tl.debug_barrier()
@@ -264,10 +275,8 @@ def dplr_intra_fwd_kernel(q, k, a, b, gk, gc, Aqk, Aqb, Aak, Aab, wide, cu_seqle
             tl.store(Aak + p_A, tl.where(m_strict, b_ak, 0.), mask=m_t[:, None])
             tl.store(Aab + p_A, tl.where(m_strict, b_ab, 0.), mask=m_t[:, None])
         elif not FLAG:
-            for i_i in range(0, BT // BC):
-                if i_c * BT + i_i * BC < T:
-                    _fwd_sub(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
-                             DOT_PRECISION, DIAG_PRECISION, SPAN)
+            _fwd_subs(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, bos, T, i_h, H, K, BT, BC, BK,
+                      DOT_PRECISION, DIAG_PRECISION, SPAN)
 
 
 @triton.jit
@@ -286,10 +295,8 @@ def dplr_intra_wide_kernel(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, wide, cu_seql
     if tl.load(wide + i_t * H + i_h) != 0:
         i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
         if PER_CHUNK:
-            for i_i in range(0, BT // BC):
-                if i_c * BT + i_i * BC < T:
-                    _fwd_sub(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK,
-                             DOT_PRECISION, DIAG_PRECISION, SPAN)
+            _fwd_subs(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, bos, T, i_h, H, K, BT, BC, BK,
+                      DOT_PRECISION, DIAG_PRECISION, SPAN)
         else:
             i_i = i_tc % (BT // BC)
             if i_c * BT + i_i * BC < T:
