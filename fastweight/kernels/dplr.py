@@ -74,9 +74,10 @@ class DplrLaunch:
     ``bwd_programs`` its chunks a launch (0: all in one, the scratch as large as the input),
     ``state_block_v`` the state passes' V block: None is each launcher's own choice by shape.
     ``state_grads_fp32``: the backward state pass stores dh [NC, H, K, V] and dU [1, T, H, V] in fp32
-    (default False: in the input dtype, fla's choice for dh; 2 GiB less at B 8, T 16384, H 64,
-    K = V = 64; they accumulate in fp32 either way, only the stored copies are rounded; fp16's range
-    bounds the stored dh, as in fla). ``factors_fp32``: T = (I - A_ab)^{-1} and A_ak, kept from the
+    (default False: in the input dtype, fla's choice for dh, 2 GiB less at B 8, T 16384, H 64,
+    K = V = 64, except dh for fp16 inputs, kept in fp32 (a constant cotangent rounds every entry of dh
+    the same way: dk 15x the PyTorch path's error, GPU fuzz); they accumulate in fp32 either way, only
+    the stored copies are rounded). ``factors_fp32``: T = (I - A_ab)^{-1} and A_ak, kept from the
     forward for the backward, stored in fp32 (default False: in the input dtype, 2 GiB less at that
     shape; the solve still reads an fp32 A_ab). ``ut_kept``: U~ kept from the forward for the backward
     (False: recomputed per chunk, 1 GiB less at that shape; None: kept where K > 64, whose backward
@@ -84,8 +85,8 @@ class DplrLaunch:
     formed in the forward state pass where K <= ``FUSED_OUTPUT_MAX_K`` (False: by its own kernel, ``decay_output``, from the stored
     chunk states and reads; the pass then stores them whether or not a backward follows).
     ``bwd_split``: the fused backward in two launches, its local part and its intra part, the four
-    dA's through fp32 buffers (``dplr_bwd.dplr_bwd(split=True)``; "reread": the intra part reads them
-    where each side uses them). Rounding dh, dU, T and A_ak
+    dA's through fp32 buffers (``dplr_bwd.dplr_bwd(split=True)``; None, the default: split where
+    K <= ``dplr_bwd.SPLIT_MAX_K``). Rounding dh, dU, T and A_ak
     costs bf16 ~8% in the worst error (H200: 3.62e-3 -> 3.91e-3 at (1, 1024, 4, 32, 128), fla's
     5.1e-3 the bound) for 4 GiB."""
     recompute: bool = False
@@ -101,7 +102,7 @@ class DplrLaunch:
     factors_fp32: bool = False
     ut_kept: bool | None = None
     fused_output: bool = True
-    bwd_split: bool | str = False
+    bwd_split: bool | None = None
 
 
 def _intra(q, k, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):
@@ -182,8 +183,11 @@ class ChunkDplrFunction(torch.autograd.Function):
             else:
                 gc = chunk_cumsum(gk, chunks)
         grads_dtype = torch.float32 if launch.state_grads_fp32 else None  # None: the inputs' dtypes
+        # fp16 keeps dh in fp32: a constant cotangent (S.sum()'s) makes every entry of dh one value,
+        # rounded the same way, and the shared bias (2.7e-4) survives the cancellation in dk
+        state_dtype = torch.float32 if q.dtype == torch.float16 else grads_dtype
         dh, du, dh0 = state_bwd("dplr", q, do, chunks, g=gc, w=w, b=b, A=Aqb, scale=scale, dht=dht,
-                                need_dh0=initial_state is not None, state_dtype=grads_dtype, dr_dtype=grads_dtype,
+                                need_dh0=initial_state is not None, state_dtype=state_dtype, dr_dtype=grads_dtype,
                                 block_v=launch.state_block_v)
         del Aqb  # the state pass's only reader: freed before the backward's peak
         dq, dk, dv, da, db, dg = dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale,

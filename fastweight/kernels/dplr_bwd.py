@@ -59,11 +59,23 @@ from fastweight.kernels.dplr_intra import bwd_finish, bwd_sub, factored_bwd, loa
 from fastweight.kernels.dplr_wy import local_grads
 
 
-def launch_config(K: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((BK, BV), (num_warps, num_stages)) of dplr_bwd_kernel at key size K: K <= 64 blocks 32 x 64
-    with 4 warps, wider K 64 x 64 with 8 warps, one stage (the launcher narrows a block to a smaller
-    K or V): the fastest for RWKV-7 bf16 forward+backward at K = V = 64 and 128 on the H200
-    (docs/bench/decay_dplr.md)."""
+# the backward runs split (two launches, the dA's through launch slots) up to this key size: at K = 64
+# the fused kernel spills ~1.1 KB a thread (sm_90), at K = 128 432 B, where the split is slower
+SPLIT_MAX_K = 64
+
+
+def default_split(K: int) -> bool:
+    """Whether ``dplr_bwd`` splits its main kernel by default at key size K."""
+    return K <= SPLIT_MAX_K
+
+
+def launch_config(K: int, split: bool = False) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((BK, BV), (num_warps, num_stages)) of dplr_bwd_kernel at key size K: fused, K <= 64 blocks
+    32 x 64 with 4 warps, wider K 64 x 64 with 8 warps; split, 32 x 32 blocks with 4 warps; one
+    stage (the launcher narrows a block to a smaller K or V): the fastest for RWKV-7 bf16
+    forward+backward at K = V = 64 and 128 (docs/bench/decay_dplr.md)."""
+    if split:
+        return (32, 32), (4, 1)
     return ((32, 64), (4, 1)) if K <= 64 else ((64, 64), (8, 1))
 
 
@@ -83,7 +95,7 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
     dA buffers, [slots, BT, H, BT] (only wide chunks have one). PHASE 0 runs both halves; split
     (``dplr_bwd(split=True)``), PHASE 1 runs the local part and stores every chunk's dA's in its
     launch slot (p), PHASE 2 reads them back and takes them to q, k, a, b, so that neither program
-    holds the other's tiles; PHASE 3 is PHASE 2 reading each side's dA's where it uses them."""
+    holds the other's tiles."""
     i_p, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_t = t0 + i_p
     i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
@@ -129,13 +141,9 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
             b_k = load_rows(k, bos, o_t, m_t, i_h, o_k, m_k, H, K)
             b_a = load_rows(a, bos, o_t, m_t, i_h, o_k, m_k, H, K)
             b_b = load_rows(b, bos, o_t, m_t, i_h, o_k, m_k, H, K)
-            if PHASE == 3:
-                b_dq, b_dk, b_da, b_db = _factored_bwd_read(dAqk, dAqb, dAak, dAab, p_A, m_t, b_q, b_k, b_a, b_b, b_g,
-                                                            b_gp, b_ref, m_tk, scale, DOT_PRECISION)
-            else:
-                b_z = tl.zeros([BT, BK], dtype=tl.float32)
-                b_dq, b_dk, b_da, b_db = factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_z, b_z, b_z, b_z, b_dqk,
-                                                       b_dqb, b_dak, b_dab, m_tk, scale, DOT_PRECISION)
+            b_z = tl.zeros([BT, BK], dtype=tl.float32)
+            b_dq, b_dk, b_da, b_db = factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_z, b_z, b_z, b_z, b_dqk, b_dqb,
+                                                   b_dak, b_dab, m_tk, scale, DOT_PRECISION)
             bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, k, a, b, pairs, bos, o_t, m_t, i_c * BT,
                         tl.minimum(T, i_c * BT + BT), i_h, o_k, m_k, scale, H, K, dq_c, dk_c, da_c, db_c, dq, dk,
                         da, db, dq_c, da_c, dk_c)
@@ -156,30 +164,6 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
                     bwd_sub(q, k, a, b, gc, gk, dAqk, dAqb, dAak, dAab, pairs, dq_c, dk_c, da_c, db_c, dq, dk, da,
                              db, dq_c, da_c, dk_c, scale, i_k, i_c, i_i, bos, T, i_h, H, K, BT, BC, BK, DOT_PRECISION,
                              DIAG_PRECISION, SPAN)
-
-
-@triton.jit
-def _factored_bwd_read(dAqk, dAqb, dAak, dAab, p_A, m_t, b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, m_rk, scale,
-                       P: tl.constexpr):
-    """``dplr_intra.factored_bwd`` (from zero) with the dA's read where used: the row side (dq, da)
-    from the stored rows, then the column side (dk, db) from their transposes read as such, so that
-    no [BT, BT] tile is held across both (p_A: the chunk's rows of a [T, H, BT] buffer)."""
-    b_fc = factor(1., b_g, b_ref, m_rk, False)
-    b_fq = factor(1., b_g, b_ref, m_rk, True)
-    b_fa = factor(1., b_gp, b_ref, m_rk, True)
-    b_kg, b_bg = b_k * b_fc, b_b * b_fc
-    m_r = m_t[:, None]
-    b_dq = (tl.dot(tl.load(dAqk + p_A, mask=m_r, other=0.), b_kg, input_precision=P)
-            + tl.dot(tl.load(dAqb + p_A, mask=m_r, other=0.), b_bg, input_precision=P)) * b_fq
-    b_da = (tl.dot(tl.load(dAak + p_A, mask=m_r, other=0.), b_kg, input_precision=P)
-            + tl.dot(tl.load(dAab + p_A, mask=m_r, other=0.), b_bg, input_precision=P)) * b_fa
-    b_qg, b_ag = b_q * b_fq * scale, b_a * b_fa
-    p_At, m_c = tl.trans(p_A), tl.trans(m_r)
-    b_dk = (tl.dot(tl.load(dAqk + p_At, mask=m_c, other=0.), b_qg, input_precision=P)
-            + tl.dot(tl.load(dAak + p_At, mask=m_c, other=0.), b_ag, input_precision=P)) * b_fc
-    b_db = (tl.dot(tl.load(dAqb + p_At, mask=m_c, other=0.), b_qg, input_precision=P)
-            + tl.dot(tl.load(dAab + p_At, mask=m_c, other=0.), b_ag, input_precision=P)) * b_fc
-    return b_dq, b_dk, b_da, b_db
 
 
 @triton.jit
@@ -235,7 +219,7 @@ def chunks_per_launch(NC: int, H: int, K: int, BT: int, split: bool = False) -> 
 
 def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale: float, chunks: Chunks,
              *, span: float = SAFE_SPAN, blocks: tuple[int, int] | None = None,
-             config: tuple[int, int] | None = None, programs: int | None = None, split: bool | str = False):
+             config: tuple[int, int] | None = None, programs: int | None = None, split: bool | None = None):
     """dq, dk, dv, da, db (inputs' dtypes) and dg, the gradient of the log gates, in fp32 written over
     gc (the caller's to give: nothing reads it after; a 16-bit gate's copy is the caller's to make,
     after the scratch is freed). ``ut``: the forward's
@@ -246,11 +230,13 @@ def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
     and ``config`` (num_warps, num_stages) of dplr_bwd_kernel instead of ``launch_config(K)``'s;
     ``programs``: the chunks of a launch instead of ``chunks_per_launch``'s (0: all in one launch; the
     scratch is 4 x programs x BT x H x K fp32). ``split``: the main kernel in two launches, the local
-    part and then the intra part, the dA's through 4 x programs x BT x H x BT fp32 buffers ("reread":
-    the intra part reads them where each side uses them, ``_factored_bwd_read``)."""
+    part and then the intra part, the dA's through 4 x programs x BT x H x BT fp32 buffers (None:
+    ``default_split(K)``)."""
     _, T, H, K = q.shape
     V = v.shape[-1]
-    default_blocks, default_config = launch_config(K)
+    if split is None:
+        split = default_split(K)
+    default_blocks, default_config = launch_config(K, split)
     BK, BV = blocks or default_blocks
     BK, BV = min(BK, max(16, triton.next_power_of_2(K))), min(BV, max(16, triton.next_power_of_2(V)))
     warps, stages = config or default_config
@@ -278,7 +264,7 @@ def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
     GK, GV = min(64, max(16, triton.next_power_of_2(K))), min(64, max(16, triton.next_power_of_2(V)))
     for t0 in range(0, chunks.NC, P):
         n = min(P, chunks.NC - t0)
-        for phase in ((1, 3) if split == "reread" else (1, 2)) if split else (0,):
+        for phase in (1, 2) if split else (0,):
             dplr_bwd_kernel[(n, H)](
                 q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, *dAs, pairs, *scratch, dq,
                 dk, dv, da, db, chunks.cu_seqlens, chunks.chunk_indices, scale, t0, H=H, K=K, V=V, BT=chunks.BT,

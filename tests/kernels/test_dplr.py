@@ -198,13 +198,15 @@ def test_rwkv7_chunk_paths(wide_kernel, wide_chunk, wide_grid):
     _check("rwkv7", x, cu_seqlens=torch.tensor([0, 70, 150]), gen=gen, launch=launch)
 
 
-@pytest.mark.parametrize("programs, split", [(0, True), (2, True), (2, "reread")])
-def test_dplr_bwd_split(programs, split):
-    """The fused backward in two launches (``bwd_split``), the dA's through launch slots: a wide chunk
-    between narrow ones (sub-chunk path) and whole-chunk ones, a short last chunk, varlen, two heads;
-    all chunks in one launch (0) or two chunks a launch (the slots reused launch after launch); the
-    intra part holding the dA's or reading them where used ("reread")."""
-    launch = DplrLaunch(bwd_split=split, bwd_programs=programs)
+@pytest.mark.parametrize("programs", [0, 2])
+def test_dplr_bwd_split(programs):
+    """The fused backward in two launches (``bwd_split``, the default where K <= 64), the dA's through
+    launch slots: a wide chunk between narrow ones (sub-chunk path) and whole-chunk ones, a short last
+    chunk, varlen, two heads; all chunks in one launch (0) or two chunks a launch (the slots reused
+    launch after launch)."""
+    from fastweight.kernels.dplr_bwd import default_split
+    assert default_split(64) and not default_split(128)
+    launch = DplrLaunch(bwd_split=True, bwd_programs=programs)
     gen = generator()
     t = torch.arange(150)
     x = _inputs("rwkv7", 150, H=2, gen=gen, w_scale=torch.where(t // 64 == 1, 8.0, 1.0))
@@ -227,8 +229,8 @@ def test_dplr_bwd_split_scratch_bound():
                                     DplrLaunch(state_grads_fp32=True, factors_fp32=True), DplrLaunch(ut_kept=True),
                                     DplrLaunch(ut_kept=False)])
 def test_dplr_intermediates_dtype(launch):
-    """dh and dU (``state_grads_fp32``), T and A_ak (``factors_fp32``) stored in fp16 (the default) or
-    fp32, U~ kept or recomputed in the backward (``ut_kept``; None: by K): output and every gradient
+    """dU and dh (``state_grads_fp32``; dh is fp32 for fp16 inputs either way), T and A_ak
+    (``factors_fp32``) stored in fp16 (the default) or fp32, U~ kept or recomputed in the backward (``ut_kept``; None: by K): output and every gradient
     within fp16's tolerance, varlen with an empty sequence, a wide chunk, two heads."""
     gen = generator()
     t = torch.arange(150)
@@ -238,15 +240,15 @@ def test_dplr_intermediates_dtype(launch):
 
 @pytest.mark.parametrize("programs", [1, 2, 0])
 def test_dplr_bwd_programs(programs):
-    """The backward's chunks in launches of one or two (five chunks: a program's scratch rows meet
-    narrow and wide chunks, whole and short ones, of different sequences, one after the other),
-    and 0 (all in one launch). Varlen with an empty sequence, a wide chunk (log decays x8) between
-    narrow ones, two heads."""
+    """The fused backward (not split: the default where K > 64) with its chunks in launches of one or
+    two (five chunks: a program's scratch rows meet narrow and wide chunks, whole and short ones, of
+    different sequences, one after the other), and 0 (all in one launch). Varlen with an empty
+    sequence, a wide chunk (log decays x8) between narrow ones, two heads."""
     gen = generator()
     t = torch.arange(250)
     x = _inputs("rwkv7", 250, H=2, gen=gen, w_scale=torch.where((t >= 64) & (t < 128), 8.0, 1.0))
     cu = torch.tensor([0, 64, 64, 180, 250])
-    _check("rwkv7", x, cu_seqlens=cu, gen=gen, launch=DplrLaunch(bwd_programs=programs))
+    _check("rwkv7", x, cu_seqlens=cu, gen=gen, launch=DplrLaunch(bwd_programs=programs, bwd_split=False))
 
 
 def test_rwkv7_intra_whole_k_block():
