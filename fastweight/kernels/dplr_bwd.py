@@ -69,13 +69,16 @@ def default_split(K: int) -> bool:
     return K <= SPLIT_MAX_K
 
 
-def launch_config(K: int, split: bool = False) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((BK, BV), (num_warps, num_stages)) of dplr_bwd_kernel at key size K: fused, K <= 64 blocks
-    32 x 64 with 4 warps, wider K 64 x 64 with 8 warps; split, 32 x 32 blocks with 4 warps; one
-    stage (the launcher narrows a block to a smaller K or V): the fastest for RWKV-7 bf16
-    forward+backward at K = V = 64 and 128 (docs/bench/decay_dplr.md)."""
-    if split:
+def launch_config(K: int, phase: int = 0) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((BK, BV), (num_warps, num_stages)) of dplr_bwd_kernel's ``phase`` at key size K, one stage
+    each (the launcher narrows a block to a smaller K or V). Fused (0): K <= 64 blocks 32 x 64 with
+    4 warps, wider K 64 x 64 with 8 warps. Split: the local part (1) 32 x 32 with 4 warps, the intra
+    part (2, no V block) 64-wide key blocks with 8 warps. Each the fastest of 13 configurations per
+    phase for RWKV-7 bf16 forward+backward at K = V = 64 and 128 (docs/bench/decay_dplr.md)."""
+    if phase == 1:
         return (32, 32), (4, 1)
+    if phase == 2:
+        return (64, 64), (8, 1)
     return ((32, 64), (4, 1)) if K <= 64 else ((64, 64), (8, 1))
 
 
@@ -227,7 +230,7 @@ def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
     ``wide``: the forward's [NC, H] flags (``dplr_intra.dplr_intra_fwd``), which size the dA buffers: one
     [BT, H, BT] slot per chunk with a wide head (RWKV-7's gates, >= -e^-0.5 a token, leave none; the
     count costs one device sync). ``span``: as in ``dplr_intra.dplr_intra_fwd``; ``blocks`` (BK, BV)
-    and ``config`` (num_warps, num_stages) of dplr_bwd_kernel instead of ``launch_config(K)``'s;
+    and ``config`` (num_warps, num_stages) of every dplr_bwd_kernel launch instead of ``launch_config``'s;
     ``programs``: the chunks of a launch instead of ``chunks_per_launch``'s (0: all in one launch; the
     scratch is 4 x programs x BT x H x K fp32). ``split``: the main kernel in two launches, the local
     part and then the intra part, the dA's through 4 x programs x BT x H x BT fp32 buffers (None:
@@ -236,10 +239,6 @@ def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
     V = v.shape[-1]
     if split is None:
         split = default_split(K)
-    default_blocks, default_config = launch_config(K, split)
-    BK, BV = blocks or default_blocks
-    BK, BV = min(BK, max(16, triton.next_power_of_2(K))), min(BV, max(16, triton.next_power_of_2(V)))
-    warps, stages = config or default_config
     if programs is None:
         programs = chunks_per_launch(chunks.NC, H, K, chunks.BT, split)
     P = chunks.NC if programs == 0 else min(programs, chunks.NC)
@@ -265,6 +264,10 @@ def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
     for t0 in range(0, chunks.NC, P):
         n = min(P, chunks.NC - t0)
         for phase in (1, 2) if split else (0,):
+            default_blocks, default_config = launch_config(K, phase)
+            BK, BV = blocks or default_blocks
+            BK, BV = min(BK, max(16, triton.next_power_of_2(K))), min(BV, max(16, triton.next_power_of_2(V)))
+            warps, stages = config or default_config
             dplr_bwd_kernel[(n, H)](
                 q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, *dAs, pairs, *scratch, dq,
                 dk, dv, da, db, chunks.cu_seqlens, chunks.chunk_indices, scale, t0, H=H, K=K, V=V, BT=chunks.BT,
