@@ -185,14 +185,15 @@ def variants():
     (span 0, the path of strong gates); RWKV-7 keeping its intermediates (default) vs
     recomputing them in the backward; RWKV-7 at the paper's shape (where its forward goes), with
     the wide-chunk kernel's programs one a chunk (``DplrLaunch.wide_grid``), and with the fused
-    backward in one launch (``DplrLaunch.bwd_programs=0``: its scratch as large as the input; the
-    default goes in launches of bounded scratch past ``dplr_bwd.SCRATCH_BYTES``)."""
+    backward in one launch (``DplrLaunch(bwd_split=False, bwd_programs=0)``: its scratch as large as
+    the input; the default goes in launches of bounded scratch past ``dplr_bwd.SCRATCH_BYTES``)."""
     cases = [("gla", "rwkv7paper", "factored", DecayLaunch()),
              ("gla", "rwkv7paper", "token at a time", DecayLaunch(span=0.0)),
              ("rwkv7", "gdn1.3b", "kept", DplrLaunch()), ("rwkv7", "gdn1.3b", "recomputed", DplrLaunch(recompute=True)),
              ("rwkv7", "rwkv7paper", "kept", DplrLaunch()),
              ("rwkv7", "rwkv7paper", "wide kernel by chunk", DplrLaunch(wide_grid="chunk")),
-             ("rwkv7", "rwkv7paper", "backward in one launch", DplrLaunch(bwd_programs=0))]
+             ("rwkv7", "rwkv7paper", "fused backward in one launch",
+              DplrLaunch(bwd_split=False, bwd_programs=0))]
     for op, shape, label, launch in cases:
         try:
             profile(op, shape, label, launch)

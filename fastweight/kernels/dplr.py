@@ -70,7 +70,8 @@ class DplrLaunch:
     (0: none, 1e30: every one). ``wide_kernel``: the wider chunks' forward in its own kernel
     (False: in the main one), one program per sub-chunk (``wide_grid`` "sub_chunk") or per chunk
     ("chunk"). ``intra_config`` (BK, (num_warps, num_stages)) of the intra forward,
-    ``bwd_blocks`` (BK, BV) and ``bwd_config`` (num_warps, num_stages) of the fused backward,
+    ``bwd_blocks`` (BK, BV) and ``bwd_config`` (num_warps, num_stages) of the backward's main kernel
+    (split: of both its launches, which otherwise take their own, ``dplr_bwd.launch_config``),
     ``bwd_programs`` its chunks a launch (0: all in one, the scratch as large as the input),
     ``state_block_v`` the state passes' V block: None is each launcher's own choice by shape.
     ``state_grads_fp32``: the backward state pass stores dh [NC, H, K, V] and dU [1, T, H, V] in fp32
@@ -86,7 +87,8 @@ class DplrLaunch:
     chunk states and reads; the pass then stores them whether or not a backward follows).
     ``bwd_split``: the fused backward in two launches, its local part and its intra part, the four
     dA's through fp32 buffers (``dplr_bwd.dplr_bwd(split=True)``; None, the default: split where
-    K <= ``dplr_bwd.SPLIT_MAX_K``). Rounding dh, dU, T and A_ak
+    K <= ``dplr_bwd.SPLIT_MAX_K``; split, ``bwd_programs`` 0 also puts every chunk's dA slot in one
+    launch: 16 B a token, head and chunk row on top of the scratch). Rounding dh, dU, T and A_ak
     costs bf16 ~8% in the worst error (H200: 3.62e-3 -> 3.91e-3 at (1, 1024, 4, 32, 128), fla's
     5.1e-3 the bound) for 4 GiB."""
     recompute: bool = False
@@ -103,6 +105,10 @@ class DplrLaunch:
     ut_kept: bool | None = None
     fused_output: bool = True
     bwd_split: bool | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.bwd_split, (bool, type(None))):
+            raise ValueError(f"DplrLaunch.bwd_split must be None, True or False, got {self.bwd_split!r}")
 
 
 def _intra(q, k, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):

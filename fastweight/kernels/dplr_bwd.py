@@ -7,9 +7,9 @@ Given the state pass's results (h, dh, U, dU from ``state.py``), a program
        ``dplr_wy.local_grads``;
     2. takes the dA's to q, k, a, b (``dplr_intra.py``): a chunk whose gates span less than
        ``common.SAFE_SPAN`` (every RWKV-7 chunk: 64 x 0.607 = 38.8) factors every decay
-       through the per-channel midpoint of its gates, eight [BT, BT] x [BT, BK] dots per K block,
-       with the dA's never leaving the chip; a wider one stores them and goes sub-chunk by
-       sub-chunk (reference rows between sub-chunks, the diagonal ones factored or token at a time);
+       through the per-channel midpoint of its gates, eight [BT, BT] x [BT, BK] dots per K block;
+       a wider one goes sub-chunk by sub-chunk from the stored dA's (reference rows between
+       sub-chunks, the diagonal ones factored or token at a time);
     3. stores dq, dk, da, db and three per-token gate terms, which ``dplr_gate_bwd_kernel`` sums
        into the gate gradient.
 
@@ -34,7 +34,14 @@ the same in exact arithmetic, but cancels those pairs and the state terms agains
 
 The scratch written in 1 is read back in 2 by other threads of the same program, after a barrier;
 3 stores the gate terms over it (read first, then overwritten after a barrier), and the gate
-kernel reads them. Nothing of it outlives that, so the chunks go in launches of P (the main
+kernel reads them.
+
+Fused (one launch, the default where K > 64, ``SPLIT_MAX_K``), a program holds the dA's of 1 in
+registers through 2 and stores them only for a wide chunk, in that chunk's slot. Split (the default
+where K <= 64, where the fused program spills ~1.1 KB a thread), 1 and 2 are two launches of the
+same kernel (PHASE 1, 2): the first stores every chunk's dA's in its launch slot and its scratch
+rows, the second (same stream: after the first ends) reads both back. Each launch has its own
+blocks and warps (``launch_config``). Nothing of it outlives that, so the chunks go in launches of P (the main
 kernel, then the gate kernel, then the next P), each program with its own scratch rows:
 4 x P x BT x H x K fp32 (at most ``SCRATCH_BYTES``), where one launch of all needs 4 x T x H x K (16 B a token and key
 channel: 8.6 GB at B 8, T 16384, H 64, K 64). A loop over chunks inside the kernel would do the
@@ -145,8 +152,8 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
             b_a = load_rows(a, bos, o_t, m_t, i_h, o_k, m_k, H, K)
             b_b = load_rows(b, bos, o_t, m_t, i_h, o_k, m_k, H, K)
             b_z = tl.zeros([BT, BK], dtype=tl.float32)
-            b_dq, b_dk, b_da, b_db = factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_z, b_z, b_z, b_z, b_dqk, b_dqb,
-                                                   b_dak, b_dab, m_tk, scale, DOT_PRECISION)
+            b_dq, b_dk, b_da, b_db = factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_z, b_z, b_z, b_z, b_dqk,
+                                                   b_dqb, b_dak, b_dab, m_tk, scale, DOT_PRECISION)
             bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, k, a, b, pairs, bos, o_t, m_t, i_c * BT,
                         tl.minimum(T, i_c * BT + BT), i_h, o_k, m_k, scale, H, K, dq_c, dk_c, da_c, db_c, dq, dk,
                         da, db, dq_c, da_c, dk_c)
@@ -227,10 +234,12 @@ def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
     gc (the caller's to give: nothing reads it after; a 16-bit gate's copy is the caller's to make,
     after the scratch is freed). ``ut``: the forward's
     U~, or None (recomputed per chunk, ``dplr_wy.local_grads``).
-    ``wide``: the forward's [NC, H] flags (``dplr_intra.dplr_intra_fwd``), which size the dA buffers: one
-    [BT, H, BT] slot per chunk with a wide head (RWKV-7's gates, >= -e^-0.5 a token, leave none; the
-    count costs one device sync). ``span``: as in ``dplr_intra.dplr_intra_fwd``; ``blocks`` (BK, BV)
-    and ``config`` (num_warps, num_stages) of every dplr_bwd_kernel launch instead of ``launch_config``'s;
+    ``wide``: the forward's [NC, H] flags (``dplr_intra.dplr_intra_fwd``), which, fused, size the dA buffers:
+    one [BT, H, BT] slot per chunk with a wide head (RWKV-7's gates, >= -e^-0.5 a token, leave none; the
+    count costs one device sync; split, every chunk of a launch has a slot). ``span``: as in
+    ``dplr_intra.dplr_intra_fwd``; ``blocks`` (BK, BV)
+    and ``config`` (num_warps, num_stages) of every dplr_bwd_kernel launch (split: both) instead of
+    ``launch_config``'s;
     ``programs``: the chunks of a launch instead of ``chunks_per_launch``'s (0: all in one launch; the
     scratch is 4 x programs x BT x H x K fp32). ``split``: the main kernel in two launches, the local
     part and then the intra part, the dA's through 4 x programs x BT x H x BT fp32 buffers (None:
@@ -239,14 +248,16 @@ def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
     V = v.shape[-1]
     if split is None:
         split = default_split(K)
+    elif not isinstance(split, bool):
+        raise ValueError(f"split must be None, True or False, got {split!r}")
     if programs is None:
         programs = chunks_per_launch(chunks.NC, H, K, chunks.BT, split)
-    P = chunks.NC if programs == 0 else min(programs, chunks.NC)
+    P = max(1, chunks.NC if programs == 0 else min(programs, chunks.NC))  # NC = 0: every sequence empty
     slotted = P < chunks.NC
     dq, dk, dv, da, db = (torch.empty_like(x) for x in (q, k, v, a, b))
     f32 = dict(dtype=torch.float32, device=q.device)
-    # the dA's are written only by chunks that take the sub-chunk path; the scratch by every program,
-    # and the next launch (same stream: after this one ends) writes it again
+    # fused, the dA's are written only by chunks that take the sub-chunk path; the scratch by every
+    # program, and the next launch (same stream: after this one ends) writes it again
     if split:  # every chunk's dA's, in its launch slot
         slots, n_slots = wide, P
     else:

@@ -183,10 +183,9 @@ def test_rwkv7_chunk_paths(wide_kernel, wide_chunk, wide_grid):
     """Chunks take different paths in one call: the log decays of chunk ``wide_chunk``'s 64 tokens
     x8 (its gates span SAFE_SPAN or more: sub-chunk by sub-chunk, in the forward's own kernel or
     inside the main one), the rest x1 (the whole chunk factored through its gates' midpoint); T =
-    150 leaves a short last chunk; two heads, varlen. The backward keeps the dA's of wide chunks
-    only, in slots: a wide chunk after a narrow one (in the packed batch, the second sequence's
-    first chunk) has another slot than its chunk index. ``wide_grid`` "chunk": the wide kernel's
-    programs one a chunk."""
+    150 leaves a short last chunk; two heads, varlen. The backward (split at this K; fused:
+    ``test_dplr_bwd_programs``) reads every chunk's dA's from its launch slot. ``wide_grid``
+    "chunk": the wide kernel's programs one a chunk."""
     launch = DplrLaunch(wide_kernel=wide_kernel, wide_grid=wide_grid)
     gen = generator()
     t = torch.arange(150)
@@ -198,20 +197,59 @@ def test_rwkv7_chunk_paths(wide_kernel, wide_chunk, wide_grid):
     _check("rwkv7", x, cu_seqlens=torch.tensor([0, 70, 150]), gen=gen, launch=launch)
 
 
-@pytest.mark.parametrize("programs", [0, 2])
-def test_dplr_bwd_split(programs):
-    """The fused backward in two launches (``bwd_split``, the default where K <= 64), the dA's through
-    launch slots: a wide chunk between narrow ones (sub-chunk path) and whole-chunk ones, a short last
-    chunk, varlen, two heads; all chunks in one launch (0) or two chunks a launch (the slots reused
-    launch after launch)."""
+@pytest.mark.parametrize("programs, K, V", [(0, 16, 32), (2, 16, 32), (2, 80, 72)])
+def test_dplr_bwd_split(programs, K, V):
+    """The backward's main kernel in two launches (``bwd_split``, the default where K <= 64), the dA's
+    through launch slots: a wide chunk between narrow ones (sub-chunk path) and whole-chunk ones, a
+    short last chunk, varlen, two heads; all chunks in one launch (0) or two chunks a launch (the
+    slots reused launch after launch); a K past the default's (two key blocks, narrowed)."""
     from fastweight.kernels.dplr_bwd import default_split
     assert default_split(64) and not default_split(128)
     launch = DplrLaunch(bwd_split=True, bwd_programs=programs)
     gen = generator()
     t = torch.arange(150)
-    x = _inputs("rwkv7", 150, H=2, gen=gen, w_scale=torch.where(t // 64 == 1, 8.0, 1.0))
+    x = _inputs("rwkv7", 150, H=2, K=K, V=V, gen=gen, w_scale=torch.where(t // 64 == 1, 8.0, 1.0))
     _check("rwkv7", x, gen=gen, launch=launch)
     _check("rwkv7", x, cu_seqlens=torch.tensor([0, 70, 150]), gen=gen, launch=launch)
+
+
+def test_dplr_launch_refuses_unknown_split():
+    with pytest.raises(ValueError, match="bwd_split"):
+        DplrLaunch(bwd_split="reread")
+
+
+def test_dplr_fp16_dh_in_fp32(monkeypatch):
+    """fp16 inputs: the backward state pass stores dh in fp32 (a constant cotangent, ``S.sum()``'s,
+    rounds every entry of an fp16 dh the same way: ``tests/test_fuzz.py``'s GPU_FOUND case); bf16
+    keeps it in the inputs' dtype unless ``state_grads_fp32``."""
+    import fastweight.kernels.dplr as dplr
+    seen = []
+    real = dplr.state_bwd
+
+    def spy(*a, **kw):
+        seen.append(kw["state_dtype"])
+        return real(*a, **kw)
+    monkeypatch.setattr(dplr, "state_bwd", spy)
+    gen = generator()
+    x = {n: t.half().requires_grad_(n != "w") for n, t in _inputs("rwkv7", 40, gen=gen).items()}
+    o, S = kernels.chunk_rwkv7(**x, scale=1.0, output_final_state=True)
+    S.sum().backward()
+    assert seen == [torch.float32]
+    assert all(torch.isfinite(t.grad).all() for n, t in x.items() if n != "w")
+
+
+def test_dplr_all_sequences_empty():
+    """Every sequence of a varlen batch empty (no chunk at all): output, final state (the initial
+    one) and the backward run; the initial state's gradient is the final state's."""
+    gen = generator()
+    x = {n: t[:, :0].clone().requires_grad_() for n, t in _inputs("rwkv7", 4, H=2, gen=gen).items()}
+    h0 = torch.randn(2, 2, 16, 32, generator=gen, requires_grad=True)
+    o, S = kernels.chunk_rwkv7(**x, scale=1.0, initial_state=h0, output_final_state=True,
+                               cu_seqlens=torch.tensor([0, 0, 0]))
+    assert o.shape == (1, 0, 2, 32) and torch.equal(S, h0.detach())
+    dS = torch.randn(S.shape, generator=gen)
+    S.backward(dS)
+    assert torch.equal(h0.grad, dS)
 
 
 def test_dplr_bwd_split_scratch_bound():
@@ -230,8 +268,9 @@ def test_dplr_bwd_split_scratch_bound():
                                     DplrLaunch(ut_kept=False)])
 def test_dplr_intermediates_dtype(launch):
     """dU and dh (``state_grads_fp32``; dh is fp32 for fp16 inputs either way), T and A_ak
-    (``factors_fp32``) stored in fp16 (the default) or fp32, U~ kept or recomputed in the backward (``ut_kept``; None: by K): output and every gradient
-    within fp16's tolerance, varlen with an empty sequence, a wide chunk, two heads."""
+    (``factors_fp32``) stored in fp16 (the default) or fp32, U~ kept or recomputed in the backward
+    (``ut_kept``; None: by K): output and every gradient within fp16's tolerance, varlen with an
+    empty sequence, a wide chunk, two heads."""
     gen = generator()
     t = torch.arange(150)
     x = _inputs("rwkv7", 150, H=2, gen=gen, w_scale=torch.where(t // 64 == 1, 8.0, 1.0))
