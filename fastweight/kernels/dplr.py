@@ -88,7 +88,10 @@ class DplrLaunch:
     ``bwd_split``: the fused backward in two launches, its local part and its intra part, the four
     dA's through fp32 buffers (``dplr_bwd.dplr_bwd(split=True)``; None, the default: split where
     K <= ``dplr_bwd.SPLIT_MAX_K``; split, ``bwd_programs`` 0 also puts every chunk's dA slot in one
-    launch: 16 B a token, head and chunk row on top of the scratch). Rounding dh, dU, T and A_ak
+    launch: 16 B a token, head and chunk row on top of the scratch). ``bwd_early``: split, the first
+    launch forms, stores and drops dA_qk and dA_qb before the rest (two fp32 [64, 64] accumulators
+    live instead of four; sm_90 spill at K = 64 376 -> 176 B; H100, (8, 16384, 64, 64) fwd+bwd
+    93.78 -> 91.02 ms, GPU checks passed; not yet the default: no GPU fuzz). Rounding dh, dU, T and A_ak
     costs bf16 ~8% in the worst error (H200: 3.62e-3 -> 3.91e-3 at (1, 1024, 4, 32, 128), fla's
     5.1e-3 the bound) for 4 GiB."""
     recompute: bool = False
@@ -105,6 +108,7 @@ class DplrLaunch:
     ut_kept: bool | None = None
     fused_output: bool = True
     bwd_split: bool | None = None
+    bwd_early: bool = False
 
     def __post_init__(self):
         if not isinstance(self.bwd_split, (bool, type(None))):
@@ -199,7 +203,7 @@ class ChunkDplrFunction(torch.autograd.Function):
         dq, dk, dv, da, db, dg = dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale,
                                           chunks, span=launch.span, blocks=launch.bwd_blocks,
                                           config=launch.bwd_config, programs=launch.bwd_programs,
-                                          split=launch.bwd_split)
+                                          split=launch.bwd_split, early=launch.bwd_early)
         del dh, du  # before a 16-bit gate's copy of dg is allocated
         if dh0 is not None:
             dh0 = dh0.to(initial_state.dtype)

@@ -94,7 +94,8 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
                     pairs, dq_s, dk_s, da_s, db_s, dq, dk, dv, da, db, cu_seqlens, chunk_indices, scale, t0,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr,
-                    SPAN: tl.constexpr, SLOTTED: tl.constexpr, UT_KEPT: tl.constexpr, PHASE: tl.constexpr):
+                    SPAN: tl.constexpr, SLOTTED: tl.constexpr, UT_KEPT: tl.constexpr, PHASE: tl.constexpr,
+                    EARLY: tl.constexpr):
     """Program (p, head) takes chunk t0 + p, its scratch the rows ``p * BT ...`` of the [P * BT, H, K]
     fp32 buffers dq_s, dk_s, da_s, db_s (``dplr_bwd`` launches the chunks P at a time); not
     SLOTTED (one launch of all), the chunk's own rows of [T, H, K] buffers.
@@ -120,18 +121,27 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
         dq_c, dk_c, da_c, db_c = dq_s, dk_s, da_s, db_s
     p_A = ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
     if PHASE != 2:
-        b_dqk, b_dqb, b_dak, b_dab = local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq_c,
-                                                 dk_c, da_c, db_c, pairs, i_t, i_c, bos, T, i_h, scale, H, K, V, BT,
-                                                 BK, BV, DOT_PRECISION, DIAG_PRECISION, UT_KEPT)
+        if EARLY:  # local_grads stores the dA's in the launch slot p (see below)
+            slot = (i_p * BT - bos - i_c * BT) * H * BT
+            b_dqk, b_dqb, b_dak, b_dab = local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq_c,
+                                                     dk_c, da_c, db_c, pairs, dAqk + slot, dAqb + slot, dAak + slot,
+                                                     dAab + slot, i_t, i_c, bos, T, i_h, scale, H, K, V, BT, BK, BV,
+                                                     DOT_PRECISION, DIAG_PRECISION, UT_KEPT, True)
+        else:
+            b_dqk, b_dqb, b_dak, b_dab = local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq_c,
+                                                     dk_c, da_c, db_c, pairs, dAqk, dAqb, dAak, dAab, i_t, i_c, bos, T,
+                                                     i_h, scale, H, K, V, BT, BK, BV, DOT_PRECISION, DIAG_PRECISION,
+                                                     UT_KEPT, False)
     if PHASE != 0:
         # the launch slot p, addressed as the chunk's rows of a [T, H, BT] buffer
         rebase = (i_p * BT - bos - i_c * BT) * H * BT
         dAqk, dAqb, dAak, dAab = dAqk + rebase, dAqb + rebase, dAak + rebase, dAab + rebase
     if PHASE == 1:
-        tl.store(dAqk + p_A, b_dqk, mask=m_t[:, None])
-        tl.store(dAqb + p_A, b_dqb, mask=m_t[:, None])
-        tl.store(dAak + p_A, b_dak, mask=m_t[:, None])
-        tl.store(dAab + p_A, b_dab, mask=m_t[:, None])
+        if not EARLY:
+            tl.store(dAqk + p_A, b_dqk, mask=m_t[:, None])
+            tl.store(dAqb + p_A, b_dqb, mask=m_t[:, None])
+            tl.store(dAak + p_A, b_dak, mask=m_t[:, None])
+            tl.store(dAab + p_A, b_dab, mask=m_t[:, None])
     elif tl.load(wide + i_t * H + i_h) == 0:
         if PHASE == 0:
             tl.debug_barrier()
@@ -229,7 +239,8 @@ def chunks_per_launch(NC: int, H: int, K: int, BT: int, split: bool = False) -> 
 
 def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale: float, chunks: Chunks,
              *, span: float = SAFE_SPAN, blocks: tuple[int, int] | None = None,
-             config: tuple[int, int] | None = None, programs: int | None = None, split: bool | None = None):
+             config: tuple[int, int] | None = None, programs: int | None = None, split: bool | None = None,
+             early: bool = False):
     """dq, dk, dv, da, db (inputs' dtypes) and dg, the gradient of the log gates, in fp32 written over
     gc (the caller's to give: nothing reads it after; a 16-bit gate's copy is the caller's to make,
     after the scratch is freed). ``ut``: the forward's
@@ -243,7 +254,8 @@ def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
     ``programs``: the chunks of a launch instead of ``chunks_per_launch``'s (0: all in one launch; the
     scratch is 4 x programs x BT x H x K fp32). ``split``: the main kernel in two launches, the local
     part and then the intra part, the dA's through 4 x programs x BT x H x BT fp32 buffers (None:
-    ``default_split(K)``)."""
+    ``default_split(K)``); ``early``: split, the first launch forms dA_qk and dA_qb before the rest
+    and stores them (``dplr_wy.local_grads``' EARLY)."""
     _, T, H, K = q.shape
     V = v.shape[-1]
     if split is None:
@@ -283,7 +295,8 @@ def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
                 q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, *dAs, pairs, *scratch, dq,
                 dk, dv, da, db, chunks.cu_seqlens, chunks.chunk_indices, scale, t0, H=H, K=K, V=V, BT=chunks.BT,
                 BC=16, BK=BK, BV=BV, DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype),
-                SPAN=span, SLOTTED=slotted, UT_KEPT=ut is not None, PHASE=phase, num_warps=warps,
+                SPAN=span, SLOTTED=slotted, UT_KEPT=ut is not None, PHASE=phase, EARLY=early and phase == 1,
+                num_warps=warps,
                 num_stages=stages)
         # the gate terms (over three of the scratch buffers) summed before the next launch writes them
         dplr_gate_bwd_kernel[(n, H)](gc, h, dh, scratch[0], scratch[2], scratch[1], dg, chunks.cu_seqlens,

@@ -69,20 +69,24 @@ def dplr_wy_fwd_kernel(a, v, gc, gk, Ai, Aak, w, ut, cu_seqlens, chunk_indices, 
 
 
 @triton.jit
-def local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, dk, da, db, pairs, i_t, i_c, bos, T,
-                i_h, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                BV: tl.constexpr, DOT_PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr, UT_KEPT: tl.constexpr):
+def local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, dk, da, db, pairs, dAqk, dAqb, dAak,
+                dAab, i_t, i_c, bos, T, i_h, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                GRAD_PRECISION: tl.constexpr, UT_KEPT: tl.constexpr, EARLY: tl.constexpr):
     """Chunk i_t (i_c in its sequence): stores dv and the state parts of dq, dk, da, db (fp32) and
     returns the four matrices' gradients (dA_qk, dA_qb, dA_ak, dA_ab, [BT, BT] fp32, masked) without
     their gate-free pairs: the diagonal of dA_qk, dA_qb (decay exp(G_t - G_t) = 1) and the first
     subdiagonal of dA_ak, dA_ab (exp(G^-_t - G_{t-1}) = 1). Those go to ``pairs`` [1, T, H, 4] fp32,
     row t holding dA_qk[t, t], dA_qb[t, t], dA_ak[t, t-1], dA_ab[t, t-1] (0 at the chunk's first row):
     their terms in the gate gradient cancel exactly, so they are added to dq, dk, da, db only
-    (``dplr_intra.bwd_finish``). GRAD_PRECISION serves the three dots with the state pass's fp32 dh
-    (into dv, db, dk): the H200's TF32 truncates it (a bias of up to 2^-10 that does not average out
-    where a gradient is a few terms, as under strong decay), so fp16 takes 3 x TF32 there
-    (``decay_intra.diag_precision``); the dU dots keep DOT_PRECISION (their error stays within ~3x
-    the fp16 floor)."""
+    (``dplr_intra.bwd_finish``). EARLY (the split backward's first launch, ``DplrLaunch.bwd_early``):
+    dA_qk and dA_qb (from dO, V and U alone) are formed, stored (the chunk's rows of the [T, H, BT]
+    buffers dAqk, ...) and dropped before the rest, so that at most two accumulators are live at
+    once, and dA_ak, dA_ab are stored at the end (the caller stores all four otherwise).
+    GRAD_PRECISION serves the three dots with the state pass's fp32 dh (into dv, db, dk): the H200's
+    TF32 truncates it (a bias of up to 2^-10 that does not average out where a gradient is a few
+    terms, as under strong decay), so fp16 takes 3 x TF32 there (``decay_intra.diag_precision``);
+    the dU dots keep DOT_PRECISION (their error stays within ~3x the fp16 floor)."""
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T
     m_all = m_t[:, None] & m_t[None, :]
@@ -90,13 +94,38 @@ def local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
     m_strict = m_all & (o_t[:, None] > o_t[None, :])
     last = bos + tl.minimum(T, i_c * BT + BT) - 1
     p_A = ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
-    # held through both loops: loading them where used is slower on the H200
+    if EARLY:
+        # dA_qk = dO V^T, dA_qb = dO U^T first, stored and dropped
+        o_r = tl.arange(0, BT)
+        m_diag = o_r[:, None] == o_r[None, :]
+        m_sub = o_r[:, None] == o_r[None, :] + 1
+        m_far = m_strict & (o_r[:, None] > o_r[None, :] + 1)
+        p_p = ((bos + o_t) * H + i_h) * 4
+        b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
+        b_dAqb = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_tv = m_t[:, None] & (o_v < V)[None, :]
+            p_v = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
+            b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(tl.float32)
+            b_dAqk += tl.dot(b_do, tl.trans(tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)),
+                             input_precision=DOT_PRECISION)
+            b_dAqb += tl.dot(b_do, tl.trans(tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)),
+                             input_precision=DOT_PRECISION)
+        tl.store(pairs + p_p, tl.sum(tl.where(m_diag, b_dAqk, 0.), 1), mask=m_t)
+        tl.store(pairs + p_p + 1, tl.sum(tl.where(m_diag, b_dAqb, 0.), 1), mask=m_t)
+        b_dAqk = tl.where(m_strict, b_dAqk, 0.)
+        b_dAqb = tl.where(m_strict, b_dAqb, 0.)
+        tl.store(dAqk + p_A, b_dAqk, mask=m_t[:, None])
+        tl.store(dAqb + p_A, b_dAqb, mask=m_t[:, None])
+    # held through the rest: loading them where used is slower on the H200
     # (`python -m fastweight.bench.gpu_decay_dplr variants`)
     b_T = tl.load(Ai + p_A, mask=m_incl, other=0.).to(tl.float32)
     b_Aqk = tl.load(Aqk + p_A, mask=m_incl, other=0.).to(tl.float32)
     b_Aak = tl.load(Aak + p_A, mask=m_strict, other=0.).to(tl.float32)
-    b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dAqb = tl.zeros([BT, BT], dtype=tl.float32)
+    if not EARLY:
+        b_dAqk = tl.zeros([BT, BT], dtype=tl.float32)
+        b_dAqb = tl.zeros([BT, BT], dtype=tl.float32)
     b_dAak = tl.zeros([BT, BT], dtype=tl.float32)
     b_dAab = tl.zeros([BT, BT], dtype=tl.float32)
     o_h = (i_t * H + i_h) * K * V
@@ -123,9 +152,10 @@ def local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
             b_dv += tl.dot(b_kd, b_dh, input_precision=GRAD_PRECISION)
         tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_tv)
         b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
-        b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
-        b_dAqk += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
-        b_dAqb += tl.dot(b_do, tl.trans(b_u), input_precision=DOT_PRECISION)
+        if not EARLY:
+            b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
+            b_dAqk += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
+            b_dAqb += tl.dot(b_do, tl.trans(b_u), input_precision=DOT_PRECISION)
         b_dAak += tl.dot(b_dx, tl.trans(b_v), input_precision=DOT_PRECISION)
         if UT_KEPT:
             b_ut = tl.load(ut + p_v, mask=m_tv, other=0.).to(tl.float32)
@@ -171,17 +201,26 @@ def local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
         tl.store(dq + p_k, b_dqi * scale * tl.exp(b_g), mask=m_tk)
         tl.store(db + p_k, b_dbi * b_e, mask=m_tk)
         tl.store(dk + p_k, b_dki * b_e, mask=m_tk)
-    o_r = tl.arange(0, BT)
-    m_diag = o_r[:, None] == o_r[None, :]
-    m_sub = o_r[:, None] == o_r[None, :] + 1
-    p_p = ((bos + o_t) * H + i_h) * 4
-    tl.store(pairs + p_p, tl.sum(tl.where(m_diag, b_dAqk, 0.), 1), mask=m_t)
-    tl.store(pairs + p_p + 1, tl.sum(tl.where(m_diag, b_dAqb, 0.), 1), mask=m_t)
-    tl.store(pairs + p_p + 2, tl.sum(tl.where(m_sub, b_dAak, 0.), 1), mask=m_t)
-    tl.store(pairs + p_p + 3, tl.sum(tl.where(m_sub, b_dAab, 0.), 1), mask=m_t)
-    m_far = m_strict & (o_r[:, None] > o_r[None, :] + 1)
-    return (tl.where(m_strict, b_dAqk, 0.), tl.where(m_strict, b_dAqb, 0.), tl.where(m_far, b_dAak, 0.),
-            tl.where(m_far, b_dAab, 0.))
+    if EARLY:
+        tl.store(pairs + p_p + 2, tl.sum(tl.where(m_sub, b_dAak, 0.), 1), mask=m_t)
+        tl.store(pairs + p_p + 3, tl.sum(tl.where(m_sub, b_dAab, 0.), 1), mask=m_t)
+        b_dAak = tl.where(m_far, b_dAak, 0.)
+        b_dAab = tl.where(m_far, b_dAab, 0.)
+        tl.store(dAak + p_A, b_dAak, mask=m_t[:, None])
+        tl.store(dAab + p_A, b_dAab, mask=m_t[:, None])
+    else:
+        o_r = tl.arange(0, BT)
+        m_diag = o_r[:, None] == o_r[None, :]
+        m_sub = o_r[:, None] == o_r[None, :] + 1
+        p_p = ((bos + o_t) * H + i_h) * 4
+        tl.store(pairs + p_p, tl.sum(tl.where(m_diag, b_dAqk, 0.), 1), mask=m_t)
+        tl.store(pairs + p_p + 1, tl.sum(tl.where(m_diag, b_dAqb, 0.), 1), mask=m_t)
+        tl.store(pairs + p_p + 2, tl.sum(tl.where(m_sub, b_dAak, 0.), 1), mask=m_t)
+        tl.store(pairs + p_p + 3, tl.sum(tl.where(m_sub, b_dAab, 0.), 1), mask=m_t)
+        m_far = m_strict & (o_r[:, None] > o_r[None, :] + 1)
+        b_dAqk, b_dAqb = tl.where(m_strict, b_dAqk, 0.), tl.where(m_strict, b_dAqb, 0.)
+        b_dAak, b_dAab = tl.where(m_far, b_dAak, 0.), tl.where(m_far, b_dAab, 0.)
+    return b_dAqk, b_dAqb, b_dAak, b_dAab
 
 
 def _blocks(K, V):

@@ -197,15 +197,17 @@ def test_rwkv7_chunk_paths(wide_kernel, wide_chunk, wide_grid):
     _check("rwkv7", x, cu_seqlens=torch.tensor([0, 70, 150]), gen=gen, launch=launch)
 
 
-@pytest.mark.parametrize("programs, K, V", [(0, 16, 32), (2, 16, 32), (2, 80, 72)])
-def test_dplr_bwd_split(programs, K, V):
+@pytest.mark.parametrize("programs, K, V, early", [(0, 16, 32, False), (2, 16, 32, False), (2, 80, 72, False),
+                                                   (2, 16, 32, True), (0, 80, 72, True)])
+def test_dplr_bwd_split(programs, K, V, early):
     """The backward's main kernel in two launches (``bwd_split``, the default where K <= 64), the dA's
     through launch slots: a wide chunk between narrow ones (sub-chunk path) and whole-chunk ones, a
     short last chunk, varlen, two heads; all chunks in one launch (0) or two chunks a launch (the
-    slots reused launch after launch); a K past the default's (two key blocks, narrowed)."""
+    slots reused launch after launch); a K past the default's (two key blocks, narrowed); dA_qk and
+    dA_qb formed and stored before the rest (``bwd_early``)."""
     from fastweight.kernels.dplr_bwd import default_split
     assert default_split(64) and not default_split(128)
-    launch = DplrLaunch(bwd_split=True, bwd_programs=programs)
+    launch = DplrLaunch(bwd_split=True, bwd_programs=programs, bwd_early=early)
     gen = generator()
     t = torch.arange(150)
     x = _inputs("rwkv7", 150, H=2, K=K, V=V, gen=gen, w_scale=torch.where(t // 64 == 1, 8.0, 1.0))
