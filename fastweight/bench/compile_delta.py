@@ -7,15 +7,20 @@ compared on before it is timed.
     python -m fastweight.bench.compile_delta [--ops gated_delta_rule,kda] [--dtype bf16]
     python -m fastweight.bench.compile_delta --ops rwkv7,dplr_delta_rule --heads 64x64,128x128
     python -m fastweight.bench.compile_delta --ops rwkv7 --heads 128x128 --dtype fp32 --kernels state_fwd_kernel
+    python -m fastweight.bench.compile_delta --ops rwkv7 --heads 64x64 --kernels dplr_bwd_kernel --sass DIR
 
 The ops run on CPU tensors with every launch replaced by ``triton.compile`` of the kernel as
 launched (same constexprs, num_warps, num_stages); nothing runs, so values are garbage and only
 compilation is checked. Do not set TRITON_INTERPRET. Prints one line per distinct kernel.
+``--sass DIR``: each kernel's SASS as well, without addresses and encodings, in DIR (one file per
+kernel, named by its line's order) and its md5 on the line: two trees whose md5s agree run the
+same machine code, so a refactor can be shown not to touch a timed kernel without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import inspect
 import itertools
 import os
@@ -41,6 +46,7 @@ _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", 
 _seen: dict = {}
 failures: list = []
 only: set = set()  # kernel names to compile (--kernels); empty: every one
+sass_dir: list = []  # --sass: the folder the SASS goes to
 
 
 def _compile_instead(self, *args, grid, warmup, **kwargs):
@@ -74,6 +80,8 @@ def _compile_instead(self, *args, grid, warmup, **kwargs):
                                   target=TARGET, options=options)
         shared = compiled.metadata.shared
         status = f"ok, {shared} B shared, {resources(compiled.asm['cubin'])}"
+        if sass_dir:
+            status += f", sass {sass(compiled.asm['cubin'], self.fn.__name__)}"
         if shared > SHARED_LIMIT:
             status = f"FAILED: {shared} B of shared memory > {SHARED_LIMIT}"
             failures.append((self.fn.__name__, status))
@@ -100,6 +108,23 @@ def resources(cubin: bytes) -> str:
     return f"regs {m.group(1)}, stack {m.group(2)} B" if m else "regs ?"
 
 
+def sass(cubin: bytes, name: str) -> str:
+    """"N instructions, md5 M" of a kernel's SASS, written to ``sass_dir`` without the addresses and
+    encodings (which move with any change before them)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    code = [re.sub(r"/\*[0-9a-f]+\*/|;.*$", "", line).strip() for line in text.splitlines()
+            if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
+    body = "\n".join(code)
+    digest = hashlib.md5(body.encode()).hexdigest()[:12]
+    with open(os.path.join(sass_dir[0], f"{len(_seen) + 1:03d}-{name}.sass"), "w") as f:
+        f.write(body + "\n")
+    return f"{len(code)} instructions, md5 {digest}"
+
+
 def _inputs(op, B, T, H, K, V, dtype):
     """The benchmarks' inputs on the CPU: the delta family's (``gpu_delta``), the others' (``gpu_decay_dplr``)."""
     if OPS[op].family == "delta":
@@ -115,8 +140,12 @@ def main():
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--heads", default="128x128,256x512,256x16,64x16,16x16", help="KxV head sizes")
     ap.add_argument("--kernels", default="", help="compile only these kernels (comma-separated names)")
+    ap.add_argument("--sass", default="", help="write each kernel's SASS (no addresses) to this folder; md5 per line")
     args = ap.parse_args()
     only.update(n for n in args.kernels.split(",") if n)
+    if args.sass:
+        os.makedirs(args.sass, exist_ok=True)
+        sass_dir.append(args.sass)
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: this compiles for the GPU")
     JITFunction.run = _compile_instead

@@ -19,3 +19,22 @@ def test_dplr_forward_state_pass_fits_sm90(dtype):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     lines = [line for line in run.stdout.splitlines() if line.startswith("state_fwd_kernel")]
     assert lines and all(" ok, " in line and "FUSE_OUTPUT" in line for line in lines), run.stdout[-2000:]
+
+
+def test_sass_written_and_named_by_md5(tmp_path):
+    """``--sass DIR``: each compiled kernel's SASS (no addresses or encodings) in DIR, its md5 on the
+    kernel's line (what two trees are compared on)."""
+    import hashlib
+    import re
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "fastweight.bench.compile_delta", "--ops", "rwkv7", "--heads", "16x16",
+                          "--kernels", "chunk_cumsum_kernel", "--sass", str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    digests = re.findall(r"sass (\d+) instructions, md5 ([0-9a-f]{12})", run.stdout)
+    files = sorted(tmp_path.iterdir())
+    assert digests and len(files) == len(digests), run.stdout[-2000:]
+    for (count, digest), path in zip(digests, files):
+        body = path.read_text().rstrip("\n")
+        assert "/*" not in body and len(body.splitlines()) == int(count) > 0
+        assert hashlib.md5(body.encode()).hexdigest()[:12] == digest
