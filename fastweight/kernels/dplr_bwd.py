@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from fastweight.kernels.common import Chunks, SAFE_SPAN, chunk_bounds, dot_precision
-from fastweight.kernels.decay_intra import diag_precision, factor, span_ref
+from fastweight.kernels.decay_intra import diag_precision, span_ref
 from fastweight.kernels.dplr_intra import bwd_finish, bwd_sub, factored_bwd, load_gp, load_rows
 from fastweight.kernels.dplr_wy import local_grads
 
@@ -121,17 +121,12 @@ def dplr_bwd_kernel(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do
         dq_c, dk_c, da_c, db_c = dq_s, dk_s, da_s, db_s
     p_A = ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :]
     if PHASE != 2:
-        if EARLY:  # local_grads stores the dA's in the launch slot p (see below)
-            slot = (i_p * BT - bos - i_c * BT) * H * BT
-            b_dqk, b_dqb, b_dak, b_dab = local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq_c,
-                                                     dk_c, da_c, db_c, pairs, dAqk + slot, dAqb + slot, dAak + slot,
-                                                     dAab + slot, i_t, i_c, bos, T, i_h, scale, H, K, V, BT, BK, BV,
-                                                     DOT_PRECISION, DIAG_PRECISION, UT_KEPT, True)
-        else:
-            b_dqk, b_dqb, b_dak, b_dab = local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq_c,
-                                                     dk_c, da_c, db_c, pairs, dAqk, dAqb, dAak, dAab, i_t, i_c, bos, T,
-                                                     i_h, scale, H, K, V, BT, BK, BV, DOT_PRECISION, DIAG_PRECISION,
-                                                     UT_KEPT, False)
+        # EARLY: local_grads stores the dA's in the launch slot p (see below); else it reads no dA pointer
+        slot = (i_p * BT - bos - i_c * BT) * H * BT if EARLY else 0
+        b_dqk, b_dqb, b_dak, b_dab = local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq_c,
+                                                 dk_c, da_c, db_c, pairs, dAqk + slot, dAqb + slot, dAak + slot,
+                                                 dAab + slot, i_t, i_c, bos, T, i_h, scale, H, K, V, BT, BK, BV,
+                                                 DOT_PRECISION, DIAG_PRECISION, UT_KEPT, EARLY)
     if PHASE != 0:
         # the launch slot p, addressed as the chunk's rows of a [T, H, BT] buffer
         rebase = (i_p * BT - bos - i_c * BT) * H * BT
@@ -296,8 +291,7 @@ def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
                 dk, dv, da, db, chunks.cu_seqlens, chunks.chunk_indices, scale, t0, H=H, K=K, V=V, BT=chunks.BT,
                 BC=16, BK=BK, BV=BV, DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype),
                 SPAN=span, SLOTTED=slotted, UT_KEPT=ut is not None, PHASE=phase, EARLY=early and phase == 1,
-                num_warps=warps,
-                num_stages=stages)
+                num_warps=warps, num_stages=stages)
         # the gate terms (over three of the scratch buffers) summed before the next launch writes them
         dplr_gate_bwd_kernel[(n, H)](gc, h, dh, scratch[0], scratch[2], scratch[1], dg, chunks.cu_seqlens,
                                      chunks.chunk_indices, t0, H=H, K=K, V=V, BT=chunks.BT, BK=GK, BV=GV,
