@@ -88,10 +88,10 @@ class DplrLaunch:
     ``bwd_split``: the fused backward in two launches, its local part and its intra part, the four
     dA's through fp32 buffers (``dplr_bwd.dplr_bwd(split=True)``; None, the default: split where
     K <= ``dplr_bwd.SPLIT_MAX_K``; split, ``bwd_programs`` 0 also puts every chunk's dA slot in one
-    launch: 16 B a token, head and chunk row on top of the scratch). ``bwd_early``: split, the first
-    launch forms, stores and drops dA_qk and dA_qb before the rest (two fp32 [64, 64] accumulators
-    live instead of four; sm_90 spill at K = 64 376 -> 176 B; H100, (8, 16384, 64, 64) fwd+bwd
-    93.78 -> 91.02 ms, GPU checks passed; not yet the default: no GPU fuzz). Rounding dh, dU, T and A_ak
+    launch: 16 B a token, head and chunk row on top of the scratch). ``bwd_early`` (default True): split, the
+    first launch forms, stores and drops dA_qk and dA_qb before the rest (two fp32 [64, 64]
+    accumulators live instead of four; sm_90 spill at K = 64 376 -> 176 B; H100, (8, 16384, 64, 64)
+    fwd+bwd -2.8%, docs/bench/decay_dplr.md); False forms the four together. Rounding dh, dU, T and A_ak
     costs bf16 ~8% in the worst error (H200: 3.62e-3 -> 3.91e-3 at (1, 1024, 4, 32, 128), fla's
     5.1e-3 the bound) for 4 GiB."""
     recompute: bool = False
@@ -108,7 +108,7 @@ class DplrLaunch:
     ut_kept: bool | None = None
     fused_output: bool = True
     bwd_split: bool | None = None
-    bwd_early: bool = False
+    bwd_early: bool = True
 
     def __post_init__(self):
         if not isinstance(self.bwd_split, (bool, type(None))):

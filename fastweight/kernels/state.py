@@ -52,8 +52,10 @@ def chunk_gates(g, bos, T, i_t, H: tl.constexpr, i_h, BT: tl.constexpr):
     lane's zero operand would put NaN into the valid rows' sums."""
     o_t = i_t * BT + tl.arange(0, BT)
     b_glast = tl.load(g + (bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h)
-    b_g = tl.load(g + (bos + o_t) * H + i_h, mask=o_t < T, other=b_glast)
-    return b_g, b_glast
+    # the fill as a select after the load: a tensor as the masked load's ``other`` kept Triton 3.6's
+    # pipeliner from giving the inference state pass its third buffer (sm_90: 115 -> 165 KB of shared memory)
+    b_g = tl.load(g + (bos + o_t) * H + i_h, mask=o_t < T, other=0.)
+    return tl.where(o_t < T, b_g, b_glast), b_glast
 
 
 @triton.jit
@@ -115,6 +117,12 @@ def _state_block(x, i, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, i_k, i
 
 
 @triton.jit
+def exp(x):
+    """e^x as one MUFU.EX2 of x log2(e): ``tl.exp`` lowers to five instructions on sm_90."""
+    return tl.exp2(x * 1.4426950408889634)
+
+
+@triton.jit
 def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, boh, i_h, i_k, i_v, scale,
               H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
               BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
@@ -164,7 +172,7 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, b
             b_ks = b_beta
             if GATE == 1:
                 b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT)
-                b_ks = b_beta * tl.exp(b_g)
+                b_ks = b_beta * exp(b_g)
             if KT:
                 b_xr = b_vr * b_beta[:, None] - mm(tl.trans(b_kt), b_hc) * b_ks[:, None]
             else:
@@ -214,8 +222,8 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, b
             else:
                 b_A = mm(b_q, tl.trans(b_k))
             if GATE == 1:
-                b_o = b_o * tl.exp(b_g)[:, None]
-                b_A = b_A * tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
+                b_o = b_o * exp(b_g)[:, None]
+                b_A = b_A * exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
             else:
                 b_A = tl.where(m_causal, b_A, 0.)
         b_o = (b_o + mm(b_A.to(dt), b_r.to(dt))) * scale
@@ -227,8 +235,8 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, b
     elif not (FUSE_OUTPUT and TRANSITION == DPLR):
         b_x = tl.load(_rows(v, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(tl.float32)
     if GATE == 1:
-        b_x = b_x * tl.exp(b_glast - b_g)[:, None]
-        b_h = b_h * tl.exp(b_glast)
+        b_x = b_x * exp(b_glast - b_g)[:, None]
+        b_h = b_h * exp(b_glast)
     if KT:
         b_h += mm(b_kt, b_x.to(dt))
     else:
@@ -384,7 +392,8 @@ def state_bwd_kernel(q, k, w, b, g, gq, A, do, dht, dh, dh0, dr, cu_seqlens, chu
 
 
 def launch_config(transition: str, K: int, V: int, itemsize: int, backward: bool = False,
-                  per_channel: bool = False, block_v: int | None = None) -> tuple[int, int, int, int]:
+                  per_channel: bool = False, block_v: int | None = None,
+                  inference: bool = False) -> tuple[int, int, int, int]:
     """(BK, BV, num_warps, num_stages) of a state pass: the one table, by transition and shape.
 
     The value block is 64 (a smaller V padded, masked) for DECAY and DELTA: Triton 3.6 on the
@@ -395,7 +404,8 @@ def launch_config(transition: str, K: int, V: int, itemsize: int, backward: bool
     prefetch while a chunk's q, k, w tiles fit twice in the H200's 227 KiB of shared memory (up to
     256 bytes a row), else one; without a per-channel gate in 16 bits, the backward at K = 128 8 warps
     and 3 stages (GDN: -4% forward+backward), the forward at K <= 64 3 stages (DeltaNet's inference
-    forward -14% on the H100; at K = 128 3 stages cost GDN 6%). DPLR holds all of K and narrows BV
+    forward -14% on the H100), at K = 128 only for ``inference`` (no h kept: GDN -6.5% on the H100;
+    the training forward lost 6% with them). DPLR holds all of K and narrows BV
     to a small V (16 at least); 4 warps 2 stages up to K = 64, else 8 warps and 2 stages (1 at K =
     256; the forward with its output fused 2 only while a key row fits 256 bytes: fp32 K = 128 would
     need 262 KB of shared memory): the fastest for RWKV-7 (the fused forward at 16-bit K = 128 spilled
@@ -407,7 +417,7 @@ def launch_config(transition: str, K: int, V: int, itemsize: int, backward: bool
         BK = triton.next_power_of_2(K)
         if backward and BK == 128 and itemsize == 2 and not per_channel:
             return BK, block_v or 64, 8, 3
-        if not backward and BK <= 64 and itemsize == 2 and not per_channel:
+        if not backward and (BK <= 64 or (BK == 128 and inference)) and itemsize == 2 and not per_channel:
             return BK, block_v or 64, 4, 3
         warps = 8 if K > 128 or (backward and per_channel and K == 128) else 4
         return BK, block_v or 64, warps, 2 if BK * itemsize <= 256 else 1
@@ -446,7 +456,7 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     _, T, HK, K = k.shape
     H, V = v.shape[2], v.shape[-1]
     BK, BV, warps, stages = launch_config(transition, K, V, k.element_size(), per_channel=_gate_kind(g) == 2,
-                                          block_v=block_v)
+                                          block_v=block_v, inference=not store_h)
     kt = k_transposed and transition == "delta" and _gate_kind(g) != 2
     # the delta rule's loop takes its bound from the host when every sequence has NT chunks (its forward
     # keeping h is faster so on the H200); decay and DPLR read it from cu_seqlens, which is faster for them

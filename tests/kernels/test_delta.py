@@ -131,6 +131,11 @@ def test_launch_configs():
         assert BK == K and BV == 64
         assert warps == (8 if K == 256 else 4) and (K * itemsize <= 256 or stages == 1)
         assert stages == 3 or not (K <= 64 and itemsize == 2)
+        # inference (no h kept) at K = 128 in 16 bits: a third buffer (H100, GDN -15% with the gate fill below)
+        inference = state.launch_config("delta", K, V, itemsize, inference=True)
+        assert inference[2:] == ((4, 3) if K <= 128 and itemsize == 2 else (warps, stages))
+        assert state.launch_config("delta", K, V, itemsize, inference=True, per_channel=True)[2:] == \
+            state.launch_config("delta", K, V, itemsize, per_channel=True)[2:]
         per_channel = state.launch_config("delta", K, V, itemsize, backward=True, per_channel=True)
         prefetch = 2 if K * itemsize <= 256 else 1
         assert per_channel[2:] == (8 if K >= 128 else 4, prefetch)

@@ -204,7 +204,7 @@ def test_dplr_bwd_split(programs, K, V, early):
     through launch slots: a wide chunk between narrow ones (sub-chunk path) and whole-chunk ones, a
     short last chunk, varlen, two heads; all chunks in one launch (0) or two chunks a launch (the
     slots reused launch after launch); a K past the default's (two key blocks, narrowed); dA_qk and
-    dA_qb formed and stored before the rest (``bwd_early``)."""
+    dA_qb formed and stored before the rest (``bwd_early``, the default) or with the other two."""
     from fastweight.kernels.dplr_bwd import default_split
     assert default_split(64) and not default_split(128)
     launch = DplrLaunch(bwd_split=True, bwd_programs=programs, bwd_early=early)
