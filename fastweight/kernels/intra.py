@@ -10,7 +10,10 @@ exp(G_i) * exp(-G_j) over a whole chunk overflows for strong decays, so the chun
 block r, ``R_r``: both ``exp(G_i - R_r)`` (i >= ref) and ``exp(R_r - G_j)`` (j < ref) are
 <= 1, and the block is one matrix product in the input dtype. A diagonal block is factored the
 same way, with fp32 operands, when its decay over 16 rows stays under e^SAFE_SPAN, and otherwise
-takes the pairwise differences directly (16 channels at a time).
+takes the pairwise differences directly (16 channels at a time). The factored diagonal's dots run
+at ``decay_intra.diag_precision``: 3 x TF32 for fp16, whose one TF32 pass (the tensor cores
+truncate fp32 operands to 10 mantissa bits) gave KDA's fp16 output 1.6x the error of exact
+products on the GPU (6.8e-4 against 4.2e-4; the same figures under ``testing.emulate_tf32``).
 
 One program per (chunk, head) holds a whole row block's channels ([16, K]) and walks the four
 blocks in turn, so that each product is stored (forward) or folded into its gradient (backward)
@@ -35,6 +38,7 @@ import triton
 import triton.language as tl
 
 from fastweight.kernels.common import SAFE_SPAN, Chunks, alloc, mm
+from fastweight.kernels.decay_intra import diag_precision
 
 # SPAN (``common.SAFE_SPAN``): a diagonal block whose decay over its 16 rows stays under exp(SPAN) in
 # every channel is factored through its first row like the off-diagonal ones, with its operands (up
@@ -103,17 +107,14 @@ def _diag_exact(q, k, g, T, r0, HK: tl.constexpr, H: tl.constexpr, K: tl.constex
 
 @triton.jit
 def _diag(b_q, b_k, b_e, b_f, span, q, k, g, T, r0, HK: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-          SPAN: tl.constexpr):
+          SPAN: tl.constexpr, P: tl.constexpr):
     """A diagonal block's (Aqk masked i >= j, Akk masked i > j): factored through its first row with
-    fp32 operands when its span allows, else pairwise."""
+    fp32 operands when its span allows, their dots at precision P (``decay_intra.diag_precision``),
+    else pairwise."""
     if span < SPAN:
         b_kf = tl.trans(b_k.to(tl.float32) * b_f)
-        if b_q.dtype == tl.float32:
-            b_qk = tl.dot(b_q * b_e, b_kf, input_precision="ieee")
-            b_kk = tl.dot(b_k * b_e, b_kf, input_precision="ieee")
-        else:
-            b_qk = tl.dot(b_q.to(tl.float32) * b_e, b_kf, input_precision="tf32")
-            b_kk = tl.dot(b_k.to(tl.float32) * b_e, b_kf, input_precision="tf32")
+        b_qk = tl.dot(b_q.to(tl.float32) * b_e, b_kf, input_precision=P)
+        b_kk = tl.dot(b_k.to(tl.float32) * b_e, b_kf, input_precision=P)
     else:
         b_qk, b_kk = _diag_exact(q, k, g, T, r0, HK, H, K)
     o_i = tl.arange(0, 16)
@@ -128,7 +129,7 @@ def _store16(A, T, r0, c0, H: tl.constexpr, BT: tl.constexpr, b_x):
 
 @triton.jit
 def _fwd_row(q, k, g, Aqk, Akk, T, t0, R: tl.constexpr, HK: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-             BK: tl.constexpr, BT: tl.constexpr, SPAN: tl.constexpr):
+             BK: tl.constexpr, BT: tl.constexpr, SPAN: tl.constexpr, P: tl.constexpr):
     """Row block R of a chunk: its blocks against column blocks c < R, its diagonal block, zeros above."""
     r0 = t0 + 16 * R
     b_q, b_k, b_ref, b_e, b_f, span = _block_rows(q, k, g, T, r0, HK, H, K, BK)
@@ -139,7 +140,7 @@ def _fwd_row(q, k, g, Aqk, Akk, T, t0, R: tl.constexpr, HK: tl.constexpr, H: tl.
         b_y = tl.trans((b_kc * b_w).to(dt))
         _store16(Aqk, T, r0, 16 * c, H, BT, mm(b_qe, b_y))
         _store16(Akk, T, r0, 16 * c, H, BT, mm(b_ke, b_y))
-    b_qk, b_kk = _diag(b_q, b_k, b_e, b_f, span, q, k, g, T, r0, HK, H, K, SPAN)
+    b_qk, b_kk = _diag(b_q, b_k, b_e, b_f, span, q, k, g, T, r0, HK, H, K, SPAN, P)
     _store16(Aqk, T, r0, 16 * R, H, BT, b_qk)
     _store16(Akk, T, r0, 16 * R, H, BT, b_kk)
     z = tl.zeros([16, 16], dtype=tl.float32)
@@ -150,7 +151,8 @@ def _fwd_row(q, k, g, Aqk, Akk, T, t0, R: tl.constexpr, HK: tl.constexpr, H: tl.
 
 @triton.jit
 def intra_fwd_kernel(q, k, g, Aqk, Akk, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
-                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
+                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr,
+                     DIAG_PRECISION: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
@@ -162,7 +164,7 @@ def intra_fwd_kernel(q, k, g, Aqk, Akk, cu_seqlens, chunk_indices, H: tl.constex
     Aqk += (bos * H + i_h) * BT
     Akk += (bos * H + i_h) * BT
     for R in tl.static_range(4):
-        _fwd_row(q, k, g, Aqk, Akk, T, t0, R, HK, H, K, BK, BT, SPAN)
+        _fwd_row(q, k, g, Aqk, Akk, T, t0, R, HK, H, K, BK, BT, SPAN, DIAG_PRECISION)
 
 
 @triton.jit
@@ -297,7 +299,7 @@ def intra_fwd(q, k, g_cum, chunks: Chunks, *, num_warps: int | None = None):
     Aqk, Akk = alloc((1, T, H, chunks.BT), dtype=q.dtype, device=k.device), alloc((1, T, H, chunks.BT), **f32)
     intra_fwd_kernel[(chunks.NC, H)](q, k, g_cum, Aqk, Akk, chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK,
                                      K=K, BT=chunks.BT, BK=max(16, triton.next_power_of_2(K)), SPAN=SAFE_SPAN,
-                                     num_warps=num_warps or _warps(K)[0])
+                                     DIAG_PRECISION=diag_precision(q.dtype), num_warps=num_warps or _warps(K)[0])
     return Aqk, Akk
 
 
