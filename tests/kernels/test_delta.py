@@ -130,6 +130,31 @@ def test_fp16_errors_under_tf32_truncation(op):
         assert gpu[name] <= 1.05 * err, f"{name}: {gpu[name]:.3g} with TF32 against {err:.3g}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("op", ["gated_delta_rule", "delta_rule", "longhorn", "kda", "comba"])
+def test_inference_forward(op, dtype, monkeypatch):
+    """Without a backward (no grad; the state pass then keeps no h, forms the read from Ai and beta
+    where it can and, on the GPU, takes its own launch): output and final state against float64, varlen
+    with an empty sequence, a partial last chunk and whole chunks, and an initial state; the same
+    values as the forward that keeps what a backward needs."""
+    from fastweight.kernels import delta
+    kept, real = [], delta.state_fwd
+    monkeypatch.setattr(delta, "state_fwd", lambda *a, **k: kept.append(k["store_h"]) or real(*a, **k))
+    cu = torch.tensor([0, 128, 128, 201, 265], dtype=torch.int64)
+    x = sample(op, 1, 265, 2, 32, 48, seed=21)
+    h0 = torch.randn(4, 2, 32, 48, generator=generator(22))
+    kw = dict(scale=32 ** -0.5, output_final_state=True, cu_seqlens=cu)
+    low = {n: t.to(dtype) for n, t in x.items()}
+    with torch.no_grad():
+        o, ht = getattr(kernels, f"chunk_{op}")(**low, initial_state=h0.float(), **kw)
+    o_ref, ht_ref = getattr(reference, op)(**{n: t.double() for n, t in low.items()}, initial_state=h0.double(), **kw)
+    assert rel_err(o, o_ref) < TOL[dtype] and rel_err(ht, ht_ref) < TOL[dtype]
+    grad = {n: t.clone().requires_grad_() for n, t in low.items()}
+    o_g, ht_g = getattr(kernels, f"chunk_{op}")(**grad, initial_state=h0.float(), **kw)
+    assert rel_err(o, o_g.detach()) < TOL[dtype] and rel_err(ht, ht_g.detach()) < TOL[dtype]
+    assert kept == [False, True]
+
+
 @pytest.mark.parametrize("op", ["gated_delta_rule", "delta_rule", "kda"])
 def test_varlen(op):
     cu = torch.tensor([0, 1, 64, 100, 129], dtype=torch.int64)
