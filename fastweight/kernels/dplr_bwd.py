@@ -235,7 +235,7 @@ def chunks_per_launch(NC: int, H: int, K: int, BT: int, split: bool = False) -> 
 def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale: float, chunks: Chunks,
              *, span: float = SAFE_SPAN, blocks: tuple[int, int] | None = None,
              config: tuple[int, int] | None = None, programs: int | None = None, split: bool | None = None,
-             early: bool = False):
+             early: bool = True):
     """dq, dk, dv, da, db (inputs' dtypes) and dg, the gradient of the log gates, in fp32 written over
     gc (the caller's to give: nothing reads it after; a 16-bit gate's copy is the caller's to make,
     after the scratch is freed). ``ut``: the forward's

@@ -11,9 +11,9 @@ block r, ``R_r``: both ``exp(G_i - R_r)`` (i >= ref) and ``exp(R_r - G_j)`` (j <
 <= 1, and the block is one matrix product in the input dtype. A diagonal block is factored the
 same way, with fp32 operands, when its decay over 16 rows stays under e^SAFE_SPAN, and otherwise
 takes the pairwise differences directly (16 channels at a time). The factored diagonal's dots run
-at ``decay_intra.diag_precision``: 3 x TF32 for fp16, whose one TF32 pass (the tensor cores
-truncate fp32 operands to 10 mantissa bits) gave KDA's fp16 output 1.6x the error of exact
-products on the GPU (6.8e-4 against 4.2e-4; the same figures under ``testing.emulate_tf32``).
+at ``decay_intra.diag_precision``: 3 x TF32 for fp16, since one TF32 pass truncates the fp32
+operands to 10 mantissa bits on the tensor cores, as coarse as fp16 itself, and shows in the
+output's error (``testing.emulate_tf32``; docs/bench/delta.md).
 
 One program per (chunk, head) holds a whole row block's channels ([16, K]) and walks the four
 blocks in turn, so that each product is stored (forward) or folded into its gradient (backward)

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, alloc, dot_block, mm, while_loops
+from fastweight.kernels.common import Chunks, alloc, dot_block, exp, mm, while_loops
 
 # the transitions, as the kernels' TRANSITION constexpr (a kernel reads globals only as constexprs)
 DECAY, DELTA, DPLR = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -46,16 +46,19 @@ TRANSITIONS = {"decay": 0, "delta": 1, "dplr": 2}
 
 
 @triton.jit
-def chunk_gates(g, bos, T, i_t, H: tl.constexpr, i_h, BT: tl.constexpr):
+def chunk_gates(g, bos, T, i_t, H: tl.constexpr, i_h, BT: tl.constexpr, FILL_AFTER: tl.constexpr):
     """(scalar g of the chunk's rows [BT], g at its last row C); rows past the end repeat g_C.
     With 0 there, exp(0 - g_j) would pass e^88 once the chunk decays that much, and inf times the
-    lane's zero operand would put NaN into the valid rows' sums."""
+    lane's zero operand would put NaN into the valid rows' sums. FILL_AFTER (the delta passes): the
+    fill as a select after the load, the same values; a tensor as the masked load's ``other`` keeps
+    Triton 3.6's pipeliner from giving the loop a third buffer. DECAY keeps the fill in the load
+    until its passes are timed the other way (docs/bench/delta.md, session 25)."""
     o_t = i_t * BT + tl.arange(0, BT)
     b_glast = tl.load(g + (bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h)
-    # the fill as a select after the load: a tensor as the masked load's ``other`` kept Triton 3.6's
-    # pipeliner from giving the inference state pass its third buffer (sm_90: 115 -> 165 KB of shared memory)
-    b_g = tl.load(g + (bos + o_t) * H + i_h, mask=o_t < T, other=0.)
-    return tl.where(o_t < T, b_g, b_glast), b_glast
+    if FILL_AFTER:
+        b_g = tl.load(g + (bos + o_t) * H + i_h, mask=o_t < T, other=0.)
+        return tl.where(o_t < T, b_g, b_glast), b_glast
+    return tl.load(g + (bos + o_t) * H + i_h, mask=o_t < T, other=b_glast), b_glast
 
 
 @triton.jit
@@ -117,9 +120,13 @@ def _state_block(x, i, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, i_k, i
 
 
 @triton.jit
-def exp(x):
-    """e^x as one MUFU.EX2 of x log2(e): ``tl.exp`` lowers to five instructions on sm_90."""
-    return tl.exp2(x * 1.4426950408889634)
+def _gate_exp(x, TRANSITION: tl.constexpr):
+    """e^x of a scalar gate's sums: ``common.exp`` in the delta passes, ``tl.exp`` (the same values
+    but for subnormal results) in DECAY's until those are timed with it."""
+    if TRANSITION == DELTA:
+        return exp(x)
+    else:
+        return tl.exp(x)
 
 
 @triton.jit
@@ -171,7 +178,7 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, b
             b_vr = tl.load(_rows(v, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(tl.float32)
             b_ks = b_beta
             if GATE == 1:
-                b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT)
+                b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT, TRANSITION == DELTA)
                 b_ks = b_beta * exp(b_g)
             if KT:
                 b_xr = b_vr * b_beta[:, None] - mm(tl.trans(b_kt), b_hc) * b_ks[:, None]
@@ -188,7 +195,7 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, b
             p_r = _rows(r, bos, T, i_t, H, i_h, V, i_v, BT, BV)
             tl.store(p_r, b_r.to(p_r.dtype.element_ty), boundary_check=(0, 1))
     if GATE == 1 and not FUSE_WY:
-        b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT)
+        b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT, TRANSITION == DELTA)
     if GATE == 2 and TRANSITION != DPLR:
         if PRESCALED:
             b_gklast = chunk_gate_last_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
@@ -235,8 +242,8 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, b
     elif not (FUSE_OUTPUT and TRANSITION == DPLR):
         b_x = tl.load(_rows(v, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(tl.float32)
     if GATE == 1:
-        b_x = b_x * exp(b_glast - b_g)[:, None]
-        b_h = b_h * exp(b_glast)
+        b_x = b_x * _gate_exp(b_glast - b_g, TRANSITION)[:, None]
+        b_h = b_h * _gate_exp(b_glast, TRANSITION)
     if KT:
         b_h += mm(b_kt, b_x.to(dt))
     else:
@@ -309,7 +316,7 @@ def _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dr, bos, T, boh, i_h, i_k
     dt = b_q.dtype
     b_do = tl.load(_rows(do, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(dt)
     if GATE == 1:
-        b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT)
+        b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT, TRANSITION == DELTA)
         b_gq = b_g
         if gq is not None:
             b_gq = tl.load(gq + (bos + i_t * BT + o_i) * H + i_h, mask=m_row, other=0.)
@@ -404,7 +411,7 @@ def launch_config(transition: str, K: int, V: int, itemsize: int, backward: bool
     prefetch while a chunk's q, k, w tiles fit twice in the H200's 227 KiB of shared memory (up to
     256 bytes a row), else one; without a per-channel gate in 16 bits, the backward at K = 128 8 warps
     and 3 stages (GDN: -4% forward+backward), the forward at K <= 64 3 stages (DeltaNet's inference
-    forward -14% on the H100), at K = 128 only for ``inference`` (no h kept: GDN -6.5% on the H100;
+    forward -14% on the H100), at K = 128 only for ``inference`` (no h kept, the read formed in the pass: GDN -6.5% on the H100;
     the training forward lost 6% with them). DPLR holds all of K and narrows BV
     to a small V (16 at least); 4 warps 2 stages up to K = 64, else 8 warps and 2 stages (1 at K =
     256; the forward with its output fused 2 only while a key row fits 256 bytes: fp32 K = 128 would
@@ -456,7 +463,7 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     _, T, HK, K = k.shape
     H, V = v.shape[2], v.shape[-1]
     BK, BV, warps, stages = launch_config(transition, K, V, k.element_size(), per_channel=_gate_kind(g) == 2,
-                                          block_v=block_v, inference=not store_h)
+                                          block_v=block_v, inference=not store_h and Ai is not None)
     kt = k_transposed and transition == "delta" and _gate_kind(g) != 2
     # the delta rule's loop takes its bound from the host when every sequence has NT chunks (its forward
     # keeping h is faster so on the H200); decay and DPLR read it from cu_seqlens, which is faster for them
