@@ -132,8 +132,9 @@ def test_fp16_errors_under_tf32_truncation(op):
         assert gpu[name] <= 1.05 * err, f"{name}: {gpu[name]:.3g} with TF32 against {err:.3g}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("op", ["gated_delta_rule", "delta_rule", "longhorn", "kda", "comba"])
+@pytest.mark.parametrize("op, dtype", [(op, torch.float32) for op in ("gated_delta_rule", "delta_rule", "longhorn",
+                                                                      "kda", "comba")]
+                         + [("gated_delta_rule", torch.float16)])
 def test_inference_forward(op, dtype, monkeypatch):
     """Without a backward (no grad; the state pass then keeps no h, forms the read from Ai and beta
     where it can and, on the GPU, takes its own launch): output and final state against float64, varlen
