@@ -411,8 +411,9 @@ def launch_config(transition: str, K: int, V: int, itemsize: int, backward: bool
     prefetch while a chunk's q, k, w tiles fit twice in the H200's 227 KiB of shared memory (up to
     256 bytes a row), else one; without a per-channel gate in 16 bits, the backward at K = 128 8 warps
     and 3 stages (GDN: -4% forward+backward), the forward at K <= 64 3 stages (DeltaNet's inference
-    forward -14% on the H100), at K = 128 only for ``inference`` (no h kept, the read formed in the pass: GDN -6.5% on the H100;
-    the training forward lost 6% with them). DPLR holds all of K and narrows BV
+    forward -14% on the H100), at K = 128 only for ``inference`` (no h kept, the read formed in the
+    pass, a scalar gate: GDN -6.5% on the H100; the training forward lost 6% with them). DPLR holds
+    all of K and narrows BV
     to a small V (16 at least); 4 warps 2 stages up to K = 64, else 8 warps and 2 stages (1 at K =
     256; the forward with its output fused 2 only while a key row fits 256 bytes: fp32 K = 128 would
     need 262 KB of shared memory): the fastest for RWKV-7 (the fused forward at 16-bit K = 128 spilled
@@ -462,8 +463,9 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     the H100, docs/bench/delta.md)."""
     _, T, HK, K = k.shape
     H, V = v.shape[2], v.shape[-1]
+    inference = not store_h and Ai is not None and _gate_kind(g) == 1   # the timed case: GDN's
     BK, BV, warps, stages = launch_config(transition, K, V, k.element_size(), per_channel=_gate_kind(g) == 2,
-                                          block_v=block_v, inference=not store_h and Ai is not None)
+                                          block_v=block_v, inference=inference)
     kt = k_transposed and transition == "delta" and _gate_kind(g) != 2
     # the delta rule's loop takes its bound from the host when every sequence has NT chunks (its forward
     # keeping h is faster so on the H200); decay and DPLR read it from cu_seqlens, which is faster for them
