@@ -49,10 +49,10 @@ TRANSITIONS = {"decay": 0, "delta": 1, "dplr": 2}
 def chunk_gates(g, bos, T, i_t, H: tl.constexpr, i_h, BT: tl.constexpr, FILL_AFTER: tl.constexpr):
     """(scalar g of the chunk's rows [BT], g at its last row C); rows past the end repeat g_C.
     With 0 there, exp(0 - g_j) would pass e^88 once the chunk decays that much, and inf times the
-    lane's zero operand would put NaN into the valid rows' sums. FILL_AFTER (the delta passes): the
-    fill as a select after the load, the same values; a tensor as the masked load's ``other`` keeps
-    Triton 3.6's pipeliner from giving the loop a third buffer. DECAY keeps the fill in the load
-    until its passes are timed the other way (docs/bench/delta.md, session 25)."""
+    lane's zero operand would put NaN into the valid rows' sums. FILL_AFTER: the fill as a select
+    after the load, the same values, which lets Triton 3.6's pipeliner give the loop a third buffer
+    (a tensor as the masked load's ``other`` does not); the delta passes take it, DECAY's keep the
+    fill in the load, the form they are measured in (docs/bench/delta.md)."""
     o_t = i_t * BT + tl.arange(0, BT)
     b_glast = tl.load(g + (bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h)
     if FILL_AFTER:
@@ -121,8 +121,8 @@ def _state_block(x, i, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, i_k, i
 
 @triton.jit
 def _gate_exp(x, TRANSITION: tl.constexpr):
-    """e^x of a scalar gate's sums: ``common.exp`` in the delta passes, ``tl.exp`` (the same values
-    but for subnormal results) in DECAY's until those are timed with it."""
+    """e^x of a scalar gate's sums: ``common.exp`` in the delta passes, ``tl.exp`` in DECAY's (the
+    same values but for subnormal results; DECAY's measured form)."""
     if TRANSITION == DELTA:
         return exp(x)
     else:
@@ -463,7 +463,8 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     the H100, docs/bench/delta.md)."""
     _, T, HK, K = k.shape
     H, V = v.shape[2], v.shape[-1]
-    inference = not store_h and Ai is not None and _gate_kind(g) == 1   # the timed case: GDN's
+    # the third stage where it is measured faster: no h kept, the read formed here, a scalar gate
+    inference = not store_h and Ai is not None and _gate_kind(g) == 1
     BK, BV, warps, stages = launch_config(transition, K, V, k.element_size(), per_channel=_gate_kind(g) == 2,
                                           block_v=block_v, inference=inference)
     kt = k_transposed and transition == "delta" and _gate_kind(g) != 2
