@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, alloc
+from fastweight.kernels.common import Chunks, alloc, exp
 
 
 @triton.jit
@@ -51,8 +51,8 @@ def chunk_cumsum_kernel(g, g_gamma, A_log, dt_bias, gc, gp, cu_seqlens, chunk_in
             # Mamba-2's gate: g = -exp(A_log) softplus(x + dt_bias), A_log per head, dt_bias per head (and channel)
             o_d = i_d * BD + tl.arange(0, BD)
             b_g += tl.load(dt_bias + i_h * D + o_d, mask=o_d < D, other=0.).to(tl.float32)[None, :]
-            b_sp = tl.where(b_g > 20., b_g, tl.log(1. + tl.exp(tl.minimum(b_g, 20.))))
-            b_g = tl.where(m, -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * b_sp, 0.)
+            b_sp = tl.where(b_g > 20., b_g, tl.log(1. + exp(tl.minimum(b_g, 20.))))
+            b_g = tl.where(m, -exp(tl.load(A_log + i_h).to(tl.float32)) * b_sp, 0.)
         b_c += tl.cumsum(b_g, axis=0, reverse=REVERSE)
     if USE_G_GAMMA:
         b_c += tl.load(g_gamma + i_h).to(tl.float32) * (o_t + 1).to(tl.float32)[:, None]

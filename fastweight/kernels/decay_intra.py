@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, SAFE_SPAN, dot_precision, sub_chunk_rows
+from fastweight.kernels.common import Chunks, SAFE_SPAN, dot_precision, sub_chunk_rows, exp
 
 
 def diag_precision(dtype: torch.dtype) -> str:
@@ -64,9 +64,9 @@ def span_ref(b_gr, b_gc, m):
 def factor(x, b_g, b_ref, m, ROW: tl.constexpr):
     """x * exp(g - ref) (ROW) or x * exp(ref - g), 0 where not m."""
     if ROW:
-        return x * tl.exp(tl.where(m, b_g - b_ref[None, :], float("-inf")))
+        return x * exp(tl.where(m, b_g - b_ref[None, :], float("-inf")))
     else:
-        return x * tl.exp(tl.where(m, b_ref[None, :] - b_g, float("-inf")))
+        return x * exp(tl.where(m, b_ref[None, :] - b_g, float("-inf")))
 
 
 @triton.jit
@@ -95,10 +95,10 @@ def decay_intra_fwd_kernel(q, k, gq, gc, u, A, cu_seqlens, chunk_indices, scale,
                 b_gr = tl.load(gc + (o_r * H + i_h) * K + o_k, mask=m_k, other=0.)
                 b_q = tl.load(q + p_i, mask=m_ik, other=0.).to(tl.float32)
                 b_gq = tl.load(gq + p_i, mask=m_ik, other=0.)
-                b_qg = b_q * tl.exp(tl.where(m_ik, b_gq - b_gr[None, :], 0.))
+                b_qg = b_q * exp(tl.where(m_ik, b_gq - b_gr[None, :], 0.))
                 b_k = tl.load(k + p_j, mask=m_k[None, :], other=0.).to(tl.float32)
                 b_gk = tl.load(gc + p_j, mask=m_k[None, :], other=0.)
-                b_kg = b_k * tl.exp(b_gr[None, :] - b_gk)
+                b_kg = b_k * exp(b_gr[None, :] - b_gk)
                 b_A += tl.dot(b_qg, tl.trans(b_kg), input_precision=DOT_PRECISION)
             p_A = A + ((bos + o_i) * H + i_h)[:, None] * BT + (i_j * BC + o_c)[None, :]
             tl.store(p_A, b_A * scale, mask=m_i[:, None])
@@ -129,7 +129,7 @@ def decay_intra_fwd_kernel(q, k, gq, gc, u, A, cu_seqlens, chunk_indices, scale,
                     m_t = (o_c > j) & m_i
                 else:
                     m_t = (o_c >= j) & m_i
-                b_e = tl.exp(tl.where(m_t[:, None], b_gq - b_gj[None, :], float("-inf")))
+                b_e = exp(tl.where(m_t[:, None], b_gq - b_gj[None, :], float("-inf")))
                 b_a = tl.sum(b_q * b_kj[None, :] * b_e, axis=1)
                 b_A += tl.where(o_c[None, :] == j, b_a[:, None], 0.)
         if USE_U:
@@ -184,8 +184,8 @@ def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgx, dga, 
         b_dq += tl.dot(b_do, tl.trans(b_h.to(b_do.dtype)), input_precision=DOT_PRECISION)
         b_dki += tl.dot(b_v, tl.trans(b_dh.to(b_v.dtype)), input_precision=DOT_PRECISION)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
-    b_dq *= scale * tl.exp(b_gq)
-    b_dki *= tl.exp(tl.where(m_ik, b_gl[None, :] - b_gk, 0.))
+    b_dq *= scale * exp(b_gq)
+    b_dki *= exp(tl.where(m_ik, b_gl[None, :] - b_gk, 0.))
     # intra-chunk pairs (t, s), s < t (s < t - 1: EXCLUSIVE, whose pair t = s + 1 has no gate in
     # its decay and is added on its own below, as the diagonal of the inclusive readout)
     b_dk = tl.zeros([BC, BK], dtype=tl.float32)
@@ -205,8 +205,8 @@ def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgx, dga, 
                     m_dA = m_dA & ((o_c[:, None] + i_i * BC) > (o_c[None, :] + i_j * BC + 1))
                 b_dA = tl.load(dA + ((bos + o_i) * H + i_h)[:, None] * BT + (i_j * BC + o_c)[None, :],
                                mask=m_dA, other=0.)
-                b_dqi += tl.dot(b_dA, b_kj * tl.exp(b_gr[None, :] - b_gkj), input_precision=DOT_PRECISION)
-        b_dq += b_dqi * scale * tl.exp(tl.where(m_ik, b_gq - b_gr[None, :], 0.))
+                b_dqi += tl.dot(b_dA, b_kj * exp(b_gr[None, :] - b_gkj), input_precision=DOT_PRECISION)
+        b_dq += b_dqi * scale * exp(tl.where(m_ik, b_gq - b_gr[None, :], 0.))
     # later sub-chunks j > i (for dk) through the reference row before sub-chunk j
     for i_j in range(1, NC):
         o_j = i_c * BT + i_j * BC + o_c
@@ -223,9 +223,9 @@ def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgx, dga, 
                 m_dA = m_dA & ((o_c[:, None] + i_j * BC) > (o_c[None, :] + i_i * BC + 1))
             b_dA = tl.load(dA + ((bos + o_j) * H + i_h)[:, None] * BT + (i_i * BC + o_c)[None, :],
                            mask=m_dA, other=0.)
-            b_qg = b_qj * tl.exp(tl.where(m_jk, b_gqj - b_gr[None, :], 0.))
+            b_qg = b_qj * exp(tl.where(m_jk, b_gqj - b_gr[None, :], 0.))
             b_dk += (tl.dot(tl.trans(b_dA), b_qg, input_precision=DOT_PRECISION)
-                     * scale * tl.exp(tl.where(m_ik, b_gr[None, :] - b_gk, 0.)))
+                     * scale * exp(tl.where(m_ik, b_gr[None, :] - b_gk, 0.)))
     # the diagonal sub-chunk: factored through the midpoint of its gates when their span allows,
     # else one token j at a time (column j of dA for dq, row j for dk)
     b_span, b_ref = span_ref(b_gq, b_gk, m_ik)
@@ -254,16 +254,16 @@ def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgx, dga, 
             b_dAc = tl.load(dA + ((bos + o_i) * H + i_h) * BT + i_i * BC + j, mask=m_t, other=0.) * scale
             b_kj = tl.load(k + p_j, mask=m_kj, other=0.).to(tl.float32)
             b_gj = tl.load(gc + p_j, mask=m_kj, other=0.)
-            b_dq += b_dAc[:, None] * b_kj[None, :] * tl.exp(tl.where(m_t[:, None], b_gq - b_gj[None, :],
+            b_dq += b_dAc[:, None] * b_kj[None, :] * exp(tl.where(m_t[:, None], b_gq - b_gj[None, :],
                                                                      float("-inf")))
             b_dAr = tl.load(dA + ((bos + r_j) * H + i_h) * BT + i_i * BC + o_c, mask=m_s, other=0.) * scale
             b_qj = tl.load(q + p_j, mask=m_kj, other=0.).to(tl.float32)
             b_gqj = tl.load(gq + p_j, mask=m_kj, other=0.)
-            b_dk += b_dAr[:, None] * b_qj[None, :] * tl.exp(tl.where(m_s[:, None], b_gqj[None, :] - b_gk,
+            b_dk += b_dAr[:, None] * b_qj[None, :] * exp(tl.where(m_s[:, None], b_gqj[None, :] - b_gk,
                                                                      float("-inf")))
     # the gate gradient's per-token terms (decay.py): x = q dq' - k dk' (EXCLUSIVE: -k dk', with
     # a = q dq' apart, summed over t > u), y = k dki; exp(G) sum_v h dh on the chunk's last row
-    b_x = tl.where((bos + o_i == last)[:, None], (tl.exp(b_gl) * b_hdh)[None, :], 0.) - b_k * b_dk
+    b_x = tl.where((bos + o_i == last)[:, None], (exp(b_gl) * b_hdh)[None, :], 0.) - b_k * b_dk
     p_g = ((bos + o_i) * H + i_h)[:, None] * K + o_k[None, :]
     if EXCLUSIVE:
         tl.store(dga + p_g, b_q * b_dq, mask=m_ik)

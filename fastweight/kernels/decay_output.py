@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, MIN_DOT_BLOCK, dot_precision
+from fastweight.kernels.common import Chunks, MIN_DOT_BLOCK, dot_precision, exp
 
 
 @triton.jit
@@ -62,9 +62,9 @@ def decay_output_fwd_kernel(q, k, v, gq, gc, h, A, A2, v2, o, cu_seqlens, chunk_
         if GATE == 2:
             p_g = tl.make_block_ptr(gq + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_c * BT, i_k * BK), (BT, BK),
                                     (1, 0))
-            b_qg = (b_q.to(tl.float32) * tl.exp(tl.load(p_g, boundary_check=(0, 1)))).to(b_q.dtype)
+            b_qg = (b_q.to(tl.float32) * exp(tl.load(p_g, boundary_check=(0, 1)))).to(b_q.dtype)
         elif GATE == 1:
-            b_qg = (b_q.to(tl.float32) * tl.exp(b_gq)[:, None]).to(b_q.dtype)
+            b_qg = (b_q.to(tl.float32) * exp(b_gq)[:, None]).to(b_q.dtype)
         else:
             b_qg = b_q
         b_o += tl.dot(b_qg, b_h, input_precision=DOT_PRECISION)
@@ -76,7 +76,7 @@ def decay_output_fwd_kernel(q, k, v, gq, gc, h, A, A2, v2, o, cu_seqlens, chunk_
         b_A = tl.where(m_s, tl.load(p_A, boundary_check=(0, 1)), 0.)
     else:
         if GATE == 1:
-            b_A *= tl.exp(tl.where(m_s, b_gq[:, None] - b_gc[None, :], 0.))
+            b_A *= exp(tl.where(m_s, b_gq[:, None] - b_gc[None, :], 0.))
         b_A = tl.where(m_s, b_A * scale, 0.)
     p_v = tl.make_block_ptr(v + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_c * BT, i_v * BV), (BT, BV), (1, 0))
     b_v = tl.load(p_v, boundary_check=(0, 1))
@@ -124,7 +124,7 @@ def decay_bwd_dv_kernel(q, k, v, gq, gc, A, dh, do, dv, dA, cu_seqlens, chunk_in
             b_A += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
         if GATE == 1:
             b_gq = tl.load(gq + (bos + o_t) * H + i_h, mask=m_t, other=0.)
-            b_A *= tl.exp(tl.where(m_s, b_gq[:, None] - b_gc[None, :], 0.))
+            b_A *= exp(tl.where(m_s, b_gq[:, None] - b_gc[None, :], 0.))
         b_A = tl.where(m_s, b_A * scale, 0.)
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
@@ -141,12 +141,12 @@ def decay_bwd_dv_kernel(q, k, v, gq, gc, A, dh, do, dv, dA, cu_seqlens, chunk_in
             b_k = tl.load(k + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                           other=0.)
             if GATE == 1:
-                b_k = (b_k.to(tl.float32) * tl.exp(b_gl - b_gc)[:, None]).to(b_k.dtype)
+                b_k = (b_k.to(tl.float32) * exp(b_gl - b_gc)[:, None]).to(b_k.dtype)
             elif GATE == 2:
                 b_gk = tl.load(gc + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :],
                                mask=m_t[:, None] & m_k[None, :], other=0.)
                 b_glk = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k, other=0.)
-                b_k = (b_k.to(tl.float32) * tl.exp(b_glk[None, :] - b_gk)).to(b_k.dtype)
+                b_k = (b_k.to(tl.float32) * exp(b_glk[None, :] - b_gk)).to(b_k.dtype)
             b_dh = tl.load(dh + ((i_t * H + i_h) * K + o_k[:, None]) * V + o_v[None, :],
                            mask=m_k[:, None] & m_v[None, :], other=0.)
             b_dv += tl.dot(b_k, b_dh.to(b_k.dtype), input_precision=DOT_PRECISION)
@@ -202,9 +202,9 @@ def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, dh, do, dA, dq, dk, dg, cu_seqlens,
         b_gq = tl.load(gq + (bos + o_t) * H + i_h, mask=m_t, other=0.)
         b_gc = tl.load(gc + (bos + o_t) * H + i_h, mask=m_t, other=0.)
         b_gl = tl.load(gc + (bos + tl.minimum(T, i_c * BT + BT) - 1) * H + i_h)
-        b_dq *= tl.exp(b_gq)[:, None]
-        b_dki *= tl.exp(b_gl - b_gc)[:, None]
-        b_dA *= tl.exp(tl.where(m_s, b_gq[:, None] - b_gc[None, :], 0.))
+        b_dq *= exp(b_gq)[:, None]
+        b_dki *= exp(b_gl - b_gc)[:, None]
+        b_dA *= exp(tl.where(m_s, b_gq[:, None] - b_gc[None, :], 0.))
     b_dA = tl.where(m_s, b_dA * scale, 0.)
     b_dq = b_dq * scale + tl.dot(b_dA.to(b_k.dtype), b_k, input_precision=DOT_PRECISION)
     b_dk = tl.dot(tl.trans(b_dA).to(b_q.dtype), b_q, input_precision=DOT_PRECISION)
@@ -215,7 +215,7 @@ def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, dh, do, dA, dq, dk, dg, cu_seqlens,
         b_y = tl.sum(b_k.to(tl.float32) * b_dki, axis=1)
         b_g = (tl.cumsum(b_x, axis=0, reverse=True)
                + tl.sum(tl.where(o_t[:, None] > o_t[None, :], b_y[None, :], 0.), axis=1)
-               + tl.exp(b_gl) * tl.sum(b_hdh, axis=0))
+               + exp(b_gl) * tl.sum(b_hdh, axis=0))
         tl.store(dg + i_k * T_all * H + (bos + o_t) * H + i_h, b_g, mask=m_t)
     if not EXCLUSIVE:
         b_dq += b_dd[:, None] * b_k.to(tl.float32)

@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, SAFE_SPAN, chunk_bounds, dot_precision
+from fastweight.kernels.common import Chunks, SAFE_SPAN, chunk_bounds, dot_precision, exp
 from fastweight.kernels.decay_intra import diag_precision, span_ref
 from fastweight.kernels.dplr_intra import bwd_finish, bwd_sub, factored_bwd, load_gp, load_rows
 from fastweight.kernels.dplr_wy import local_grads
@@ -209,7 +209,7 @@ def dplr_gate_bwd_kernel(gc, h, dh, dgk, dga, dgs, dg, cu_seqlens, chunk_indices
             m_h = m_k[:, None] & (o_v < V)[None, :]
             b_h = tl.load(h + p_h, mask=m_h, other=0.).to(tl.float32)
             b_e += tl.sum(b_h * tl.load(dh + p_h, mask=m_h, other=0.).to(tl.float32), 1)
-        b_e *= tl.exp(tl.load(gc + ((bos + hi - 1) * H + i_h) * K + o_k, mask=m_k, other=0.))
+        b_e *= exp(tl.load(gc + ((bos + hi - 1) * H + i_h) * K + o_k, mask=m_k, other=0.))
         b_x = load_rows(dgk, bos, o_t, m_t, i_h, o_k, m_k, H, K) + load_rows(dga, bos, o_t + 1, m_next, i_h, o_k, m_k,
                                                                                H, K)
         b_p = load_rows(dgs, bos, o_t - 1, m_prev, i_h, o_k, m_k, H, K)

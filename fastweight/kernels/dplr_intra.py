@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from fastweight.kernels import decay_intra
-from fastweight.kernels.common import Chunks, SAFE_SPAN, alloc, chunk_bounds, dot_precision
+from fastweight.kernels.common import Chunks, SAFE_SPAN, alloc, chunk_bounds, dot_precision, exp
 from fastweight.kernels.decay_intra import diag_precision, factor, span_ref
 
 
@@ -118,11 +118,11 @@ def _fwd_sub(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_
                 m_k = o_k < K
                 m_ik = m_i[:, None] & m_k[None, :]
                 b_gr = tl.load(gc + (o_r * H + i_h) * K + o_k, mask=m_k, other=0.)
-                b_qg = load_rows(q, bos, o_i, m_i, i_h, o_k, m_k, H, K) * tl.exp(
+                b_qg = load_rows(q, bos, o_i, m_i, i_h, o_k, m_k, H, K) * exp(
                     tl.where(m_ik, load_rows(gc, bos, o_i, m_i, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
-                b_ag = load_rows(a, bos, o_i, m_i, i_h, o_k, m_k, H, K) * tl.exp(
+                b_ag = load_rows(a, bos, o_i, m_i, i_h, o_k, m_k, H, K) * exp(
                     tl.where(m_ik, load_gp(gc, gk, bos, o_i, m_i, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
-                b_e = tl.exp(b_gr[None, :] - load_rows(gc, bos, o_j, o_j < T, i_h, o_k, m_k, H, K))
+                b_e = exp(b_gr[None, :] - load_rows(gc, bos, o_j, o_j < T, i_h, o_k, m_k, H, K))
                 b_kg = tl.trans(load_rows(k, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e)
                 b_bg = tl.trans(load_rows(b, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e)
                 b_qk += tl.dot(b_qg, b_kg, input_precision=DOT_PRECISION)
@@ -166,10 +166,10 @@ def _fwd_sub(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_
                 b_kj = tl.load(k + p_j, mask=m_kj, other=0.).to(tl.float32)
                 b_bj = tl.load(b + p_j, mask=m_kj, other=0.).to(tl.float32)
                 b_gj = tl.load(gc + p_j, mask=m_kj, other=0.)
-                b_e = tl.exp(tl.where(((o_c >= j) & m_i)[:, None], b_g - b_gj[None, :], float("-inf")))
+                b_e = exp(tl.where(((o_c >= j) & m_i)[:, None], b_g - b_gj[None, :], float("-inf")))
                 b_qk += tl.where(o_c[None, :] == j, tl.sum(b_q * b_kj[None, :] * b_e, axis=1)[:, None], 0.)
                 b_qb += tl.where(o_c[None, :] == j, tl.sum(b_q * b_bj[None, :] * b_e, axis=1)[:, None], 0.)
-                b_e = tl.exp(tl.where(((o_c > j) & m_i)[:, None], b_gp - b_gj[None, :], float("-inf")))
+                b_e = exp(tl.where(((o_c > j) & m_i)[:, None], b_gp - b_gj[None, :], float("-inf")))
                 b_ak += tl.where(o_c[None, :] == j, tl.sum(b_a * b_kj[None, :] * b_e, axis=1)[:, None], 0.)
                 b_ab += tl.where(o_c[None, :] == j, tl.sum(b_a * b_bj[None, :] * b_e, axis=1)[:, None], 0.)
     m_incl = o_c[:, None] >= o_c[None, :]
@@ -372,7 +372,7 @@ def bwd_sub(q, k, a, b, gc, gk, dAqk, dAqb, dAak, dAab, pairs, dq_s, dk_s, da_s,
         for i_j in range(0, NC - 1):
             if i_j < i_i:
                 o_j = i_c * BT + i_j * BC + o_c
-                b_e = tl.exp(b_gr[None, :] - load_rows(gc, bos, o_j, o_j < T, i_h, o_k, m_k, H, K))
+                b_e = exp(b_gr[None, :] - load_rows(gc, bos, o_j, o_j < T, i_h, o_k, m_k, H, K))
                 b_kj = load_rows(k, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e
                 b_bj = load_rows(b, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e
                 b_dq += tl.dot(_load_dA(dAqk, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_kj,
@@ -383,8 +383,8 @@ def bwd_sub(q, k, a, b, gc, gk, dAqk, dAqb, dAak, dAab, pairs, dq_s, dk_s, da_s,
                                input_precision=DOT_PRECISION)
                 b_da += tl.dot(_load_dA(dAab, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_bj,
                                input_precision=DOT_PRECISION)
-        b_dq *= tl.exp(tl.where(m_ik, b_g - b_gr[None, :], 0.))
-        b_da *= tl.exp(tl.where(m_ik, b_gp - b_gr[None, :], 0.))
+        b_dq *= exp(tl.where(m_ik, b_g - b_gr[None, :], 0.))
+        b_da *= exp(tl.where(m_ik, b_gp - b_gr[None, :], 0.))
     # column side (dk, db) from later sub-chunks, through the reference row before each of them
     b_dk = tl.zeros([BC, BK], dtype=tl.float32)
     b_db = tl.zeros([BC, BK], dtype=tl.float32)
@@ -394,11 +394,11 @@ def bwd_sub(q, k, a, b, gc, gk, dAqk, dAqb, dAak, dAab, pairs, dq_s, dk_s, da_s,
             m_j = o_j < T
             m_jk = m_j[:, None] & m_k[None, :]
             b_gr = tl.load(gc + ((bos + i_c * BT + i_j * BC - 1) * H + i_h) * K + o_k, mask=m_k, other=0.)
-            b_qj = load_rows(q, bos, o_j, m_j, i_h, o_k, m_k, H, K) * scale * tl.exp(
+            b_qj = load_rows(q, bos, o_j, m_j, i_h, o_k, m_k, H, K) * scale * exp(
                 tl.where(m_jk, load_rows(gc, bos, o_j, m_j, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
-            b_aj = load_rows(a, bos, o_j, m_j, i_h, o_k, m_k, H, K) * tl.exp(
+            b_aj = load_rows(a, bos, o_j, m_j, i_h, o_k, m_k, H, K) * exp(
                 tl.where(m_jk, load_gp(gc, gk, bos, o_j, m_j, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
-            b_e = tl.exp(tl.where(m_ik, b_gr[None, :] - b_g, 0.))
+            b_e = exp(tl.where(m_ik, b_gr[None, :] - b_g, 0.))
             b_dkj = tl.dot(tl.trans(_load_dA(dAqk, bos, o_j, m_j, i_i * BC, i_h, H, BT, BC)), b_qj,
                            input_precision=DOT_PRECISION)
             b_dkj += tl.dot(tl.trans(_load_dA(dAak, bos, o_j, m_j, i_i * BC, i_h, H, BT, BC)), b_aj,
@@ -436,16 +436,16 @@ def bwd_sub(q, k, a, b, gc, gk, dAqk, dAqb, dAak, dAab, pairs, dq_s, dk_s, da_s,
             b_aj = tl.load(a + p_j, mask=m_kj, other=0.).to(tl.float32)
             b_gj = tl.load(gc + p_j, mask=m_kj, other=0.)
             b_gpj = b_gj - tl.load(gk + p_j, mask=m_kj, other=0.).to(tl.float32)
-            b_e = tl.exp(tl.where(m_ti[:, None], b_g - b_gj[None, :], float("-inf")))
+            b_e = exp(tl.where(m_ti[:, None], b_g - b_gj[None, :], float("-inf")))
             b_dq += (tl.load(dAqk + p_c, mask=m_ti, other=0.)[:, None] * b_kj[None, :]
                      + tl.load(dAqb + p_c, mask=m_ti, other=0.)[:, None] * b_bj[None, :]) * b_e
-            b_e = tl.exp(tl.where(m_ts[:, None], b_gp - b_gj[None, :], float("-inf")))
+            b_e = exp(tl.where(m_ts[:, None], b_gp - b_gj[None, :], float("-inf")))
             b_da += (tl.load(dAak + p_c, mask=m_ts, other=0.)[:, None] * b_kj[None, :]
                      + tl.load(dAab + p_c, mask=m_ts, other=0.)[:, None] * b_bj[None, :]) * b_e
-            b_e = tl.exp(tl.where(m_si[:, None], b_gj[None, :] - b_g, float("-inf")))
+            b_e = exp(tl.where(m_si[:, None], b_gj[None, :] - b_g, float("-inf")))
             b_dk += tl.load(dAqk + p_r, mask=m_si, other=0.)[:, None] * b_qj[None, :] * b_e
             b_db += tl.load(dAqb + p_r, mask=m_si, other=0.)[:, None] * b_qj[None, :] * b_e
-            b_e = tl.exp(tl.where(m_ss[:, None], b_gpj[None, :] - b_g, float("-inf")))
+            b_e = exp(tl.where(m_ss[:, None], b_gpj[None, :] - b_g, float("-inf")))
             b_dk += tl.load(dAak + p_r, mask=m_ss, other=0.)[:, None] * b_aj[None, :] * b_e
             b_db += tl.load(dAab + p_r, mask=m_ss, other=0.)[:, None] * b_aj[None, :] * b_e
     bwd_finish(b_q, b_k, b_a, b_b, b_dq, b_dk, b_da, b_db, k, a, b, pairs, bos, o_i, m_i, i_c * BT,

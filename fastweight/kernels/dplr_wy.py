@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, dot_precision
+from fastweight.kernels.common import Chunks, dot_precision, exp
 from fastweight.kernels.decay_intra import diag_precision
 
 
@@ -55,7 +55,7 @@ def dplr_wy_fwd_kernel(a, v, gc, gk, Ai, Aak, w, ut, cu_seqlens, chunk_indices, 
         m_tk = m_t[:, None] & (o_k < K)[None, :]
         p_k = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
         b_gp = tl.load(gc + p_k, mask=m_tk, other=0.) - tl.load(gk + p_k, mask=m_tk, other=0.).to(tl.float32)
-        b_a = tl.load(a + p_k, mask=m_tk, other=0.).to(tl.float32) * tl.exp(b_gp)
+        b_a = tl.load(a + p_k, mask=m_tk, other=0.).to(tl.float32) * exp(b_gp)
         b_w = tl.dot(b_T, b_a, input_precision=DOT_PRECISION)
         tl.store(w + p_k, b_w.to(w.dtype.element_ty), mask=m_tk)
     for i_v in range(0, tl.cdiv(V, BV)):
@@ -145,7 +145,7 @@ def local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
             m_tk = m_t[:, None] & m_k[None, :]
             p_k = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
             b_gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k, other=0.)
-            b_e = tl.exp(tl.where(m_tk, b_gl[None, :] - tl.load(gc + p_k, mask=m_tk, other=0.), float("-inf")))
+            b_e = exp(tl.where(m_tk, b_gl[None, :] - tl.load(gc + p_k, mask=m_tk, other=0.), float("-inf")))
             b_kd = tl.load(k + p_k, mask=m_tk, other=0.).to(tl.float32) * b_e
             b_dh = tl.load(dh + o_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
                            other=0.).to(tl.float32)
@@ -195,10 +195,10 @@ def local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
         b_dAab += tl.dot(b_da, tl.trans(b_w), input_precision=DOT_PRECISION)
         b_g = tl.load(gc + p_k, mask=m_tk, other=0.)
         b_gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k, other=0.)
-        b_e = tl.exp(tl.where(m_tk, b_gl[None, :] - b_g, float("-inf")))
+        b_e = exp(tl.where(m_tk, b_gl[None, :] - b_g, float("-inf")))
         b_gp = b_g - tl.load(gk + p_k, mask=m_tk, other=0.).to(tl.float32)
-        tl.store(da + p_k, b_da * tl.exp(b_gp), mask=m_tk)
-        tl.store(dq + p_k, b_dqi * scale * tl.exp(b_g), mask=m_tk)
+        tl.store(da + p_k, b_da * exp(b_gp), mask=m_tk)
+        tl.store(dq + p_k, b_dqi * scale * exp(b_g), mask=m_tk)
         tl.store(db + p_k, b_dbi * b_e, mask=m_tk)
         tl.store(dk + p_k, b_dki * b_e, mask=m_tk)
     if EARLY:

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from fastweight.dispatch import l2norm
-from fastweight.kernels.common import alloc
+from fastweight.kernels.common import alloc, exp
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -76,7 +76,7 @@ def fused_recurrent_fwd_kernel(
     if USE_G_GAMMA:
         b_gamma = tl.load(g_gamma + i_hv).to(tl.float32)
     if USE_GATE_IN_KERNEL:
-        b_A = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        b_A = -exp(tl.load(A_log + i_hv).to(tl.float32))
         if USE_GK:
             b_dt = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0).to(tl.float32)
         else:
@@ -108,17 +108,17 @@ def fused_recurrent_fwd_kernel(
             b_gs = tl.load(g + i_tok * HV + i_hv).to(tl.float32)
             if USE_GATE_IN_KERNEL:
                 b_x = b_gs + b_dt
-                b_gs = b_A * tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(tl.minimum(b_x, 20.))))
+                b_gs = b_A * tl.where(b_x > 20., b_x, tl.log(1. + exp(tl.minimum(b_x, 20.))))
         if USE_G_GAMMA:
             b_gs += b_gamma
         if USE_GK:
             b_gk = tl.load(gk + o_hk, mask=m_k, other=0).to(tl.float32)
             if USE_GATE_IN_KERNEL:
                 b_x = b_gk + b_dt
-                b_gk = b_A * tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(tl.minimum(b_x, 20.))))
-            b_w = tl.exp(b_gk + b_gs)
+                b_gk = b_A * tl.where(b_x > 20., b_x, tl.log(1. + exp(tl.minimum(b_x, 20.))))
+            b_w = exp(b_gk + b_gs)
         else:
-            b_w = tl.exp(b_gs + tl.zeros([BK], dtype=tl.float32))
+            b_w = exp(b_gs + tl.zeros([BK], dtype=tl.float32))
 
         if LOW_RANK == 1:
             if USE_P:

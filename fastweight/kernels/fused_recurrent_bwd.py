@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from fastweight.kernels import fused_recurrent as base
+from fastweight.kernels.common import exp
 
 
 @triton.jit(do_not_specialize=["T", "TT"])
@@ -86,9 +87,9 @@ def fused_recurrent_bwd_reverse_kernel(
             b_b = tl.load(b + o_tk, mask=m_k, other=0).to(tl.float32)
             b_r = tl.load(r + o_tv, mask=m_v, other=0)
         if GATE == 1:
-            b_w = tl.exp(tl.load(g + i_tok * H + i_h).to(tl.float32))
+            b_w = exp(tl.load(g + i_tok * H + i_h).to(tl.float32))
         elif GATE == 2:
-            b_w = tl.exp(tl.load(g + o_tk, mask=m_k, other=0).to(tl.float32))
+            b_w = exp(tl.load(g + o_tk, mask=m_k, other=0).to(tl.float32))
 
         # dk'_t = dP_t v_t, da'_t = dP_t r_t (the rest of dk_t, da_t is rank one, added in PyTorch)
         tl.store(dk + o_pk, tl.sum(b_dh * b_v[None, :], 1), mask=m_k)
@@ -185,9 +186,9 @@ def fused_recurrent_bwd_forward_kernel(
             b_b = tl.load(b + o_tk, mask=m_k, other=0).to(tl.float32)
             b_dr = tl.load(dr + o_tv + H * V, mask=m_v & m_next, other=0)
         if GATE == 1:
-            b_w = tl.exp(tl.load(g + i_tok * H + i_h).to(tl.float32))
+            b_w = exp(tl.load(g + i_tok * H + i_h).to(tl.float32))
         elif GATE == 2:
-            b_w = tl.exp(tl.load(g + o_tk, mask=m_k, other=0).to(tl.float32))
+            b_w = exp(tl.load(g + o_tk, mask=m_k, other=0).to(tl.float32))
 
         if LOW_RANK:
             b_r = tl.sum(b_b[:, None] * b_h, 0)

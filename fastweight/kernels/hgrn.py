@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastweight.kernels.common import exp
+
 BD = 64
 
 
@@ -49,7 +51,7 @@ def hgrn_fwd_kernel(x, g, o, h0, ht, cu_seqlens, T, D, BD: tl.constexpr, USE_H0:
     while t < T:
         b_x = tl.load(x + p, mask=m_d, other=0).to(tl.float32)
         b_g = tl.load(g + p, mask=m_d, other=0).to(tl.float32)
-        h = tl.exp(b_g) * h + b_x
+        h = exp(b_g) * h + b_x
         tl.store(o + p, h.to(o.dtype.element_ty), mask=m_d)
         p += D
         t += 1
@@ -74,7 +76,7 @@ def hgrn_bwd_kernel(g, o, h0, do, dht, dx, dg, dh0, cu_seqlens, T, D, BD: tl.con
     t = T - 1
     while t >= 0:
         dh += tl.load(do + p, mask=m_d, other=0).to(tl.float32)
-        decay = tl.exp(tl.load(g + p, mask=m_d, other=0).to(tl.float32))
+        decay = exp(tl.load(g + p, mask=m_d, other=0).to(tl.float32))
         if t > 0:
             prev = tl.load(o + p - D, mask=m_d, other=0).to(tl.float32)
         else:

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import SAFE_SPAN, Chunks, alloc, mm
+from fastweight.kernels.common import SAFE_SPAN, Chunks, alloc, mm, exp
 from fastweight.kernels.decay_intra import diag_precision
 
 # SPAN (``common.SAFE_SPAN``): a diagonal block whose decay over its 16 rows stays under exp(SPAN) in
@@ -71,8 +71,8 @@ def _block_rows(q, k, g, T, r0, HK: tl.constexpr, H: tl.constexpr, K: tl.constex
     b_ref = tl.load(g + tl.minimum(r0, T - 1) * H * K + o_k, mask=o_k < K, other=0.)
     m_v = (r0 + tl.arange(0, 16) < T)[:, None]
     b_d = b_ref[None, :] - b_g
-    b_e = tl.exp(tl.where(m_v, -b_d, float("-inf")))
-    b_f = tl.exp(tl.where(m_v, b_d, float("-inf")))
+    b_e = exp(tl.where(m_v, -b_d, float("-inf")))
+    b_f = exp(tl.where(m_v, b_d, float("-inf")))
     return b_q, b_k, b_ref, b_e, b_f, tl.max(tl.max(tl.where(m_v, b_d, 0.), 1), 0)
 
 
@@ -81,7 +81,7 @@ def _columns(k, g, T, c0, b_ref, HK: tl.constexpr, H: tl.constexpr, K: tl.conste
     """Column block c0 .. c0 + 16 against a later row block's reference R: k_c and exp(R - G_c) <= 1."""
     b_k, b_g = _rows16(k, T, c0, HK * K, K, BK), _rows16(g, T, c0, H * K, K, BK)
     m_v = (c0 + tl.arange(0, 16) < T)[:, None]
-    return b_k, tl.exp(tl.where(m_v, b_ref[None, :] - b_g, float("-inf")))
+    return b_k, exp(tl.where(m_v, b_ref[None, :] - b_g, float("-inf")))
 
 
 @triton.jit
@@ -99,7 +99,7 @@ def _diag_exact(q, k, g, T, r0, HK: tl.constexpr, H: tl.constexpr, K: tl.constex
         b_g = tl.load(g + rows * (H * K) + o_k[None, :], mask=m, other=0.)
         b_k = tl.load(k + rows * (HK * K) + o_k[None, :], mask=m, other=0.).to(tl.float32)
         b_q = tl.load(q + rows * (HK * K) + o_k[None, :], mask=m, other=0.).to(tl.float32)
-        b_ke = b_k[None, :, :] * tl.exp(tl.where(m_d[:, :, None], b_g[:, None, :] - b_g[None, :, :], float("-inf")))
+        b_ke = b_k[None, :, :] * exp(tl.where(m_d[:, :, None], b_g[:, None, :] - b_g[None, :, :], float("-inf")))
         b_qk += tl.sum(b_q[:, None, :] * b_ke, 2)
         b_kk += tl.sum(b_k[:, None, :] * b_ke, 2)
     return b_qk, b_kk
@@ -186,7 +186,7 @@ def _diag_exact_bwd(q, k, g, dq, dk, dg, b_dqk, b_dkk, T, r0, HK: tl.constexpr, 
         b_g = tl.load(g + rows * (H * K) + o_k[None, :], mask=m, other=0.)
         b_k = tl.load(k + rows * (HK * K) + o_k[None, :], mask=m, other=0.).to(tl.float32)
         b_q = tl.load(q + rows * (HK * K) + o_k[None, :], mask=m, other=0.).to(tl.float32)
-        b_e = tl.exp(tl.where(m_d[:, :, None], b_g[:, None, :] - b_g[None, :, :], float("-inf")))
+        b_e = exp(tl.where(m_d[:, :, None], b_g[:, None, :] - b_g[None, :, :], float("-inf")))
         b_dq = tl.sum(b_dqk[:, :, None] * b_e * b_k[None, :, :], 1)
         b_dkr = tl.sum(b_dkk[:, :, None] * b_e * b_k[None, :, :], 1)
         b_dkc = tl.sum((b_dqk[:, :, None] * b_q[:, None, :] + b_dkk[:, :, None] * b_k[:, None, :]) * b_e, 0)

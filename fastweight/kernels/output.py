@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, alloc, dot_block, mm
+from fastweight.kernels.common import Chunks, alloc, dot_block, mm, exp
 from fastweight.kernels.state import chunk_gates, chunk_gates_k
 
 
@@ -75,11 +75,11 @@ def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, cu_se
     if USE_GK:
         # per-channel gate: the intra-chunk part goes through dAqk to intra.py
         b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, 0, K, BT, BK)
-        b_dq = b_dq * tl.exp(b_gk) * scale
+        b_dq = b_dq * exp(b_gk) * scale
         b_dgk = b_dq * b_q.to(tl.float32)
-        b_dk = b_dk * tl.where(m_t[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)
+        b_dk = b_dk * tl.where(m_t[:, None], exp(b_gklast[None, :] - b_gk), 0.)
         b_dkk = tl.where(m_last[:, None], 0., b_dk * b_k.to(tl.float32))
-        b_dglast = tl.sum(b_dkk, 0) + tl.exp(b_gklast) * b_hdh
+        b_dglast = tl.sum(b_dkk, 0) + exp(b_gklast) * b_hdh
         b_dgk += tl.where(m_last[:, None], b_dglast[None, :], 0.) - b_dkk
         p_dg = tl.make_block_ptr(dg + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
         tl.store(p_dg, b_dgk, boundary_check=(0, 1))
@@ -87,13 +87,13 @@ def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, cu_se
         tl.store(p_dA, tl.where(m_causal, b_ds, 0.) * scale, boundary_check=(0, 1))
     elif USE_G:
         b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT, True)
-        b_dq = b_dq * (tl.exp(b_g) * scale)[:, None]
+        b_dq = b_dq * (exp(b_g) * scale)[:, None]
         b_dg = tl.sum(b_dq * b_q.to(tl.float32), 1)
-        b_dk = b_dk * tl.where(m_t, tl.exp(b_glast - b_g), 0.)[:, None]
+        b_dk = b_dk * tl.where(m_t, exp(b_glast - b_g), 0.)[:, None]
         b_dkk = tl.where(m_last, 0., tl.sum(b_dk * b_k.to(tl.float32), 1))
         b_dg -= b_dkk
-        b_dglast = tl.sum(b_dkk, 0) + tl.exp(b_glast) * tl.sum(b_hdh, 0)
-        b_ds = b_ds * tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf"))) * scale
+        b_dglast = tl.sum(b_dkk, 0) + exp(b_glast) * tl.sum(b_hdh, 0)
+        b_ds = b_ds * exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf"))) * scale
         b_A = mm(b_q, tl.trans(b_k))
         b_t = tl.where(m_strict, b_ds * b_A, 0.)
         b_dg += tl.sum(b_t, 1) - tl.sum(b_t, 0)

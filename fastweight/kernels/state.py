@@ -51,8 +51,7 @@ def chunk_gates(g, bos, T, i_t, H: tl.constexpr, i_h, BT: tl.constexpr, FILL_AFT
     With 0 there, exp(0 - g_j) would pass e^88 once the chunk decays that much, and inf times the
     lane's zero operand would put NaN into the valid rows' sums. FILL_AFTER: the fill as a select
     after the load, the same values, which lets Triton 3.6's pipeliner give the loop a third buffer
-    (a tensor as the masked load's ``other`` does not); the delta passes take it, DECAY's keep the
-    fill in the load, the form they are measured in (docs/bench/delta.md)."""
+    (a tensor as the masked load's ``other`` does not); every state pass takes it."""
     o_t = i_t * BT + tl.arange(0, BT)
     b_glast = tl.load(g + (bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h)
     if FILL_AFTER:
@@ -120,16 +119,6 @@ def _state_block(x, i, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, i_k, i
 
 
 @triton.jit
-def _gate_exp(x, TRANSITION: tl.constexpr):
-    """e^x of a scalar gate's sums: ``common.exp`` in the delta passes, ``tl.exp`` in DECAY's (the
-    same values but for subnormal results; DECAY's measured form)."""
-    if TRANSITION == DELTA:
-        return exp(x)
-    else:
-        return tl.exp(x)
-
-
-@triton.jit
 def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, boh, i_h, i_k, i_v, scale,
               H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
               BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
@@ -159,7 +148,7 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, b
         dt = b_k.dtype
     if TRANSITION == DPLR:
         b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
-        b_ek = tl.where(m_row[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)
+        b_ek = tl.where(m_row[:, None], exp(b_gklast[None, :] - b_gk), 0.)
         b_hc = b_h.to(dt)
         b_w = tl.load(_rows(w, bos, T, i_t, H, i_h, K, 0, BT, BK), boundary_check=(0, 1))
     if TRANSITION == DELTA:
@@ -178,7 +167,7 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, b
             b_vr = tl.load(_rows(v, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(tl.float32)
             b_ks = b_beta
             if GATE == 1:
-                b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT, TRANSITION == DELTA)
+                b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT, True)
                 b_ks = b_beta * exp(b_g)
             if KT:
                 b_xr = b_vr * b_beta[:, None] - mm(tl.trans(b_kt), b_hc) * b_ks[:, None]
@@ -195,18 +184,18 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, b
             p_r = _rows(r, bos, T, i_t, H, i_h, V, i_v, BT, BV)
             tl.store(p_r, b_r.to(p_r.dtype.element_ty), boundary_check=(0, 1))
     if GATE == 1 and not FUSE_WY:
-        b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT, TRANSITION == DELTA)
+        b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT, True)
     if GATE == 2 and TRANSITION != DPLR:
         if PRESCALED:
             b_gklast = chunk_gate_last_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
         else:
             b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
-            b_ek = tl.where(m_row[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)
+            b_ek = tl.where(m_row[:, None], exp(b_gklast[None, :] - b_gk), 0.)
     if FUSE_OUTPUT and TRANSITION == DPLR:
         # o = scale (q exp G) S + A_qk V + A_qb R (A_qk, A_qb scaled, lower-inclusive)
         m_causal = o_i[:, None] >= o_i[None, :]
         b_x = tl.load(_rows(v, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1))
-        b_o = mm((b_q * tl.exp(b_gk)).to(dt), b_hc) * scale
+        b_o = mm((b_q * exp(b_gk)).to(dt), b_hc) * scale
         p_A = tl.make_block_ptr(A + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_t * BT, 0), (BT, BT), (1, 0))
         b_o += mm(tl.where(m_causal, tl.load(p_A, boundary_check=(0, 1)), 0.).to(dt), b_x.to(dt))
         p_A = tl.make_block_ptr(A2 + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_t * BT, 0), (BT, BT), (1, 0))
@@ -218,7 +207,7 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, b
             if PRESCALED:
                 b_o = mm(b_q, b_hc)
             else:
-                b_o = mm((b_q * tl.exp(b_gk)).to(dt), b_hc)
+                b_o = mm((b_q * exp(b_gk)).to(dt), b_hc)
             p_A = tl.make_block_ptr(A + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_t * BT, 0), (BT, BT), (1, 0))
             b_A = tl.load(p_A, boundary_check=(0, 1))
         else:
@@ -242,8 +231,8 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, b
     elif not (FUSE_OUTPUT and TRANSITION == DPLR):
         b_x = tl.load(_rows(v, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(tl.float32)
     if GATE == 1:
-        b_x = b_x * _gate_exp(b_glast - b_g, TRANSITION)[:, None]
-        b_h = b_h * _gate_exp(b_glast, TRANSITION)
+        b_x = b_x * exp(b_glast - b_g)[:, None]
+        b_h = b_h * exp(b_glast)
     if KT:
         b_h += mm(b_kt, b_x.to(dt))
     else:
@@ -251,7 +240,7 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, b
         if GATE == 2:
             if not PRESCALED:
                 b_kd = (b_k * b_ek).to(dt)
-            b_h = b_h * tl.exp(b_gklast)[:, None]
+            b_h = b_h * exp(b_gklast)[:, None]
         b_h += mm(tl.trans(b_kd), b_x.to(dt))
     if TRANSITION == DPLR:
         b_b = tl.load(_rows(b, bos, T, i_t, H, i_h, K, 0, BT, BK), boundary_check=(0, 1))
@@ -316,18 +305,18 @@ def _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dr, bos, T, boh, i_h, i_k
     dt = b_q.dtype
     b_do = tl.load(_rows(do, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(dt)
     if GATE == 1:
-        b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT, TRANSITION == DELTA)
+        b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT, True)
         b_gq = b_g
         if gq is not None:
             b_gq = tl.load(gq + (bos + i_t * BT + o_i) * H + i_h, mask=m_row, other=0.)
-        b_qd = (b_q * (tl.exp(b_gq) * scale)[:, None]).to(dt)
+        b_qd = (b_q * (exp(b_gq) * scale)[:, None]).to(dt)
     elif GATE == 2:
         b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
-        b_ek = tl.where(m_row[:, None], tl.exp(b_gklast[None, :] - b_gk), 0.)
+        b_ek = tl.where(m_row[:, None], exp(b_gklast[None, :] - b_gk), 0.)
         b_gq = b_gk
         if gq is not None:
             b_gq = tl.load(_rows(gq, bos, T, i_t, H, i_h, K, i_k, BT, BK), boundary_check=(0, 1))
-        b_qd = (b_q * tl.exp(b_gq) * scale).to(dt)
+        b_qd = (b_q * exp(b_gq) * scale).to(dt)
     else:
         b_qd = (b_q * scale).to(dt)
     if TRANSITION != DECAY:
@@ -341,9 +330,9 @@ def _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dr, bos, T, boh, i_h, i_k
                 b_At = tl.load(p_A, boundary_check=(0, 1)).to(tl.float32)
                 b_kd = (b_k * b_ek).to(dt)
             elif GATE == 1:
-                b_At = mm(b_k, tl.trans(b_q)) * tl.exp(tl.where(m_anticausal, b_g[None, :] - b_g[:, None],
+                b_At = mm(b_k, tl.trans(b_q)) * exp(tl.where(m_anticausal, b_g[None, :] - b_g[:, None],
                                                                 float("-inf")))
-                b_kd = (b_k * tl.exp(b_glast - b_g)[:, None]).to(dt)
+                b_kd = (b_k * exp(b_glast - b_g)[:, None]).to(dt)
             else:
                 b_At = tl.where(m_anticausal, mm(b_k, tl.trans(b_q)), 0.)
                 b_kd = b_k
@@ -356,9 +345,9 @@ def _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dr, bos, T, boh, i_h, i_k
         p_dr = _rows(dr, bos, T, i_t, H, i_h, V, i_v, BT, BV)
         tl.store(p_dr, b_dr.to(p_dr.dtype.element_ty), boundary_check=(0, 1))
     if GATE == 1:
-        b_dh = b_dh * tl.exp(b_glast)
+        b_dh = b_dh * exp(b_glast)
     if GATE == 2:
-        b_dh = b_dh * tl.exp(b_gklast)[:, None]
+        b_dh = b_dh * exp(b_gklast)[:, None]
     b_dh += mm(tl.trans(b_qd), b_do)
     if TRANSITION == DELTA:
         b_dh -= mm(tl.trans(b_w), b_dr.to(dt))

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, MIN_DOT_BLOCK, alloc, mm
+from fastweight.kernels.common import Chunks, MIN_DOT_BLOCK, alloc, mm, exp
 from fastweight.kernels.state import chunk_gate_last_k
 
 
@@ -31,7 +31,7 @@ from fastweight.kernels.state import chunk_gate_last_k
 def _gate_tile(g, bos, T, i_t, i_k, H: tl.constexpr, i_h, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
     """exp(G) of a [BT, BK] tile of the per-channel cumsum (USE_GK)."""
     p_g = tl.make_block_ptr(g + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
-    return tl.exp(tl.load(p_g, boundary_check=(0, 1)))
+    return exp(tl.load(p_g, boundary_check=(0, 1)))
 
 
 @triton.jit
@@ -52,7 +52,7 @@ def recompute_w_u_kernel(k, v, beta, g, Ai, w, u, q, qg, kd, cu_seqlens, chunk_i
     b_Ai = tl.load(p_Ai, boundary_check=(0, 1))
     b_kscale = b_beta
     if USE_G:
-        b_kscale = b_beta * tl.exp(tl.load(g + (bos + o_t) * H + i_h, mask=m_t, other=0.))
+        b_kscale = b_beta * exp(tl.load(g + (bos + o_t) * H + i_h, mask=m_t, other=0.))
     for i_k in range(tl.cdiv(K, BK)):
         p_k = tl.make_block_ptr(k + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, i_k * BK),
                                 (BT, BK), (1, 0))
@@ -63,7 +63,7 @@ def recompute_w_u_kernel(k, v, beta, g, Ai, w, u, q, qg, kd, cu_seqlens, chunk_i
             p_g = tl.make_block_ptr(g + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK),
                                     (1, 0))
             b_g = tl.load(p_g, boundary_check=(0, 1))
-            b_kb *= tl.exp(b_g)
+            b_kb *= exp(b_g)
             if PRESCALE:
                 p_q = tl.make_block_ptr(q + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1),
                                         (i_t * BT, i_k * BK), (BT, BK), (1, 0))
@@ -72,8 +72,8 @@ def recompute_w_u_kernel(k, v, beta, g, Ai, w, u, q, qg, kd, cu_seqlens, chunk_i
                 p_kd = tl.make_block_ptr(kd + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK),
                                          (BT, BK), (1, 0))
                 b_glast = chunk_gate_last_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
-                b_ek = tl.where(m_t[:, None], tl.exp(b_glast[None, :] - b_g), 0.)
-                tl.store(p_qg, (tl.load(p_q, boundary_check=(0, 1)) * tl.exp(b_g)).to(p_qg.dtype.element_ty),
+                b_ek = tl.where(m_t[:, None], exp(b_glast[None, :] - b_g), 0.)
+                tl.store(p_qg, (tl.load(p_q, boundary_check=(0, 1)) * exp(b_g)).to(p_qg.dtype.element_ty),
                          boundary_check=(0, 1))
                 tl.store(p_kd, (b_k * b_ek).to(p_kd.dtype.element_ty), boundary_check=(0, 1))
         b_w = mm(b_Ai.to(b_k.dtype), b_kb.to(b_k.dtype))
@@ -118,8 +118,8 @@ def wy_bwd_kernel(k, p, v, beta, g, gr, Ai, Akk, dw, du, dk, dk_out, dp, dv, dbe
         b_gr = b_g
         if USE_P:
             b_gr = tl.load(gr + (bos + o_t) * H + i_h, mask=m_t, other=0.)
-        b_gamma = tl.exp(b_gr)
-        b_Gamma = tl.exp(tl.where(m_A, b_gr[:, None] - b_g[None, :], float("-inf")))
+        b_gamma = exp(b_gr)
+        b_Gamma = exp(tl.where(m_A, b_gr[:, None] - b_g[None, :], float("-inf")))
     else:
         b_gamma = tl.where(m_t, 1., 0.)
         b_Gamma = tl.where(m_A, 1., 0.)
