@@ -69,13 +69,17 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
         if p is not None:
             # Comba reads the undecayed state: its read key sees the exclusive cumsum
             g_read = _exclusive(g_cum, chunks) if g is not None else None
-        Ai = kkt_solve(k, beta, g_cum, chunks, p=p, g_read=g_read)
-    qs, ks = q, k
     if fuse_wy is None:
         fuse_wy = not store_h
-    if fuse_wy and p is None and gk_cum is None:
-        h, v_new, o, ht = state_fwd("delta", k, v, chunks, g=g_cum, q=q, Ai=Ai, beta=beta, scale=scale,
-                                    initial_state=initial_state, output_final_state=output_final_state,
+    fuse_wy = fuse_wy and p is None and gk_cum is None
+    # inference folds beta into Ai (the state pass then reads no beta); a backward needs Ai itself
+    fold = fuse_wy and not store_h
+    if gk_cum is None:
+        Ai = kkt_solve(k, beta, g_cum, chunks, p=p, g_read=g_read, fold_beta=fold)
+    qs, ks = q, k
+    if fuse_wy:
+        h, v_new, o, ht = state_fwd("delta", k, v, chunks, g=g_cum, q=q, Ai=Ai, beta=None if fold else beta,
+                                    scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                                     store_h=store_h, store_r=store_h, fuse_output=True)
         return o, ht, (g_cum, gk_cum, g_read, Ai, Aqk, Akk, None, h, v_new)
     if p is not None:

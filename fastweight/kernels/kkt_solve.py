@@ -76,9 +76,9 @@ def _gamma(g, gr, bos, T, H: tl.constexpr, i_h, r0, c0, USE_G: tl.constexpr, STR
 @triton.jit
 def kkt_solve_kernel(k, p, beta, g, gr, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
                      K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr, USE_P: tl.constexpr,
-                     MERGE_PRECISION: tl.constexpr):
+                     MERGE_PRECISION: tl.constexpr, FOLD_BETA: tl.constexpr):
     """Rows read with p and the gate gr (USE_P: Comba's read key and its exclusive cumsum), columns
-    with k and g; without USE_P both are k and g."""
+    with k and g; without USE_P both are k and g. FOLD_BETA: stores Ai Diag(beta)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
@@ -131,8 +131,13 @@ def kkt_solve_kernel(k, p, beta, g, gr, Ai, cu_seqlens, chunk_indices, H: tl.con
     b_A42 *= b_b4 * _gamma(g, gr, bos, T, H, i_h, t0 + 48, t0 + 16, USE_G, False)
     b_A43 *= b_b4 * _gamma(g, gr, bos, T, H, i_h, t0 + 48, t0 + 32, USE_G, False)
     b_A44 *= b_b4 * _gamma(g, gr, bos, T, H, i_h, t0 + 48, t0 + 48, USE_G, True)
-    store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44,
-                 Ai + (bos * H + i_h) * BT, T, t0, H, BT, MERGE_PRECISION)
+    if FOLD_BETA:
+        store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44,
+                     Ai + (bos * H + i_h) * BT, T, t0, H, BT, MERGE_PRECISION, True,
+                     tl.trans(b_b1), tl.trans(b_b2), tl.trans(b_b3), tl.trans(b_b4))
+    else:
+        store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44,
+                     Ai + (bos * H + i_h) * BT, T, t0, H, BT, MERGE_PRECISION)
 
 
 @triton.jit
@@ -184,8 +189,10 @@ def _mm(a, b, P: tl.constexpr):
 
 @triton.jit
 def store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44,
-                 Ai, T, t0, H: tl.constexpr, BT: tl.constexpr, P: tl.constexpr):
-    """Invert I + A (A given as its 10 lower 16 x 16 blocks) and store the 64 x 64 inverse rows.
+                 Ai, T, t0, H: tl.constexpr, BT: tl.constexpr, P: tl.constexpr, SCALE_COLUMNS: tl.constexpr = False,
+                 b_c1=None, b_c2=None, b_c3=None, b_c4=None):
+    """Invert I + A (A given as its 10 lower 16 x 16 blocks) and store the 64 x 64 inverse rows;
+    SCALE_COLUMNS: each column block c times b_cc ([1, 16]: the inverse times a diagonal).
 
     Ai points at the sequence's first row for this head; rows are ``H * BT`` apart.
     """
@@ -196,6 +203,10 @@ def store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, 
     b_I31 = -_mm(b_I33, _mm(b_A31, b_I11, P) + _mm(b_A32, b_I21, P), P)
     b_I42 = -_mm(b_I44, _mm(b_A42, b_I22, P) + _mm(b_A43, b_I32, P), P)
     b_I41 = -_mm(b_I44, _mm(b_A41, b_I11, P) + _mm(b_A42, b_I21, P) + _mm(b_A43, b_I31, P), P)
+    if SCALE_COLUMNS:
+        b_I11, b_I21, b_I31, b_I41 = b_I11 * b_c1, b_I21 * b_c1, b_I31 * b_c1, b_I41 * b_c1
+        b_I22, b_I32, b_I42 = b_I22 * b_c2, b_I32 * b_c2, b_I42 * b_c2
+        b_I33, b_I43, b_I44 = b_I33 * b_c3, b_I43 * b_c3, b_I44 * b_c4
     b_0 = tl.zeros([16, 16], dtype=tl.float32)
     store_row_blocks(Ai, T, t0, H, BT, b_I11, b_0, b_0, b_0)
     store_row_blocks(Ai, T, t0 + 16, H, BT, b_I21, b_I22, b_0, b_0)
@@ -225,12 +236,13 @@ def merge_precision(dtype: torch.dtype) -> str:
 
 def kkt_solve(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor | None, chunks: Chunks,
               num_warps: int = SOLVE_WARPS, p: torch.Tensor | None = None,
-              g_read: torch.Tensor | None = None) -> torch.Tensor:
+              g_read: torch.Tensor | None = None, fold_beta: bool = False) -> torch.Tensor:
     """k: [1, T, HK, K]; beta: [1, T, H] (H a multiple of HK); g_cum: [1, T, H] chunk-local cumsum or None.
 
     Returns Ai [1, T, H, 64], solved in fp32 and stored in k's dtype (its consumers multiply in that dtype).
     Comba: the rows of A read with ``p`` [1, T, HK, K] and the gate ``g_read`` (the exclusive cumsum):
-    A_ij = beta_i (p_i . k_j) exp(g_read_i - g_j)."""
+    A_ij = beta_i (p_i . k_j) exp(g_read_i - g_j). ``fold_beta``: returns Ai Diag(beta) (the inference
+    state pass's read, ``state.state_fwd(Ai=..., beta=None)``)."""
     _, T, HK, K = k.shape
     H = beta.shape[2]
     BT = chunks.BT
@@ -241,7 +253,8 @@ def kkt_solve(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor | None, c
     kkt_solve_kernel[(chunks.NC, H)](k, p if use_p else k, beta, g_cum, g_read if use_p else g_cum, Ai,
                                      chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK, K=K, BT=BT, BK=BK,
                                      USE_G=g_cum is not None, USE_P=use_p,
-                                     MERGE_PRECISION=merge_precision(k.dtype), num_warps=num_warps)
+                                     MERGE_PRECISION=merge_precision(k.dtype), FOLD_BETA=fold_beta,
+                                     num_warps=num_warps)
     return Ai
 
 

@@ -127,7 +127,8 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, b
     """One chunk of the forward pass; returns the state at the chunk's end. PRESCALED (per-channel
     gate): q and k hold the gated rows qg = q exp(G) and kd = k exp(G_C - G) (``wy.recompute_w_u``).
     FUSE_WY (DELTA, scalar or no gate): the read from Ai and the raw rows, R = Ai Diag(beta) (V -
-    Diag(gamma) K S), so W and U are never formed (v is V, w and u unused). KT (DELTA, scalar or no
+    Diag(gamma) K S), so W and U are never formed (v is V, w and u unused); 2: Ai holds Ai Diag(beta)
+    (``kkt_solve(fold_beta=True)``), beta is not read. KT (DELTA, scalar or no
     gate): k read as K^T [BK, BT] from memory, the form both Q K^T and K^T R take."""
     o_i = tl.arange(0, BT)
     m_row = i_t * BT + o_i < T
@@ -154,7 +155,8 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, b
     if TRANSITION == DELTA:
         if FUSE_WY:
             b_Ai = tl.load(_rows(Ai, bos, T, i_t, H, i_h, BT, 0, BT, BT), boundary_check=(0, 1))
-            b_beta = tl.load(beta + (bos + i_t * BT + o_i) * H + i_h, mask=m_row, other=0.).to(tl.float32)
+            if FUSE_WY == 1:
+                b_beta = tl.load(beta + (bos + i_t * BT + o_i) * H + i_h, mask=m_row, other=0.).to(tl.float32)
         else:
             b_w = tl.load(_rows(w, bos, T, i_t, H, i_h, K, 0, BT, BK), boundary_check=(0, 1))
         b_hc = b_h.to(dt)
@@ -165,14 +167,26 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, b
         # the read R = U -/+ W S against the state at the chunk's start
         if FUSE_WY:
             b_vr = tl.load(_rows(v, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(tl.float32)
-            b_ks = b_beta
+            # the rows' factors: beta (unless Ai holds Ai Diag(beta), FUSE_WY 2) times gamma
+            if FUSE_WY == 1:
+                b_vr = b_vr * b_beta[:, None]
+                b_ks = b_beta
             if GATE == 1:
                 b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT, True)
-                b_ks = b_beta * exp(b_g)
+                if FUSE_WY == 1:
+                    b_ks = b_beta * exp(b_g)
+                else:
+                    b_ks = exp(b_g)
             if KT:
-                b_xr = b_vr * b_beta[:, None] - mm(tl.trans(b_kt), b_hc) * b_ks[:, None]
+                b_ks_v = mm(tl.trans(b_kt), b_hc)
+                if FUSE_WY == 1 or GATE == 1:
+                    b_ks_v = b_ks_v * b_ks[:, None]
+                b_xr = b_vr - b_ks_v
             else:
-                b_xr = b_vr * b_beta[:, None] - mm((b_k * b_ks[:, None]).to(dt), b_hc)
+                b_kr = b_k
+                if FUSE_WY == 1 or GATE == 1:
+                    b_kr = (b_k * b_ks[:, None]).to(dt)
+                b_xr = b_vr - mm(b_kr, b_hc)
             b_r = mm(b_Ai.to(dt), b_xr.to(dt))
         else:
             b_u = tl.load(_rows(u, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(tl.float32)
@@ -466,14 +480,14 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     o = alloc(v.shape, dtype=v.dtype, device=dev) if fuse_output else None
     ht = alloc((chunks.N, H, K, V), dtype=torch.float32, device=dev) if output_final_state else None
     grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), chunks.N * H)
-    fuse_wy = Ai is not None
+    fuse_wy = 0 if Ai is None else (1 if beta is not None else 2)
     if fuse_output and (transition == "decay" or q is None
                         or (A is None and (transition == "dplr" or _gate_kind(g) == 2))
                         or (transition == "dplr" and A2 is None)):
         raise ValueError("`fuse_output` is for the delta and dplr transitions and needs `q`, `A` with a "
                          "per-channel gate, and `A2` (A_qb) for dplr")
-    if fuse_wy and (transition != "delta" or _gate_kind(g) == 2 or beta is None):
-        raise ValueError("`Ai` (the fused W/U read) needs the delta transition, a scalar or no gate and `beta`")
+    if fuse_wy and (transition != "delta" or _gate_kind(g) == 2):
+        raise ValueError("`Ai` (the fused W/U read) needs the delta transition and a scalar or no gate")
     state_fwd_kernel[grid](q, k, v, w, u, b, g, A, A2, Ai, beta, initial_state, o, ht, h, r, chunks.cu_seqlens,
                            chunks.chunk_offsets, chunks.order, scale, chunks.NT or 0, H=H, HK=HK, K=K, V=V,
                            BT=chunks.BT, BK=BK, BV=BV, TRANSITION=TRANSITIONS[transition], GATE=_gate_kind(g),

@@ -86,6 +86,17 @@ def test_kkt_solve(read_key):
     assert rel_err(got * mask, want * mask) < 1e-6
 
 
+def test_kkt_solve_folds_beta():
+    """``fold_beta``: Ai Diag(beta), column j of each chunk's inverse times beta_j (varlen, a short last chunk)."""
+    _, k, _, beta, g, _ = inputs(3)
+    ch = prepare_chunks(torch.tensor([0, 37, T]), 1, T, 64, "cpu")
+    g_cum = chunk_cumsum(g, ch)
+    Ai, folded = kkt_solve(k, beta, g_cum, ch), kkt_solve(k, beta, g_cum, ch, fold_beta=True)
+    for a, n in ((0, 37), (37, T - 37)):   # each sequence one chunk: row t, column j its token a + j
+        want = Ai[0, a:a + n, :, :n] * beta[0, a:a + n].T[None]
+        assert rel_err(folded[0, a:a + n, :, :n], want) < 1e-6
+
+
 def test_intra_and_solve_per_channel_gate():
     q, k, _, beta, _, gk = inputs(1)
     ch = prepare_chunks(None, 1, T, 64, "cpu")
