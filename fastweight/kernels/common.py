@@ -56,6 +56,26 @@ def exp(x):
         return tl.exp(x)
 
 
+@triton.jit
+def round_tf32(x):
+    """fp32 ``x`` rounded to the nearest TF32 value (10 mantissa bits, ties away from zero). A TF32
+    dot truncates its fp32 operands to 10 bits toward zero, and the truncation's bias adds up along
+    the sum; operands rounded here lose nothing more there, and their rounding errors are unbiased
+    and half as large. Two integer operations an element, where 3 x TF32 takes three passes."""
+    b = x.to(tl.int32, bitcast=True)
+    return ((b + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dot_at(a, b, P: tl.constexpr):
+    """``tl.dot(a, b)`` at input precision ``P``: Triton's ("ieee", "tf32", "tf32x3") or "tf32rn",
+    one TF32 pass on operands rounded to nearest first (:func:`round_tf32`)."""
+    if P == "tf32rn":
+        return tl.dot(round_tf32(a), round_tf32(b), input_precision="tf32")
+    else:
+        return tl.dot(a, b, input_precision=P)
+
+
 def dot_block(n: int) -> int:
     """The block that covers a dimension of size ``n`` in a 16-bit dot: a power of two, at least
     :data:`MIN_DOT_BLOCK` (a smaller dimension is padded and masked)."""

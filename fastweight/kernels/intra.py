@@ -10,10 +10,11 @@ exp(G_i) * exp(-G_j) over a whole chunk overflows for strong decays, so the chun
 block r, ``R_r``: both ``exp(G_i - R_r)`` (i >= ref) and ``exp(R_r - G_j)`` (j < ref) are
 <= 1, and the block is one matrix product in the input dtype. A diagonal block is factored the
 same way, with fp32 operands, when its decay over 16 rows stays under e^SAFE_SPAN, and otherwise
-takes the pairwise differences directly (16 channels at a time). The factored diagonal's dots run
-at ``decay_intra.diag_precision``: 3 x TF32 for fp16, since one TF32 pass truncates the fp32
-operands to 10 mantissa bits on the tensor cores, as coarse as fp16 itself, and shows in the
-output's error (``testing.emulate_tf32``; docs/bench/delta.md).
+takes the pairwise differences directly (16 channels at a time). The factored diagonal's fp32
+operands go to the tensor cores as TF32, which truncates them to 10 mantissa bits; for fp16 they
+are rounded to nearest first (``common.round_tf32``), as fine as the off-diagonal blocks' fp16
+operands, since truncation's bias doubled the output's error (``testing.emulate_tf32``;
+docs/bench/delta.md).
 
 One program per (chunk, head) holds a whole row block's channels ([16, K]) and walks the four
 blocks in turn, so that each product is stored (forward) or folded into its gradient (backward)
@@ -37,8 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import SAFE_SPAN, Chunks, alloc, mm, exp
-from fastweight.kernels.decay_intra import diag_precision
+from fastweight.kernels.common import SAFE_SPAN, Chunks, alloc, dot_at, exp, mm
 
 # SPAN (``common.SAFE_SPAN``): a diagonal block whose decay over its 16 rows stays under exp(SPAN) in
 # every channel is factored through its first row like the off-diagonal ones, with its operands (up
@@ -47,6 +47,16 @@ from fastweight.kernels.decay_intra import diag_precision
 # The forward multiplies them as TF32 for 16-bit inputs (exactly for fp32 inputs): exact fp32 (FMA)
 # products over all of K cost the forward 2x on the H200, and TF32 leaves the bf16 dg where it was
 # (docs/bench/delta.md, KDA's intra kernels). Beyond SPAN the exact pairwise form runs.
+
+def _diag_precision(dtype: torch.dtype) -> str:
+    """The factored diagonal's dots: exact for fp32; for fp16 one TF32 pass on operands rounded to
+    nearest (``common.round_tf32``: fp16's o and gradients 1.1-1.25x those of exact products, where
+    truncation gives 1.9-2.1x; 3 x TF32, exact, spills at K = 128 and cost the forward 1.85x);
+    one plain TF32 pass for bf16, whose own rounding is 8 times coarser."""
+    if dtype == torch.float32:
+        return "ieee"
+    return "tf32rn" if dtype == torch.float16 else "tf32"
+
 
 # (forward, backward) warps: the backward holds three [16, K] column sums across its row blocks and
 # spills at 4 warps from K = 64 on (H200, K = 128: 2.41 ms at 8 warps against 3.62 at 4; the
@@ -109,12 +119,12 @@ def _diag_exact(q, k, g, T, r0, HK: tl.constexpr, H: tl.constexpr, K: tl.constex
 def _diag(b_q, b_k, b_e, b_f, span, q, k, g, T, r0, HK: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
           SPAN: tl.constexpr, P: tl.constexpr):
     """A diagonal block's (Aqk masked i >= j, Akk masked i > j): factored through its first row with
-    fp32 operands when its span allows, their dots at precision P (``decay_intra.diag_precision``),
-    else pairwise."""
+    fp32 operands when its span allows, their dots at precision P (``_diag_precision``), else
+    pairwise."""
     if span < SPAN:
         b_kf = tl.trans(b_k.to(tl.float32) * b_f)
-        b_qk = tl.dot(b_q.to(tl.float32) * b_e, b_kf, input_precision=P)
-        b_kk = tl.dot(b_k.to(tl.float32) * b_e, b_kf, input_precision=P)
+        b_qk = dot_at(b_q.to(tl.float32) * b_e, b_kf, P)
+        b_kk = dot_at(b_k.to(tl.float32) * b_e, b_kf, P)
     else:
         b_qk, b_kk = _diag_exact(q, k, g, T, r0, HK, H, K)
     o_i = tl.arange(0, 16)
@@ -299,7 +309,7 @@ def intra_fwd(q, k, g_cum, chunks: Chunks, *, num_warps: int | None = None):
     Aqk, Akk = alloc((1, T, H, chunks.BT), dtype=q.dtype, device=k.device), alloc((1, T, H, chunks.BT), **f32)
     intra_fwd_kernel[(chunks.NC, H)](q, k, g_cum, Aqk, Akk, chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK,
                                      K=K, BT=chunks.BT, BK=max(16, triton.next_power_of_2(K)), SPAN=SAFE_SPAN,
-                                     DIAG_PRECISION=diag_precision(q.dtype), num_warps=num_warps or _warps(K)[0])
+                                     DIAG_PRECISION=_diag_precision(q.dtype), num_warps=num_warps or _warps(K)[0])
     return Aqk, Akk
 
 

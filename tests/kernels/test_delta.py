@@ -118,18 +118,27 @@ def _fp16_errors(op, T, H, K, V):
     return {"o": rel_err(o, o_r), **{f"d{n}": rel_err(mine[n].grad, ref[n].grad) for n in ref}}
 
 
+# fp16 errors under the tensor cores' TF32 truncation against those of exact products (measured here):
+# KDA's factored diagonal rounds its fp32 operands to nearest TF32 first, 1.14-1.25x (truncating them
+# gave 1.9-2.1x); the other ops multiply no fp32 operands in one TF32 pass
+TF32_FACTOR = {"kda": 1.3}
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="emulate_tf32 patches the interpreter's dots")
 @pytest.mark.parametrize("op", ["kda", "gated_delta_rule", "delta_rule", "comba", "longhorn"])
-def test_fp16_errors_under_tf32_truncation(op):
-    """No fp16 path multiplies fp32 operands in one TF32 pass (the tensor cores truncate them to 10
-    mantissa bits, as ``testing.emulate_tf32`` does here): with the emulation every error against
-    float64 stays that of exact products. KDA's factored diagonal did (o, dv, dbeta 1.8-2.1x here; the
-    GPU's fp16 o the emulated figure); at 3 x TF32, which the interpreter computes exactly, it does not."""
-    plain = _fp16_errors(op, 128, 2, 128, 64)
+def test_fp16_errors_under_tf32_truncation(op, monkeypatch):
+    """The fp16 paths' errors against float64 with the interpreter's TF32 dots truncating their
+    operands to 10 mantissa bits as the GPU's tensor cores do (``testing.emulate_tf32``) stay those
+    of exact products (KDA's diagonal dots exact), within ``TF32_FACTOR``. KDA's factored diagonal
+    once took one plain TF32 pass (o, dv, dbeta 1.9-2.1x here; the GPU's fp16 o the emulated figure)."""
+    from fastweight.kernels import intra
     with emulate_tf32():
         gpu = _fp16_errors(op, 128, 2, 128, 64)
-    for name, err in plain.items():
-        assert gpu[name] <= 1.05 * err, f"{name}: {gpu[name]:.3g} with TF32 against {err:.3g}"
+    monkeypatch.setattr(intra, "_diag_precision", lambda dtype: "ieee")
+    exact = _fp16_errors(op, 128, 2, 128, 64)
+    for name, err in exact.items():
+        bound = TF32_FACTOR.get(op, 1.05) * err
+        assert gpu[name] <= bound, f"{name}: {gpu[name]:.3g} with TF32 against {err:.3g} exact"
 
 
 @pytest.mark.parametrize("op, dtype", [(op, torch.float32) for op in ("gated_delta_rule", "delta_rule", "longhorn",
