@@ -142,6 +142,7 @@ def main(argv=None):
     ap.add_argument("--fla-hopper-guard", default="off", choices=("on", "off"))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     shapes = [s for s in args.shapes.split(",") if s]
     for s in shapes:

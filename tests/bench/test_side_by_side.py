@@ -47,9 +47,10 @@ def test_checks_times_and_tabulates_both(monkeypatch, tmp_path, capsys):
 def test_without_fla(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "fla.ops.simple_gla", None)   # an import of it raises ImportError
     (row,) = side_by_side.main(["--ops", "simple_gla", "--shapes", "tiny", "--device", "cpu", "--dtype", "float16",
-                                "--rep", "1", "--out", str(tmp_path)])
+                                "--rep", "1", "--out", str(tmp_path / "new" / "dir")])
     assert row["fla"] is None and "fla" not in row["checks"] and row["fastweight"]["fwd"] > 0
     assert "| - / - | - |" in capsys.readouterr().out
+    assert (tmp_path / "new" / "dir" / "side_by_side.json").exists()   # --out made where missing
 
 
 @pytest.mark.parametrize("flag, value", [("--shapes", "huge"), ("--ops", "mamba")])
