@@ -1,4 +1,5 @@
-"""What the chunked kernels share: chunk bookkeeping and an exact-in-fp32 dot.
+"""What the chunked kernels share: chunk bookkeeping, an exact-in-fp32 dot, ``exp`` as exp2 and the
+round-to-nearest TF32 operands of ``dot_at``.
 
 Every chunked kernel sees its inputs flattened to one packed sequence of ``B*T`` tokens
 (``[1, B*T, H, ...]``) cut into N sequences by ``cu_seqlens`` (built as ``0, T, 2T, ...`` when
@@ -61,9 +62,11 @@ def round_tf32(x):
     """fp32 ``x`` rounded to the nearest TF32 value (10 mantissa bits, ties away from zero). A TF32
     dot truncates its fp32 operands to 10 bits toward zero, and the truncation's bias adds up along
     the sum; operands rounded here lose nothing more there, and their rounding errors are unbiased
-    and half as large. Two integer operations an element, where 3 x TF32 takes three passes."""
+    and half as large. An integer add and mask an element, where 3 x TF32 takes three passes; a NaN
+    passes unchanged (the add would carry its mantissa into the exponent or the sign)."""
     b = x.to(tl.int32, bitcast=True)
-    return ((b + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
+    r = ((b + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
+    return tl.where(x == x, r, x)
 
 
 @triton.jit

@@ -51,8 +51,8 @@ from fastweight.kernels.common import SAFE_SPAN, Chunks, alloc, dot_at, exp, mm
 def _diag_precision(dtype: torch.dtype) -> str:
     """The factored diagonal's dots: exact for fp32; for fp16 one TF32 pass on operands rounded to
     nearest (``common.round_tf32``: fp16's o and gradients 1.1-1.25x those of exact products, where
-    truncation gives 1.9-2.1x; 3 x TF32, exact, spills at K = 128 and cost the forward 1.85x);
-    one plain TF32 pass for bf16, whose own rounding is 8 times coarser."""
+    the tensor cores' truncation alone gives 1.9-2.1x, and 3 x TF32 spills at K = 128); one plain
+    TF32 pass for bf16, whose own rounding is 8 times coarser."""
     if dtype == torch.float32:
         return "ieee"
     return "tf32rn" if dtype == torch.float16 else "tf32"

@@ -86,7 +86,7 @@ def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, cu_se
         p_dA = tl.make_block_ptr(dAqk + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_t * BT, 0), (BT, BT), (1, 0))
         tl.store(p_dA, tl.where(m_causal, b_ds, 0.) * scale, boundary_check=(0, 1))
     elif USE_G:
-        b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT, True)
+        b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT)
         b_dq = b_dq * (exp(b_g) * scale)[:, None]
         b_dg = tl.sum(b_dq * b_q.to(tl.float32), 1)
         b_dk = b_dk * tl.where(m_t, exp(b_glast - b_g), 0.)[:, None]

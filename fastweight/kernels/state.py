@@ -46,18 +46,16 @@ TRANSITIONS = {"decay": 0, "delta": 1, "dplr": 2}
 
 
 @triton.jit
-def chunk_gates(g, bos, T, i_t, H: tl.constexpr, i_h, BT: tl.constexpr, FILL_AFTER: tl.constexpr):
+def chunk_gates(g, bos, T, i_t, H: tl.constexpr, i_h, BT: tl.constexpr):
     """(scalar g of the chunk's rows [BT], g at its last row C); rows past the end repeat g_C.
     With 0 there, exp(0 - g_j) would pass e^88 once the chunk decays that much, and inf times the
-    lane's zero operand would put NaN into the valid rows' sums. FILL_AFTER: the fill as a select
-    after the load, the same values, which lets Triton 3.6's pipeliner give the loop a third buffer
-    (a tensor as the masked load's ``other`` does not); every state pass takes it."""
+    lane's zero operand would put NaN into the valid rows' sums. The fill is a select after the
+    load: a tensor as the masked load's ``other`` keeps Triton 3.6's pipeliner from giving the
+    state passes' loop a third buffer."""
     o_t = i_t * BT + tl.arange(0, BT)
     b_glast = tl.load(g + (bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h)
-    if FILL_AFTER:
-        b_g = tl.load(g + (bos + o_t) * H + i_h, mask=o_t < T, other=0.)
-        return tl.where(o_t < T, b_g, b_glast), b_glast
-    return tl.load(g + (bos + o_t) * H + i_h, mask=o_t < T, other=b_glast), b_glast
+    b_g = tl.load(g + (bos + o_t) * H + i_h, mask=o_t < T, other=0.)
+    return tl.where(o_t < T, b_g, b_glast), b_glast
 
 
 @triton.jit
@@ -172,7 +170,7 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, b
                 b_vr = b_vr * b_beta[:, None]
                 b_ks = b_beta
             if GATE == 1:
-                b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT, True)
+                b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT)
                 if FUSE_WY == 1:
                     b_ks = b_beta * exp(b_g)
                 else:
@@ -198,7 +196,7 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, b
             p_r = _rows(r, bos, T, i_t, H, i_h, V, i_v, BT, BV)
             tl.store(p_r, b_r.to(p_r.dtype.element_ty), boundary_check=(0, 1))
     if GATE == 1 and not FUSE_WY:
-        b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT, True)
+        b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT)
     if GATE == 2 and TRANSITION != DPLR:
         if PRESCALED:
             b_gklast = chunk_gate_last_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
@@ -319,7 +317,7 @@ def _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dr, bos, T, boh, i_h, i_k
     dt = b_q.dtype
     b_do = tl.load(_rows(do, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(dt)
     if GATE == 1:
-        b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT, True)
+        b_g, b_glast = chunk_gates(g, bos, T, i_t, H, i_h, BT)
         b_gq = b_g
         if gq is not None:
             b_gq = tl.load(gq + (bos + i_t * BT + o_i) * H + i_h, mask=m_row, other=0.)
@@ -459,7 +457,9 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     ``prescaled`` (delta, per-channel g): k and q are the gated rows kd, qg [1, T, H, K] of
     ``wy.recompute_w_u``. ``Ai`` [1, T, H, BT] and ``beta`` [1, T, H] (delta,
     scalar or no gate) in place of w and u: the read is formed from v, R = Ai Diag(beta) (V -
-    Diag(gamma) K S) (one [BT, BT] product more a chunk; W and U are not formed). Returns (h [NC,
+    Diag(gamma) K S) (one [BT, BT] product more a chunk; W and U are not formed). ``Ai`` with
+    ``beta=None``: Ai already holds Ai Diag(beta) (``kkt_solve(fold_beta=True)``), R = Ai (V -
+    Diag(gamma) K S). Returns (h [NC,
     H, K, V] in ``state_dtype`` (default k's) or None, R [1, T, H, V] in v's dtype or None, o [1,
     T, H, V] in v's dtype or None, final state fp32 or None). ``k_transposed`` (DELTA, scalar or no
     gate): k read as K^T tiles (False: as rows; the tiles made GDN's inference forward 7% faster on

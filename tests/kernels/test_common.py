@@ -47,6 +47,18 @@ def test_round_tf32_to_nearest_ties_away():
     assert y[0] == 1 + ulp and y[1] == 1 + 2 * ulp and y[2] == -(1 + ulp) and y[3] == 2.0   # ties away, carry
 
 
+def test_round_tf32_keeps_infinities_and_nans():
+    bits = torch.tensor([0x7F800000, -0x800000, 0x7FFFFFFF, 0x7F800001, -1, 0x7FC00000], dtype=torch.int32)
+    # +inf, -inf, NaNs whose rounding add would carry into the exponent or the sign; FLT_MAX, -0
+    x = torch.cat([bits.view(torch.float32), torch.tensor([3.4028235e38, -0.0])])
+    y = torch.empty_like(x)
+    _round_kernel[(1,)](x, y, N=8)
+    assert y[0] == float("inf") and y[1] == float("-inf")
+    assert torch.isnan(y[2:6]).all()
+    assert y[6] == float("inf")                      # FLT_MAX is past TF32's largest finite value's midpoint
+    assert y[7] == 0 and torch.signbit(y[7])
+
+
 def test_dot_tf32rn_rounds_then_truncates_nothing():
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(16, 16, generator=g), torch.randn(16, 16, generator=g)

@@ -118,9 +118,9 @@ def _fp16_errors(op, T, H, K, V):
     return {"o": rel_err(o, o_r), **{f"d{n}": rel_err(mine[n].grad, ref[n].grad) for n in ref}}
 
 
-# fp16 errors under the tensor cores' TF32 truncation against those of exact products (measured here):
-# KDA's factored diagonal rounds its fp32 operands to nearest TF32 first, 1.14-1.25x (truncating them
-# gave 1.9-2.1x); the other ops multiply no fp32 operands in one TF32 pass
+# fp16 errors under the tensor cores' TF32 truncation over those of exact products: KDA's factored
+# diagonal rounds its fp32 operands to nearest TF32 first (1.14-1.25x at this test's inputs; unrounded
+# operands give 1.9-2.1x); the other ops multiply no fp32 operands in one TF32 pass
 TF32_FACTOR = {"kda": 1.3}
 
 
@@ -129,8 +129,8 @@ TF32_FACTOR = {"kda": 1.3}
 def test_fp16_errors_under_tf32_truncation(op, monkeypatch):
     """The fp16 paths' errors against float64 with the interpreter's TF32 dots truncating their
     operands to 10 mantissa bits as the GPU's tensor cores do (``testing.emulate_tf32``) stay those
-    of exact products (KDA's diagonal dots exact), within ``TF32_FACTOR``. KDA's factored diagonal
-    once took one plain TF32 pass (o, dv, dbeta 1.9-2.1x here; the GPU's fp16 o the emulated figure)."""
+    of exact products (KDA's diagonal dots exact), within ``TF32_FACTOR``. The emulation reproduces
+    the GPU's fp16 errors (KDA's o to 3 digits with unrounded diagonal operands)."""
     from fastweight.kernels import intra
     with emulate_tf32():
         gpu = _fp16_errors(op, 128, 2, 128, 64)
