@@ -1,7 +1,7 @@
 """fastweight against fla 0.6.0 in one process, per op and shape: correctness first, then speed and memory.
 
     python -m fastweight.bench.side_by_side [--ops gated_delta_rule,kda,...] [--shapes gdn1.3b,rwkv7paper,short]
-        [--rep MS] [--out DIR] [--device cuda]
+        [--rep MS] [--out DIR] [--device cuda] [--resume DIR/side_by_side.json]
 
 For each op, first a check: both implementations (``fastweight.ops.chunk_<op>``, ``backend="triton"``,
 and fla's ``chunk_<op>``) on the same inputs in the timing dtype, each against the float64 reference
@@ -16,7 +16,9 @@ tensors by argument name (fastweight's ops take fla's signatures). Inputs: the d
 fla is imported from ``fla.ops.<family>`` when it is installed (on a GPU machine without internet, from
 the wheels of ``pip download --no-deps flash-linear-attention==0.6.0 fla-core==0.6.0``); otherwise its
 columns are "-". fla autotunes each kernel on its first call (100-250 s an op and shape on the H200):
-``TRITON_CACHE_AUTOTUNING=1`` with a ``TRITON_CACHE_DIR`` kept between runs saves it. fla 0.6.0
+``TRITON_CACHE_AUTOTUNING=1`` with a ``TRITON_CACHE_DIR`` kept between runs saves it (its
+``*.autotune.json`` files hold the choices; fla then compiles only those). ``--resume`` keeps an
+earlier run's rows and runs the rest, for runs longer than one time limit. fla 0.6.0
 refuses its gated backward on Hopper with Triton 3.4-3.7 (fla issue 640); ``--fla-hopper-guard off``
 (the default) lifts that guard, and the check above then reports whether its gradients are right.
 
@@ -128,6 +130,14 @@ def measure(fn, x: dict, device, rep_ms: float) -> dict:
     return dict(fwd=fwd, fb=fb, peak=peak)
 
 
+def _finished(path: str, dtype: str, device: str) -> list:
+    """The rows of an earlier ``side_by_side.json`` in this dtype and on this kind of device (a row is
+    written once both implementations' timings, or their errors, are in)."""
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    return [r for r in rows if r["dtype"] == dtype and r["device"].split(":")[0] == device.split(":")[0]]
+
+
 def _fmt(v, spec=".3f"):
     return "-" if v is None else format(v, spec)
 
@@ -141,6 +151,8 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--fla-hopper-guard", default="off", choices=("on", "off"))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--resume", default="", help="an earlier run's side_by_side.json: its rows with both timings "
+                    "are kept and not run again (a run cut short by a time limit goes on in the next)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -148,10 +160,15 @@ def main(argv=None):
     for s in shapes:
         if s not in SHAPES:
             raise SystemExit(f"--shapes: unknown shape {s!r}; one of {sorted(SHAPES)}")
-    rows = []
+    rows = _finished(args.resume, args.dtype, str(device)) if args.resume else []
+    done = {(r["op"], r["shape"]) for r in rows}
     for op in [o for o in args.ops.split(",") if o]:
         if op not in OPS:
             raise SystemExit(f"--ops: unknown op {op!r}; one of {sorted(OPS)}")
+        todo = [s for s in shapes if (op, s) not in done]
+        if not todo:
+            print(f"skip  {op:18s} {','.join(shapes)}: in {args.resume}", flush=True)
+            continue
         impls = {"fastweight": ours(op), "fla": fla_op(op, hopper_guard=args.fla_hopper_guard == "on")}
         K = SHAPES[shapes[0]][3] if shapes else 64
         small = inputs(op, 2, 300, 2, K, dtype, device)
@@ -164,7 +181,7 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001  (fla's refusals and failures are reported, not fatal)
                 checks[name] = {"error": repr(e)[:300]}
             print(f"check {op:18s} {name:10s} {json.dumps(checks[name])}", flush=True)
-        for shape in shapes:
+        for shape in todo:
             B, T, H, K = SHAPES[shape]
             x = inputs(op, B, T, H, K, dtype, device)
             row = dict(op=op, shape=shape, dims=(B, T, H, K), dtype=args.dtype, device=str(device), checks=checks)

@@ -57,3 +57,25 @@ def test_without_fla(monkeypatch, tmp_path, capsys):
 def test_unknown_names_refused(flag, value):
     with pytest.raises(SystemExit, match=f"{flag}: unknown"):
         side_by_side.main([flag, value, "--device", "cpu"])
+
+
+def test_resume_keeps_finished_rows(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "fla.ops.simple_gla", None)
+    monkeypatch.setitem(side_by_side.SHAPES, "tiny2", (1, 70, 2, 32))
+    first = tmp_path / "first"
+    (row,) = side_by_side.main(["--ops", "simple_gla", "--shapes", "tiny", "--device", "cpu", "--dtype", "float16",
+                                "--rep", "1", "--out", str(first)])
+    ran = []
+    real = side_by_side.measure
+    monkeypatch.setattr(side_by_side, "measure", lambda fn, x, *a: ran.append(x["q"].shape) or real(fn, x, *a))
+    rows = side_by_side.main(["--ops", "simple_gla", "--shapes", "tiny,tiny2", "--device", "cpu", "--dtype", "float16",
+                              "--rep", "1", "--out", str(tmp_path / "second"), "--resume",
+                              str(first / "side_by_side.json")])
+    assert [r["shape"] for r in rows] == ["tiny", "tiny2"]
+    assert json.dumps(rows[0], sort_keys=True) == json.dumps(row, sort_keys=True)   # the finished row kept as it was
+    assert ran == [torch.Size((1, 70, 2, 32))]   # only the new shape was timed
+    saved = json.loads((tmp_path / "second" / "side_by_side.json").read_text())
+    assert [r["shape"] for r in saved["rows"]] == ["tiny", "tiny2"]
+    rows = side_by_side.main(["--ops", "simple_gla", "--shapes", "tiny", "--device", "cpu", "--dtype", "float32",
+                              "--rep", "1", "--out", str(tmp_path / "third"), "--resume", str(first / "side_by_side.json")])
+    assert [r["dtype"] for r in rows] == ["float32"]   # another dtype's rows are not this run's
