@@ -132,6 +132,93 @@ def emulate_tf32():
         builder.create_dot = plain
 
 
+@contextlib.contextmanager
+def emulate_bf16():
+    """Within the block, Triton's interpreter computes with bf16 as the GPU does. It keeps bf16 tensors as
+    their raw 16 bits (numpy has no bf16) and, outside conversions to and from fp32, treats those bits as
+    integers: bf16 arithmetic, dots on bf16 operands and casts from fp16 come out as garbage. Here every
+    float operation on bf16 runs in fp32 and rounds its result to bf16 (to nearest even), dots multiply
+    the bf16 operands exactly and accumulate in the accumulator's dtype (fp32), and every cast to bf16
+    rounds to nearest even, as the GPU's does."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder, handle = interpreter.InterpreterBuilder, interpreter.TensorHandle
+    bf16 = tl.bfloat16
+
+    def is_bf16(h):
+        return h.dtype.scalar == bf16
+
+    def widen(data):   # bf16 bits -> fp32, exact
+        return (np.asarray(data).astype(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+    def narrow(x):     # fp32 -> bf16 bits, to nearest even; NaN stays NaN
+        b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+        r = ((b + np.uint32(0x7FFF) + ((b >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+        return np.where(np.isnan(x), np.uint16(0x7FC0), r)
+
+    def value(h):      # a handle's values as numbers (fp32 for bf16)
+        return widen(h.data) if is_bf16(h) else h.data
+
+    def as_bf16(out):
+        return handle(narrow(out), bf16) if out.dtype == np.float32 else handle(out, tl.int1)
+
+    saved = {n: getattr(builder, n) for n in ("binary_op", "create_fma", "unary_op", "create_dot", "cast_impl",
+                                               "create_fp_to_fp", "create_fp_trunc", "create_fp_ext", "create_si_to_fp",
+                                               "create_ui_to_fp", "create_fp_to_si", "create_fp_to_ui")}
+
+    def binary_op(self, lhs, rhs, op):
+        if is_bf16(lhs) or is_bf16(rhs):
+            return as_bf16(op(value(lhs), value(rhs)))
+        return saved["binary_op"](self, lhs, rhs, op)
+
+    def create_fma(self, x, y, z):
+        if is_bf16(z):
+            return as_bf16(value(x) * value(y) + value(z))
+        return saved["create_fma"](self, x, y, z)
+
+    def unary_op(self, arg, op):
+        if is_bf16(arg):
+            return as_bf16(op(widen(arg.data)).astype(np.float32))
+        return saved["unary_op"](self, arg, op)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if is_bf16(a) or is_bf16(b):
+            acc = value(d).astype(np.float32)
+            out = np.matmul(value(a).astype(np.float32), value(b).astype(np.float32), dtype=np.float32) + acc
+            return handle(narrow(out), bf16) if is_bf16(d) else handle(out.astype(d.data.dtype), d.dtype.scalar)
+        return saved["create_dot"](self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    def cast(name):
+        def impl(self, src, dst_type, *rest):
+            if dst_type.scalar == bf16 and not is_bf16(src):
+                return handle(narrow(np.asarray(src.data).astype(np.float32)), bf16)
+            if is_bf16(src) and dst_type.scalar != bf16:
+                return handle(widen(src.data).astype(interpreter._get_np_dtype(dst_type)), dst_type.scalar)
+            return saved[name](self, src, dst_type, *rest)
+        return impl
+
+    def get_bf16(self, value):   # a bf16 constant (the interpreter has none)
+        return handle(narrow(np.array([value], dtype=np.float32)), bf16)
+
+    had_get_bf16 = hasattr(builder, "get_bf16")
+    saved["get_bf16"] = getattr(builder, "get_bf16", None)
+    builder.get_bf16 = get_bf16
+    builder.binary_op, builder.create_fma, builder.unary_op, builder.create_dot = binary_op, create_fma, unary_op, create_dot
+    for name in ("cast_impl", "create_fp_to_fp", "create_fp_trunc", "create_fp_ext", "create_si_to_fp", "create_ui_to_fp",
+                 "create_fp_to_si", "create_fp_to_ui"):
+        setattr(builder, name, cast(name))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            if name == "get_bf16" and not had_get_bf16:
+                del builder.get_bf16
+            else:
+                setattr(builder, name, fn)
+
+
 def fla_on_cpu(monkeypatch, module: str = "fla.layers"):
     """fla's ``module`` for a test on a CPU: the test is skipped where fla is not importable (the
     ``compat`` extra) or TRITON_INTERPRET is not 1 (fla's norms and convolutions are Triton kernels);

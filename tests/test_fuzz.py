@@ -1,7 +1,7 @@
 """The property fuzz (``fastweight.fuzz``) in CI: every op, in both modes, on fixed seeds.
 
 Small shapes (the "ci" space: T <= 130 with partial last chunks, K, V <= 32, H <= 2, varlen
-with empty and 1-token sequences): the Triton kernels under the interpreter in fp32 and fp16,
+with empty and 1-token sequences): the Triton kernels under the interpreter in fp32 and fp16 (and bf16 and fp16 as the GPU rounds them),
 Triton's float64 (served exactly or refused clearly), and the PyTorch backend in float64, all
 against the float64 per-token reference, every gradient included. A failure lists each failing
 case with its seed and the command that reruns it. Then the GPU command's CPU smoke run.
@@ -48,6 +48,17 @@ def test_fp16_with_tf32_rounding(op):
     from fastweight.testing import emulate_tf32
     with emulate_tf32():
         _check_all(op, [("triton", "chunk", "fp16")])
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_bf16_as_the_gpu_computes_it(op):
+    """bf16 cases, both modes, with the interpreter computing bf16 as the GPU does
+    (``testing.emulate_bf16``: its own bf16 is raw bits treated as integers) and its TF32 dots
+    truncating as the tensor cores do: the fuzz's bf16 tolerance. The emulation reproduces the GPU's
+    bf16 errors (GDN and KDA at (2, 300, 2, 128): every field within 7% of the H100's)."""
+    from fastweight.testing import emulate_bf16, emulate_tf32
+    with emulate_bf16(), emulate_tf32():
+        _check_all(op, [("triton", mode, "bf16") for mode in fuzz.MODES])
 
 
 @pytest.mark.parametrize("op", OPS)

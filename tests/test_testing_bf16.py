@@ -1,0 +1,52 @@
+"""``fastweight.testing.emulate_bf16``: the interpreter's bf16 as the GPU computes it."""
+
+import os
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from fastweight.testing import emulate_bf16
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="patches the interpreter")
+
+
+@triton.jit
+def _kernel(x, h, y, z, w, v, N: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(y + o, tl.load(x + o).to(tl.bfloat16))                      # fp32 -> bf16
+    tl.store(y + N + o, tl.load(h + o).to(tl.bfloat16))                  # fp16 -> bf16
+    b = tl.load(z + o[:, None] * N + o[None, :])
+    tl.store(w + o[:, None] * N + o[None, :], tl.dot(b, b))              # bf16 operands, fp32 accumulator
+    tl.store(v + o[:, None] * N + o[None, :], (b * b + b).to(tl.float32))   # bf16 arithmetic, rounded each step
+
+
+def _run(x, h, z):
+    N = z.shape[0]
+    y, w, v = torch.empty(2 * N, dtype=torch.bfloat16), torch.empty(N, N), torch.empty(N, N)
+    _kernel[(1,)](x, h, y, z, w, v, N=N)
+    return y, w, v
+
+
+def test_bf16_as_the_gpu_computes_it():
+    g = torch.Generator().manual_seed(0)
+    ulp = 2.0 ** -7                                   # of bf16 on [1, 2)
+    ties = torch.tensor([1 + ulp / 2, 1 + 3 * ulp / 2, -(1 + ulp / 2), float("nan")])   # to even: 1, 1 + 2 ulp, -1
+    x = torch.cat([ties, torch.randn(12, generator=g) * 100])
+    h = (torch.randn(16, generator=g) * 10).half()
+    z = torch.randn(16, 16, generator=g).bfloat16()
+    with emulate_bf16():
+        y, w, v = _run(x, h, z)
+    assert torch.equal(y[:3], torch.tensor([1.0, 1 + 2 * ulp, -1.0]).bfloat16()) and y[3].isnan()
+    assert torch.equal(y[4:16], x[4:].bfloat16()) and torch.equal(y[16:], h.bfloat16())
+    assert torch.allclose(w, z.double().matmul(z.double()).float(), rtol=1e-6, atol=1e-5)
+    assert torch.equal(v, (z * z + z).float())        # torch rounds each bf16 op to nearest even too
+
+
+def test_restored_after_the_block():
+    from triton.runtime import interpreter
+    before = {n: getattr(interpreter.InterpreterBuilder, n) for n in ("binary_op", "create_dot", "cast_impl")}
+    with emulate_bf16():
+        assert interpreter.InterpreterBuilder.create_dot is not before["create_dot"]
+    assert {n: getattr(interpreter.InterpreterBuilder, n) for n in before} == before
