@@ -175,7 +175,8 @@ def emulate_bf16():
 
     def create_fma(self, x, y, z):
         if is_bf16(z):
-            return as_bf16(value(x) * value(y) + value(z))
+            out = value(x).astype(np.float64) * value(y) + value(z)   # exact product, rounded through fp32
+            return handle(narrow(out.astype(np.float32)), bf16)
         return saved["create_fma"](self, x, y, z)
 
     def unary_op(self, arg, op):
@@ -192,12 +193,26 @@ def emulate_bf16():
 
     def cast(name):
         def impl(self, src, dst_type, *rest):
-            if dst_type.scalar == bf16 and not is_bf16(src):
-                return handle(narrow(np.asarray(src.data).astype(np.float32)), bf16)
-            if is_bf16(src) and dst_type.scalar != bf16:
+            fp8 = 8 in (src.dtype.scalar.primitive_bitwidth, dst_type.scalar.primitive_bitwidth)
+            if dst_type.scalar == bf16 and not is_bf16(src) and not fp8:
+                x = np.asarray(src.data).astype(np.float32)
+                if rest and "RTZ" in str(rest[0]).upper():   # an explicit round-toward-zero
+                    return handle(np.where(np.isnan(x), np.uint16(0x7FC0),
+                                           (x.view(np.uint32) >> 16).astype(np.uint16)), bf16)
+                return handle(narrow(x), bf16)
+            if is_bf16(src) and dst_type.scalar != bf16 and not fp8:
                 return handle(widen(src.data).astype(interpreter._get_np_dtype(dst_type)), dst_type.scalar)
             return saved[name](self, src, dst_type, *rest)
         return impl
+
+    reduce_sum = interpreter.ReduceOps.sum
+
+    def sum_(self, input):   # bf16 sums in fp32, rounded once (Triton 3.6 does not widen bf16 for tl.sum)
+        if input.dtype.scalar == bf16:
+            out = np.sum(widen(input.handle.data), axis=self.axis, keepdims=self.keep_dims, dtype=np.float32)
+            out = np.asarray(out, dtype=np.float32)
+            return self.to_tensor(narrow(out).reshape(out.shape), input.dtype)
+        return reduce_sum(self, input)
 
     def get_bf16(self, value):   # a bf16 constant (the interpreter has none)
         return handle(narrow(np.array([value], dtype=np.float32)), bf16)
@@ -206,12 +221,14 @@ def emulate_bf16():
     saved["get_bf16"] = getattr(builder, "get_bf16", None)
     builder.get_bf16 = get_bf16
     builder.binary_op, builder.create_fma, builder.unary_op, builder.create_dot = binary_op, create_fma, unary_op, create_dot
+    interpreter.ReduceOps.sum = sum_
     for name in ("cast_impl", "create_fp_to_fp", "create_fp_trunc", "create_fp_ext", "create_si_to_fp", "create_ui_to_fp",
                  "create_fp_to_si", "create_fp_to_ui"):
         setattr(builder, name, cast(name))
     try:
         yield
     finally:
+        interpreter.ReduceOps.sum = reduce_sum
         for name, fn in saved.items():
             if name == "get_bf16" and not had_get_bf16:
                 del builder.get_bf16

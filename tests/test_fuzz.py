@@ -55,7 +55,8 @@ def test_bf16_as_the_gpu_computes_it(op):
     """bf16 cases, both modes, with the interpreter computing bf16 as the GPU does
     (``testing.emulate_bf16``: its own bf16 is raw bits treated as integers) and its TF32 dots
     truncating as the tensor cores do: the fuzz's bf16 tolerance. The emulation reproduces the GPU's
-    bf16 errors (GDN and KDA at (2, 300, 2, 128): every field within 7% of the H100's)."""
+    bf16 errors (GDN and KDA at (2, 300, 2, 128): every field within 7% of the H100's). The chunk
+    cases depend on it; the fused recurrent kernels convert to fp32 on load and pass without it."""
     from fastweight.testing import emulate_bf16, emulate_tf32
     with emulate_bf16(), emulate_tf32():
         _check_all(op, [("triton", mode, "bf16") for mode in fuzz.MODES])

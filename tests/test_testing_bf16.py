@@ -44,9 +44,34 @@ def test_bf16_as_the_gpu_computes_it():
     assert torch.equal(v, (z * z + z).float())        # torch rounds each bf16 op to nearest even too
 
 
-def test_restored_after_the_block():
-    from triton.runtime import interpreter
-    before = {n: getattr(interpreter.InterpreterBuilder, n) for n in ("binary_op", "create_dot", "cast_impl")}
+@triton.jit
+def _more_kernel(x, y, s, N: tl.constexpr):
+    o = tl.arange(0, N)
+    a = tl.load(x + o)
+    tl.store(y + o, a.to(tl.bfloat16))                                   # past bf16's range: inf
+    tl.store(y + N + o, a.to(tl.bfloat16, fp_downcast_rounding="rtz"))   # toward zero when asked
+    tl.store(s, tl.sum(tl.load(x + N + o).to(tl.bfloat16), 0).to(tl.float32))   # a bf16 sum
+
+
+def test_overflow_rtz_and_sums():
+    x = torch.tensor([3.4e38, -3.4e38, 1 + 2.0 ** -7 - 2.0 ** -20, 1.75, 1.75, 2.5, -0.125, 3.0])
+    y, s = torch.empty(8, dtype=torch.bfloat16), torch.empty(1)
     with emulate_bf16():
-        assert interpreter.InterpreterBuilder.create_dot is not before["create_dot"]
-    assert {n: getattr(interpreter.InterpreterBuilder, n) for n in before} == before
+        _more_kernel[(1,)](x, y, s, N=4)
+    assert torch.equal(y[:4], x[:4].bfloat16()) and y[0] == float("inf") and y[1] == float("-inf")
+    assert y[6] == 1.0 and y[4] == torch.finfo(torch.bfloat16).max   # truncated, not rounded up
+    assert s.item() == 7.125                                          # the raw bits' sum would be garbage
+
+
+def test_restored_after_the_block_and_after_an_error():
+    from triton.runtime import interpreter
+    B = interpreter.InterpreterBuilder
+    names = [n for n in vars(B) if n.startswith(("create_", "binary_op", "unary_op", "cast_impl"))]
+    before = {n: getattr(B, n) for n in names}
+    reduce_sum, had = interpreter.ReduceOps.sum, hasattr(B, "get_bf16")
+    with pytest.raises(RuntimeError):
+        with emulate_bf16():
+            assert B.create_dot is not before["create_dot"] and hasattr(B, "get_bf16")
+            raise RuntimeError
+    assert {n: getattr(B, n) for n in names} == before
+    assert interpreter.ReduceOps.sum is reduce_sum and hasattr(B, "get_bf16") == had

@@ -429,12 +429,12 @@ def test_gate_gradient_strong_decay(op, T, per_token, cu, dtype):
         assert err <= GATE_TOL_FP32, f"d gate: {err:.3g} (PyTorch path {err_torch:.3g})"
 
 
-# fp16's gate gradient over the PyTorch path's with the GPU's TF32 truncation, measured over 48 draws a
-# case: RWKV-7 in its own gate range (T 130, varlen) median 2.9x, largest 3.25x; the generic op at -6
-# a token largest 2.5x; the other cases up to 1.6x. Exact products give ~1.1x (the test above): the
-# excess is the split backward's single-pass TF32 dots on fp32 operands (``dplr_bwd``'s DOT_PRECISION:
-# exact there, 1.06x).
-GPU_GATE_RATIO = 4.0
+# fp16's gate gradient over the PyTorch path's with the GPU's TF32 truncation: RWKV-7 in its own gate
+# range (T 130, varlen) median 2.86x, largest 3.46x over 250 draws (sd 0.15); the generic op at -6 a
+# token largest 2.5x; the other cases up to 1.6x (48 draws each). Exact products give ~1.1x (the test
+# above): the excess is the split backward's single-pass TF32 dots on fp32 operands (``dplr_bwd``'s
+# DOT_PRECISION: exact there, 1.06x). The draws are fresh each run, hence the margin.
+GPU_GATE_RATIO = 4.5
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="emulate_tf32 patches the interpreter's dots")
