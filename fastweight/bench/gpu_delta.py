@@ -94,6 +94,16 @@ def check(op, dtype, device, varlen=True, T=1000, H=4, K=128, V=128):
     return rows
 
 
+def peak_gib(fn) -> float:
+    """The peak GiB that one call of ``fn`` allocates on top of what is allocated before it (CUDA)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+
+
 def bench(op, B, T, H, K, device):
     x = inputs(op, B, T, H, K, K, torch.bfloat16, device)
     kw = dict(scale=K ** -0.5)
@@ -104,12 +114,7 @@ def bench(op, B, T, H, K, device):
     def step():
         o, _ = run(op, xg, **kw)
         o.backward(do)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+    peak = peak_gib(step)
     fb = triton.testing.do_bench(step, warmup=25, rep=200, grad_to_none=list(xg.values()), return_mode="median")
     return fwd, fb, peak
 

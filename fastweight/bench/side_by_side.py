@@ -117,15 +117,11 @@ def measure(fn, x: dict, device, rep_ms: float) -> dict:
         fn(**leaves)[0].backward(do)
     peak = None
     if device.type == "cuda":
+        from fastweight.bench.gpu_delta import peak_gib
         step()
         for t in grads:
             t.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - before) / 2 ** 30
+        peak = peak_gib(step)
     fb = _time(step, device, rep_ms, grads)
     return dict(fwd=fwd, fb=fb, peak=peak)
 
