@@ -72,9 +72,14 @@ def round_tf32(x):
 @triton.jit
 def dot_at(a, b, P: tl.constexpr):
     """``tl.dot(a, b)`` at input precision ``P``: Triton's ("ieee", "tf32", "tf32x3") or "tf32rn",
-    one TF32 pass on operands rounded to nearest first (:func:`round_tf32`)."""
+    one TF32 pass with the fp32 operands rounded to nearest first (:func:`round_tf32`; 16-bit
+    operands are exact in TF32)."""
     if P == "tf32rn":
-        return tl.dot(round_tf32(a), round_tf32(b), input_precision="tf32")
+        if a.dtype == tl.float32:
+            a = round_tf32(a)
+        if b.dtype == tl.float32:
+            b = round_tf32(b)
+        return tl.dot(a, b, input_precision="tf32")
     else:
         return tl.dot(a, b, input_precision=P)
 
@@ -92,8 +97,13 @@ def while_loops() -> bool:
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs get exact fp32 products (ieee); 16-bit inputs use the tensor cores."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """fp32 inputs get exact fp32 products (ieee); 16-bit inputs use the tensor cores, where fp32
+    operands (decayed rows, fp32 gradients) pass as TF32: for fp16, rounded to nearest first
+    ("tf32rn", :func:`dot_at`), as fine as fp16 itself, since the tensor cores' truncation is biased;
+    for bf16, 8 times coarser itself, truncated."""
+    if dtype == torch.float32:
+        return "ieee"
+    return "tf32rn" if dtype == torch.float16 else "tf32"
 
 
 @contextmanager

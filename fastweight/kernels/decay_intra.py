@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, SAFE_SPAN, dot_precision, sub_chunk_rows, exp
+from fastweight.kernels.common import Chunks, SAFE_SPAN, dot_at, dot_precision, sub_chunk_rows, exp
 
 
 def diag_precision(dtype: torch.dtype) -> str:
@@ -99,7 +99,7 @@ def decay_intra_fwd_kernel(q, k, gq, gc, u, A, cu_seqlens, chunk_indices, scale,
                 b_k = tl.load(k + p_j, mask=m_k[None, :], other=0.).to(tl.float32)
                 b_gk = tl.load(gc + p_j, mask=m_k[None, :], other=0.)
                 b_kg = b_k * exp(b_gr[None, :] - b_gk)
-                b_A += tl.dot(b_qg, tl.trans(b_kg), input_precision=DOT_PRECISION)
+                b_A += dot_at(b_qg, tl.trans(b_kg), DOT_PRECISION)
             p_A = A + ((bos + o_i) * H + i_h)[:, None] * BT + (i_j * BC + o_c)[None, :]
             tl.store(p_A, b_A * scale, mask=m_i[:, None])
     # the diagonal sub-chunk: factored through the midpoint of its gates when their span allows,
@@ -117,8 +117,7 @@ def decay_intra_fwd_kernel(q, k, gq, gc, u, A, cu_seqlens, chunk_indices, scale,
         b_g = tl.load(gc + p_i, mask=m_ik, other=0.)
         b_span, b_ref = span_ref(b_gq, b_g, m_ik)
         if b_span < SPAN:
-            b_A += tl.dot(factor(b_q, b_gq, b_ref, m_ik, True), tl.trans(factor(b_k, b_g, b_ref, m_ik, False)),
-                          input_precision=DIAG_PRECISION)
+            b_A += dot_at(factor(b_q, b_gq, b_ref, m_ik, True), tl.trans(factor(b_k, b_g, b_ref, m_ik, False)), DIAG_PRECISION)
         else:
             for j in range(0, BC):  # a loop, not unrolled: the fallback keeps registers low
                 m_kj = m_k & (i_c * BT + i_i * BC + j < T)
@@ -181,8 +180,8 @@ def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgx, dga, 
         b_v = tl.load(v + p_v, mask=m_i[:, None] & m_v[None, :], other=0.)
         b_h = tl.load(h + o_h + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.)
         b_dh = tl.load(dh + o_h + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.)
-        b_dq += tl.dot(b_do, tl.trans(b_h.to(b_do.dtype)), input_precision=DOT_PRECISION)
-        b_dki += tl.dot(b_v, tl.trans(b_dh.to(b_v.dtype)), input_precision=DOT_PRECISION)
+        b_dq += dot_at(b_do, tl.trans(b_h.to(b_do.dtype)), DOT_PRECISION)
+        b_dki += dot_at(b_v, tl.trans(b_dh.to(b_v.dtype)), DOT_PRECISION)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
     b_dq *= scale * exp(b_gq)
     b_dki *= exp(tl.where(m_ik, b_gl[None, :] - b_gk, 0.))
@@ -205,7 +204,7 @@ def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgx, dga, 
                     m_dA = m_dA & ((o_c[:, None] + i_i * BC) > (o_c[None, :] + i_j * BC + 1))
                 b_dA = tl.load(dA + ((bos + o_i) * H + i_h)[:, None] * BT + (i_j * BC + o_c)[None, :],
                                mask=m_dA, other=0.)
-                b_dqi += tl.dot(b_dA, b_kj * exp(b_gr[None, :] - b_gkj), input_precision=DOT_PRECISION)
+                b_dqi += dot_at(b_dA, b_kj * exp(b_gr[None, :] - b_gkj), DOT_PRECISION)
         b_dq += b_dqi * scale * exp(tl.where(m_ik, b_gq - b_gr[None, :], 0.))
     # later sub-chunks j > i (for dk) through the reference row before sub-chunk j
     for i_j in range(1, NC):
@@ -224,7 +223,7 @@ def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgx, dga, 
             b_dA = tl.load(dA + ((bos + o_j) * H + i_h)[:, None] * BT + (i_i * BC + o_c)[None, :],
                            mask=m_dA, other=0.)
             b_qg = b_qj * exp(tl.where(m_jk, b_gqj - b_gr[None, :], 0.))
-            b_dk += (tl.dot(tl.trans(b_dA), b_qg, input_precision=DOT_PRECISION)
+            b_dk += (dot_at(tl.trans(b_dA), b_qg, DOT_PRECISION)
                      * scale * exp(tl.where(m_ik, b_gr[None, :] - b_gk, 0.)))
     # the diagonal sub-chunk: factored through the midpoint of its gates when their span allows,
     # else one token j at a time (column j of dA for dq, row j for dk)
@@ -238,8 +237,8 @@ def decay_intra_bwd_kernel(q, k, v, gq, gc, u, h, dh, do, dA, dq, dk, dgx, dga, 
                        other=0.) * scale
         b_fq = factor(1., b_gq, b_ref, m_ik, True)
         b_fk = factor(1., b_gk, b_ref, m_ik, False)
-        b_dq += tl.dot(b_dA, b_k * b_fk, input_precision=DIAG_PRECISION) * b_fq
-        b_dk += tl.dot(tl.trans(b_dA), b_q * b_fq, input_precision=DIAG_PRECISION) * b_fk
+        b_dq += dot_at(b_dA, b_k * b_fk, DIAG_PRECISION) * b_fq
+        b_dk += dot_at(tl.trans(b_dA), b_q * b_fq, DIAG_PRECISION) * b_fk
     else:
         for j in range(0, BC):  # a loop, not unrolled: the fallback keeps registers low
             r_j = i_c * BT + i_i * BC + j

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, MIN_DOT_BLOCK, dot_precision, exp
+from fastweight.kernels.common import Chunks, MIN_DOT_BLOCK, dot_at, dot_precision, exp
 
 
 @triton.jit
@@ -67,10 +67,10 @@ def decay_output_fwd_kernel(q, k, v, gq, gc, h, A, A2, v2, o, cu_seqlens, chunk_
             b_qg = (b_q.to(tl.float32) * exp(b_gq)[:, None]).to(b_q.dtype)
         else:
             b_qg = b_q
-        b_o += tl.dot(b_qg, b_h, input_precision=DOT_PRECISION)
+        b_o += dot_at(b_qg, b_h, DOT_PRECISION)
         if not USE_A:
             p_k = tl.make_block_ptr(k + (bos * H + i_h) * K, (K, T), (1, H * K), (i_k * BK, i_c * BT), (BK, BT), (0, 1))
-            b_A += tl.dot(b_q, tl.load(p_k, boundary_check=(0, 1)), input_precision=DOT_PRECISION)
+            b_A += dot_at(b_q, tl.load(p_k, boundary_check=(0, 1)), DOT_PRECISION)
     if USE_A:
         p_A = tl.make_block_ptr(A + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_c * BT, 0), (BT, BT), (1, 0))
         b_A = tl.where(m_s, tl.load(p_A, boundary_check=(0, 1)), 0.)
@@ -80,13 +80,13 @@ def decay_output_fwd_kernel(q, k, v, gq, gc, h, A, A2, v2, o, cu_seqlens, chunk_
         b_A = tl.where(m_s, b_A * scale, 0.)
     p_v = tl.make_block_ptr(v + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_c * BT, i_v * BV), (BT, BV), (1, 0))
     b_v = tl.load(p_v, boundary_check=(0, 1))
-    b_o = b_o * scale + tl.dot(b_A.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+    b_o = b_o * scale + dot_at(b_A.to(b_v.dtype), b_v, DOT_PRECISION)
     if USE_A2:
         p_A = tl.make_block_ptr(A2 + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_c * BT, 0), (BT, BT), (1, 0))
         b_A2 = tl.where(m_s, tl.load(p_A, boundary_check=(0, 1)), 0.)
         p_v = tl.make_block_ptr(v2 + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_c * BT, i_v * BV), (BT, BV), (1, 0))
         b_v2 = tl.load(p_v, boundary_check=(0, 1))
-        b_o += tl.dot(b_A2.to(b_v2.dtype), b_v2, input_precision=DOT_PRECISION)
+        b_o += dot_at(b_A2.to(b_v2.dtype), b_v2, DOT_PRECISION)
     p_o = tl.make_block_ptr(o + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_c * BT, i_v * BV), (BT, BV), (1, 0))
     tl.store(p_o, b_o.to(o.dtype.element_ty), boundary_check=(0, 1))
 
@@ -121,7 +121,7 @@ def decay_bwd_dv_kernel(q, k, v, gq, gc, A, dh, do, dv, dA, cu_seqlens, chunk_in
             m_tk = m_t[:, None] & (o_k < K)[None, :]
             b_q = tl.load(q + p_k, mask=m_tk, other=0.)
             b_k = tl.load(k + p_k, mask=m_tk, other=0.)
-            b_A += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
+            b_A += dot_at(b_q, tl.trans(b_k), DOT_PRECISION)
         if GATE == 1:
             b_gq = tl.load(gq + (bos + o_t) * H + i_h, mask=m_t, other=0.)
             b_A *= exp(tl.where(m_s, b_gq[:, None] - b_gc[None, :], 0.))
@@ -133,8 +133,8 @@ def decay_bwd_dv_kernel(q, k, v, gq, gc, A, dh, do, dv, dA, cu_seqlens, chunk_in
         p_v = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
         b_do = tl.load(do + p_v, mask=m_t[:, None] & m_v[None, :], other=0.)
         b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.)
-        b_dA += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
-        b_dv = tl.dot(tl.trans(b_A).to(b_do.dtype), b_do, input_precision=DOT_PRECISION)
+        b_dA += dot_at(b_do, tl.trans(b_v), DOT_PRECISION)
+        b_dv = dot_at(tl.trans(b_A).to(b_do.dtype), b_do, DOT_PRECISION)
         for i_k in range(0, tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
@@ -149,7 +149,7 @@ def decay_bwd_dv_kernel(q, k, v, gq, gc, A, dh, do, dv, dA, cu_seqlens, chunk_in
                 b_k = (b_k.to(tl.float32) * exp(b_glk[None, :] - b_gk)).to(b_k.dtype)
             b_dh = tl.load(dh + ((i_t * H + i_h) * K + o_k[:, None]) * V + o_v[None, :],
                            mask=m_k[:, None] & m_v[None, :], other=0.)
-            b_dv += tl.dot(b_k, b_dh.to(b_k.dtype), input_precision=DOT_PRECISION)
+            b_dv += dot_at(b_k, b_dh.to(b_k.dtype), DOT_PRECISION)
         tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
     tl.store(dA + ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :], tl.where(m_all, b_dA, 0.),
              mask=m_t[:, None])
@@ -187,11 +187,11 @@ def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, dh, do, dA, dq, dk, dg, cu_seqlens,
         b_dh = tl.load(dh + p_h, mask=m_k[:, None] & m_v[None, :], other=0.)
         b_hi = b_h.to(b_do.dtype)
         b_dhi = b_dh.to(b_v.dtype)
-        b_dq += tl.dot(b_do, tl.trans(b_hi), input_precision=DOT_PRECISION)
-        b_dki += tl.dot(b_v, tl.trans(b_dhi), input_precision=DOT_PRECISION)
+        b_dq += dot_at(b_do, tl.trans(b_hi), DOT_PRECISION)
+        b_dki += dot_at(b_v, tl.trans(b_dhi), DOT_PRECISION)
         if SPLIT:  # fp32 states, 16-bit inputs: the rounding of h, dh to 16 bits dotted too (decay.py)
-            b_dq += tl.dot(b_do, tl.trans((b_h - b_hi.to(tl.float32)).to(b_do.dtype)), input_precision=DOT_PRECISION)
-            b_dki += tl.dot(b_v, tl.trans((b_dh - b_dhi.to(tl.float32)).to(b_v.dtype)), input_precision=DOT_PRECISION)
+            b_dq += dot_at(b_do, tl.trans((b_h - b_hi.to(tl.float32)).to(b_do.dtype)), DOT_PRECISION)
+            b_dki += dot_at(b_v, tl.trans((b_dh - b_dhi.to(tl.float32)).to(b_v.dtype)), DOT_PRECISION)
         if GATE == 1:
             b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
     # the pairs s < t; the diagonal s = t (inclusive readout, decay exp(0)) is added on its own below
@@ -206,8 +206,8 @@ def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, dh, do, dA, dq, dk, dg, cu_seqlens,
         b_dki *= exp(b_gl - b_gc)[:, None]
         b_dA *= exp(tl.where(m_s, b_gq[:, None] - b_gc[None, :], 0.))
     b_dA = tl.where(m_s, b_dA * scale, 0.)
-    b_dq = b_dq * scale + tl.dot(b_dA.to(b_k.dtype), b_k, input_precision=DOT_PRECISION)
-    b_dk = tl.dot(tl.trans(b_dA).to(b_q.dtype), b_q, input_precision=DOT_PRECISION)
+    b_dq = b_dq * scale + dot_at(b_dA.to(b_k.dtype), b_k, DOT_PRECISION)
+    b_dk = dot_at(tl.trans(b_dA).to(b_q.dtype), b_q, DOT_PRECISION)
     if GATE == 1:
         # per chunk, no cancelling terms (decay.py): the reverse cumsum of q dq - k dk over the
         # pairs s < t, the forward exclusive cumsum of k dk through dh, and exp(G) sum(h dh)

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from fastweight.kernels import decay_intra
-from fastweight.kernels.common import Chunks, SAFE_SPAN, alloc, chunk_bounds, dot_precision, exp
+from fastweight.kernels.common import Chunks, SAFE_SPAN, alloc, chunk_bounds, dot_at, dot_precision, exp
 from fastweight.kernels.decay_intra import diag_precision, factor, span_ref
 
 
@@ -125,10 +125,10 @@ def _fwd_sub(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_
                 b_e = exp(b_gr[None, :] - load_rows(gc, bos, o_j, o_j < T, i_h, o_k, m_k, H, K))
                 b_kg = tl.trans(load_rows(k, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e)
                 b_bg = tl.trans(load_rows(b, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e)
-                b_qk += tl.dot(b_qg, b_kg, input_precision=DOT_PRECISION)
-                b_qb += tl.dot(b_qg, b_bg, input_precision=DOT_PRECISION)
-                b_ak += tl.dot(b_ag, b_kg, input_precision=DOT_PRECISION)
-                b_ab += tl.dot(b_ag, b_bg, input_precision=DOT_PRECISION)
+                b_qk += dot_at(b_qg, b_kg, DOT_PRECISION)
+                b_qb += dot_at(b_qg, b_bg, DOT_PRECISION)
+                b_ak += dot_at(b_ag, b_kg, DOT_PRECISION)
+                b_ab += dot_at(b_ag, b_bg, DOT_PRECISION)
             p_j = p_A + (i_j * BC + o_c)[None, :]
             tl.store(Aqk + p_j, b_qk * scale, mask=m_i[:, None])
             tl.store(Aqb + p_j, b_qb * scale, mask=m_i[:, None])
@@ -155,10 +155,10 @@ def _fwd_sub(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, i_i, bos, T, i_
             b_bg = tl.trans(load_rows(b, bos, o_i, m_i, i_h, o_k, m_k, H, K) * b_fc)
             b_qg = factor(b_q, b_g, b_ref, m_ik, True)
             b_ag = factor(b_a, b_gp, b_ref, m_ik, True)
-            b_qk += tl.dot(b_qg, b_kg, input_precision=DIAG_PRECISION)
-            b_qb += tl.dot(b_qg, b_bg, input_precision=DIAG_PRECISION)
-            b_ak += tl.dot(b_ag, b_kg, input_precision=DIAG_PRECISION)
-            b_ab += tl.dot(b_ag, b_bg, input_precision=DIAG_PRECISION)
+            b_qk += dot_at(b_qg, b_kg, DIAG_PRECISION)
+            b_qb += dot_at(b_qg, b_bg, DIAG_PRECISION)
+            b_ak += dot_at(b_ag, b_kg, DIAG_PRECISION)
+            b_ab += dot_at(b_ag, b_bg, DIAG_PRECISION)
         else:
             for j in range(0, BC):  # a loop, not unrolled: the fallback keeps registers low
                 m_kj = m_k & (i_c * BT + i_i * BC + j < T)
@@ -227,15 +227,15 @@ def dplr_intra_fwd_kernel(q, k, a, b, gk, gc, Aqk, Aqb, Aak, Aab, wide, cu_seqle
             b_fc = factor(1., b_g, b_ref, m_tk, False)
             b_qg = factor(load_rows(q, bos, o_t, m_t, i_h, o_k, m_k, H, K), b_g, b_ref, m_tk, True)
             b_kg = tl.trans(load_rows(k, bos, o_t, m_t, i_h, o_k, m_k, H, K) * b_fc)
-            b_A = tl.dot(b_qg, b_kg, input_precision=DIAG_PRECISION)
+            b_A = dot_at(b_qg, b_kg, DIAG_PRECISION)
             tl.store(Aqk + p_A, tl.where(m_incl, b_A * scale, 0.), mask=m_t[:, None])
             b_bg = tl.trans(load_rows(b, bos, o_t, m_t, i_h, o_k, m_k, H, K) * b_fc)
-            b_A = tl.dot(b_qg, b_bg, input_precision=DIAG_PRECISION)
+            b_A = dot_at(b_qg, b_bg, DIAG_PRECISION)
             tl.store(Aqb + p_A, tl.where(m_incl, b_A * scale, 0.), mask=m_t[:, None])
             b_ag = factor(load_rows(a, bos, o_t, m_t, i_h, o_k, m_k, H, K), b_gp, b_ref, m_tk, True)
-            b_A = tl.dot(b_ag, b_bg, input_precision=DIAG_PRECISION)
+            b_A = dot_at(b_ag, b_bg, DIAG_PRECISION)
             tl.store(Aab + p_A, tl.where(m_strict, b_A, 0.), mask=m_t[:, None])
-            b_A = tl.dot(b_ag, b_kg, input_precision=DIAG_PRECISION)
+            b_A = dot_at(b_ag, b_kg, DIAG_PRECISION)
             tl.store(Aak + p_A, tl.where(m_strict, b_A, 0.), mask=m_t[:, None])
         elif not FLAG:
             tl.debug_barrier()  # the sub-chunk path reads the sums back
@@ -262,10 +262,10 @@ def dplr_intra_fwd_kernel(q, k, a, b, gk, gc, Aqk, Aqb, Aak, Aab, wide, cu_seqle
                 b_bg = tl.trans(load_rows(b, bos, o_t, m_t, i_h, o_k, m_k, H, K) * b_fc)
                 b_qg = factor(load_rows(q, bos, o_t, m_t, i_h, o_k, m_k, H, K), b_g, b_ref, m_tk, True)
                 b_ag = factor(load_rows(a, bos, o_t, m_t, i_h, o_k, m_k, H, K), b_gp, b_ref, m_tk, True)
-                b_qk += tl.dot(b_qg, b_kg, input_precision=DIAG_PRECISION)
-                b_qb += tl.dot(b_qg, b_bg, input_precision=DIAG_PRECISION)
-                b_ak += tl.dot(b_ag, b_kg, input_precision=DIAG_PRECISION)
-                b_ab += tl.dot(b_ag, b_bg, input_precision=DIAG_PRECISION)
+                b_qk += dot_at(b_qg, b_kg, DIAG_PRECISION)
+                b_qb += dot_at(b_qg, b_bg, DIAG_PRECISION)
+                b_ak += dot_at(b_ag, b_kg, DIAG_PRECISION)
+                b_ab += dot_at(b_ag, b_bg, DIAG_PRECISION)
             o_r = tl.arange(0, BT)
             m_incl = o_r[:, None] >= o_r[None, :]
             m_strict = o_r[:, None] > o_r[None, :]
@@ -375,14 +375,10 @@ def bwd_sub(q, k, a, b, gc, gk, dAqk, dAqb, dAak, dAab, pairs, dq_s, dk_s, da_s,
                 b_e = exp(b_gr[None, :] - load_rows(gc, bos, o_j, o_j < T, i_h, o_k, m_k, H, K))
                 b_kj = load_rows(k, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e
                 b_bj = load_rows(b, bos, o_j, o_j < T, i_h, o_k, m_k, H, K) * b_e
-                b_dq += tl.dot(_load_dA(dAqk, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_kj,
-                               input_precision=DOT_PRECISION)
-                b_dq += tl.dot(_load_dA(dAqb, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_bj,
-                               input_precision=DOT_PRECISION)
-                b_da += tl.dot(_load_dA(dAak, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_kj,
-                               input_precision=DOT_PRECISION)
-                b_da += tl.dot(_load_dA(dAab, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_bj,
-                               input_precision=DOT_PRECISION)
+                b_dq += dot_at(_load_dA(dAqk, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_kj, DOT_PRECISION)
+                b_dq += dot_at(_load_dA(dAqb, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_bj, DOT_PRECISION)
+                b_da += dot_at(_load_dA(dAak, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_kj, DOT_PRECISION)
+                b_da += dot_at(_load_dA(dAab, bos, o_i, m_i, i_j * BC, i_h, H, BT, BC), b_bj, DOT_PRECISION)
         b_dq *= exp(tl.where(m_ik, b_g - b_gr[None, :], 0.))
         b_da *= exp(tl.where(m_ik, b_gp - b_gr[None, :], 0.))
     # column side (dk, db) from later sub-chunks, through the reference row before each of them
@@ -399,14 +395,10 @@ def bwd_sub(q, k, a, b, gc, gk, dAqk, dAqb, dAak, dAab, pairs, dq_s, dk_s, da_s,
             b_aj = load_rows(a, bos, o_j, m_j, i_h, o_k, m_k, H, K) * exp(
                 tl.where(m_jk, load_gp(gc, gk, bos, o_j, m_j, i_h, o_k, m_k, H, K) - b_gr[None, :], 0.))
             b_e = exp(tl.where(m_ik, b_gr[None, :] - b_g, 0.))
-            b_dkj = tl.dot(tl.trans(_load_dA(dAqk, bos, o_j, m_j, i_i * BC, i_h, H, BT, BC)), b_qj,
-                           input_precision=DOT_PRECISION)
-            b_dkj += tl.dot(tl.trans(_load_dA(dAak, bos, o_j, m_j, i_i * BC, i_h, H, BT, BC)), b_aj,
-                            input_precision=DOT_PRECISION)
-            b_dbj = tl.dot(tl.trans(_load_dA(dAqb, bos, o_j, m_j, i_i * BC, i_h, H, BT, BC)), b_qj,
-                           input_precision=DOT_PRECISION)
-            b_dbj += tl.dot(tl.trans(_load_dA(dAab, bos, o_j, m_j, i_i * BC, i_h, H, BT, BC)), b_aj,
-                            input_precision=DOT_PRECISION)
+            b_dkj = dot_at(tl.trans(_load_dA(dAqk, bos, o_j, m_j, i_i * BC, i_h, H, BT, BC)), b_qj, DOT_PRECISION)
+            b_dkj += dot_at(tl.trans(_load_dA(dAak, bos, o_j, m_j, i_i * BC, i_h, H, BT, BC)), b_aj, DOT_PRECISION)
+            b_dbj = dot_at(tl.trans(_load_dA(dAqb, bos, o_j, m_j, i_i * BC, i_h, H, BT, BC)), b_qj, DOT_PRECISION)
+            b_dbj += dot_at(tl.trans(_load_dA(dAab, bos, o_j, m_j, i_i * BC, i_h, H, BT, BC)), b_aj, DOT_PRECISION)
             b_dk += b_dkj * b_e
             b_db += b_dbj * b_e
     # the diagonal sub-chunk: factored through the midpoint of its gates when their span allows,
@@ -463,14 +455,14 @@ def factored_bwd(b_q, b_k, b_a, b_b, b_g, b_gp, b_ref, b_dq, b_dk, b_da, b_db, b
     b_fa = factor(1., b_gp, b_ref, m_rk, True)
     b_kg, b_bg = b_k * b_fc, b_b * b_fc
     b_qg, b_ag = b_q * b_fq * scale, b_a * b_fa
-    b_dq += (tl.dot(b_dqk, b_kg, input_precision=DIAG_PRECISION)
-             + tl.dot(b_dqb, b_bg, input_precision=DIAG_PRECISION)) * b_fq
-    b_da += (tl.dot(b_dak, b_kg, input_precision=DIAG_PRECISION)
-             + tl.dot(b_dab, b_bg, input_precision=DIAG_PRECISION)) * b_fa
-    b_dk += (tl.dot(tl.trans(b_dqk), b_qg, input_precision=DIAG_PRECISION)
-             + tl.dot(tl.trans(b_dak), b_ag, input_precision=DIAG_PRECISION)) * b_fc
-    b_db += (tl.dot(tl.trans(b_dqb), b_qg, input_precision=DIAG_PRECISION)
-             + tl.dot(tl.trans(b_dab), b_ag, input_precision=DIAG_PRECISION)) * b_fc
+    b_dq += (dot_at(b_dqk, b_kg, DIAG_PRECISION)
+             + dot_at(b_dqb, b_bg, DIAG_PRECISION)) * b_fq
+    b_da += (dot_at(b_dak, b_kg, DIAG_PRECISION)
+             + dot_at(b_dab, b_bg, DIAG_PRECISION)) * b_fa
+    b_dk += (dot_at(tl.trans(b_dqk), b_qg, DIAG_PRECISION)
+             + dot_at(tl.trans(b_dak), b_ag, DIAG_PRECISION)) * b_fc
+    b_db += (dot_at(tl.trans(b_dqb), b_qg, DIAG_PRECISION)
+             + dot_at(tl.trans(b_dab), b_ag, DIAG_PRECISION)) * b_fc
     return b_dq, b_dk, b_da, b_db
 
 

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, dot_precision, exp
+from fastweight.kernels.common import Chunks, dot_at, dot_precision, exp
 from fastweight.kernels.decay_intra import diag_precision
 
 
@@ -56,15 +56,15 @@ def dplr_wy_fwd_kernel(a, v, gc, gk, Ai, Aak, w, ut, cu_seqlens, chunk_indices, 
         p_k = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
         b_gp = tl.load(gc + p_k, mask=m_tk, other=0.) - tl.load(gk + p_k, mask=m_tk, other=0.).to(tl.float32)
         b_a = tl.load(a + p_k, mask=m_tk, other=0.).to(tl.float32) * exp(b_gp)
-        b_w = tl.dot(b_T, b_a, input_precision=DOT_PRECISION)
+        b_w = dot_at(b_T, b_a, DOT_PRECISION)
         tl.store(w + p_k, b_w.to(w.dtype.element_ty), mask=m_tk)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_v = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
         b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
-        b_y = tl.dot(b_Aak, b_v, input_precision=UT_PRECISION)
-        b_ut = tl.dot(b_T, b_y, input_precision=UT_PRECISION)
+        b_y = dot_at(b_Aak, b_v, UT_PRECISION)
+        b_ut = dot_at(b_T, b_y, UT_PRECISION)
         tl.store(ut + p_v, b_ut.to(ut.dtype.element_ty), mask=m_tv)
 
 
@@ -108,10 +108,8 @@ def local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
             m_tv = m_t[:, None] & (o_v < V)[None, :]
             p_v = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
             b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(tl.float32)
-            b_dAqk += tl.dot(b_do, tl.trans(tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)),
-                             input_precision=DOT_PRECISION)
-            b_dAqb += tl.dot(b_do, tl.trans(tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)),
-                             input_precision=DOT_PRECISION)
+            b_dAqk += dot_at(b_do, tl.trans(tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)), DOT_PRECISION)
+            b_dAqb += dot_at(b_do, tl.trans(tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)), DOT_PRECISION)
         tl.store(pairs + p_p, tl.sum(tl.where(m_diag, b_dAqk, 0.), 1), mask=m_t)
         tl.store(pairs + p_p + 1, tl.sum(tl.where(m_diag, b_dAqb, 0.), 1), mask=m_t)
         b_dAqk = tl.where(m_strict, b_dAqk, 0.)
@@ -135,10 +133,10 @@ def local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
         m_tv = m_t[:, None] & m_v[None, :]
         p_v = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
         b_du = tl.load(du + p_v, mask=m_tv, other=0.).to(tl.float32)
-        b_dx = tl.dot(tl.trans(b_T), b_du, input_precision=DOT_PRECISION)
+        b_dx = dot_at(tl.trans(b_T), b_du, DOT_PRECISION)
         b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(tl.float32)
-        b_dv = tl.dot(tl.trans(b_Aqk), b_do, input_precision=DOT_PRECISION)
-        b_dv += tl.dot(tl.trans(b_Aak), b_dx, input_precision=DOT_PRECISION)
+        b_dv = dot_at(tl.trans(b_Aqk), b_do, DOT_PRECISION)
+        b_dv += dot_at(tl.trans(b_Aak), b_dx, DOT_PRECISION)
         for i_k in range(0, tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
@@ -149,22 +147,22 @@ def local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
             b_kd = tl.load(k + p_k, mask=m_tk, other=0.).to(tl.float32) * b_e
             b_dh = tl.load(dh + o_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
                            other=0.).to(tl.float32)
-            b_dv += tl.dot(b_kd, b_dh, input_precision=GRAD_PRECISION)
+            b_dv += dot_at(b_kd, b_dh, GRAD_PRECISION)
         tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_tv)
         b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
         if not EARLY:
             b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
-            b_dAqk += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
-            b_dAqb += tl.dot(b_do, tl.trans(b_u), input_precision=DOT_PRECISION)
-        b_dAak += tl.dot(b_dx, tl.trans(b_v), input_precision=DOT_PRECISION)
+            b_dAqk += dot_at(b_do, tl.trans(b_v), DOT_PRECISION)
+            b_dAqb += dot_at(b_do, tl.trans(b_u), DOT_PRECISION)
+        b_dAak += dot_at(b_dx, tl.trans(b_v), DOT_PRECISION)
         if UT_KEPT:
             b_ut = tl.load(ut + p_v, mask=m_tv, other=0.).to(tl.float32)
-            b_dAab += tl.dot(b_dx, tl.trans(b_ut), input_precision=DOT_PRECISION)
+            b_dAab += dot_at(b_dx, tl.trans(b_ut), DOT_PRECISION)
     if not UT_KEPT:
         # dX U~^T = (dX V^T) A_ak^T T^T, U~ not kept from the forward; its two dots take the
         # forward's precision for U~ (3 x TF32 in fp16)
-        b_y = tl.dot(b_dAak, tl.trans(b_Aak), input_precision=GRAD_PRECISION)
-        b_dAab += tl.dot(b_y, tl.trans(b_T), input_precision=GRAD_PRECISION)
+        b_y = dot_at(b_dAak, tl.trans(b_Aak), GRAD_PRECISION)
+        b_dAab += dot_at(b_y, tl.trans(b_T), GRAD_PRECISION)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
@@ -186,13 +184,13 @@ def local_grads(q, k, v, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, dv, dq, 
             b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(tl.float32)
             b_u = tl.load(u + p_v, mask=m_tv, other=0.).to(tl.float32)
             b_v = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
-            b_dw += tl.dot(b_du, tl.trans(b_h), input_precision=DOT_PRECISION)
-            b_dqi += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PRECISION)
-            b_dbi += tl.dot(b_u, tl.trans(b_dh), input_precision=GRAD_PRECISION)
-            b_dki += tl.dot(b_v, tl.trans(b_dh), input_precision=GRAD_PRECISION)
-        b_da = tl.dot(tl.trans(b_T), b_dw, input_precision=DOT_PRECISION)
+            b_dw += dot_at(b_du, tl.trans(b_h), DOT_PRECISION)
+            b_dqi += dot_at(b_do, tl.trans(b_h), DOT_PRECISION)
+            b_dbi += dot_at(b_u, tl.trans(b_dh), GRAD_PRECISION)
+            b_dki += dot_at(b_v, tl.trans(b_dh), GRAD_PRECISION)
+        b_da = dot_at(tl.trans(b_T), b_dw, DOT_PRECISION)
         b_w = tl.load(w + p_k, mask=m_tk, other=0.).to(tl.float32)
-        b_dAab += tl.dot(b_da, tl.trans(b_w), input_precision=DOT_PRECISION)
+        b_dAab += dot_at(b_da, tl.trans(b_w), DOT_PRECISION)
         b_g = tl.load(gc + p_k, mask=m_tk, other=0.)
         b_gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=m_k, other=0.)
         b_e = exp(tl.where(m_tk, b_gl[None, :] - b_g, float("-inf")))
