@@ -34,6 +34,8 @@ rounding of those O(1) terms alone would swamp it) and added to dq and dk only.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -56,6 +58,16 @@ def _diag_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32:
         return "ieee"
     return "tf32rn" if dtype == torch.float16 else "tf32"
+
+
+# the backward's off-diagonal blocks for bf16 (experiment: FASTWEIGHT_KDA_BWD_OFF=tf32|tf32rn)
+_OFF = os.environ.get("FASTWEIGHT_KDA_BWD_OFF", "tf32")
+
+
+def _off_precision(dtype: torch.dtype) -> str:
+    """The backward's off-diagonal dots: "" (the input dtype's operands) or a TF32 precision on fp32
+    decayed rows and dA, for bf16 inputs."""
+    return _OFF if dtype == torch.bfloat16 else ""
 
 
 # (forward, backward) warps: the backward holds three [16, K] column sums across its row blocks and
@@ -208,24 +220,37 @@ def _diag_exact_bwd(q, k, g, dq, dk, dg, b_dqk, b_dkk, T, r0, HK: tl.constexpr, 
 
 @triton.jit
 def _bwd_row(q, k, g, dAqk, dAkk, dq, dk, dg, b_x0, b_x1, b_x2, T, t0, R: tl.constexpr, HK: tl.constexpr,
-             H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SPAN: tl.constexpr):
+             H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SPAN: tl.constexpr,
+             OFF_P: tl.constexpr):
     """Row block R's gradients, its column part b_xR complete (every row block below it is done);
-    adds its own column contributions to b_x0 .. b_x(R-1) and returns them."""
+    adds its own column contributions to b_x0 .. b_x(R-1) and returns them. OFF_P: the off-diagonal
+    blocks' dots on fp32 decayed rows and dA at that precision ("" : both in the input dtype)."""
     r0 = t0 + 16 * R
     b_q, b_k, b_ref, b_e, b_f, span = _block_rows(q, k, g, T, r0, HK, H, K, BK)
     dt = b_q.dtype
     b_qf, b_kf = b_q.to(tl.float32), b_k.to(tl.float32)
-    b_qe, b_ke = (b_qf * b_e).to(dt), (b_kf * b_e).to(dt)
+    if OFF_P == "":
+        b_qe, b_ke = (b_qf * b_e).to(dt), (b_kf * b_e).to(dt)
+    else:
+        b_qe, b_ke = b_qf * b_e, b_kf * b_e
     b_dq = tl.zeros([16, BK], dtype=tl.float32)
     b_dkr = tl.zeros([16, BK], dtype=tl.float32)
     for c in tl.static_range(R):
         b_kc, b_w = _columns(k, g, T, t0 + 16 * c, b_ref, HK, H, K, BK)
-        b_y = (b_kc * b_w).to(dt)
-        b_p = _blk(dAqk, T, r0, 16 * c, H, BT).to(dt)
-        b_s = _blk(dAkk, T, r0, 16 * c, H, BT).to(dt)
-        b_dq += mm(b_p, b_y)
-        b_dkr += mm(b_s, b_y)
-        b_xc = (mm(tl.trans(b_p), b_qe) + mm(tl.trans(b_s), b_ke)) * b_w
+        if OFF_P == "":
+            b_y = (b_kc * b_w).to(dt)
+            b_p = _blk(dAqk, T, r0, 16 * c, H, BT).to(dt)
+            b_s = _blk(dAkk, T, r0, 16 * c, H, BT).to(dt)
+            b_dq += mm(b_p, b_y)
+            b_dkr += mm(b_s, b_y)
+            b_xc = (mm(tl.trans(b_p), b_qe) + mm(tl.trans(b_s), b_ke)) * b_w
+        else:
+            b_y = b_kc.to(tl.float32) * b_w
+            b_p = _blk(dAqk, T, r0, 16 * c, H, BT).to(tl.float32)
+            b_s = _blk(dAkk, T, r0, 16 * c, H, BT).to(tl.float32)
+            b_dq += dot_at(b_p, b_y, OFF_P)
+            b_dkr += dot_at(b_s, b_y, OFF_P)
+            b_xc = (dot_at(tl.trans(b_p), b_qe, OFF_P) + dot_at(tl.trans(b_s), b_ke, OFF_P)) * b_w
         if c == 0:
             b_x0 += b_xc
         elif c == 1:
@@ -273,7 +298,8 @@ def _bwd_row(q, k, g, dAqk, dAkk, dq, dk, dg, b_x0, b_x1, b_x2, T, t0, R: tl.con
 
 @triton.jit
 def intra_bwd_kernel(q, k, g, dAqk, dAkk, dq, dk, dg, cu_seqlens, chunk_indices, H: tl.constexpr,
-                     HK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
+                     HK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr,
+                     OFF_P: tl.constexpr = ""):
     """dq, dk, dg (float32, per value head [T, H, K]) arrive with the other stages' parts and are updated.
 
     Row blocks from the last to the first: block r's rows take sum_c dA_rc C_rc (C_rc = k_c exp(R_r - G_c))
@@ -297,7 +323,7 @@ def intra_bwd_kernel(q, k, g, dAqk, dAkk, dq, dk, dg, cu_seqlens, chunk_indices,
     b_x1, b_x2 = b_x0, b_x0
     for i in tl.static_range(4):
         b_x0, b_x1, b_x2 = _bwd_row(q, k, g, dAqk, dAkk, dq, dk, dg, b_x0, b_x1, b_x2, T, t0, 3 - i,
-                                    HK, H, K, BK, BT, SPAN)
+                                    HK, H, K, BK, BT, SPAN, OFF_P)
 
 
 def intra_fwd(q, k, g_cum, chunks: Chunks, *, num_warps: int | None = None):
@@ -322,4 +348,5 @@ def intra_bwd(q, k, g_cum, dAqk, dAkk, dq, dk, dg, chunks: Chunks, *, num_warps:
     H = g_cum.shape[2]
     intra_bwd_kernel[(chunks.NC, H)](q, k, g_cum, dAqk, dAkk, dq, dk, dg, chunks.cu_seqlens, chunks.chunk_indices,
                                      H=H, HK=HK, K=K, BT=chunks.BT, BK=max(16, triton.next_power_of_2(K)),
-                                     SPAN=SAFE_SPAN, num_warps=num_warps or _warps(K)[1], num_stages=num_stages)
+                                     SPAN=SAFE_SPAN, OFF_P=_off_precision(q.dtype),
+                                     num_warps=num_warps or _warps(K)[1], num_stages=num_stages)
