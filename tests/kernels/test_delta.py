@@ -141,6 +141,29 @@ def test_fp16_errors_under_tf32_truncation(op, monkeypatch):
         assert gpu[name] <= bound, f"{name}: {gpu[name]:.3g} with TF32 against {err:.3g} exact"
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="emulate_bf16 patches the interpreter")
+def test_kda_bf16_dg_against_rounding():
+    """KDA's bf16 gate gradient, with the interpreter computing bf16 and TF32 dots as the GPU does
+    (``testing.emulate_bf16``, ``testing.emulate_tf32``), stays within 2.35x its rounding floor (the
+    float64 reference's dg rounded to bf16) at (1, 190, 2, 64), a partial last chunk. Measured over
+    seeds 1-6: 2.04-2.14x (seed 2: 3.53e-3 against a floor of 1.69e-3), where the backward's
+    off-diagonal intra dots on operands rounded to bf16 (``intra._off_precision`` "") give
+    2.53-2.72x (seed 2: 4.50e-3)."""
+    from fastweight.testing import emulate_bf16
+    x = sample("kda", 1, 190, 2, 64, 64, seed=2)
+    low = {n: t.bfloat16() for n, t in x.items()}
+    mine = {n: t.clone().requires_grad_() for n, t in low.items()}
+    ref = {n: t.double().requires_grad_() for n, t in low.items()}
+    o_r, _ = reference.kda(**ref, scale=64 ** -0.5)
+    do = torch.randn(o_r.shape, generator=generator(6), dtype=torch.float64)
+    (o_r * do).sum().backward()
+    with emulate_bf16(), emulate_tf32():
+        o, _ = kernels.chunk_kda(**mine, scale=64 ** -0.5)
+        (o.float() * do.float()).sum().backward()
+    err, floor = rel_err(mine["g"].grad, ref["g"].grad), rel_err(ref["g"].grad.bfloat16(), ref["g"].grad)
+    assert err <= 2.35 * floor, f"dg: {err:.3g} against a bf16 rounding floor of {floor:.3g}"
+
+
 @pytest.mark.parametrize("op, dtype", [(op, torch.float32) for op in ("gated_delta_rule", "delta_rule", "longhorn",
                                                                       "kda", "comba")]
                          + [("gated_delta_rule", torch.float16)])
