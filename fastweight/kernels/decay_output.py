@@ -85,7 +85,8 @@ def decay_output_fwd_kernel(q, k, v, gq, gc, h, A, A2, v2, o, cu_seqlens, chunk_
         p_A = tl.make_block_ptr(A2 + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_c * BT, 0), (BT, BT), (1, 0))
         b_A2 = tl.where(m_s, tl.load(p_A, boundary_check=(0, 1)), 0.)
         p_v = tl.make_block_ptr(v2 + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_c * BT, i_v * BV), (BT, BV), (1, 0))
-        b_v2 = tl.load(p_v, boundary_check=(0, 1))
+        # the reads may be kept wider than v (fp32 for fp16 inputs): multiplied in v's dtype
+        b_v2 = tl.load(p_v, boundary_check=(0, 1)).to(v.dtype.element_ty)
         b_o += dot_at(b_A2.to(b_v2.dtype), b_v2, DOT_PRECISION)
     p_o = tl.make_block_ptr(o + (bos * H + i_h) * V, (T, V), (H * V, 1), (i_c * BT, i_v * BV), (BT, BV), (1, 0))
     tl.store(p_o, b_o.to(o.dtype.element_ty), boundary_check=(0, 1))

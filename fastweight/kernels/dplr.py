@@ -130,6 +130,16 @@ def _saved_tensors_hooked() -> bool:
     return top is None or top(False) is not None
 
 
+def _read_dtype(q: torch.Tensor):
+    """The dtype the forward keeps the reads U = U~ + W S in for the backward: fp32 for fp16
+    inputs, else the inputs'. db and dk take U dS'^T; a cotangent shared along V (``S.sum()``'s,
+    or an expanded one) makes each of their entries one sum over V and the value heads, which can
+    cancel to a small fraction of its terms, and fp16's rounding of U alone then exceeds 10 times
+    the fp32 path's error (db 7.7e-3 against 4.0e-4 at T = 1, 4 value heads, 216x cancellation);
+    fp16 keeps dh in fp32 for the like reason. bf16 keeps its reads at its own resolution."""
+    return torch.float32 if q.dtype == torch.float16 else None
+
+
 def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):
     """Steps 1-2: gates, the four intra-chunk matrices, T, W and U~ (and the chunks' wide flags)."""
     T, H = q.shape[1], q.shape[2]
@@ -151,11 +161,12 @@ class ChunkDplrFunction(torch.autograd.Function):
             store = keep and not launch.recompute
             h, u, o, ht = state_fwd("dplr", k, v, chunks, g=gc, w=w, u=ut, b=b, q=q, A=Aqk, A2=Aqb, scale=scale,
                                     initial_state=initial_state, output_final_state=output_final_state,
-                                    store_h=store, store_r=store, fuse_output=True, block_v=launch.state_block_v)
+                                    store_h=store, store_r=store, fuse_output=True, block_v=launch.state_block_v,
+                                    r_dtype=_read_dtype(q))
         else:
             h, u, _, ht = state_fwd("dplr", k, v, chunks, g=gc, w=w, u=ut, b=b, initial_state=initial_state,
                                     output_final_state=output_final_state, store_r=True,
-                                    block_v=launch.state_block_v)
+                                    block_v=launch.state_block_v, r_dtype=_read_dtype(q))
             o = output_fwd(q, k, v, gc, gc, h, Aqk, scale, chunks, False, A2=Aqb, v2=u)
         if not keep:
             ctx.save_for_backward()
@@ -183,7 +194,7 @@ class ChunkDplrFunction(torch.autograd.Function):
         if launch.recompute:
             gc, Aqk, Aqb, Aak, Ai, w, ut, wide = _prepare(q, k, v, a, b, gk, scale, chunks, launch)
             h, u, _, _ = state_fwd("dplr", k, v, chunks, g=gc, w=w, u=ut, b=b, initial_state=initial_state,
-                                   store_r=True, block_v=launch.state_block_v)
+                                   store_r=True, block_v=launch.state_block_v, r_dtype=_read_dtype(q))
         else:
             Aqk, Aak, Ai, w, ut, h, u, wide, *saved_aqb = kept
             try:

@@ -448,7 +448,7 @@ def _gate_kind(g) -> int:
 def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, b=None, q=None, A=None,
               A2=None, scale: float = 1.0, initial_state=None, output_final_state: bool = False, store_h: bool = True,
               store_r: bool = False, fuse_output: bool = False, state_dtype=None, block_v=None,
-              prescaled: bool = False, Ai=None, beta=None, k_transposed: bool = True):
+              prescaled: bool = False, Ai=None, beta=None, k_transposed: bool = True, r_dtype=None):
     """The forward state pass (module docstring).
 
     k: [1, T, HK, K] (q likewise, with ``fuse_output``); v: [1, T, H, V]; w, b: [1, T, H, K]; u:
@@ -460,7 +460,7 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     Diag(gamma) K S) (one [BT, BT] product more a chunk; W and U are not formed). ``Ai`` with
     ``beta=None``: Ai already holds Ai Diag(beta) (``kkt_solve(fold_beta=True)``), R = Ai (V -
     Diag(gamma) K S). Returns (h [NC,
-    H, K, V] in ``state_dtype`` (default k's) or None, R [1, T, H, V] in v's dtype or None, o [1,
+    H, K, V] in ``state_dtype`` (default k's) or None, R [1, T, H, V] in ``r_dtype`` (default v's) or None, o [1,
     T, H, V] in v's dtype or None, final state fp32 or None). ``k_transposed`` (DELTA, scalar or no
     gate): k read as K^T tiles (False: as rows; the tiles made GDN's inference forward 7% faster on
     the H100, docs/bench/delta.md)."""
@@ -476,7 +476,7 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     uniform = chunks.NT is not None and transition == "delta"
     dev = k.device
     h = alloc((chunks.NC, H, K, V), dtype=state_dtype or k.dtype, device=dev) if store_h else None
-    r = alloc(v.shape, dtype=v.dtype, device=dev) if store_r else None
+    r = alloc(v.shape, dtype=r_dtype or v.dtype, device=dev) if store_r else None
     o = alloc(v.shape, dtype=v.dtype, device=dev) if fuse_output else None
     ht = alloc((chunks.N, H, K, V), dtype=torch.float32, device=dev) if output_final_state else None
     grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), chunks.N * H)
