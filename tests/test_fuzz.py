@@ -100,7 +100,7 @@ def test_gpu_found_cases(op, mode, backend, dtype, seed):
 
 
 def test_rwkv7_fp16_db_with_a_cotangent_shared_along_v():
-    """The GPU fuzz's one failure of session 26, as drawn: RWKV-7 fp16, T = 1, 4 value heads sharing b,
+    """A GPU fuzz failure, as drawn: RWKV-7 fp16, T = 1, 4 value heads sharing b,
     an expanded cotangent on the final state. Each db entry is one sum over V and the heads that
     cancels 216x; with the reads U kept in fp16 for the backward db was 5.50e-3 against a tolerance of
     4.53e-3 (the interpreter and the H100 agree to 3 digits); kept in fp32 (``dplr._read_dtype``), 3.3e-3."""

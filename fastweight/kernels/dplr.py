@@ -134,9 +134,11 @@ def _read_dtype(q: torch.Tensor):
     """The dtype the forward keeps the reads U = U~ + W S in for the backward: fp32 for fp16
     inputs, else the inputs'. db and dk take U dS'^T; a cotangent shared along V (``S.sum()``'s,
     or an expanded one) makes each of their entries one sum over V and the value heads, which can
-    cancel to a small fraction of its terms, and fp16's rounding of U alone then exceeds 10 times
-    the fp32 path's error (db 7.7e-3 against 4.0e-4 at T = 1, 4 value heads, 216x cancellation);
-    fp16 keeps dh in fp32 for the like reason. bf16 keeps its reads at its own resolution."""
+    cancel to a small fraction of its terms, and fp16's rounding of U then dominates (T = 1, 4
+    value heads, 216x cancellation, H100: db 5.50e-3 with fp16 reads, 3.31e-3 with fp32 ones,
+    against a fuzz tolerance of 4.5e-3; the PyTorch path 4.0e-4). fp16 keeps dh in fp32 for the
+    like reason. bf16 keeps its reads at its own resolution. Reads that only feed the output are
+    kept in v's dtype (the output multiplies them in it)."""
     return torch.float32 if q.dtype == torch.float16 else None
 
 
@@ -166,7 +168,8 @@ class ChunkDplrFunction(torch.autograd.Function):
         else:
             h, u, _, ht = state_fwd("dplr", k, v, chunks, g=gc, w=w, u=ut, b=b, initial_state=initial_state,
                                     output_final_state=output_final_state, store_r=True,
-                                    block_v=launch.state_block_v, r_dtype=_read_dtype(q))
+                                    block_v=launch.state_block_v,
+                                    r_dtype=_read_dtype(q) if keep and not launch.recompute else None)
             o = output_fwd(q, k, v, gc, gc, h, Aqk, scale, chunks, False, A2=Aqb, v2=u)
         if not keep:
             ctx.save_for_backward()

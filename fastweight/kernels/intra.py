@@ -8,7 +8,8 @@ For a chunk (local rows i, j; ``G`` the chunk-local cumsum of the per-channel lo
 exp(G_i) * exp(-G_j) over a whole chunk overflows for strong decays, so the chunk is cut into
 4 blocks of 16 rows. Off-diagonal blocks (rows r > columns c) factor through the first row of
 block r, ``R_r``: both ``exp(G_i - R_r)`` (i >= ref) and ``exp(R_r - G_j)`` (j < ref) are
-<= 1, and the block is one matrix product in the input dtype. A diagonal block is factored the
+<= 1, and the block is one matrix product: in the input dtype, but on fp32 decayed rows and dA
+at TF32 in the bf16 backward (``_off_precision``). A diagonal block is factored the
 same way, with fp32 operands, when its decay over 16 rows stays under e^SAFE_SPAN, and otherwise
 takes the pairwise differences directly (16 channels at a time). The factored diagonal's fp32
 operands go to the tensor cores as TF32, which truncates them to 10 mantissa bits; for fp16 they
@@ -42,7 +43,7 @@ from fastweight.kernels.common import SAFE_SPAN, Chunks, alloc, dot_at, exp, mm
 
 # SPAN (``common.SAFE_SPAN``): a diagonal block whose decay over its 16 rows stays under exp(SPAN) in
 # every channel is factored through its first row like the off-diagonal ones, with its operands (up
-# to e^40) in fp32, not in the input dtype as the off-diagonal blocks: bf16 operands put KDA's bf16
+# to e^40) in fp32, not in the input dtype as the forward's off-diagonal blocks: bf16 operands put KDA's bf16
 # dg at 4.3x its rounding floor on the H200, fp32 ones at 2.2x (docs/bench/delta.md, KDA bf16 dg).
 # The forward multiplies them as TF32 for 16-bit inputs (exactly for fp32 inputs): exact fp32 (FMA)
 # products over all of K cost the forward 2x on the H200, and TF32 leaves the bf16 dg where it was
@@ -61,7 +62,7 @@ def _diag_precision(dtype: torch.dtype) -> str:
 def _off_precision(dtype: torch.dtype) -> str:
     """The backward's off-diagonal dots: for bf16, a TF32 pass on the fp32 decayed rows and dA
     (rounded to bf16, they gave dg 1.27x fla's error: 4.48e-3 against 3.54e-3 on the H100); for the
-    other dtypes, "" (operands in the input dtype)."""
+    other dtypes, "" (operands in the input dtype: fp16's 11 significant bits are TF32's)."""
     return "tf32" if dtype == torch.bfloat16 else ""
 
 

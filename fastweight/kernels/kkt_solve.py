@@ -48,7 +48,8 @@ def _substitute_row(b_Y, i, o_i):
 @triton.jit
 def _substitute_col(b_Z, b_N, i, o_i):
     """Column i of Z = ((I + A)^{-1} - I)^T from the columns before it (b_N = -A; Z starts as -A^T).
-    Row i of the inverse is y_i + sum_{j < i} y_i[j] X_j with y_i = row i of -A: held transposed,
+    Row i of (I + A)^{-1} - I is y_i + sum_{j < i} y_i[j] Y_j (y_i = row i of -A, Y_j the finished
+    row j): held transposed,
     y_i indexes Z's columns and the sum comes out along its rows, so no vector changes layout."""
     b_y = tl.sum(tl.where(o_i[:, None] == i, b_N, 0.), 0)
     b_x = tl.sum(b_Z * b_y[None, :], 1)
