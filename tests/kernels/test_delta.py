@@ -415,14 +415,16 @@ def check_strong(op, x, h0, *, cu_seqlens=None, G=1, qk_l2norm=False, gate=None,
     pair = run_pair(op, x, h0, dtype, G=G, cu_seqlens=cu_seqlens, qk_l2norm=qk_l2norm, gate=gate)
     (o, ht), _, (o_ref, ht_ref), _, g_ref = pair
     tol = TOL[dtype]
-    assert rel_err(o, o_ref) < tol and rel_err(ht, ht_ref) < tol
+    tol_g = gate_tolerance(x["g"] if g_ref is None else g_ref.detach(), cu_seqlens, tol) if "g" in x else tol
+    # the final state's terms carry exp(G_C - G_t) of the same fp32 G (comba-43--6.0, seeds
+    # 10097840660142842296, 8960055436531050125, 16615321677656887791: ht 1.38e-5, 2^-24 max|G| = 1.56e-5)
+    assert rel_err(o, o_ref) < tol and rel_err(ht, ht_ref) < tol_g
     do, dht = torch.randn(o.shape, generator=generator()), torch.randn(ht.shape, generator=generator())
     tols = {}
     if "g" in x:
         # Comba's read key p reads the state through the exclusive cumsum G - g of the same fp32 G: the
         # same resolution (seeds of comba-127--6.0 in step_conditions: dp 1.17e-5, 2^-24 max|G| = 2.3e-5)
-        tols = dict.fromkeys(("g", "A_log", "dt_bias") + (("p",) if "p" in x else ()),
-                             gate_tolerance(x["g"] if g_ref is None else g_ref.detach(), cu_seqlens, tol))
+        tols = dict.fromkeys(("g", "A_log", "dt_bias") + (("p",) if "p" in x else ()), tol_g)
     if g_ref is None and G == 1 and not qk_l2norm:
         # the step inputs whose gradients contract the state (the read q, the gate, Comba's read key p, beta)
         eps = torch.finfo(dtype).eps
