@@ -74,8 +74,9 @@ def _check(op, inputs, *, dtype=torch.float32, initial_state=None, cu_seqlens=No
     the loss S.sum() sums cancelling state entries (4e-5 in the fp32 reference, seed 101). A gate
     gradient's allowance stops at 10x the tolerance: the fp32 reference has HGRN2's expm1 gradient
     (0 below g ~ -17), and a gate identity that loses its terms fails well past that. The gradients
-    of the contracted inputs (q, k, v, beta, ...) are also allowed ROUNDING ulp of their condition
-    (rounding_tolerances: a deterministic measure of the same fp32 limit the floor samples once)."""
+    of the contracted inputs (q, k, v, beta, ...) and of the initial state are also allowed ROUNDING ulp
+    of their condition (rounding_tolerances: a deterministic measure of the same fp32 limit the floor
+    samples once)."""
     fn = getattr(ops, f"fused_recurrent_{op}")
     low = {n: t.to(dtype) for n, t in inputs.items()}
     if initial_state is not None:
