@@ -49,8 +49,8 @@ def _substitute_row(b_Y, i, o_i):
 def _substitute_col(b_Z, b_N, i, o_i):
     """Column i of Z = ((I + A)^{-1} - I)^T from the columns before it (b_N = -A; Z starts as -A^T).
     Row i of (I + A)^{-1} - I is y_i + sum_{j < i} y_i[j] Y_j (y_i = row i of -A, Y_j the finished
-    row j): held transposed,
-    y_i indexes Z's columns and the sum comes out along its rows, so no vector changes layout."""
+    row j): held transposed, y_i indexes Z's columns and the sum comes out along its rows, so no
+    vector changes layout."""
     b_y = tl.sum(tl.where(o_i[:, None] == i, b_N, 0.), 0)
     b_x = tl.sum(b_Z * b_y[None, :], 1)
     return tl.where(o_i[None, :] == i, b_Z + b_x[:, None], b_Z)
@@ -64,12 +64,13 @@ def invert_unit_lower16x4(b_A1, b_A2, b_A3, b_A4, TRANSPOSED: tl.constexpr = Fal
     o_i = tl.arange(0, 16)
     if TRANSPOSED:
         b_I = tl.where(o_i[:, None] == o_i[None, :], 1., 0.)
-        b_Z1, b_Z2, b_Z3, b_Z4 = -tl.trans(b_A1), -tl.trans(b_A2), -tl.trans(b_A3), -tl.trans(b_A4)
+        b_N1, b_N2, b_N3, b_N4 = -b_A1, -b_A2, -b_A3, -b_A4
+        b_Z1, b_Z2, b_Z3, b_Z4 = tl.trans(b_N1), tl.trans(b_N2), tl.trans(b_N3), tl.trans(b_N4)
         for i in range(1, 16):
-            b_Z1 = _substitute_col(b_Z1, -b_A1, i, o_i)
-            b_Z2 = _substitute_col(b_Z2, -b_A2, i, o_i)
-            b_Z3 = _substitute_col(b_Z3, -b_A3, i, o_i)
-            b_Z4 = _substitute_col(b_Z4, -b_A4, i, o_i)
+            b_Z1 = _substitute_col(b_Z1, b_N1, i, o_i)
+            b_Z2 = _substitute_col(b_Z2, b_N2, i, o_i)
+            b_Z3 = _substitute_col(b_Z3, b_N3, i, o_i)
+            b_Z4 = _substitute_col(b_Z4, b_N4, i, o_i)
         return tl.trans(b_Z1) + b_I, tl.trans(b_Z2) + b_I, tl.trans(b_Z3) + b_I, tl.trans(b_Z4) + b_I
     b_Y1, b_Y2, b_Y3, b_Y4 = -b_A1, -b_A2, -b_A3, -b_A4
     for i in range(1, 16):
