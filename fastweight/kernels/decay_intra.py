@@ -117,7 +117,8 @@ def decay_intra_fwd_kernel(q, k, gq, gc, u, A, cu_seqlens, chunk_indices, scale,
         b_g = tl.load(gc + p_i, mask=m_ik, other=0.)
         b_span, b_ref = span_ref(b_gq, b_g, m_ik)
         if b_span < SPAN:
-            b_A += dot_at(factor(b_q, b_gq, b_ref, m_ik, True), tl.trans(factor(b_k, b_g, b_ref, m_ik, False)), DIAG_PRECISION)
+            b_A += dot_at(factor(b_q, b_gq, b_ref, m_ik, True), tl.trans(factor(b_k, b_g, b_ref, m_ik, False)),
+                          DIAG_PRECISION)
         else:
             for j in range(0, BC):  # a loop, not unrolled: the fallback keeps registers low
                 m_kj = m_k & (i_c * BT + i_i * BC + j < T)
