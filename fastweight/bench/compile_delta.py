@@ -14,7 +14,8 @@ launched (same constexprs, num_warps, num_stages); nothing runs, so values are g
 compilation is checked. Do not set TRITON_INTERPRET. Prints one line per distinct kernel.
 ``--sass DIR``: each kernel's SASS as well, without addresses and encodings, in DIR (one file per
 kernel, named by its line's order) and its md5 on the line: two trees whose md5s agree run the
-same machine code, so a refactor can be shown not to touch a timed kernel without a GPU.
+same machine code, so a refactor can be shown not to touch a timed kernel without a GPU. The line
+also gives the instruction counts of the kernel's loops (``loop_bodies``).
 """
 
 from __future__ import annotations
@@ -108,9 +109,22 @@ def resources(cubin: bytes) -> str:
     return f"regs {m.group(1)}, stack {m.group(2)} B" if m else "regs ?"
 
 
+def loop_bodies(text: str) -> list[int]:
+    """The instruction counts of the loops in cuobjdump's SASS ``text``, in program order: each
+    branch back to an earlier address closes a loop from its target to the branch. In a kernel that
+    one warpgroup an SM runs, nothing hides the serial loop's latency and its count stands in for
+    its time (docs/bench/delta.md, session 24)."""
+    bodies = []
+    for line in text.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+(?:`\()?0x([0-9a-f]+)", line)
+        if m and int(m.group(2), 16) < int(m.group(1), 16):  # a branch to itself ends the code
+            bodies.append((int(m.group(1), 16) - int(m.group(2), 16)) // 16 + 1)
+    return bodies
+
+
 def sass(cubin: bytes, name: str) -> str:
-    """"N instructions, md5 M" of a kernel's SASS, written to ``sass_dir`` without the addresses and
-    encodings (which move with any change before them)."""
+    """"N instructions, loops [..], md5 M" of a kernel's SASS (``loop_bodies``), written to ``sass_dir``
+    without the addresses and encodings (which move with any change before them)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -122,7 +136,7 @@ def sass(cubin: bytes, name: str) -> str:
     digest = hashlib.md5(body.encode()).hexdigest()[:12]
     with open(os.path.join(sass_dir[0], f"{len(_seen) + 1:03d}-{name}.sass"), "w") as f:
         f.write(body + "\n")
-    return f"{len(code)} instructions, md5 {digest}"
+    return f"{len(code)} instructions, loops {loop_bodies(text)}, md5 {digest}"
 
 
 def _inputs(op, B, T, H, K, V, dtype):

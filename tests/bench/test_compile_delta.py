@@ -31,10 +31,27 @@ def test_sass_written_and_named_by_md5(tmp_path):
                           "--kernels", "chunk_cumsum_kernel", "--sass", str(tmp_path)],
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    digests = re.findall(r"sass (\d+) instructions, md5 ([0-9a-f]{12})", run.stdout)
+    digests = re.findall(r"sass (\d+) instructions, loops \[[\d, ]*\], md5 ([0-9a-f]{12})", run.stdout)
     files = sorted(tmp_path.iterdir())
     assert digests and len(files) == len(digests), run.stdout[-2000:]
     for (count, digest), path in zip(digests, files):
         body = path.read_text().rstrip("\n")
         assert "/*" not in body and len(body.splitlines()) == int(count) > 0
         assert hashlib.md5(body.encode()).hexdigest()[:12] == digest
+
+
+def test_loop_bodies():
+    """A branch back to an earlier address closes a loop (its body counted from the target to the
+    branch, 16 bytes an instruction); forward branches and a branch to itself (the code's end) do not."""
+    from fastweight.bench.compile_delta import loop_bodies
+    text = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        "        /*0010*/                   ISETP.GE.AND P0, PT, R0, 0x4, PT ;",
+        "        /*0020*/               @P0 BRA 0x60 ;",
+        "        /*0030*/                   IADD3 R0, R0, 0x1, RZ ;",
+        "        /*0040*/              @!P1 BRA 0x10 ;",
+        "        /*0050*/                   BRA.U `(.L_x_1) ;",
+        "        /*0060*/                   EXIT ;",
+        "        /*0070*/                   BRA 0x70;",
+    ])
+    assert loop_bodies(text) == [4]
