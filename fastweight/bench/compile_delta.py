@@ -113,7 +113,7 @@ def loop_bodies(text: str) -> list[int]:
     """The instruction counts of the loops in cuobjdump's SASS ``text``, in program order: each
     branch back to an earlier address closes a loop from its target to the branch. In a kernel that
     one warpgroup an SM runs, nothing hides the serial loop's latency and its count stands in for
-    its time (docs/bench/delta.md, session 24)."""
+    its time."""
     bodies = []
     for line in text.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+(?:`\()?0x([0-9a-f]+)", line)
