@@ -180,28 +180,38 @@ def _rows16x4(x, T, t0, i_k, HK: tl.constexpr, K: tl.constexpr, BK: tl.constexpr
 def _store_qk(q, k, g, Aqk, bos, T, t0, i_h, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
               BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr):
     """Stores the chunk's output scores lower(Gamma * Q K^T) [BT, BT] (Gamma_ij = exp(g_i - g_j),
-    i >= j; 1 without USE_G) in Aqk's dtype, 16 rows at a time (a [16, BT] accumulator: the solve's
-    blocks hold the registers of this one-warp kernel). The inference state pass reads them instead
-    of forming them on its serial path (``state._fwd_step``, QK_GIVEN)."""
-    o_c = t0 + tl.arange(0, BT)
-    m_c = o_c < T
+    i >= j; 1 without USE_G) in Aqk's dtype, zeros above the diagonal, 16 rows at a time: a [16, W]
+    accumulator (the solve's blocks hold the registers of this one-warp kernel), W the columns the
+    rows reach (the first half's rows need half of them). The inference state pass reads them
+    instead of forming them on its serial path (``state._fwd_step``, QK_GIVEN)."""
+    for r in range(0, BT // 32):
+        _store_qk_rows(q, k, g, Aqk, bos, T, t0, t0 + r * 16, i_h, H, HK, K, BT, BK, BT // 2, USE_G)
+    for r in range(BT // 32, BT // 16):
+        _store_qk_rows(q, k, g, Aqk, bos, T, t0, t0 + r * 16, i_h, H, HK, K, BT, BK, BT, USE_G)
+
+
+@triton.jit
+def _store_qk_rows(q, k, g, Aqk, bos, T, t0, r0, i_h, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr, W: tl.constexpr, USE_G: tl.constexpr):
+    """Rows r0 .. r0 + 15 of ``_store_qk``'s scores over the chunk's first W columns (zeros in the rest)."""
+    o_r, o_c = r0 + tl.arange(0, 16), t0 + tl.arange(0, W)
+    b_s = tl.zeros([16, W], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        p_q = tl.make_block_ptr(q, (T, K), (HK * K, 1), (r0, i_k * BK), (16, BK), (1, 0))
+        p_kt = tl.make_block_ptr(k, (K, T), (1, HK * K), (i_k * BK, t0), (BK, W), (0, 1))
+        b_s += mm(tl.load(p_q, boundary_check=(0, 1)), tl.load(p_kt, boundary_check=(0, 1)))
+    m = (o_r[:, None] >= o_c[None, :]) & (o_c < T)[None, :]
     if USE_G:
-        b_gc = tl.load(g + (bos + o_c) * H + i_h, mask=m_c, other=0.)
-    for r in range(0, BT // 16):
-        o_r = t0 + r * 16 + tl.arange(0, 16)
-        b_s = tl.zeros([16, BT], dtype=tl.float32)
-        for i_k in range(tl.cdiv(K, BK)):
-            p_q = tl.make_block_ptr(q, (T, K), (HK * K, 1), (t0 + r * 16, i_k * BK), (16, BK), (1, 0))
-            p_kt = tl.make_block_ptr(k, (K, T), (1, HK * K), (i_k * BK, t0), (BK, BT), (0, 1))
-            b_s += mm(tl.load(p_q, boundary_check=(0, 1)), tl.load(p_kt, boundary_check=(0, 1)))
-        m = (o_r[:, None] >= o_c[None, :]) & m_c[None, :]
-        if USE_G:
-            b_gr = tl.load(g + (bos + o_r) * H + i_h, mask=o_r < T, other=0.)
-            b_s = b_s * exp(tl.where(m, b_gr[:, None] - b_gc[None, :], float("-inf")))
-        else:
-            b_s = tl.where(m, b_s, 0.)
-        p_A = tl.make_block_ptr(Aqk, (T, BT), (H * BT, 1), (t0 + r * 16, 0), (16, BT), (1, 0))
-        tl.store(p_A, b_s.to(p_A.dtype.element_ty), boundary_check=(0, 1))
+        b_gr = tl.load(g + (bos + o_r) * H + i_h, mask=o_r < T, other=0.)
+        b_gc = tl.load(g + (bos + o_c) * H + i_h, mask=o_c < T, other=0.)
+        b_s = b_s * exp(tl.where(m, b_gr[:, None] - b_gc[None, :], float("-inf")))
+    else:
+        b_s = tl.where(m, b_s, 0.)
+    p_A = tl.make_block_ptr(Aqk, (T, BT), (H * BT, 1), (r0, 0), (16, W), (1, 0))
+    tl.store(p_A, b_s.to(p_A.dtype.element_ty), boundary_check=(0, 1))
+    if W < BT:
+        p_0 = tl.make_block_ptr(Aqk, (T, BT), (H * BT, 1), (r0, W), (16, BT - W), (1, 0))
+        tl.store(p_0, tl.zeros([16, BT - W], dtype=tl.float32).to(p_0.dtype.element_ty), boundary_check=(0, 1))
 
 
 @triton.jit
