@@ -181,9 +181,10 @@ def _store_qk(q, k, g, Aqk, bos, T, t0, i_h, H: tl.constexpr, HK: tl.constexpr, 
               BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr):
     """Stores the chunk's output scores lower(Gamma * Q K^T) [BT, BT] (Gamma_ij = exp(g_i - g_j),
     i >= j; 1 without USE_G) in Aqk's dtype, zeros above the diagonal, 16 rows at a time: a [16, W]
-    accumulator (the solve's blocks hold the registers of this one-warp kernel), W the columns the
-    rows reach (the first half's rows need half of them). The inference state pass reads them
-    instead of forming them on its serial path (``state._fwd_step``, QK_GIVEN)."""
+    accumulator, W the columns the rows reach (the first half's rows need half of them). Ten
+    [16, 16] blocks, as the solve's, spilled in the one-warp kernel (sm_90: 280-536 B of stack).
+    The inference state pass reads the scores instead of forming them on its serial path
+    (``state._fwd_step``, QK_GIVEN)."""
     for r in range(0, BT // 32):
         _store_qk_rows(q, k, g, Aqk, bos, T, t0, t0 + r * 16, i_h, H, HK, K, BT, BK, BT // 2, USE_G)
     for r in range(BT // 32, BT // 16):
