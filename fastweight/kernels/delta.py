@@ -75,10 +75,13 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
     # inference folds beta into Ai (the state pass then reads no beta); a backward needs Ai itself
     fold = fuse_wy and not store_h
     if gk_cum is None:
-        Ai = kkt_solve(k, beta, g_cum, chunks, p=p, g_read=g_read, fold_beta=fold)
+        # inference also takes the output's scores from the solve's kernel, off the state pass's serial path
+        Ai = kkt_solve(k, beta, g_cum, chunks, p=p, g_read=g_read, fold_beta=fold, q=q if fold else None)
+    if fold:
+        Ai, Aqk = Ai
     qs, ks = q, k
     if fuse_wy:
-        h, v_new, o, ht = state_fwd("delta", k, v, chunks, g=g_cum, q=q, Ai=Ai, beta=None if fold else beta,
+        h, v_new, o, ht = state_fwd("delta", k, v, chunks, g=g_cum, q=q, A=Aqk, Ai=Ai, beta=None if fold else beta,
                                     scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                                     store_h=store_h, store_r=store_h, fuse_output=True)
         return o, ht, (g_cum, gk_cum, g_read, Ai, Aqk, Akk, None, h, v_new)

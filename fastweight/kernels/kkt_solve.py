@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, alloc, mm
+from fastweight.kernels.common import Chunks, alloc, exp, mm
 from fastweight.kernels.decay_intra import diag_precision
 
 BT_DELTA = 64
@@ -97,11 +97,13 @@ def _gamma(g, gr, bos, T, H: tl.constexpr, i_h, r0, c0, USE_G: tl.constexpr, STR
 
 
 @triton.jit
-def kkt_solve_kernel(k, p, beta, g, gr, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
+def kkt_solve_kernel(k, p, beta, g, gr, Ai, q, Aqk, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
                      K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr, USE_P: tl.constexpr,
-                     MERGE_PRECISION: tl.constexpr, FOLD_BETA: tl.constexpr):
+                     MERGE_PRECISION: tl.constexpr, FOLD_BETA: tl.constexpr, QK: tl.constexpr):
     """Rows read with p and the gate gr (USE_P: Comba's read key and its exclusive cumsum), columns
-    with k and g; without USE_P both are k and g. FOLD_BETA: stores Ai Diag(beta)."""
+    with k and g; without USE_P both are k and g. FOLD_BETA: stores Ai Diag(beta). QK: also stores
+    the output's scores, lower(Gamma * Q K^T) (``_store_qk``), first, so that nothing of theirs is
+    live through the solve."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
@@ -109,37 +111,11 @@ def kkt_solve_kernel(k, p, beta, g, gr, Ai, cu_seqlens, chunk_indices, H: tl.con
     t0 = i_t * BT
     k += (bos * HK + i_h // (H // HK)) * K
     p += (bos * HK + i_h // (H // HK)) * K
-    b_A11 = tl.zeros([16, 16], dtype=tl.float32)
-    b_A21, b_A22 = tl.zeros([16, 16], dtype=tl.float32), tl.zeros([16, 16], dtype=tl.float32)
-    b_A31, b_A32, b_A33 = b_A11, b_A11, b_A11
-    b_A41, b_A42, b_A43, b_A44 = b_A11, b_A11, b_A11, b_A11
-    for i_k in range(tl.cdiv(K, BK)):
-        p_k1 = tl.make_block_ptr(k, (T, K), (HK * K, 1), (t0, i_k * BK), (16, BK), (1, 0))
-        p_k2 = tl.make_block_ptr(k, (T, K), (HK * K, 1), (t0 + 16, i_k * BK), (16, BK), (1, 0))
-        p_k3 = tl.make_block_ptr(k, (T, K), (HK * K, 1), (t0 + 32, i_k * BK), (16, BK), (1, 0))
-        p_k4 = tl.make_block_ptr(k, (T, K), (HK * K, 1), (t0 + 48, i_k * BK), (16, BK), (1, 0))
-        b_k1, b_k2 = tl.load(p_k1, boundary_check=(0, 1)), tl.load(p_k2, boundary_check=(0, 1))
-        b_k3, b_k4 = tl.load(p_k3, boundary_check=(0, 1)), tl.load(p_k4, boundary_check=(0, 1))
-        b_p1, b_p2, b_p3, b_p4 = b_k1, b_k2, b_k3, b_k4
-        if USE_P:
-            b_p1 = tl.load(tl.make_block_ptr(p, (T, K), (HK * K, 1), (t0, i_k * BK), (16, BK), (1, 0)),
-                           boundary_check=(0, 1))
-            b_p2 = tl.load(tl.make_block_ptr(p, (T, K), (HK * K, 1), (t0 + 16, i_k * BK), (16, BK), (1, 0)),
-                           boundary_check=(0, 1))
-            b_p3 = tl.load(tl.make_block_ptr(p, (T, K), (HK * K, 1), (t0 + 32, i_k * BK), (16, BK), (1, 0)),
-                           boundary_check=(0, 1))
-            b_p4 = tl.load(tl.make_block_ptr(p, (T, K), (HK * K, 1), (t0 + 48, i_k * BK), (16, BK), (1, 0)),
-                           boundary_check=(0, 1))
-        b_A11 += mm(b_p1, tl.trans(b_k1))
-        b_A21 += mm(b_p2, tl.trans(b_k1))
-        b_A22 += mm(b_p2, tl.trans(b_k2))
-        b_A31 += mm(b_p3, tl.trans(b_k1))
-        b_A32 += mm(b_p3, tl.trans(b_k2))
-        b_A33 += mm(b_p3, tl.trans(b_k3))
-        b_A41 += mm(b_p4, tl.trans(b_k1))
-        b_A42 += mm(b_p4, tl.trans(b_k2))
-        b_A43 += mm(b_p4, tl.trans(b_k3))
-        b_A44 += mm(b_p4, tl.trans(b_k4))
+    if QK:
+        q += (bos * HK + i_h // (H // HK)) * K
+        _store_qk(q, k, g, Aqk + (bos * H + i_h) * BT, bos, T, t0, i_h, H, HK, K, BT, BK, USE_G)
+    b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44 = _lower_blocks(p, k, T, t0, HK, K, BK,
+                                                                                        not USE_P)
     b_b1 = _beta16(beta, bos, T, t0, H, i_h)
     b_b2 = _beta16(beta, bos, T, t0 + 16, H, i_h)
     b_b3 = _beta16(beta, bos, T, t0 + 32, H, i_h)
@@ -161,6 +137,82 @@ def kkt_solve_kernel(k, p, beta, g, gr, Ai, cu_seqlens, chunk_indices, H: tl.con
     else:
         store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44,
                      Ai + (bos * H + i_h) * BT, T, t0, H, BT, MERGE_PRECISION)
+
+
+@triton.jit
+def _lower_blocks(p, k, T, t0, HK: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, SAME: tl.constexpr):
+    """The ten [16, 16] blocks on and below the diagonal of P K^T over a chunk's rows t0.. (SAME: p is
+    k, read once)."""
+    b_A11 = tl.zeros([16, 16], dtype=tl.float32)
+    b_A21, b_A22 = tl.zeros([16, 16], dtype=tl.float32), tl.zeros([16, 16], dtype=tl.float32)
+    b_A31, b_A32, b_A33 = b_A11, b_A11, b_A11
+    b_A41, b_A42, b_A43, b_A44 = b_A11, b_A11, b_A11, b_A11
+    for i_k in range(tl.cdiv(K, BK)):
+        b_k1, b_k2, b_k3, b_k4 = _rows16x4(k, T, t0, i_k, HK, K, BK)
+        b_p1, b_p2, b_p3, b_p4 = b_k1, b_k2, b_k3, b_k4
+        if not SAME:
+            b_p1, b_p2, b_p3, b_p4 = _rows16x4(p, T, t0, i_k, HK, K, BK)
+        b_A11 += mm(b_p1, tl.trans(b_k1))
+        b_A21 += mm(b_p2, tl.trans(b_k1))
+        b_A22 += mm(b_p2, tl.trans(b_k2))
+        b_A31 += mm(b_p3, tl.trans(b_k1))
+        b_A32 += mm(b_p3, tl.trans(b_k2))
+        b_A33 += mm(b_p3, tl.trans(b_k3))
+        b_A41 += mm(b_p4, tl.trans(b_k1))
+        b_A42 += mm(b_p4, tl.trans(b_k2))
+        b_A43 += mm(b_p4, tl.trans(b_k3))
+        b_A44 += mm(b_p4, tl.trans(b_k4))
+    return b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44
+
+
+@triton.jit
+def _rows16x4(x, T, t0, i_k, HK: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """Key block i_k of a chunk's rows as four [16, BK] tiles."""
+    p_1 = tl.make_block_ptr(x, (T, K), (HK * K, 1), (t0, i_k * BK), (16, BK), (1, 0))
+    p_2 = tl.make_block_ptr(x, (T, K), (HK * K, 1), (t0 + 16, i_k * BK), (16, BK), (1, 0))
+    p_3 = tl.make_block_ptr(x, (T, K), (HK * K, 1), (t0 + 32, i_k * BK), (16, BK), (1, 0))
+    p_4 = tl.make_block_ptr(x, (T, K), (HK * K, 1), (t0 + 48, i_k * BK), (16, BK), (1, 0))
+    return (tl.load(p_1, boundary_check=(0, 1)), tl.load(p_2, boundary_check=(0, 1)),
+            tl.load(p_3, boundary_check=(0, 1)), tl.load(p_4, boundary_check=(0, 1)))
+
+
+@triton.jit
+def _store_qk(q, k, g, Aqk, bos, T, t0, i_h, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
+              BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr):
+    """Stores the chunk's output scores lower(Gamma * Q K^T) [BT, BT] (Gamma_ij = exp(g_i - g_j),
+    i >= j; 1 without USE_G) in Aqk's dtype, zeros above the diagonal, 16 rows at a time: a [16, W]
+    accumulator, W the columns the rows reach (the first half's rows need half of them). Ten
+    [16, 16] blocks, as the solve's, spilled in the one-warp kernel (sm_90: 280-536 B of stack).
+    The inference state pass reads the scores instead of forming them on its serial path
+    (``state._fwd_step``, QK_GIVEN)."""
+    for r in range(0, BT // 32):
+        _store_qk_rows(q, k, g, Aqk, bos, T, t0, t0 + r * 16, i_h, H, HK, K, BT, BK, BT // 2, USE_G)
+    for r in range(BT // 32, BT // 16):
+        _store_qk_rows(q, k, g, Aqk, bos, T, t0, t0 + r * 16, i_h, H, HK, K, BT, BK, BT, USE_G)
+
+
+@triton.jit
+def _store_qk_rows(q, k, g, Aqk, bos, T, t0, r0, i_h, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr, W: tl.constexpr, USE_G: tl.constexpr):
+    """Rows r0 .. r0 + 15 of ``_store_qk``'s scores over the chunk's first W columns (zeros in the rest)."""
+    o_r, o_c = r0 + tl.arange(0, 16), t0 + tl.arange(0, W)
+    b_s = tl.zeros([16, W], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        p_q = tl.make_block_ptr(q, (T, K), (HK * K, 1), (r0, i_k * BK), (16, BK), (1, 0))
+        p_kt = tl.make_block_ptr(k, (K, T), (1, HK * K), (i_k * BK, t0), (BK, W), (0, 1))
+        b_s += mm(tl.load(p_q, boundary_check=(0, 1)), tl.load(p_kt, boundary_check=(0, 1)))
+    m = (o_r[:, None] >= o_c[None, :]) & (o_c < T)[None, :]
+    if USE_G:
+        b_gr = tl.load(g + (bos + o_r) * H + i_h, mask=o_r < T, other=0.)
+        b_gc = tl.load(g + (bos + o_c) * H + i_h, mask=o_c < T, other=0.)
+        b_s = b_s * exp(tl.where(m, b_gr[:, None] - b_gc[None, :], float("-inf")))
+    else:
+        b_s = tl.where(m, b_s, 0.)
+    p_A = tl.make_block_ptr(Aqk, (T, BT), (H * BT, 1), (r0, 0), (16, W), (1, 0))
+    tl.store(p_A, b_s.to(p_A.dtype.element_ty), boundary_check=(0, 1))
+    if W < BT:
+        p_0 = tl.make_block_ptr(Aqk, (T, BT), (H * BT, 1), (r0, W), (16, BT - W), (1, 0))
+        tl.store(p_0, tl.zeros([16, BT - W], dtype=tl.float32).to(p_0.dtype.element_ty), boundary_check=(0, 1))
 
 
 @triton.jit
@@ -262,13 +314,15 @@ def merge_precision(dtype: torch.dtype) -> str:
 
 def kkt_solve(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor | None, chunks: Chunks,
               num_warps: int = SOLVE_WARPS, p: torch.Tensor | None = None,
-              g_read: torch.Tensor | None = None, fold_beta: bool = False) -> torch.Tensor:
+              g_read: torch.Tensor | None = None, fold_beta: bool = False, q: torch.Tensor | None = None):
     """k: [1, T, HK, K]; beta: [1, T, H] (H a multiple of HK); g_cum: [1, T, H] chunk-local cumsum or None.
 
     Returns Ai [1, T, H, 64], solved in fp32 and stored in k's dtype (its consumers multiply in that dtype).
     Comba: the rows of A read with ``p`` [1, T, HK, K] and the gate ``g_read`` (the exclusive cumsum):
     A_ij = beta_i (p_i . k_j) exp(g_read_i - g_j). ``fold_beta``: returns Ai Diag(beta) (the inference
-    state pass's read, ``state.state_fwd(Ai=..., beta=None)``)."""
+    state pass's read, ``state.state_fwd(Ai=..., beta=None)``). ``q`` [1, T, HK, K]: also returns the
+    output's scores A_qk [1, T, H, BT] = lower(Gamma * Q K^T) in k's dtype (unscaled; the state
+    pass's ``A``), as (Ai, A_qk)."""
     _, T, HK, K = k.shape
     H = beta.shape[2]
     BT = chunks.BT
@@ -276,12 +330,16 @@ def kkt_solve(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor | None, c
     Ai = alloc((1, T, H, BT), device=k.device, dtype=k.dtype)
     BK = min(64, triton.next_power_of_2(K))
     use_p = p is not None
-    kkt_solve_kernel[(chunks.NC, H)](k, p if use_p else k, beta, g_cum, g_read if use_p else g_cum, Ai,
+    if q is not None and (use_p or q.shape != k.shape):
+        raise ValueError(f"`q` (the output's scores) needs no `p` and k's shape {tuple(k.shape)}, "
+                         f"got {tuple(q.shape)}")
+    Aqk = alloc((1, T, H, BT), device=k.device, dtype=k.dtype) if q is not None else None
+    kkt_solve_kernel[(chunks.NC, H)](k, p if use_p else k, beta, g_cum, g_read if use_p else g_cum, Ai, q, Aqk,
                                      chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK, K=K, BT=BT, BK=BK,
                                      USE_G=g_cum is not None, USE_P=use_p,
                                      MERGE_PRECISION=merge_precision(k.dtype), FOLD_BETA=fold_beta,
-                                     num_warps=num_warps)
-    return Ai
+                                     QK=q is not None, num_warps=num_warps)
+    return Ai if q is None else (Ai, Aqk)
 
 
 def solve(Akk: torch.Tensor, beta: torch.Tensor, chunks: Chunks, dtype=torch.float32,

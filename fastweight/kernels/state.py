@@ -121,13 +121,15 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, b
               H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
               BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
               FUSE_OUTPUT: tl.constexpr, STORE_H: tl.constexpr, STORE_R: tl.constexpr, PRESCALED: tl.constexpr,
-              FUSE_WY: tl.constexpr, KT: tl.constexpr):
+              FUSE_WY: tl.constexpr, KT: tl.constexpr, QK_GIVEN: tl.constexpr):
     """One chunk of the forward pass; returns the state at the chunk's end. PRESCALED (per-channel
     gate): q and k hold the gated rows qg = q exp(G) and kd = k exp(G_C - G) (``wy.recompute_w_u``).
     FUSE_WY (DELTA, scalar or no gate): the read from Ai and the raw rows, R = Ai Diag(beta) (V -
     Diag(gamma) K S), so W and U are never formed (v is V, w and u unused); 2: Ai holds Ai Diag(beta)
     (``kkt_solve(fold_beta=True)``), beta is not read. KT (DELTA, scalar or no
-    gate): k read as K^T [BK, BT] from memory, the form both Q K^T and K^T R take."""
+    gate): k read as K^T [BK, BT] from memory, the form both Q K^T and K^T R take. QK_GIVEN (DELTA,
+    scalar or no gate, FUSE_OUTPUT): A holds the output's scores lower(Gamma * Q K^T)
+    (``kkt_solve(q=...)``), read instead of formed."""
     o_i = tl.arange(0, BT)
     m_row = i_t * BT + o_i < T
     i_hk = i_h // (H // HK)
@@ -225,14 +227,20 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, b
         else:
             m_causal = o_i[:, None] >= o_i[None, :]
             b_o = mm(b_q, b_hc)
-            if KT:
+            if QK_GIVEN:
+                # lower(Gamma * Q K^T), formed by the solve's kernel off the serial path
+                p_A = tl.make_block_ptr(A + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_t * BT, 0), (BT, BT),
+                                        (1, 0))
+                b_A = tl.load(p_A, boundary_check=(0, 1))
+            elif KT:
                 b_A = mm(b_q, b_kt)
             else:
                 b_A = mm(b_q, tl.trans(b_k))
             if GATE == 1:
                 b_o = b_o * exp(b_g)[:, None]
-                b_A = b_A * exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
-            else:
+                if not QK_GIVEN:
+                    b_A = b_A * exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
+            elif not QK_GIVEN:
                 b_A = tl.where(m_causal, b_A, 0.)
         b_o = (b_o + mm(b_A.to(dt), b_r.to(dt))) * scale
         p_o = _rows(o, bos, T, i_t, H, i_h, V, i_v, BT, BV)
@@ -267,7 +275,7 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, A2, Ai, beta, h0, o, ht, h, r, cu_s
                      FUSE_OUTPUT: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
                      STORE_H: tl.constexpr, STORE_R: tl.constexpr, UNIFORM: tl.constexpr,
                      WHILE_LOOP: tl.constexpr, PRESCALED: tl.constexpr, FUSE_WY: tl.constexpr,
-                     KT: tl.constexpr, OFF32: tl.constexpr):
+                     KT: tl.constexpr, QK_GIVEN: tl.constexpr, OFF32: tl.constexpr):
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # sequences longest first (Chunks.order); i_nh below is the (sequence, head) pair's state index
     i_n, i_h = tl.load(order + i_nh // H), i_nh % H
@@ -285,7 +293,7 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, A2, Ai, beta, h0, o, ht, h, r, cu_s
         while i_t < NT:
             b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H,
                             HK, K, V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R, PRESCALED,
-                            FUSE_WY, KT)
+                            FUSE_WY, KT, QK_GIVEN)
             i_t += 1
     else:
         # compiled: a for loop, which Triton software-pipelines (the next chunk's loads overlap); its
@@ -297,7 +305,7 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, A2, Ai, beta, h0, o, ht, h, r, cu_s
         for i_t in range(0, NT):
             b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H,
                             HK, K, V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R, PRESCALED,
-                            FUSE_WY, KT)
+                            FUSE_WY, KT, QK_GIVEN)
     if STORE_HT:
         tl.store(_state_block(ht, i_nh, H, K, V, i_k, i_v, BK, BV), b_h, boundary_check=(0, 1))
 
@@ -453,7 +461,8 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
 
     k: [1, T, HK, K] (q likewise, with ``fuse_output``); v: [1, T, H, V]; w, b: [1, T, H, K]; u:
     [1, T, H, V]; g: None, [1, T, H] or [1, T, H, K] (fp32 chunk-local cumsum); A: [1, T, H, BT]
-    (DPLR: A_qk, and A2 A_qb, both with ``fuse_output``); initial_state: [N, H, K, V];
+    (DPLR: A_qk, and A2 A_qb, both with ``fuse_output``; delta, scalar or no gate: the output's scores
+    lower(Gamma * Q K^T) of ``kkt_solve(q=...)``, read instead of formed in the pass); initial_state: [N, H, K, V];
     ``prescaled`` (delta, per-channel g): k and q are the gated rows kd, qg [1, T, H, K] of
     ``wy.recompute_w_u``. ``Ai`` [1, T, H, BT] and ``beta`` [1, T, H] (delta,
     scalar or no gate) in place of w and u: the read is formed from v, R = Ai Diag(beta) (V -
@@ -486,6 +495,10 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
                         or (transition == "dplr" and A2 is None)):
         raise ValueError("`fuse_output` is for the delta and dplr transitions and needs `q`, `A` with a "
                          "per-channel gate, and `A2` (A_qb) for dplr")
+    # the delta rule's scalar or no gate forms the output's scores in the pass unless A holds them
+    qk_given = transition == "delta" and _gate_kind(g) != 2 and A is not None
+    if qk_given and not fuse_output:
+        raise ValueError("`A` (the output's scores) for the delta transition needs `fuse_output`")
     if fuse_wy and (transition != "delta" or _gate_kind(g) == 2):
         raise ValueError("`Ai` (the fused W/U read) needs the delta transition and a scalar or no gate")
     state_fwd_kernel[grid](q, k, v, w, u, b, g, A, A2, Ai, beta, initial_state, o, ht, h, r, chunks.cu_seqlens,
@@ -493,7 +506,7 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
                            BT=chunks.BT, BK=BK, BV=BV, TRANSITION=TRANSITIONS[transition], GATE=_gate_kind(g),
                            FUSE_OUTPUT=fuse_output, USE_H0=initial_state is not None, STORE_HT=output_final_state,
                            STORE_H=store_h, STORE_R=store_r, UNIFORM=uniform, WHILE_LOOP=while_loops(),
-                           PRESCALED=prescaled, FUSE_WY=fuse_wy, KT=kt,
+                           PRESCALED=prescaled, FUSE_WY=fuse_wy, KT=kt, QK_GIVEN=qk_given,
                            OFF32=_off32(q, k, v, w, u, b, g, A, A2, Ai, beta, o, r), num_warps=warps, num_stages=stages)
     return h, r, o, ht
 

@@ -190,6 +190,23 @@ def test_inference_forward(op, dtype, monkeypatch):
     assert kept == [False, True]
 
 
+@pytest.mark.parametrize("op, dtype", [("gated_delta_rule", torch.float32), ("delta_rule", torch.float32),
+                                       ("gated_delta_rule", torch.float16)])
+def test_inference_forward_grouped_heads(op, dtype):
+    """The no-grad forward with two value heads a key head (the solve's kernel forms the output's
+    scores per value head from the shared q, k): against float64, varlen with a partial last chunk."""
+    cu = torch.tensor([0, 64, 163], dtype=torch.int64)
+    x = sample(op, 1, 163, 2, 32, 16, G=2, seed=23)
+    low = {n: t.to(dtype) for n, t in x.items()}
+    kw = dict(scale=32 ** -0.5, output_final_state=True, cu_seqlens=cu)
+    with torch.no_grad():
+        o, ht = getattr(kernels, f"chunk_{op}")(**low, **kw)
+    ref = {n: t.double() for n, t in low.items()}
+    ref["q"], ref["k"] = ref["q"].repeat_interleave(2, dim=2), ref["k"].repeat_interleave(2, dim=2)
+    o_ref, ht_ref = getattr(reference, op)(**ref, **kw)
+    assert rel_err(o, o_ref) < TOL[dtype] and rel_err(ht, ht_ref) < TOL[dtype]
+
+
 @pytest.mark.parametrize("op", ["gated_delta_rule", "delta_rule", "kda"])
 def test_varlen(op):
     cu = torch.tensor([0, 1, 64, 100, 129], dtype=torch.int64)

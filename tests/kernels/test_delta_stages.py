@@ -97,6 +97,27 @@ def test_kkt_solve_folds_beta():
         assert rel_err(folded[0, a:a + n, :, :n], want) < 1e-6
 
 
+@pytest.mark.parametrize("gated", [True, False])
+def test_kkt_solve_output_scores(gated):
+    """``q``: the inference pass's output scores lower(Gamma * Q K^T) per chunk, zeros above the
+    diagonal and past a sequence's end (varlen, a short last chunk), beside the same Ai; refused
+    with Comba's read key."""
+    q, k, p, beta, g, _ = inputs(4)
+    ch = prepare_chunks(torch.tensor([0, 37, T]), 1, T, 64, "cpu")
+    g_cum = chunk_cumsum(g, ch) if gated else None
+    Ai, scores = kkt_solve(k, beta, g_cum, ch, fold_beta=True, q=q)
+    assert torch.equal(Ai, kkt_solve(k, beta, g_cum, ch, fold_beta=True))
+    for a, n in ((0, 37), (37, T - 37)):   # each sequence one chunk: row t, column j its token a + j
+        qk = torch.einsum("thk,shk->hts", q[0, a:a + n].double(), k[0, a:a + n].double())
+        gam = (g_cum[0, a:a + n].double().T[:, :, None] - g_cum[0, a:a + n].double().T[:, None, :]).exp() \
+            if gated else torch.ones(H, n, n, dtype=torch.float64)
+        want = (qk * gam).tril().permute(1, 0, 2)
+        assert rel_err(scores[0, a:a + n, :, :n], want) < 1e-6
+        assert scores[0, a:a + n, :, n:].eq(0).all()
+    with pytest.raises(ValueError, match="`q`"):
+        kkt_solve(k, beta, g_cum, ch, p=p, g_read=g_cum, q=q)
+
+
 def test_intra_and_solve_per_channel_gate():
     q, k, _, beta, _, gk = inputs(1)
     ch = prepare_chunks(None, 1, T, 64, "cpu")
@@ -297,7 +318,8 @@ def test_state_passes_int64_offsets(monkeypatch, transition):
 
 def test_state_fwd_fused_output_arguments():
     """The forward state pass refuses a fused output it cannot form, naming the arguments, instead of
-    failing inside the kernel: the decay transition (no read to form it from), DPLR without A_qb."""
+    failing inside the kernel: the decay transition (no read to form it from), DPLR without A_qb, the
+    delta rule's output scores without the fused output."""
     from fastweight.kernels.state import state_fwd
     T, H, K = 64, 1, 16
     x = torch.randn(1, T, H, K)
@@ -308,3 +330,5 @@ def test_state_fwd_fused_output_arguments():
         state_fwd("decay", x, x, chunks, g=g, q=x, A=A, fuse_output=True)
     with pytest.raises(ValueError, match="A2"):
         state_fwd("dplr", x, x, chunks, g=g, w=x, u=x, b=x, q=x, A=A, fuse_output=True)
+    with pytest.raises(ValueError, match="fuse_output"):   # the delta rule's given output scores
+        state_fwd("delta", x, x, chunks, g=torch.zeros(1, T, H), w=x, u=x, q=x, A=A, fuse_output=False)
