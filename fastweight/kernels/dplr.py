@@ -116,7 +116,7 @@ class DplrLaunch:
 
 
 def _intra(q, k, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):
-    """Step 1: gc, A_qk, A_qb, A_ak, A_ab and the chunks' wide flags."""
+    """Step 1: gc, A_qk, A_qb, A_ak, A_ab, the chunks' wide flags and a exp(G^-)."""
     factors = torch.float32 if launch.factors_fp32 else q.dtype
     return dplr_intra_fwd(q, k, a, b, gk, scale, chunks, span=launch.span, wide_kernel=launch.wide_kernel,
                           config=launch.intra_config, wide_grid=launch.wide_grid, ak_dtype=factors)
@@ -146,9 +146,10 @@ def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch
     """Steps 1-2: gates, the four intra-chunk matrices, T, W and U~ (and the chunks' wide flags)."""
     T, H = q.shape[1], q.shape[2]
     factors = torch.float32 if launch.factors_fp32 else q.dtype
-    gc, Aqk, Aqb, Aak, Aab, wide = _intra(q, k, a, b, gk, scale, chunks, launch)
+    gc, Aqk, Aqb, Aak, Aab, wide, ag = _intra(q, k, a, b, gk, scale, chunks, launch)
     Ai = solve(Aab, torch.full((1, T, H), -1.0, device=q.device), chunks, dtype=factors, precision_of=q.dtype)
-    w, ut = dplr_wy_fwd(a, v, gc, gk, Ai, Aak, chunks)
+    del Aab  # the solve's only: freed before W and U~ are allocated (fp32, 2 GiB at B 8, T 16384, H 64, K 64)
+    w, ut = dplr_wy_fwd(ag, v, Ai, Aak, chunks, dtype=a.dtype)
     return gc, Aqk, Aqb, Aak, Ai, w, ut, wide
 
 

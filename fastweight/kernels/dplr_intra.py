@@ -48,6 +48,14 @@ def fwd_launch_config(K: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int,
     return min(32, max(16, triton.next_power_of_2(K))), (4, 2)
 
 
+def ag_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the intra kernel stores a exp(G^-) in for the WY stage: bf16 for bf16 inputs (fla's
+    choice: the WY dot truncates its fp32 operand to TF32's 10 bits anyway, and this saves the WY
+    stage reading a, gc and gk: 640 -> 128 bytes a token and key channel pair at K = 64), fp32
+    otherwise (fp16 would flush the decayed rows of strongly gated chunks, below 6e-8, to zero)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
 @triton.jit
 def load_rows(x, bos, o, m, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr):
     return tl.load(x + ((bos + o) * H + i_h)[:, None] * K + o_k[None, :], mask=m[:, None] & m_k[None, :],
@@ -69,27 +77,31 @@ def _load_dA(dA, bos, o_r, m_r, c0, i_h, H: tl.constexpr, BT: tl.constexpr, BC: 
 
 
 @triton.jit
-def chunk_span(gk, gc, bos, o_t, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+def chunk_span(gk, gc, a, ag, bos, o_t, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
     """The chunk's gate sums from the raw log gates, gc = cumsum(gk) over its rows
-    (``cumsum.chunk_cumsum``'s sums, stored for the later stages), and the widest span of the
-    chunk (rows' G^- = gc - gk and G, every channel): max - min."""
+    (``cumsum.chunk_cumsum``'s sums, stored for the later stages), the read rows decayed to the
+    chunk's start, ag = a exp(G^-) (the WY stage's operand, ``dplr_wy``), and the widest span of
+    the chunk (rows' G^- = gc - gk and G, every channel): max - min."""
     b_span = tl.max(tl.zeros([BK], dtype=tl.float32), 0)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_s, _, _, _ = block_sums(gk, gc, bos, o_t, m_t, i_h, o_k, H, K)
+        b_s, _, _, _ = block_sums(gk, gc, a, ag, bos, o_t, m_t, i_h, o_k, H, K)
         b_span = tl.maximum(b_span, b_s)
     return b_span
 
 
 @triton.jit
-def block_sums(gk, gc, bos, o_t, m_t, i_h, o_k, H: tl.constexpr, K: tl.constexpr):
-    """Key block o_k of ``chunk_span``: stores its gate sums gc and returns (span, midpoint, G, G^-)."""
+def block_sums(gk, gc, a, ag, bos, o_t, m_t, i_h, o_k, H: tl.constexpr, K: tl.constexpr):
+    """Key block o_k of ``chunk_span``: stores its gate sums gc and a exp(G^-) to ag, returns
+    (span, midpoint, G, G^-)."""
     m_tk = m_t[:, None] & (o_k < K)[None, :]
     p_g = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
     b_gk = tl.load(gk + p_g, mask=m_tk, other=0.).to(tl.float32)
     b_g = tl.cumsum(b_gk, axis=0)
     b_gp = b_g - b_gk
     tl.store(gc + p_g, b_g, mask=m_tk)
+    b_a = tl.load(a + p_g, mask=m_tk, other=0.).to(tl.float32)
+    tl.store(ag + p_g, (b_a * exp(b_gp)).to(ag.dtype.element_ty), mask=m_tk)
     b_span, b_ref = span_ref(b_gp, b_g, m_tk)
     return b_span, b_ref, b_g, b_gp
 
@@ -195,7 +207,7 @@ def _fwd_subs(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, bos, T, i_h, H
 
 
 @triton.jit
-def dplr_intra_fwd_kernel(q, k, a, b, gk, gc, Aqk, Aqb, Aak, Aab, wide, cu_seqlens, chunk_indices, scale,
+def dplr_intra_fwd_kernel(q, k, a, b, gk, gc, ag, Aqk, Aqb, Aak, Aab, wide, cu_seqlens, chunk_indices, scale,
                           H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                           DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr,
                           FLAG: tl.constexpr):
@@ -216,7 +228,7 @@ def dplr_intra_fwd_kernel(q, k, a, b, gk, gc, Aqk, Aqb, Aak, Aab, wide, cu_seqle
         o_k = tl.arange(0, BK)
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
-        b_span, b_ref, b_g, b_gp = block_sums(gk, gc, bos, o_t, m_t, i_h, o_k, H, K)
+        b_span, b_ref, b_g, b_gp = block_sums(gk, gc, a, ag, bos, o_t, m_t, i_h, o_k, H, K)
         is_wide = b_span >= SPAN
         tl.store(wide + i_t * H + i_h, is_wide.to(tl.int8))
         if not is_wide:
@@ -242,7 +254,7 @@ def dplr_intra_fwd_kernel(q, k, a, b, gk, gc, Aqk, Aqb, Aak, Aab, wide, cu_seqle
             _fwd_subs(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, bos, T, i_h, H, K, BT, BC, BK,
                       DOT_PRECISION, DIAG_PRECISION, SPAN)
     else:
-        is_wide = chunk_span(gk, gc, bos, o_t, m_t, i_h, H, K, BK) >= SPAN
+        is_wide = chunk_span(gk, gc, a, ag, bos, o_t, m_t, i_h, H, K, BK) >= SPAN
         tl.debug_barrier()
         tl.store(wide + i_t * H + i_h, is_wide.to(tl.int8))
         if not is_wide:
@@ -487,10 +499,10 @@ def dplr_intra_fwd(q, k, a, b, gk, scale: float, chunks: Chunks, *, span: float 
     ``wide_grid`` "chunk") or inside the main kernel (its registers then count there too).
     ``config``: (BK, (num_warps, num_stages)) of the main kernel instead of ``fwd_launch_config(K,
     q.dtype)``'s. The chunk-local gate sums are formed in the kernel from the log gates ``gk`` [1,
-    T, H, K] (no cumsum pass of their own). Returns (gc, A_qk, A_qb, A_ak, A_ab, wide): gc [1, T, H,
-    K] fp32 as ``chunk_cumsum(gk)`` (G^- = gc - gk is formed by each reader, ``load_gp``); ``wide``
+    T, H, K] (no cumsum pass of their own). Returns (gc, A_qk, A_qb, A_ak, A_ab, wide, ag): gc [1, T,
+    H, K] fp32 as ``chunk_cumsum(gk)`` (G^- = gc - gk is formed by each reader, ``load_gp``); ``wide``
     [NC, H] int8, 1 where the chunk's gates span ``span`` or more for that head (the sub-chunk path;
-    ``dplr_bwd`` takes the same branch from it)."""
+    ``dplr_bwd`` takes the same branch from it); ag [1, T, H, K] = a exp(G^-) in ``ag_dtype``."""
     _, T, H, K = q.shape
     BT, BC = chunks.BT, 16
     BK, (warps, stages) = config or fwd_launch_config(K, q.dtype)
@@ -500,11 +512,12 @@ def dplr_intra_fwd(q, k, a, b, gk, scale: float, chunks: Chunks, *, span: float 
     wide = torch.empty(chunks.NC, H, dtype=torch.int8, device=q.device)
     gk = gk.contiguous()
     gc = alloc(gk.shape, dtype=torch.float32, device=q.device)
+    ag = alloc(a.shape, dtype=ag_dtype(a.dtype), device=q.device)
     meta = dict(H=H, K=K, BT=BT, BC=BC, BK=BK, DOT_PRECISION=dot_precision(q.dtype),
                 DIAG_PRECISION=diag_precision(q.dtype), SPAN=span)
     args = (q, k, a, b, gc, gk, *As, wide, chunks.cu_seqlens, chunks.chunk_indices, scale)
-    dplr_intra_fwd_kernel[(chunks.NC, H)](q, k, a, b, gk, gc, *args[6:], **meta, FLAG=wide_kernel, num_warps=warps,
-                                          num_stages=stages)
+    dplr_intra_fwd_kernel[(chunks.NC, H)](q, k, a, b, gk, gc, ag, *args[6:], **meta, FLAG=wide_kernel,
+                                          num_warps=warps, num_stages=stages)
     if wide_kernel:
         # the sub-chunk path keeps K blocks of 32 (its [16, 16] tiles gain nothing from a wider K block)
         if wide_grid not in ("sub_chunk", "chunk"):
@@ -512,4 +525,4 @@ def dplr_intra_fwd(q, k, a, b, gk, scale: float, chunks: Chunks, *, span: float 
         per_chunk = wide_grid == "chunk"
         grid = (chunks.NC if per_chunk else chunks.NC * (BT // BC), H)
         dplr_intra_wide_kernel[grid](*args, **{**meta, "BK": min(BK, 32)}, PER_CHUNK=per_chunk, num_warps=4)
-    return (gc, *As, wide)
+    return (gc, *As, wide, ag)

@@ -33,10 +33,10 @@ from fastweight.kernels.decay_intra import diag_precision
 
 
 @triton.jit
-def dplr_wy_fwd_kernel(a, v, gc, gk, Ai, Aak, w, ut, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+def dplr_wy_fwd_kernel(ag, v, Ai, Aak, w, ut, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
                        V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, UT_PRECISION: tl.constexpr):
-    """W = T (a exp(G^-)) and U~ = T (A_ak V) of a chunk. UT_PRECISION (3 x TF32 for fp16) serves U~'s
+    """W = T (a exp(G^-)) and U~ = T (A_ak V) of a chunk, ag = a exp(G^-) from the intra kernel. UT_PRECISION (3 x TF32 for fp16) serves U~'s
     two fp32 x fp32 dots: the H200's TF32 truncates their operands, a bias the backward's exact dh
     dots (``local_grads``) no longer cancel (db up to 11.8x the fp16 floor under
     ``testing.emulate_tf32``; the all-exact figure with these two exact)."""
@@ -54,9 +54,7 @@ def dplr_wy_fwd_kernel(a, v, gc, gk, Ai, Aak, w, ut, cu_seqlens, chunk_indices, 
         o_k = i_k * BK + tl.arange(0, BK)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
         p_k = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
-        b_gp = tl.load(gc + p_k, mask=m_tk, other=0.) - tl.load(gk + p_k, mask=m_tk, other=0.).to(tl.float32)
-        b_a = tl.load(a + p_k, mask=m_tk, other=0.).to(tl.float32) * exp(b_gp)
-        b_w = dot_at(b_T, b_a, DOT_PRECISION)
+        b_w = dot_at(b_T, tl.load(ag + p_k, mask=m_tk, other=0.).to(tl.float32), DOT_PRECISION)
         tl.store(w + p_k, b_w.to(w.dtype.element_ty), mask=m_tk)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -225,15 +223,16 @@ def _blocks(K, V):
     return min(64, max(16, triton.next_power_of_2(K))), min(64, max(16, triton.next_power_of_2(V)))
 
 
-def dplr_wy_fwd(a, v, gc, gk, Ai, Aak, chunks: Chunks):
-    """W = T (a * exp(G^-)) [1, T, H, K] (G^- = gc - gk) and U~ = T A_ak V [1, T, H, V], both in a's dtype."""
-    _, T, H, K = a.shape
+def dplr_wy_fwd(ag, v, Ai, Aak, chunks: Chunks, dtype: torch.dtype):
+    """W = T ag [1, T, H, K] (ag = a * exp(G^-), ``dplr_intra.dplr_intra_fwd``'s) and U~ = T A_ak V [1, T,
+    H, V], both in ``dtype`` (the inputs')."""
+    _, T, H, K = ag.shape
     V = v.shape[-1]
     BK, BV = _blocks(K, V)
-    w = torch.empty_like(a)
-    ut = torch.empty(1, T, H, V, dtype=a.dtype, device=a.device)
+    w = torch.empty(1, T, H, K, dtype=dtype, device=ag.device)
+    ut = torch.empty(1, T, H, V, dtype=dtype, device=ag.device)
     # 4 warps: 0.16 ms faster than 8 (H200 sweep)
-    dplr_wy_fwd_kernel[(chunks.NC, H)](a, v, gc, gk, Ai, Aak, w, ut, chunks.cu_seqlens, chunks.chunk_indices, H=H,
-                                       K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, DOT_PRECISION=dot_precision(a.dtype),
-                                       UT_PRECISION=diag_precision(a.dtype), num_warps=4, num_stages=1)
+    dplr_wy_fwd_kernel[(chunks.NC, H)](ag, v, Ai, Aak, w, ut, chunks.cu_seqlens, chunks.chunk_indices, H=H,
+                                       K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, DOT_PRECISION=dot_precision(dtype),
+                                       UT_PRECISION=diag_precision(dtype), num_warps=4, num_stages=1)
     return w, ut

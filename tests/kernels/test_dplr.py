@@ -463,7 +463,8 @@ def test_intra_gate_sums(BK):
     """The intra kernel forms the chunk-local gate sums itself: its gc is ``chunk_cumsum(gk)``'s
     (to fp32 rounding of the scan order), varlen with a short last chunk and an empty sequence, K
     split into blocks (BK 16) or whole (BK 32), with a wide chunk (whose sub-chunk path reads the
-    stored sums back, and forms G^- = gc - gk as ``chunk_cumsum(exclusive=True)`` does)."""
+    stored sums back, and forms G^- = gc - gk as ``chunk_cumsum(exclusive=True)`` does); and
+    a exp(G^-), which it stores for the WY stage."""
     from fastweight.kernels.common import prepare_chunks
     from fastweight.kernels.cumsum import chunk_cumsum
     gen = generator()
@@ -472,10 +473,13 @@ def test_intra_gate_sums(BK):
     x = _inputs("rwkv7", T, H=H, K=K, gen=gen, w_scale=torch.where(t // 64 == 1, 8.0, 1.0))
     chunks = prepare_chunks(torch.tensor([0, 70, 70, 150]), 1, T, 64, "cpu")
     gk = x["w"]
-    gc, *_, wide = dplr_intra.dplr_intra_fwd(x["r"], x["k"], x["a"], x["b"], gk, 1.0, chunks, config=(BK, (4, 2)))
+    gc, *_, wide, ag = dplr_intra.dplr_intra_fwd(x["r"], x["k"], x["a"], x["b"], gk, 1.0, chunks,
+                                                 config=(BK, (4, 2)))
     want_c, want_p = chunk_cumsum(gk, chunks, exclusive=True)
     assert rel_err(gc, want_c) < 1e-6 and rel_err(gc - gk, want_p) < 1e-6
     assert wide.sum() > 0
+    # the read rows decayed to their chunk's start, for the WY stage, in every chunk, wide or not
+    assert ag.dtype == torch.float32 and rel_err(ag, x["a"] * torch.exp(want_p)) < 1e-6
 
 
 @pytest.mark.parametrize("launch", [DplrLaunch(), DplrLaunch(recompute=True), DplrLaunch(span=0.0),
