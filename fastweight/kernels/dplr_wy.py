@@ -36,10 +36,11 @@ from fastweight.kernels.decay_intra import diag_precision
 def dplr_wy_fwd_kernel(ag, v, Ai, Aak, w, ut, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
                        V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, UT_PRECISION: tl.constexpr):
-    """W = T (a exp(G^-)) and U~ = T (A_ak V) of a chunk, ag = a exp(G^-) from the intra kernel. UT_PRECISION (3 x TF32 for fp16) serves U~'s
-    two fp32 x fp32 dots: the H200's TF32 truncates their operands, a bias the backward's exact dh
-    dots (``local_grads``) no longer cancel (db up to 11.8x the fp16 floor under
-    ``testing.emulate_tf32``; the all-exact figure with these two exact)."""
+    """W = T (a exp(G^-)) and U~ = T (A_ak V) of a chunk, ag = a exp(G^-) from the intra kernel.
+    UT_PRECISION (3 x TF32 for fp16) serves U~'s two fp32 x fp32 dots: the H200's TF32 truncates
+    their operands, a bias the backward's exact dh dots (``local_grads``) no longer cancel (db up
+    to 11.8x the fp16 floor under ``testing.emulate_tf32``; the all-exact figure with these two
+    exact)."""
     i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
