@@ -76,9 +76,8 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
     fold = fuse_wy and not store_h
     if gk_cum is None:
         # inference also takes the output's scores from the solve's kernel, off the state pass's serial path
-        Ai = kkt_solve(k, beta, g_cum, chunks, p=p, g_read=g_read, fold_beta=fold, q=q if fold else None)
-    if fold:
-        Ai, Aqk = Ai
+        solved = kkt_solve(k, beta, g_cum, chunks, p=p, g_read=g_read, fold_beta=fold, q=q if fold else None)
+        Ai, Aqk = solved if fold else (solved, None)
     qs, ks = q, k
     if fuse_wy:
         h, v_new, o, ht = state_fwd("delta", k, v, chunks, g=g_cum, q=q, A=Aqk, Ai=Ai, beta=None if fold else beta,

@@ -51,7 +51,7 @@ def fwd_launch_config(K: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int,
 def ag_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the intra kernel stores a exp(G^-) in for the WY stage: bf16 for bf16 inputs (fla's
     choice: the WY dot truncates its fp32 operand to TF32's 10 bits anyway, and this saves the WY
-    stage reading a, gc and gk: 640 -> 128 bytes a token and key channel pair at K = 64), fp32
+    stage reading a, gc and gk: 640 -> 128 bytes a token-head at K = 64), fp32
     otherwise (fp16 would flush the decayed rows of strongly gated chunks, below 6e-8, to zero)."""
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
