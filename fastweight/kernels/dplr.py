@@ -52,7 +52,7 @@ from fastweight.kernels.decay_output import output_fwd
 from fastweight.kernels.dplr_bwd import dplr_bwd
 from fastweight.kernels.dplr_intra import dplr_intra_fwd
 from fastweight.kernels.state import state_bwd, state_fwd
-from fastweight.kernels.dplr_wy import dplr_wy_fwd
+from fastweight.kernels.dplr_wy import dplr_solve_wy, dplr_wy_fwd
 from fastweight.kernels.kkt_solve import solve
 
 BT = 64
@@ -91,7 +91,9 @@ class DplrLaunch:
     launch: 16 B a token, head and chunk row on top of the scratch). ``bwd_early`` (default True): split, the
     first launch forms, stores and drops dA_qk and dA_qb before the rest (two fp32 [64, 64]
     accumulators live instead of four; sm_90 spill at K = 64 376 -> 176 B; H100, (8, 16384, 64, 64)
-    fwd+bwd -2.8%, docs/bench/decay_dplr.md); False forms the four together. Rounding dh, dU, T and A_ak
+    fwd+bwd -2.8%, docs/bench/decay_dplr.md); False forms the four together. ``solve_wy``: the solve and W, U~ in
+    one kernel, T held on chip between them (``dplr_wy.dplr_solve_wy``; stored only for a backward), in
+    ``solve_wy_config`` (num_warps, BK, BV; None: ``dplr_wy.SOLVE_WY_CONFIG``). Rounding dh, dU, T and A_ak
     costs bf16 ~8% in the worst error (H200: 3.62e-3 -> 3.91e-3 at (1, 1024, 4, 32, 128), fla's
     5.1e-3 the bound) for 4 GiB."""
     recompute: bool = False
@@ -109,6 +111,8 @@ class DplrLaunch:
     fused_output: bool = True
     bwd_split: bool | None = None
     bwd_early: bool = True
+    solve_wy: bool = False
+    solve_wy_config: tuple[int, int, int] | None = None
 
     def __post_init__(self):
         if not isinstance(self.bwd_split, (bool, type(None))):
@@ -142,11 +146,16 @@ def _read_dtype(q: torch.Tensor):
     return torch.float32 if q.dtype == torch.float16 else None
 
 
-def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):
-    """Steps 1-2: gates, the four intra-chunk matrices, T, W and U~ (and the chunks' wide flags)."""
+def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch, need_t: bool = True):
+    """Steps 1-2: gates, the four intra-chunk matrices, T, W and U~ (and the chunks' wide flags);
+    T is None where ``need_t`` is False and the solve is fused with W and U~ (``launch.solve_wy``)."""
     T, H = q.shape[1], q.shape[2]
     factors = torch.float32 if launch.factors_fp32 else q.dtype
     gc, Aqk, Aqb, Aak, Aab, wide, ag = _intra(q, k, a, b, gk, scale, chunks, launch)
+    if launch.solve_wy:
+        Ai, w, ut = dplr_solve_wy(Aab, ag, v, Aak, chunks, dtype=a.dtype, t_dtype=factors if need_t else None,
+                                  config=launch.solve_wy_config)
+        return gc, Aqk, Aqb, Aak, Ai, w, ut, wide
     Ai = solve(Aab, torch.full((1, T, H), -1.0, device=q.device), chunks, dtype=factors, precision_of=q.dtype)
     del Aab  # the solve's only: freed before W and U~ are allocated (fp32, 2 GiB at B 8, T 16384, H 64, K 64)
     w, ut = dplr_wy_fwd(ag, v, Ai, Aak, chunks, dtype=a.dtype)
@@ -158,7 +167,8 @@ class ChunkDplrFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, a, b, gk, initial_state, scale: float, output_final_state: bool, chunks: Chunks,
                 launch: DplrLaunch, keep: bool):
-        gc, Aqk, Aqb, Aak, Ai, w, ut, wide = _prepare(q, k, v, a, b, gk, scale, chunks, launch)
+        gc, Aqk, Aqb, Aak, Ai, w, ut, wide = _prepare(q, k, v, a, b, gk, scale, chunks, launch,
+                                                      need_t=keep and not launch.recompute)
         if launch.fused_output and k.shape[-1] <= FUSED_OUTPUT_MAX_K:
             # the chunk states and reads are stored only for a backward that keeps them
             store = keep and not launch.recompute
