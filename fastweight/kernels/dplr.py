@@ -93,7 +93,9 @@ class DplrLaunch:
     accumulators live instead of four; sm_90 spill at K = 64 376 -> 176 B; H100, (8, 16384, 64, 64)
     fwd+bwd -2.8%, docs/bench/decay_dplr.md); False forms the four together. ``solve_wy``: the solve and W, U~ in
     one kernel, T held on chip between them (``dplr_wy.dplr_solve_wy``; stored only for a backward), in
-    ``solve_wy_config`` (num_warps, BK, BV; None: ``dplr_wy.SOLVE_WY_CONFIG``). Rounding dh, dU, T and A_ak
+    ``solve_wy_config`` (num_warps, BK, BV; None: ``dplr_wy.SOLVE_WY_CONFIG``); None, the default: for
+    bf16 inputs (H100, RWKV-7 (8, 16384, 64, 64) forward 18.35 -> 16.62 ms; fp16's 3 x TF32 dots spill
+    200-400 B a thread there and its forward went 28.3 -> 34.8 ms, fp32 spills 1.2-1.7 KB). Rounding dh, dU, T and A_ak
     costs bf16 ~8% in the worst error (H200: 3.62e-3 -> 3.91e-3 at (1, 1024, 4, 32, 128), fla's
     5.1e-3 the bound) for 4 GiB."""
     recompute: bool = False
@@ -111,12 +113,13 @@ class DplrLaunch:
     fused_output: bool = True
     bwd_split: bool | None = None
     bwd_early: bool = True
-    solve_wy: bool = False
+    solve_wy: bool | None = None
     solve_wy_config: tuple[int, int, int] | None = None
 
     def __post_init__(self):
-        if not isinstance(self.bwd_split, (bool, type(None))):
-            raise ValueError(f"DplrLaunch.bwd_split must be None, True or False, got {self.bwd_split!r}")
+        for name in ("bwd_split", "solve_wy"):
+            if not isinstance(getattr(self, name), (bool, type(None))):
+                raise ValueError(f"DplrLaunch.{name} must be None, True or False, got {getattr(self, name)!r}")
 
 
 def _intra(q, k, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):
@@ -152,7 +155,7 @@ def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch
     T, H = q.shape[1], q.shape[2]
     factors = torch.float32 if launch.factors_fp32 else q.dtype
     gc, Aqk, Aqb, Aak, Aab, wide, ag = _intra(q, k, a, b, gk, scale, chunks, launch)
-    if launch.solve_wy:
+    if launch.solve_wy or (launch.solve_wy is None and q.dtype == torch.bfloat16):
         Ai, w, ut = dplr_solve_wy(Aab, ag, v, Aak, chunks, dtype=a.dtype, t_dtype=factors if need_t else None,
                                   config=launch.solve_wy_config)
         return gc, Aqk, Aqb, Aak, Ai, w, ut, wide

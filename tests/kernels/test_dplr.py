@@ -287,6 +287,33 @@ def test_dplr_solve_wy_op(how):
 def test_dplr_launch_refuses_unknown_split():
     with pytest.raises(ValueError, match="bwd_split"):
         DplrLaunch(bwd_split="reread")
+    with pytest.raises(ValueError, match="solve_wy"):
+        DplrLaunch(solve_wy="fused")
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("dtype, solve_wy, fused", [(torch.bfloat16, None, True), (torch.float16, None, False),
+                                                    (torch.float32, None, False), (torch.float32, True, True),
+                                                    (torch.bfloat16, False, False)])
+def test_dplr_solve_wy_default_by_dtype(dtype, solve_wy, fused, monkeypatch):
+    """The fused solve and WY stage is the default for bf16 inputs only (fp16's and fp32's dots spill
+    there, docs/bench/decay_dplr.md); ``solve_wy`` True / False forces either."""
+    taken = []
+
+    def record(name):
+        def stop(*args, **kw):
+            taken.append(name)
+            raise _Stop
+        return stop
+    monkeypatch.setattr(dplr, "dplr_solve_wy", record("fused"))
+    monkeypatch.setattr(dplr, "solve", record("split"))
+    x = {n: t.to(dtype if n != "w" else t.dtype) for n, t in _inputs("rwkv7", 20, gen=generator()).items()}
+    with pytest.raises(_Stop):
+        kernels.chunk_rwkv7(**x, scale=1.0, launch=DplrLaunch(solve_wy=solve_wy))
+    assert taken == ["fused" if fused else "split"]
 
 
 def test_dplr_fp16_dh_in_fp32(monkeypatch):
