@@ -12,6 +12,7 @@ state before the chunk (the readable spec is ``fastweight/chunk/dplr.py``):
        in one kernel                                                   ``dplr_intra.py``
     2. T = (I - A_ab)^{-1} (blockwise exact solve)                    ``kkt_solve.py``
        W = T (a * exp(G^-)),  U~ = T A_ak V                          ``dplr_wy.py``
+       (bf16: both in one kernel, T's blocks kept in registers,       ``dplr_wy.dplr_solve_wy``)
     3. per chunk in order: U = W S + U~,
        o = scale (q * exp G) S + A_qb U + A_qk V,
        S <- Diag(exp G_e) S + (b exp(G_e - G))^T U + (k exp(G_e - G))^T V   ``state.py``
