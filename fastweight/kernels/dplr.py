@@ -96,7 +96,9 @@ class DplrLaunch:
     one kernel, T held on chip between them (``dplr_wy.dplr_solve_wy``; stored only for a backward), in
     ``solve_wy_config`` (num_warps, BK, BV; None: ``dplr_wy.SOLVE_WY_CONFIG``); None, the default: for
     bf16 inputs (H100, RWKV-7 (8, 16384, 64, 64) forward 18.35 -> 16.62 ms; fp16's 3 x TF32 dots spill
-    200-400 B a thread there and its forward went 28.3 -> 34.8 ms, fp32 spills 1.2-1.7 KB). Rounding dh, dU, T and A_ak
+    200-400 B a thread there and its forward went 28.3 -> 34.8 ms, fp32 spills 1.2-1.7 KB). Fused, A_ab (fp32)
+    is live beside W and U~: at that shape a forward without backward peaks 1 GiB higher (2 GiB for one that keeps
+    T, still below the backward's peak: fwd+bwd 38.88 GiB either way). Rounding dh, dU, T and A_ak
     costs bf16 ~8% in the worst error (H200: 3.62e-3 -> 3.91e-3 at (1, 1024, 4, 32, 128), fla's
     5.1e-3 the bound) for 4 GiB."""
     recompute: bool = False
