@@ -8,6 +8,7 @@ compared on before it is timed.
     python -m fastweight.bench.compile_delta --ops rwkv7,dplr_delta_rule --heads 64x64,128x128
     python -m fastweight.bench.compile_delta --ops rwkv7 --heads 128x128 --dtype fp32 --kernels state_fwd_kernel
     python -m fastweight.bench.compile_delta --ops rwkv7 --heads 64x64 --kernels dplr_bwd_kernel --sass DIR
+    python -m fastweight.bench.compile_delta --ops rwkv7 --heads 64x64 --launch solve_wy=1 --no-grad
 
 The ops run on CPU tensors with every launch replaced by ``triton.compile`` of the kernel as
 launched (same constexprs, num_warps, num_stages); nothing runs, so values are garbage and only
@@ -21,6 +22,7 @@ also gives the instruction counts of the kernel's loops (``loop_bodies``).
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import inspect
 import itertools
@@ -155,6 +157,8 @@ def main():
     ap.add_argument("--heads", default="128x128,256x512,256x16,64x16,16x16", help="KxV head sizes")
     ap.add_argument("--kernels", default="", help="compile only these kernels (comma-separated names)")
     ap.add_argument("--sass", default="", help="write each kernel's SASS (no addresses) to this folder; md5 per line")
+    ap.add_argument("--launch", default="", help="DPLR ops: DplrLaunch fields, e.g. solve_wy=1,bwd_split=0")
+    ap.add_argument("--no-grad", action="store_true", help="also the forward without autograd (inference kernels)")
     args = ap.parse_args()
     only.update(n for n in args.kernels.split(",") if n)
     if args.sass:
@@ -166,13 +170,20 @@ def main():
     import fastweight.kernels as kernels
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     heads = [tuple(int(n) for n in kv.split("x")) for kv in args.heads.split(",")]
+    extra = {}
+    if args.launch:
+        from fastweight.kernels.dplr import DplrLaunch
+        extra["launch"] = DplrLaunch(**{k: bool(int(v)) for k, v in (f.split("=") for f in args.launch.split(","))})
     for op, (K, V), cu in itertools.product(args.ops.split(","), heads, (None, torch.tensor([0, 100, 256]))):
         B = 2 if cu is None else 1
         x = {n: t.requires_grad_(t.is_floating_point()) for n, t in _inputs(op, B, 256 // B, 2, K, V, dtype).items()}
         h0 = torch.zeros(B if cu is None else 2, 2, K, V, requires_grad=True)
-        o, ht = getattr(kernels, f"chunk_{op}")(**x, scale=0.1, initial_state=h0, output_final_state=True,
-                                                 cu_seqlens=cu)
+        fn = functools.partial(getattr(kernels, f"chunk_{op}"), **extra)
+        o, ht = fn(**x, scale=0.1, initial_state=h0, output_final_state=True, cu_seqlens=cu)
         (o.float().sum() + ht.sum()).backward()
+        if args.no_grad:
+            with torch.no_grad():
+                fn(**x, scale=0.1, initial_state=h0, output_final_state=True, cu_seqlens=cu)
         if op in ("gated_delta_rule", "kda") and cu is None and (K, V) == heads[0]:
             x = _inputs(op, 2, 128, 2, 128, 128, dtype)
             size = 2 * 128 if op == "kda" else 2

@@ -12,6 +12,7 @@ state before the chunk (the readable spec is ``fastweight/chunk/dplr.py``):
        in one kernel                                                   ``dplr_intra.py``
     2. T = (I - A_ab)^{-1} (blockwise exact solve)                    ``kkt_solve.py``
        W = T (a * exp(G^-)),  U~ = T A_ak V                          ``dplr_wy.py``
+       (bf16: both in one kernel, T's blocks kept in registers,       ``dplr_wy.dplr_solve_wy``)
     3. per chunk in order: U = W S + U~,
        o = scale (q * exp G) S + A_qb U + A_qk V,
        S <- Diag(exp G_e) S + (b exp(G_e - G))^T U + (k exp(G_e - G))^T V   ``state.py``
@@ -52,7 +53,7 @@ from fastweight.kernels.decay_output import output_fwd
 from fastweight.kernels.dplr_bwd import dplr_bwd
 from fastweight.kernels.dplr_intra import dplr_intra_fwd
 from fastweight.kernels.state import state_bwd, state_fwd
-from fastweight.kernels.dplr_wy import dplr_wy_fwd
+from fastweight.kernels.dplr_wy import dplr_solve_wy, dplr_wy_fwd
 from fastweight.kernels.kkt_solve import solve
 
 BT = 64
@@ -91,7 +92,13 @@ class DplrLaunch:
     launch: 16 B a token, head and chunk row on top of the scratch). ``bwd_early`` (default True): split, the
     first launch forms, stores and drops dA_qk and dA_qb before the rest (two fp32 [64, 64]
     accumulators live instead of four; sm_90 spill at K = 64 376 -> 176 B; H100, (8, 16384, 64, 64)
-    fwd+bwd -2.8%, docs/bench/decay_dplr.md); False forms the four together. Rounding dh, dU, T and A_ak
+    fwd+bwd -2.8%, docs/bench/decay_dplr.md); False forms the four together. ``solve_wy``: the solve and W, U~ in
+    one kernel, T held on chip between them (``dplr_wy.dplr_solve_wy``; stored only for a backward), in
+    ``solve_wy_config`` (num_warps, BK, BV; None: ``dplr_wy.SOLVE_WY_CONFIG``); None, the default: for
+    bf16 inputs (H100, RWKV-7 (8, 16384, 64, 64) forward 18.35 -> 16.62 ms; fp16's 3 x TF32 dots spill
+    200-400 B a thread there and its forward went 28.3 -> 34.8 ms, fp32 spills 1.2-1.7 KB). Fused, A_ab (fp32)
+    is live beside W and U~: at that shape a forward without backward peaks 1 GiB higher (2 GiB for one that keeps
+    T, still below the backward's peak: fwd+bwd 38.88 GiB either way). Rounding dh, dU, T and A_ak
     costs bf16 ~8% in the worst error (H200: 3.62e-3 -> 3.91e-3 at (1, 1024, 4, 32, 128), fla's
     5.1e-3 the bound) for 4 GiB."""
     recompute: bool = False
@@ -109,10 +116,13 @@ class DplrLaunch:
     fused_output: bool = True
     bwd_split: bool | None = None
     bwd_early: bool = True
+    solve_wy: bool | None = None
+    solve_wy_config: tuple[int, int, int] | None = None
 
     def __post_init__(self):
-        if not isinstance(self.bwd_split, (bool, type(None))):
-            raise ValueError(f"DplrLaunch.bwd_split must be None, True or False, got {self.bwd_split!r}")
+        for name in ("bwd_split", "solve_wy"):
+            if not isinstance(getattr(self, name), (bool, type(None))):
+                raise ValueError(f"DplrLaunch.{name} must be None, True or False, got {getattr(self, name)!r}")
 
 
 def _intra(q, k, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):
@@ -142,11 +152,16 @@ def _read_dtype(q: torch.Tensor):
     return torch.float32 if q.dtype == torch.float16 else None
 
 
-def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):
-    """Steps 1-2: gates, the four intra-chunk matrices, T, W and U~ (and the chunks' wide flags)."""
+def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch, need_t: bool = True):
+    """Steps 1-2: gates, the four intra-chunk matrices, T, W and U~ (and the chunks' wide flags);
+    T is None where ``need_t`` is False and the solve is fused with W and U~ (``launch.solve_wy``)."""
     T, H = q.shape[1], q.shape[2]
     factors = torch.float32 if launch.factors_fp32 else q.dtype
     gc, Aqk, Aqb, Aak, Aab, wide, ag = _intra(q, k, a, b, gk, scale, chunks, launch)
+    if launch.solve_wy or (launch.solve_wy is None and q.dtype == torch.bfloat16):
+        Ai, w, ut = dplr_solve_wy(Aab, ag, v, Aak, chunks, dtype=a.dtype, t_dtype=factors if need_t else None,
+                                  config=launch.solve_wy_config)
+        return gc, Aqk, Aqb, Aak, Ai, w, ut, wide
     Ai = solve(Aab, torch.full((1, T, H), -1.0, device=q.device), chunks, dtype=factors, precision_of=q.dtype)
     del Aab  # the solve's only: freed before W and U~ are allocated (fp32, 2 GiB at B 8, T 16384, H 64, K 64)
     w, ut = dplr_wy_fwd(ag, v, Ai, Aak, chunks, dtype=a.dtype)
@@ -158,7 +173,8 @@ class ChunkDplrFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, a, b, gk, initial_state, scale: float, output_final_state: bool, chunks: Chunks,
                 launch: DplrLaunch, keep: bool):
-        gc, Aqk, Aqb, Aak, Ai, w, ut, wide = _prepare(q, k, v, a, b, gk, scale, chunks, launch)
+        gc, Aqk, Aqb, Aak, Ai, w, ut, wide = _prepare(q, k, v, a, b, gk, scale, chunks, launch,
+                                                      need_t=keep and not launch.recompute)
         if launch.fused_output and k.shape[-1] <= FUSED_OUTPUT_MAX_K:
             # the chunk states and reads are stored only for a backward that keeps them
             store = keep and not launch.recompute

@@ -286,10 +286,13 @@ def dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide,
             BK, BV = blocks or default_blocks
             BK, BV = min(BK, max(16, triton.next_power_of_2(K))), min(BV, max(16, triton.next_power_of_2(V)))
             warps, stages = config or default_config
+            # fp16's split second launch multiplies its fp32 operands truncated (plain TF32): rounding
+            # them first (``dot_at("tf32rn")``) takes its stack 128 -> 1192 B at K = 64 (sm_90)
+            precision = "tf32" if phase == 2 and q.dtype == torch.float16 else dot_precision(q.dtype)
             dplr_bwd_kernel[(n, H)](
                 q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, slots, *dAs, pairs, *scratch, dq,
                 dk, dv, da, db, chunks.cu_seqlens, chunks.chunk_indices, scale, t0, H=H, K=K, V=V, BT=chunks.BT,
-                BC=16, BK=BK, BV=BV, DOT_PRECISION=dot_precision(q.dtype), DIAG_PRECISION=diag_precision(q.dtype),
+                BC=16, BK=BK, BV=BV, DOT_PRECISION=precision, DIAG_PRECISION=diag_precision(q.dtype),
                 SPAN=span, SLOTTED=slotted, UT_KEPT=ut is not None, PHASE=phase, EARLY=early and phase == 1,
                 num_warps=warps, num_stages=stages)
         # the gate terms (over three of the scratch buffers) summed before the next launch writes them

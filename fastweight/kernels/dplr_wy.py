@@ -30,6 +30,7 @@ import triton.language as tl
 
 from fastweight.kernels.common import Chunks, dot_at, dot_precision, exp
 from fastweight.kernels.decay_intra import diag_precision
+from fastweight.kernels.kkt_solve import merge_precision, solved_blocks, store_row_blocks
 
 
 @triton.jit
@@ -65,6 +66,129 @@ def dplr_wy_fwd_kernel(ag, v, Ai, Aak, w, ut, cu_seqlens, chunk_indices, H: tl.c
         b_y = dot_at(b_Aak, b_v, UT_PRECISION)
         b_ut = dot_at(b_T, b_y, UT_PRECISION)
         tl.store(ut + p_v, b_ut.to(ut.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit
+def _rows16(x, T, r0, c0, HD: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    """Rows r0 .. r0 + 15, columns c0 .. c0 + BD - 1 of a head's [T, D] slice (rows HD apart), in fp32."""
+    p = tl.make_block_ptr(x, (T, D), (HD, 1), (r0, c0), (16, BD), (1, 0))
+    return tl.load(p, boundary_check=(0, 1)).to(tl.float32)
+
+
+@triton.jit
+def _store16(x, b_x, T, r0, c0, HD: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    p = tl.make_block_ptr(x, (T, D), (HD, 1), (r0, c0), (16, BD), (1, 0))
+    tl.store(p, b_x.to(p.dtype.element_ty), boundary_check=(0, 1))
+
+
+@triton.jit
+def _tri16(A, T, r0, c0, H: tl.constexpr, BT: tl.constexpr, STRICT: tl.constexpr):
+    """A [16, 16] block of a per-chunk [T, BT] matrix in fp32 (STRICT: its part below the diagonal)."""
+    b_A = _rows16(A, T, r0, c0, H * BT, BT, 16)
+    if STRICT:
+        o_i = tl.arange(0, 16)
+        b_A = tl.where(o_i[:, None] > o_i[None, :], b_A, 0.)
+    return b_A
+
+
+@triton.jit
+def dplr_solve_wy_kernel(Aab, ag, v, Aak, Ai, w, ut, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
+                         V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         MERGE_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr, UT_PRECISION: tl.constexpr,
+                         STORE_T: tl.constexpr, ROUND_T: tl.constexpr):
+    """The solve and the WY stage of one chunk in one program: T = (I - A_ab)^{-1} as ten [16, 16]
+    blocks in registers (``kkt_solve.solved_blocks``), then W = T ag and U~ = (T A_ak) V by 16-row
+    blocks, W_r = sum_{c <= r} T_rc ag_c, M_rc = sum_{c <= m <= r} T_rm A_ak,mc, U~_r = sum_{c <= r} M_rc V_c
+    (the product T (A_ak V) regrouped, so that no [64, V] intermediate is held). STORE_T: T is stored
+    for a backward; ROUND_T: W and U~ multiply T rounded as stored (w's dtype), as a separate
+    WY stage reading it would."""
+    i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    # block pointers take 32-bit offsets
+    T = (eos - bos).to(tl.int32)
+    t0 = (i_c * BT).to(tl.int32)
+    Aab += (bos * H + i_h) * BT
+    Aak += (bos * H + i_h) * BT
+    ag += (bos * H + i_h) * K
+    w += (bos * H + i_h) * K
+    v += (bos * H + i_h) * V
+    ut += (bos * H + i_h) * V
+    # (I - A_ab)^{-1}: the solve's A is -A_ab
+    b_T11, b_T21, b_T22, b_T31, b_T32, b_T33, b_T41, b_T42, b_T43, b_T44 = solved_blocks(
+        -_tri16(Aab, T, t0, 0, H, BT, True),
+        -_tri16(Aab, T, t0 + 16, 0, H, BT, False), -_tri16(Aab, T, t0 + 16, 16, H, BT, True),
+        -_tri16(Aab, T, t0 + 32, 0, H, BT, False), -_tri16(Aab, T, t0 + 32, 16, H, BT, False),
+        -_tri16(Aab, T, t0 + 32, 32, H, BT, True),
+        -_tri16(Aab, T, t0 + 48, 0, H, BT, False), -_tri16(Aab, T, t0 + 48, 16, H, BT, False),
+        -_tri16(Aab, T, t0 + 48, 32, H, BT, False), -_tri16(Aab, T, t0 + 48, 48, H, BT, True), MERGE_PRECISION)
+    if STORE_T:
+        Ai += (bos * H + i_h) * BT
+        b_0 = tl.zeros([16, 16], dtype=tl.float32)
+        store_row_blocks(Ai, T, t0, H, BT, b_T11, b_0, b_0, b_0)
+        store_row_blocks(Ai, T, t0 + 16, H, BT, b_T21, b_T22, b_0, b_0)
+        store_row_blocks(Ai, T, t0 + 32, H, BT, b_T31, b_T32, b_T33, b_0)
+        store_row_blocks(Ai, T, t0 + 48, H, BT, b_T41, b_T42, b_T43, b_T44)
+    if ROUND_T:
+        dt = w.dtype.element_ty
+        b_T11, b_T21, b_T22 = b_T11.to(dt).to(tl.float32), b_T21.to(dt).to(tl.float32), b_T22.to(dt).to(tl.float32)
+        b_T31, b_T32, b_T33 = b_T31.to(dt).to(tl.float32), b_T32.to(dt).to(tl.float32), b_T33.to(dt).to(tl.float32)
+        b_T41, b_T42 = b_T41.to(dt).to(tl.float32), b_T42.to(dt).to(tl.float32)
+        b_T43, b_T44 = b_T43.to(dt).to(tl.float32), b_T44.to(dt).to(tl.float32)
+    HK: tl.constexpr = H * K
+    for i_k in range(0, tl.cdiv(K, BK)):
+        c0 = i_k * BK
+        b_a1 = _rows16(ag, T, t0, c0, HK, K, BK)
+        _store16(w, dot_at(b_T11, b_a1, DOT_PRECISION), T, t0, c0, HK, K, BK)
+        b_a2 = _rows16(ag, T, t0 + 16, c0, HK, K, BK)
+        _store16(w, dot_at(b_T21, b_a1, DOT_PRECISION) + dot_at(b_T22, b_a2, DOT_PRECISION), T, t0 + 16, c0, HK, K,
+                 BK)
+        b_a3 = _rows16(ag, T, t0 + 32, c0, HK, K, BK)
+        _store16(w, dot_at(b_T31, b_a1, DOT_PRECISION) + dot_at(b_T32, b_a2, DOT_PRECISION)
+                 + dot_at(b_T33, b_a3, DOT_PRECISION), T, t0 + 32, c0, HK, K, BK)
+        b_a4 = _rows16(ag, T, t0 + 48, c0, HK, K, BK)
+        _store16(w, dot_at(b_T41, b_a1, DOT_PRECISION) + dot_at(b_T42, b_a2, DOT_PRECISION)
+                 + dot_at(b_T43, b_a3, DOT_PRECISION) + dot_at(b_T44, b_a4, DOT_PRECISION), T, t0 + 48, c0, HK, K, BK)
+    # M = T A_ak by block columns (A_ak strictly lower: its diagonal blocks strict)
+    b_K = _tri16(Aak, T, t0, 0, H, BT, True)
+    b_M11 = dot_at(b_T11, b_K, UT_PRECISION)
+    b_M21 = dot_at(b_T21, b_K, UT_PRECISION)
+    b_M31 = dot_at(b_T31, b_K, UT_PRECISION)
+    b_M41 = dot_at(b_T41, b_K, UT_PRECISION)
+    b_K = _tri16(Aak, T, t0 + 16, 0, H, BT, False)
+    b_M21 += dot_at(b_T22, b_K, UT_PRECISION)
+    b_M31 += dot_at(b_T32, b_K, UT_PRECISION)
+    b_M41 += dot_at(b_T42, b_K, UT_PRECISION)
+    b_K = _tri16(Aak, T, t0 + 32, 0, H, BT, False)
+    b_M31 += dot_at(b_T33, b_K, UT_PRECISION)
+    b_M41 += dot_at(b_T43, b_K, UT_PRECISION)
+    b_M41 += dot_at(b_T44, _tri16(Aak, T, t0 + 48, 0, H, BT, False), UT_PRECISION)
+    b_K = _tri16(Aak, T, t0 + 16, 16, H, BT, True)
+    b_M22 = dot_at(b_T22, b_K, UT_PRECISION)
+    b_M32 = dot_at(b_T32, b_K, UT_PRECISION)
+    b_M42 = dot_at(b_T42, b_K, UT_PRECISION)
+    b_K = _tri16(Aak, T, t0 + 32, 16, H, BT, False)
+    b_M32 += dot_at(b_T33, b_K, UT_PRECISION)
+    b_M42 += dot_at(b_T43, b_K, UT_PRECISION)
+    b_M42 += dot_at(b_T44, _tri16(Aak, T, t0 + 48, 16, H, BT, False), UT_PRECISION)
+    b_K = _tri16(Aak, T, t0 + 32, 32, H, BT, True)
+    b_M33 = dot_at(b_T33, b_K, UT_PRECISION)
+    b_M43 = dot_at(b_T43, b_K, UT_PRECISION)
+    b_M43 += dot_at(b_T44, _tri16(Aak, T, t0 + 48, 32, H, BT, False), UT_PRECISION)
+    b_M44 = dot_at(b_T44, _tri16(Aak, T, t0 + 48, 48, H, BT, True), UT_PRECISION)
+    HV: tl.constexpr = H * V
+    for i_v in range(0, tl.cdiv(V, BV)):
+        c0 = i_v * BV
+        b_v1 = _rows16(v, T, t0, c0, HV, V, BV)
+        _store16(ut, dot_at(b_M11, b_v1, UT_PRECISION), T, t0, c0, HV, V, BV)
+        b_v2 = _rows16(v, T, t0 + 16, c0, HV, V, BV)
+        _store16(ut, dot_at(b_M21, b_v1, UT_PRECISION) + dot_at(b_M22, b_v2, UT_PRECISION), T, t0 + 16, c0, HV, V, BV)
+        b_v3 = _rows16(v, T, t0 + 32, c0, HV, V, BV)
+        _store16(ut, dot_at(b_M31, b_v1, UT_PRECISION) + dot_at(b_M32, b_v2, UT_PRECISION)
+                 + dot_at(b_M33, b_v3, UT_PRECISION), T, t0 + 32, c0, HV, V, BV)
+        b_v4 = _rows16(v, T, t0 + 48, c0, HV, V, BV)
+        _store16(ut, dot_at(b_M41, b_v1, UT_PRECISION) + dot_at(b_M42, b_v2, UT_PRECISION)
+                 + dot_at(b_M43, b_v3, UT_PRECISION) + dot_at(b_M44, b_v4, UT_PRECISION), T, t0 + 48, c0, HV, V, BV)
 
 
 @triton.jit
@@ -237,3 +361,32 @@ def dplr_wy_fwd(ag, v, Ai, Aak, chunks: Chunks, dtype: torch.dtype):
                                        K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, DOT_PRECISION=dot_precision(dtype),
                                        UT_PRECISION=diag_precision(dtype), num_warps=4, num_stages=1)
     return w, ut
+
+
+# one warp: the substitution's row reductions stay inside it (the solve's SOLVE_WARPS);
+# (num_warps, BK, BV): one warp and 32-wide blocks hold T's blocks and the row tiles without spilling
+# (sm_90 bf16: 228-254 registers, no stack, at K = 64 and 128; 64-wide blocks spill 104-512 B)
+SOLVE_WY_CONFIG = (1, 32, 32)
+
+
+def dplr_solve_wy(Aab, ag, v, Aak, chunks: Chunks, dtype: torch.dtype, t_dtype: torch.dtype | None,
+                  config: tuple[int, int, int] | None = None):
+    """T = (I - A_ab)^{-1}, W = T ag and U~ = T A_ak V in one kernel (``dplr_solve_wy_kernel``): the
+    solve and ``dplr_wy_fwd`` with T kept on chip between them. Aab [1, T, H, BT] fp32, Aak [1, T, H,
+    BT], ag [1, T, H, K], v [1, T, H, V]; ``config`` (num_warps, BK, BV), default ``SOLVE_WY_CONFIG``. Returns (T in ``t_dtype``, or None where ``t_dtype`` is None
+    and no backward needs it; W, U~ in ``dtype``)."""
+    _, T, H, K = ag.shape
+    V = v.shape[-1]
+    num_warps, BK, BV = config or SOLVE_WY_CONFIG
+    BK, BV = min(BK, _blocks(K, V)[0]), min(BV, _blocks(K, V)[1])
+    w = torch.empty(1, T, H, K, dtype=dtype, device=ag.device)
+    ut = torch.empty(1, T, H, V, dtype=dtype, device=ag.device)
+    Ai = torch.empty(1, T, H, chunks.BT, dtype=t_dtype, device=ag.device) if t_dtype is not None else None
+    # T rounded as the backward reads it; without a stored T, as a 16-bit T would be (the inputs' dtype)
+    round_t = (t_dtype if t_dtype is not None else dtype) != torch.float32
+    dplr_solve_wy_kernel[(chunks.NC, H)](Aab, ag, v, Aak, Ai if Ai is not None else w, w, ut, chunks.cu_seqlens,
+                                         chunks.chunk_indices, H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
+                                         MERGE_PRECISION=merge_precision(dtype), DOT_PRECISION=dot_precision(dtype),
+                                         UT_PRECISION=diag_precision(dtype), STORE_T=Ai is not None,
+                                         ROUND_T=round_t, num_warps=num_warps)
+    return Ai, w, ut

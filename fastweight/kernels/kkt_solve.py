@@ -263,6 +263,22 @@ def _mm(a, b, P: tl.constexpr):
 
 
 @triton.jit
+def solved_blocks(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44, P: tl.constexpr,
+                  TRANSPOSED: tl.constexpr = False):
+    """The 10 lower [16, 16] blocks of (I + A)^{-1}, A given as its own (the diagonal blocks strictly
+    lower): the diagonal blocks by substitution (TRANSPOSED: ``invert_unit_lower16x4``'s column form),
+    the rest by the block merge, its dots at precision P."""
+    b_I11, b_I22, b_I33, b_I44 = invert_unit_lower16x4(b_A11, b_A22, b_A33, b_A44, TRANSPOSED)
+    b_I21 = -_mm(b_I22, _mm(b_A21, b_I11, P), P)
+    b_I32 = -_mm(b_I33, _mm(b_A32, b_I22, P), P)
+    b_I43 = -_mm(b_I44, _mm(b_A43, b_I33, P), P)
+    b_I31 = -_mm(b_I33, _mm(b_A31, b_I11, P) + _mm(b_A32, b_I21, P), P)
+    b_I42 = -_mm(b_I44, _mm(b_A42, b_I22, P) + _mm(b_A43, b_I32, P), P)
+    b_I41 = -_mm(b_I44, _mm(b_A41, b_I11, P) + _mm(b_A42, b_I21, P) + _mm(b_A43, b_I31, P), P)
+    return b_I11, b_I21, b_I22, b_I31, b_I32, b_I33, b_I41, b_I42, b_I43, b_I44
+
+
+@triton.jit
 def store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44,
                  Ai, T, t0, H: tl.constexpr, BT: tl.constexpr, P: tl.constexpr, SCALE_COLUMNS: tl.constexpr = False,
                  b_c1=None, b_c2=None, b_c3=None, b_c4=None):
@@ -274,13 +290,8 @@ def store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, 
 
     Ai points at the sequence's first row for this head; rows are ``H * BT`` apart.
     """
-    b_I11, b_I22, b_I33, b_I44 = invert_unit_lower16x4(b_A11, b_A22, b_A33, b_A44, SCALE_COLUMNS)
-    b_I21 = -_mm(b_I22, _mm(b_A21, b_I11, P), P)
-    b_I32 = -_mm(b_I33, _mm(b_A32, b_I22, P), P)
-    b_I43 = -_mm(b_I44, _mm(b_A43, b_I33, P), P)
-    b_I31 = -_mm(b_I33, _mm(b_A31, b_I11, P) + _mm(b_A32, b_I21, P), P)
-    b_I42 = -_mm(b_I44, _mm(b_A42, b_I22, P) + _mm(b_A43, b_I32, P), P)
-    b_I41 = -_mm(b_I44, _mm(b_A41, b_I11, P) + _mm(b_A42, b_I21, P) + _mm(b_A43, b_I31, P), P)
+    b_I11, b_I21, b_I22, b_I31, b_I32, b_I33, b_I41, b_I42, b_I43, b_I44 = solved_blocks(
+        b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44, P, SCALE_COLUMNS)
     if SCALE_COLUMNS:
         b_I11, b_I21, b_I31, b_I41 = b_I11 * b_c1, b_I21 * b_c1, b_I31 * b_c1, b_I41 * b_c1
         b_I22, b_I32, b_I42 = b_I22 * b_c2, b_I32 * b_c2, b_I42 * b_c2
