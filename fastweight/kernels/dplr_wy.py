@@ -135,20 +135,20 @@ def dplr_solve_wy_kernel(Aab, ag, v, Aak, Ai, w, ut, cu_seqlens, chunk_indices, 
         b_T31, b_T32, b_T33 = b_T31.to(dt).to(tl.float32), b_T32.to(dt).to(tl.float32), b_T33.to(dt).to(tl.float32)
         b_T41, b_T42 = b_T41.to(dt).to(tl.float32), b_T42.to(dt).to(tl.float32)
         b_T43, b_T44 = b_T43.to(dt).to(tl.float32), b_T44.to(dt).to(tl.float32)
-    HK: tl.constexpr = H * K
+    SK: tl.constexpr = H * K  # the row strides of [T, H, K] and [T, H, V]
     for i_k in range(0, tl.cdiv(K, BK)):
         c0 = i_k * BK
-        b_a1 = _rows16(ag, T, t0, c0, HK, K, BK)
-        _store16(w, dot_at(b_T11, b_a1, DOT_PRECISION), T, t0, c0, HK, K, BK)
-        b_a2 = _rows16(ag, T, t0 + 16, c0, HK, K, BK)
-        _store16(w, dot_at(b_T21, b_a1, DOT_PRECISION) + dot_at(b_T22, b_a2, DOT_PRECISION), T, t0 + 16, c0, HK, K,
+        b_a1 = _rows16(ag, T, t0, c0, SK, K, BK)
+        _store16(w, dot_at(b_T11, b_a1, DOT_PRECISION), T, t0, c0, SK, K, BK)
+        b_a2 = _rows16(ag, T, t0 + 16, c0, SK, K, BK)
+        _store16(w, dot_at(b_T21, b_a1, DOT_PRECISION) + dot_at(b_T22, b_a2, DOT_PRECISION), T, t0 + 16, c0, SK, K,
                  BK)
-        b_a3 = _rows16(ag, T, t0 + 32, c0, HK, K, BK)
+        b_a3 = _rows16(ag, T, t0 + 32, c0, SK, K, BK)
         _store16(w, dot_at(b_T31, b_a1, DOT_PRECISION) + dot_at(b_T32, b_a2, DOT_PRECISION)
-                 + dot_at(b_T33, b_a3, DOT_PRECISION), T, t0 + 32, c0, HK, K, BK)
-        b_a4 = _rows16(ag, T, t0 + 48, c0, HK, K, BK)
+                 + dot_at(b_T33, b_a3, DOT_PRECISION), T, t0 + 32, c0, SK, K, BK)
+        b_a4 = _rows16(ag, T, t0 + 48, c0, SK, K, BK)
         _store16(w, dot_at(b_T41, b_a1, DOT_PRECISION) + dot_at(b_T42, b_a2, DOT_PRECISION)
-                 + dot_at(b_T43, b_a3, DOT_PRECISION) + dot_at(b_T44, b_a4, DOT_PRECISION), T, t0 + 48, c0, HK, K, BK)
+                 + dot_at(b_T43, b_a3, DOT_PRECISION) + dot_at(b_T44, b_a4, DOT_PRECISION), T, t0 + 48, c0, SK, K, BK)
     # M = T A_ak by block columns (A_ak strictly lower: its diagonal blocks strict)
     b_K = _tri16(Aak, T, t0, 0, H, BT, True)
     b_M11 = dot_at(b_T11, b_K, UT_PRECISION)
@@ -176,19 +176,19 @@ def dplr_solve_wy_kernel(Aab, ag, v, Aak, Ai, w, ut, cu_seqlens, chunk_indices, 
     b_M43 = dot_at(b_T43, b_K, UT_PRECISION)
     b_M43 += dot_at(b_T44, _tri16(Aak, T, t0 + 48, 32, H, BT, False), UT_PRECISION)
     b_M44 = dot_at(b_T44, _tri16(Aak, T, t0 + 48, 48, H, BT, True), UT_PRECISION)
-    HV: tl.constexpr = H * V
+    SV: tl.constexpr = H * V
     for i_v in range(0, tl.cdiv(V, BV)):
         c0 = i_v * BV
-        b_v1 = _rows16(v, T, t0, c0, HV, V, BV)
-        _store16(ut, dot_at(b_M11, b_v1, UT_PRECISION), T, t0, c0, HV, V, BV)
-        b_v2 = _rows16(v, T, t0 + 16, c0, HV, V, BV)
-        _store16(ut, dot_at(b_M21, b_v1, UT_PRECISION) + dot_at(b_M22, b_v2, UT_PRECISION), T, t0 + 16, c0, HV, V, BV)
-        b_v3 = _rows16(v, T, t0 + 32, c0, HV, V, BV)
+        b_v1 = _rows16(v, T, t0, c0, SV, V, BV)
+        _store16(ut, dot_at(b_M11, b_v1, UT_PRECISION), T, t0, c0, SV, V, BV)
+        b_v2 = _rows16(v, T, t0 + 16, c0, SV, V, BV)
+        _store16(ut, dot_at(b_M21, b_v1, UT_PRECISION) + dot_at(b_M22, b_v2, UT_PRECISION), T, t0 + 16, c0, SV, V, BV)
+        b_v3 = _rows16(v, T, t0 + 32, c0, SV, V, BV)
         _store16(ut, dot_at(b_M31, b_v1, UT_PRECISION) + dot_at(b_M32, b_v2, UT_PRECISION)
-                 + dot_at(b_M33, b_v3, UT_PRECISION), T, t0 + 32, c0, HV, V, BV)
-        b_v4 = _rows16(v, T, t0 + 48, c0, HV, V, BV)
+                 + dot_at(b_M33, b_v3, UT_PRECISION), T, t0 + 32, c0, SV, V, BV)
+        b_v4 = _rows16(v, T, t0 + 48, c0, SV, V, BV)
         _store16(ut, dot_at(b_M41, b_v1, UT_PRECISION) + dot_at(b_M42, b_v2, UT_PRECISION)
-                 + dot_at(b_M43, b_v3, UT_PRECISION) + dot_at(b_M44, b_v4, UT_PRECISION), T, t0 + 48, c0, HV, V, BV)
+                 + dot_at(b_M43, b_v3, UT_PRECISION) + dot_at(b_M44, b_v4, UT_PRECISION), T, t0 + 48, c0, SV, V, BV)
 
 
 @triton.jit
