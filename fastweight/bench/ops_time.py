@@ -10,7 +10,8 @@ alternate the trees (A B A B) so that the machine's drift falls on both. Per cas
 V = K, inputs as the family's benchmark draws them: ``gpu_delta.inputs``, ``gpu_decay_dplr.inputs``):
 
 - forward without autograd and forward+backward (a fixed random cotangent; the inputs' grads set to
-  None between runs), ``--samples`` medians each of ``triton.testing.do_bench`` (``--rep`` ms);
+  None between runs; ``--forward-only``: the forward alone), ``--samples`` medians each of
+  ``triton.testing.do_bench`` (``--rep`` ms);
 - the peak of ``torch.cuda.max_memory_allocated`` over forward+backward, the inputs, their copies
   that take grads and the cotangent included (GiB);
 - ``--profile fwd|fb|fbng``: instead, CUDA ms per kernel of one call under ``torch.profiler`` after
@@ -73,13 +74,15 @@ def _bench(fn, rep: int, grads=()) -> float:
     return statistics.median(times)
 
 
-def time_case(op: str, shape, dtype: torch.dtype, rep: int, samples: int, device) -> dict:
-    """{"fwd": [ms per sample], "fb": [...], "peak_gib": float or None}."""
+def time_case(op: str, shape, dtype: torch.dtype, rep: int, samples: int, device, backward: bool = True) -> dict:
+    """{"fwd": [ms per sample], "fb": [...] (empty without ``backward``), "peak_gib": float or None}."""
     fn, x = op_and_inputs(op, *shape, dtype, device)
     fwd = []
     for _ in range(samples):
         with torch.no_grad():
             fwd.append(_bench(lambda: fn(**x), rep))
+    if not backward:
+        return {"fwd": fwd, "fb": [], "peak_gib": None}
     xg = {n: t.clone().requires_grad_(t.is_floating_point()) for n, t in x.items()}
     do = torch.randn_like(fn(**xg)[0])
     leaves = [t for t in xg.values() if t.requires_grad]
@@ -135,6 +138,7 @@ def main(argv=None):
     ap.add_argument("--label", default="")
     ap.add_argument("--warm", action="store_true", help="every case at B = 1, T = 512, one short sample")
     ap.add_argument("--profile", default="", help="fwd, fb or fbng: per-kernel CUDA ms instead of timings")
+    ap.add_argument("--forward-only", action="store_true", help="time the forward without autograd alone")
     args = ap.parse_args(argv)
     cases = [parse_case(c) for c in args.cases.split(";") if c]
     dtype = DTYPES[args.dtype]
@@ -150,10 +154,11 @@ def main(argv=None):
             print(f"{name} {args.profile} total {sum(per.values()):.3f} ms | "
                   + ", ".join(f"{n[:40]} {t:.3f}" for n, t in list(per.items())[:12]), flush=True)
         else:
-            r = time_case(op, shape, dtype, 30 if args.warm else args.rep, 1 if args.warm else args.samples, device)
+            r = time_case(op, shape, dtype, 30 if args.warm else args.rep, 1 if args.warm else args.samples, device,
+                          backward=not args.forward_only)
             peak = f" peak {r['peak_gib']:.2f} GiB" if r["peak_gib"] is not None else ""
-            print(f"{name} fwd {' '.join(f'{t:.4f}' for t in r['fwd'])} fb {' '.join(f'{t:.4f}' for t in r['fb'])}"
-                  f"{peak}", flush=True)
+            fb = f" fb {' '.join(f'{t:.4f}' for t in r['fb'])}" if r["fb"] else ""
+            print(f"{name} fwd {' '.join(f'{t:.4f}' for t in r['fwd'])}{fb}{peak}", flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
 

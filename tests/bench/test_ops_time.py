@@ -28,3 +28,9 @@ def test_times_each_family(op, capsys):
 def test_profile_needs_a_gpu():
     with pytest.raises(SystemExit, match="GPU"):
         ops_time.main(["--cases", "rwkv7:1,40,1,16", "--profile", "fwd"])
+
+
+def test_forward_only(capsys):
+    ops_time.main(["--cases", "simple_gla:1,40,1,16", "--dtype", "fp32", "--forward-only"])
+    line = capsys.readouterr().out.strip()
+    assert " fwd " in line and " fb " not in line and len(line.split(" fwd ")[1].split()) == 2
