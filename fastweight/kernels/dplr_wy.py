@@ -30,7 +30,7 @@ import triton.language as tl
 
 from fastweight.kernels.common import Chunks, dot_at, dot_precision, exp
 from fastweight.kernels.decay_intra import diag_precision
-from fastweight.kernels.kkt_solve import merge_precision, solved_blocks, store_row_blocks
+from fastweight.kernels.kkt_solve import merge_precision, solved_blocks, store_lower_blocks
 
 
 @triton.jit
@@ -92,6 +92,22 @@ def _tri16(A, T, r0, c0, H: tl.constexpr, BT: tl.constexpr, STRICT: tl.constexpr
 
 
 @triton.jit
+def _lower_times_rows(x, y, T, t0, c0, SD: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, P: tl.constexpr, b_L11,
+                      b_L21, b_L22, b_L31, b_L32, b_L33, b_L41, b_L42, b_L43, b_L44):
+    """y = L x on a chunk's columns c0 .. c0 + BD - 1, L block lower triangular (its ten [16, 16] blocks),
+    16 rows at a time: y_r = sum_{c <= r} L_rc x_c (rows SD apart; dots at precision P)."""
+    b_x1 = _rows16(x, T, t0, c0, SD, D, BD)
+    _store16(y, dot_at(b_L11, b_x1, P), T, t0, c0, SD, D, BD)
+    b_x2 = _rows16(x, T, t0 + 16, c0, SD, D, BD)
+    _store16(y, dot_at(b_L21, b_x1, P) + dot_at(b_L22, b_x2, P), T, t0 + 16, c0, SD, D, BD)
+    b_x3 = _rows16(x, T, t0 + 32, c0, SD, D, BD)
+    _store16(y, dot_at(b_L31, b_x1, P) + dot_at(b_L32, b_x2, P) + dot_at(b_L33, b_x3, P), T, t0 + 32, c0, SD, D, BD)
+    b_x4 = _rows16(x, T, t0 + 48, c0, SD, D, BD)
+    _store16(y, dot_at(b_L41, b_x1, P) + dot_at(b_L42, b_x2, P) + dot_at(b_L43, b_x3, P) + dot_at(b_L44, b_x4, P),
+             T, t0 + 48, c0, SD, D, BD)
+
+
+@triton.jit
 def dplr_solve_wy_kernel(Aab, ag, v, Aak, Ai, w, ut, cu_seqlens, chunk_indices, H: tl.constexpr, K: tl.constexpr,
                          V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          MERGE_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr, UT_PRECISION: tl.constexpr,
@@ -123,32 +139,17 @@ def dplr_solve_wy_kernel(Aab, ag, v, Aak, Ai, w, ut, cu_seqlens, chunk_indices, 
         -_tri16(Aab, T, t0 + 48, 0, H, BT, False), -_tri16(Aab, T, t0 + 48, 16, H, BT, False),
         -_tri16(Aab, T, t0 + 48, 32, H, BT, False), -_tri16(Aab, T, t0 + 48, 48, H, BT, True), MERGE_PRECISION)
     if STORE_T:
-        Ai += (bos * H + i_h) * BT
-        b_0 = tl.zeros([16, 16], dtype=tl.float32)
-        store_row_blocks(Ai, T, t0, H, BT, b_T11, b_0, b_0, b_0)
-        store_row_blocks(Ai, T, t0 + 16, H, BT, b_T21, b_T22, b_0, b_0)
-        store_row_blocks(Ai, T, t0 + 32, H, BT, b_T31, b_T32, b_T33, b_0)
-        store_row_blocks(Ai, T, t0 + 48, H, BT, b_T41, b_T42, b_T43, b_T44)
+        store_lower_blocks(Ai + (bos * H + i_h) * BT, T, t0, H, BT, b_T11, b_T21, b_T22, b_T31, b_T32, b_T33, b_T41,
+                           b_T42, b_T43, b_T44)
     if ROUND_T:
         dt = w.dtype.element_ty
         b_T11, b_T21, b_T22 = b_T11.to(dt).to(tl.float32), b_T21.to(dt).to(tl.float32), b_T22.to(dt).to(tl.float32)
         b_T31, b_T32, b_T33 = b_T31.to(dt).to(tl.float32), b_T32.to(dt).to(tl.float32), b_T33.to(dt).to(tl.float32)
         b_T41, b_T42 = b_T41.to(dt).to(tl.float32), b_T42.to(dt).to(tl.float32)
         b_T43, b_T44 = b_T43.to(dt).to(tl.float32), b_T44.to(dt).to(tl.float32)
-    SK: tl.constexpr = H * K  # the row strides of [T, H, K] and [T, H, V]
     for i_k in range(0, tl.cdiv(K, BK)):
-        c0 = i_k * BK
-        b_a1 = _rows16(ag, T, t0, c0, SK, K, BK)
-        _store16(w, dot_at(b_T11, b_a1, DOT_PRECISION), T, t0, c0, SK, K, BK)
-        b_a2 = _rows16(ag, T, t0 + 16, c0, SK, K, BK)
-        _store16(w, dot_at(b_T21, b_a1, DOT_PRECISION) + dot_at(b_T22, b_a2, DOT_PRECISION), T, t0 + 16, c0, SK, K,
-                 BK)
-        b_a3 = _rows16(ag, T, t0 + 32, c0, SK, K, BK)
-        _store16(w, dot_at(b_T31, b_a1, DOT_PRECISION) + dot_at(b_T32, b_a2, DOT_PRECISION)
-                 + dot_at(b_T33, b_a3, DOT_PRECISION), T, t0 + 32, c0, SK, K, BK)
-        b_a4 = _rows16(ag, T, t0 + 48, c0, SK, K, BK)
-        _store16(w, dot_at(b_T41, b_a1, DOT_PRECISION) + dot_at(b_T42, b_a2, DOT_PRECISION)
-                 + dot_at(b_T43, b_a3, DOT_PRECISION) + dot_at(b_T44, b_a4, DOT_PRECISION), T, t0 + 48, c0, SK, K, BK)
+        _lower_times_rows(ag, w, T, t0, i_k * BK, H * K, K, BK, DOT_PRECISION, b_T11, b_T21, b_T22, b_T31, b_T32, b_T33, b_T41,
+                          b_T42, b_T43, b_T44)
     # M = T A_ak by block columns (A_ak strictly lower: its diagonal blocks strict)
     b_K = _tri16(Aak, T, t0, 0, H, BT, True)
     b_M11 = dot_at(b_T11, b_K, UT_PRECISION)
@@ -176,19 +177,9 @@ def dplr_solve_wy_kernel(Aab, ag, v, Aak, Ai, w, ut, cu_seqlens, chunk_indices, 
     b_M43 = dot_at(b_T43, b_K, UT_PRECISION)
     b_M43 += dot_at(b_T44, _tri16(Aak, T, t0 + 48, 32, H, BT, False), UT_PRECISION)
     b_M44 = dot_at(b_T44, _tri16(Aak, T, t0 + 48, 48, H, BT, True), UT_PRECISION)
-    SV: tl.constexpr = H * V
     for i_v in range(0, tl.cdiv(V, BV)):
-        c0 = i_v * BV
-        b_v1 = _rows16(v, T, t0, c0, SV, V, BV)
-        _store16(ut, dot_at(b_M11, b_v1, UT_PRECISION), T, t0, c0, SV, V, BV)
-        b_v2 = _rows16(v, T, t0 + 16, c0, SV, V, BV)
-        _store16(ut, dot_at(b_M21, b_v1, UT_PRECISION) + dot_at(b_M22, b_v2, UT_PRECISION), T, t0 + 16, c0, SV, V, BV)
-        b_v3 = _rows16(v, T, t0 + 32, c0, SV, V, BV)
-        _store16(ut, dot_at(b_M31, b_v1, UT_PRECISION) + dot_at(b_M32, b_v2, UT_PRECISION)
-                 + dot_at(b_M33, b_v3, UT_PRECISION), T, t0 + 32, c0, SV, V, BV)
-        b_v4 = _rows16(v, T, t0 + 48, c0, SV, V, BV)
-        _store16(ut, dot_at(b_M41, b_v1, UT_PRECISION) + dot_at(b_M42, b_v2, UT_PRECISION)
-                 + dot_at(b_M43, b_v3, UT_PRECISION) + dot_at(b_M44, b_v4, UT_PRECISION), T, t0 + 48, c0, SV, V, BV)
+        _lower_times_rows(v, ut, T, t0, i_v * BV, H * V, V, BV, UT_PRECISION, b_M11, b_M21, b_M22, b_M31, b_M32, b_M33, b_M41,
+                          b_M42, b_M43, b_M44)
 
 
 @triton.jit

@@ -296,6 +296,13 @@ def store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, 
         b_I11, b_I21, b_I31, b_I41 = b_I11 * b_c1, b_I21 * b_c1, b_I31 * b_c1, b_I41 * b_c1
         b_I22, b_I32, b_I42 = b_I22 * b_c2, b_I32 * b_c2, b_I42 * b_c2
         b_I33, b_I43, b_I44 = b_I33 * b_c3, b_I43 * b_c3, b_I44 * b_c4
+    store_lower_blocks(Ai, T, t0, H, BT, b_I11, b_I21, b_I22, b_I31, b_I32, b_I33, b_I41, b_I42, b_I43, b_I44)
+
+
+@triton.jit
+def store_lower_blocks(Ai, T, t0, H: tl.constexpr, BT: tl.constexpr, b_I11, b_I21, b_I22, b_I31, b_I32, b_I33, b_I41,
+                       b_I42, b_I43, b_I44):
+    """A chunk's 64 x 64 block lower triangular matrix from its ten [16, 16] blocks, zeros above."""
     b_0 = tl.zeros([16, 16], dtype=tl.float32)
     store_row_blocks(Ai, T, t0, H, BT, b_I11, b_0, b_0, b_0)
     store_row_blocks(Ai, T, t0 + 16, H, BT, b_I21, b_I22, b_0, b_0)
