@@ -141,47 +141,41 @@ def test_fp16_errors_under_tf32_truncation(op, monkeypatch):
         assert gpu[name] <= bound, f"{name}: {gpu[name]:.3g} with TF32 against {err:.3g} exact"
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="emulate_bf16 patches the interpreter")
-def test_kda_bf16_dg_against_rounding():
-    """KDA's bf16 gate gradient, with the interpreter computing bf16 and TF32 dots as the GPU does
-    (``testing.emulate_bf16``, ``testing.emulate_tf32``), stays within 2.35x its rounding floor (the
-    float64 reference's dg rounded to bf16) at (1, 190, 2, 64), a partial last chunk. Measured over
-    seeds 1-6: 2.04-2.14x (seed 2: 3.53e-3 against a floor of 1.69e-3), where the backward's
-    off-diagonal intra dots on operands rounded to bf16 (``intra._off_precision`` "") give
-    2.53-2.72x (seed 2: 4.50e-3)."""
+def _kda_bf16_error(K: int, field: str):
+    """(error, floor) of KDA's bf16 gradient of ``field`` at (1, 190, 2, K), a partial last chunk, with the
+    interpreter computing bf16 and TF32 dots as the GPU does (``testing.emulate_bf16``,
+    ``testing.emulate_tf32``); the floor is the float64 reference's gradient rounded to bf16."""
     from fastweight.testing import emulate_bf16
-    x = sample("kda", 1, 190, 2, 64, 64, seed=2)
+    x = sample("kda", 1, 190, 2, K, K, seed=2)
     low = {n: t.bfloat16() for n, t in x.items()}
     mine = {n: t.clone().requires_grad_() for n, t in low.items()}
     ref = {n: t.double().requires_grad_() for n, t in low.items()}
-    o_r, _ = reference.kda(**ref, scale=64 ** -0.5)
+    o_r, _ = reference.kda(**ref, scale=K ** -0.5)
     do = torch.randn(o_r.shape, generator=generator(6), dtype=torch.float64)
     (o_r * do).sum().backward()
     with emulate_bf16(), emulate_tf32():
-        o, _ = kernels.chunk_kda(**mine, scale=64 ** -0.5)
+        o, _ = kernels.chunk_kda(**mine, scale=K ** -0.5)
         (o.float() * do.float()).sum().backward()
-    err, floor = rel_err(mine["g"].grad, ref["g"].grad), rel_err(ref["g"].grad.bfloat16(), ref["g"].grad)
+    return rel_err(mine[field].grad, ref[field].grad), rel_err(ref[field].grad.bfloat16(), ref[field].grad)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="emulate_bf16 patches the interpreter")
+def test_kda_bf16_dg_against_rounding():
+    """KDA's bf16 gate gradient under the GPU's numerics (``_kda_bf16_error``) stays within 2.35x its
+    rounding floor at K = 64. Measured over seeds 1-6: 2.04-2.14x (seed 2: 3.53e-3 against a floor of
+    1.69e-3), where the backward's off-diagonal intra dots on operands rounded to bf16
+    (``intra._off_precision`` "") give 2.53-2.72x (seed 2: 4.50e-3)."""
+    err, floor = _kda_bf16_error(64, "g")
     assert err <= 2.35 * floor, f"dg: {err:.3g} against a bf16 rounding floor of {floor:.3g}"
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="emulate_bf16 patches the interpreter")
 def test_kda_bf16_dv_against_rounding():
-    """KDA's bf16 value gradient under the GPU's numerics (as the test above) at (1, 190, 2, 128):
-    within 2.2x its rounding floor. The backward state pass multiplies the scores A^T dO on fp32
-    scores at TF32 (``state._bwd_step``); measured over seeds 1-3: 2.11-2.15x (seed 2: 3.52e-3),
-    where scores rounded to bf16 give 2.26-2.33x (seed 2: 3.88e-3)."""
-    from fastweight.testing import emulate_bf16
-    x = sample("kda", 1, 190, 2, 128, 128, seed=2)
-    low = {n: t.bfloat16() for n, t in x.items()}
-    mine = {n: t.clone().requires_grad_() for n, t in low.items()}
-    ref = {n: t.double().requires_grad_() for n, t in low.items()}
-    o_r, _ = reference.kda(**ref, scale=128 ** -0.5)
-    do = torch.randn(o_r.shape, generator=generator(6), dtype=torch.float64)
-    (o_r * do).sum().backward()
-    with emulate_bf16(), emulate_tf32():
-        o, _ = kernels.chunk_kda(**mine, scale=128 ** -0.5)
-        (o.float() * do.float()).sum().backward()
-    err, floor = rel_err(mine["v"].grad, ref["v"].grad), rel_err(ref["v"].grad.bfloat16(), ref["v"].grad)
+    """KDA's bf16 value gradient under the GPU's numerics at K = 128: within 2.2x its rounding floor.
+    The backward state pass multiplies the scores A^T dO on fp32 scores at TF32 (``state._bwd_step``);
+    measured over seeds 1-3: 2.11-2.15x (seed 2: 3.52e-3), where scores rounded to bf16 give
+    2.26-2.33x (seed 2: 3.88e-3)."""
+    err, floor = _kda_bf16_error(128, "v")
     assert err <= 2.2 * floor, f"dv: {err:.3g} against a bf16 rounding floor of {floor:.3g}"
 
 
