@@ -162,17 +162,11 @@ def profile(op, shape, label, launch):
     for t in leaves.values():
         t.grad = None
     torch.cuda.reset_peak_memory_stats()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
+    from fastweight.bench.ops_time import kernel_ms
+    per = kernel_ms(run)
     peak = torch.cuda.max_memory_allocated() / 2 ** 30
-    per = {}
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if t:
-            per[e.key] = per.get(e.key, 0.0) + t / 1000.0
     total = sum(per.values())
-    top = sorted(per.items(), key=lambda kv: -kv[1])[:12]
+    top = list(per.items())[:12]
     row = dict(kind="variant", op=op, shape=shape, variant=label, kernel_ms=total, peak_gib=peak, top=top)
     record(row)
     print(f"variant {op} {shape} [{label}]: kernels {total:.3f} ms, peak {peak:.2f} GiB | " +

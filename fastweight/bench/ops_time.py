@@ -27,10 +27,10 @@ before the timed ones. On a machine without CUDA it times wall clock (the interp
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+
+from fastweight.bench.side_by_side import time_ms
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GATES = ("g", "gk", "w")
@@ -60,27 +60,13 @@ def op_and_inputs(op: str, B: int, T: int, H: int, K: int, dtype: torch.dtype, d
     return gpu_decay_dplr.fast_op(op, K), x
 
 
-def _bench(fn, rep: int, grads=()) -> float:
-    if torch.cuda.is_available():
-        import triton
-        return triton.testing.do_bench(fn, warmup=25, rep=rep, grad_to_none=list(grads), return_mode="median")
-    times = []
-    for _ in range(3):
-        for t in grads:
-            t.grad = None
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def time_case(op: str, shape, dtype: torch.dtype, rep: int, samples: int, device, backward: bool = True) -> dict:
     """{"fwd": [ms per sample], "fb": [...] (empty without ``backward``), "peak_gib": float or None}."""
     fn, x = op_and_inputs(op, *shape, dtype, device)
     fwd = []
     for _ in range(samples):
         with torch.no_grad():
-            fwd.append(_bench(lambda: fn(**x), rep))
+            fwd.append(time_ms(lambda: fn(**x), torch.device(device), rep))
     if not backward:
         return {"fwd": fwd, "fb": [], "peak_gib": None}
     xg = {n: t.clone().requires_grad_(t.is_floating_point()) for n, t in x.items()}
@@ -91,7 +77,7 @@ def time_case(op: str, shape, dtype: torch.dtype, rep: int, samples: int, device
         fn(**xg)[0].backward(do)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    fb = [_bench(step, rep, leaves) for _ in range(samples)]
+    fb = [time_ms(step, torch.device(device), rep, leaves) for _ in range(samples)]
     peak = torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None
     return {"fwd": fwd, "fb": fb, "peak_gib": peak}
 
@@ -118,6 +104,11 @@ def profile_case(op: str, shape, dtype: torch.dtype, mode: str, device) -> dict[
     run()
     run()
     torch.cuda.synchronize()
+    return kernel_ms(run)
+
+
+def kernel_ms(run) -> dict[str, float]:
+    """CUDA ms per kernel name of one ``run()`` under ``torch.profiler``, largest first."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()

@@ -92,7 +92,9 @@ def check(fn, op: str, x: dict) -> dict:
     return errs
 
 
-def _time(fn, device, rep_ms: float, grads=()) -> float:
+def time_ms(fn, device, rep_ms: float, grads=()) -> float:
+    """Median ms of fn: ``triton.testing.do_bench`` on the GPU (``grads`` set to None between runs), wall clock
+    after one warm call elsewhere."""
     if device.type == "cuda":
         import triton
         return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, grad_to_none=list(grads), return_mode="median")
@@ -108,7 +110,7 @@ def _time(fn, device, rep_ms: float, grads=()) -> float:
 def measure(fn, x: dict, device, rep_ms: float) -> dict:
     """fwd ms (no graph), fwd+bwd ms, and the peak GiB of fwd+bwd on top of the inputs and do (GPU)."""
     with torch.no_grad():
-        fwd = _time(lambda: fn(**x), device, rep_ms)
+        fwd = time_ms(lambda: fn(**x), device, rep_ms)
     leaves = {n: t.detach().clone().requires_grad_(t.is_floating_point()) for n, t in x.items()}
     grads = [t for t in leaves.values() if t.requires_grad]
     do = torch.randn_like(fn(**leaves)[0])
@@ -122,7 +124,7 @@ def measure(fn, x: dict, device, rep_ms: float) -> dict:
         for t in grads:
             t.grad = None
         peak = peak_gib(step)
-    fb = _time(step, device, rep_ms, grads)
+    fb = time_ms(step, device, rep_ms, grads)
     return dict(fwd=fwd, fb=fb, peak=peak)
 
 
