@@ -56,7 +56,7 @@ from fastweight.kernels.common import SAFE_SPAN, Chunks, prepare_chunks
 from fastweight.kernels.cumsum import chunk_cumsum, gate_chunk_grad
 from fastweight.kernels.decay_intra import intra_bwd, intra_fwd
 from fastweight.kernels.decay_output import bwd_dqk, bwd_dv, output_fwd
-from fastweight.kernels.state import state_bwd, state_fwd
+from fastweight.kernels.state import FUSED_DECAY_MAX_K, state_bwd, state_fwd
 
 BT = 64
 
@@ -66,16 +66,19 @@ class DecayLaunch:
     """Variants of the decay family's chunk kernels (tests and benchmarks compare them); the
     defaults are the tuned path. ``recompute``: the backward recomputes the chunk states instead of
     keeping the forward's. ``span``: a diagonal sub-chunk whose gates span less is factored
-    (``decay_intra``; 0: every one token at a time, 1e30: every one factored)."""
+    (``decay_intra``; 0: every one token at a time, 1e30: every one factored). ``fused_output``: a
+    forward without backward (grad disabled, or no input requiring it) forms the output in the state pass (K <=
+    ``state.FUSED_DECAY_MAX_K``, not RWKV-6's exclusive form), storing no chunk states."""
     recompute: bool = False
     span: float = SAFE_SPAN
+    fused_output: bool = False
 
 
 class ChunkDecayFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, u, g_gamma, initial_state, scale: float, output_final_state: bool,
-                chunks: Chunks, exclusive: bool, launch: DecayLaunch):
+                chunks: Chunks, exclusive: bool, launch: DecayLaunch, keep: bool = True):
         T, H = q.shape[1], q.shape[2]
         if exclusive:
             gc, gq = chunk_cumsum(g, chunks, exclusive=True)
@@ -84,6 +87,14 @@ class ChunkDecayFunction(torch.autograd.Function):
                   if (g is not None or g_gamma is not None) else None)
             gq = gc
         vector = gc is not None and gc.dim() == 4
+        if launch.fused_output and not exclusive and not keep and k.shape[-1] <= FUSED_DECAY_MAX_K:
+            # no backward: the state pass forms the output, so neither the chunk states nor a second
+            # read of q, k, v reaches HBM
+            A = intra_fwd(q, k, gq, gc, u, scale, chunks, exclusive, span=launch.span) if vector else None
+            _, _, o, ht = state_fwd("decay", k, v, chunks, g=gc, q=q, A=A, scale=scale, initial_state=initial_state,
+                                    output_final_state=output_final_state, store_h=False, fuse_output=True)
+            ctx.save_for_backward()
+            return o, ht
         # a scalar gate's gradient reads exp(G_C) sum_kv h dh per chunk (module docstring)
         scalar_grad = gc is not None and not vector and (ctx.needs_input_grad[3] or ctx.needs_input_grad[5])
         wide = torch.float32 if scalar_grad else None
@@ -125,7 +136,7 @@ class ChunkDecayFunction(torch.autograd.Function):
             du = du.sum((0, 1)).to(u.dtype)
         if dh0 is not None:
             dh0 = dh0.to(initial_state.dtype)
-        return dq, dk, dv, dg, du, dg_gamma, dh0, None, None, None, None, None
+        return dq, dk, dv, dg, du, dg_gamma, dh0, None, None, None, None, None, None
 
 
 def chunk_decay(q, k, v, g=None, *, u=None, g_gamma=None, scale: float, initial_state=None,
@@ -150,6 +161,9 @@ def chunk_decay(q, k, v, g=None, *, u=None, g_gamma=None, scale: float, initial_
         g_gamma = g_gamma.float().contiguous()
     if u is not None:
         u = u.contiguous()
+    # no backward can follow (grad disabled, or nothing requires it): the forward may keep nothing
+    keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (q, k, v, g, u, g_gamma, initial_state))
     o, ht = ChunkDecayFunction.apply(pack(q), pack(k), pack(v), pack(g), u, g_gamma, initial_state, scale,
-                                     output_final_state, chunks, exclusive, launch)
+                                     output_final_state, chunks, exclusive, launch, keep)
     return o.reshape(B, T, H, V), ht

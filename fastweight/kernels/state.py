@@ -216,6 +216,28 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, b
         b_o += mm(tl.where(m_causal, tl.load(p_A, boundary_check=(0, 1)), 0.).to(dt), b_r.to(dt))
         p_o = _rows(o, bos, T, i_t, H, i_h, V, i_v, BT, BV)
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))
+    elif FUSE_OUTPUT and TRANSITION == DECAY:
+        # o = scale (q exp G) S + A V: A the intra kernel's scores (per-channel gate; scaled there), else
+        # scale lower(Gamma * Q K^T) formed here, as decay_output_fwd_kernel forms them
+        m_causal = o_i[:, None] >= o_i[None, :]
+        b_hc = b_h.to(dt)
+        if GATE == 2:
+            b_o = mm((b_q * exp(b_gk)).to(dt), b_hc) * scale
+            p_A = tl.make_block_ptr(A + (bos * H + i_h) * BT, (T, BT), (H * BT, 1), (i_t * BT, 0), (BT, BT), (1, 0))
+            b_A = tl.where(m_causal, tl.load(p_A, boundary_check=(0, 1)), 0.)
+        else:
+            b_o = mm(b_q, b_hc)
+            b_A = mm(b_q, tl.trans(b_k))
+            if GATE == 1:
+                b_o = b_o * exp(b_g)[:, None]
+                b_A = b_A * exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
+            else:
+                b_A = tl.where(m_causal, b_A, 0.)
+            b_o, b_A = b_o * scale, b_A * scale
+        b_vo = tl.load(_rows(v, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1))
+        b_o += mm(b_A.to(dt), b_vo.to(dt))
+        p_o = _rows(o, bos, T, i_t, H, i_h, V, i_v, BT, BV)
+        tl.store(p_o, b_o.to(p_o.dtype.element_ty), boundary_check=(0, 1))
     elif FUSE_OUTPUT:
         if GATE == 2:
             if PRESCALED:
@@ -455,6 +477,10 @@ def launch_config(transition: str, K: int, V: int, itemsize: int, backward: bool
     raise ValueError(f"transition must be one of {tuple(TRANSITIONS)}, got {transition!r}")
 
 
+# the decay transition's pass forms the output (one key block: all of K) up to this key size
+FUSED_DECAY_MAX_K = 128
+
+
 def _gate_kind(g) -> int:
     return 0 if g is None else (1 if g.dim() == 3 else 2)
 
@@ -485,6 +511,10 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     inference = not store_h and Ai is not None and _gate_kind(g) == 1
     BK, BV, warps, stages = launch_config(transition, K, V, k.element_size(), per_channel=_gate_kind(g) == 2,
                                           block_v=block_v, inference=inference)
+    if fuse_output and transition == "decay":
+        BK = max(BK, triton.next_power_of_2(K))  # the output needs all of K in one program
+        # three stages of a per-channel gate's K = 128 tiles need 247 KB of shared memory (sm_90 has 227)
+        stages = 2 if BK > 64 else stages
     kt = k_transposed and transition == "delta" and _gate_kind(g) != 2
     # the delta rule's loop takes its bound from the host when every sequence has NT chunks (its forward
     # keeping h is faster so on the H200); decay and DPLR read it from cu_seqlens, which is faster for them
@@ -496,11 +526,10 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     ht = alloc((chunks.N, H, K, V), dtype=torch.float32, device=dev) if output_final_state else None
     grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), chunks.N * H)
     fuse_wy = 0 if Ai is None else (1 if beta is not None else 2)
-    if fuse_output and (transition == "decay" or q is None
-                        or (A is None and (transition == "dplr" or _gate_kind(g) == 2))
-                        or (transition == "dplr" and A2 is None)):
-        raise ValueError("`fuse_output` is for the delta and dplr transitions and needs `q`, `A` with a "
-                         "per-channel gate, and `A2` (A_qb) for dplr")
+    if fuse_output and (q is None or (A is None and (transition == "dplr" or _gate_kind(g) == 2))
+                        or (transition == "dplr" and A2 is None) or (transition == "decay" and K > FUSED_DECAY_MAX_K)):
+        raise ValueError("`fuse_output` needs `q`, `A` with a per-channel gate, `A2` (A_qb) for dplr, and "
+                         f"K <= {FUSED_DECAY_MAX_K} for decay")
     # the delta rule's scalar or no gate forms the output's scores in the pass unless A holds them
     qk_given = transition == "delta" and _gate_kind(g) != 2 and A is not None
     if qk_given and not fuse_output:

@@ -346,3 +346,47 @@ def test_bf16_dv_against_rounding(op):
         (o.float() * do.float()).sum().backward()
     err, floor = rel_err(mine["v"].grad, ref["v"].grad), rel_err(ref["v"].grad.bfloat16(), ref["v"].grad)
     assert err <= 1.7 * floor, f"dv: {err:.3g} against a bf16 rounding floor of {floor:.3g}"
+
+
+@pytest.mark.parametrize("op", ["linear_attn", "retention", "simple_gla", "simple_gla_gamma", "gla", "hgrn2", "rwkv6"])
+@pytest.mark.parametrize("dtype, K, V, how", [(torch.float32, 16, 32, "no_grad"), (torch.float16, 80, 72, "leaves"),
+                                              (torch.float32, 128, 16, "no_grad")])
+def test_fused_output_without_grad(op, dtype, K, V, how, monkeypatch):
+    """``DecayLaunch(fused_output=True)`` without a backward (inputs that require grad under ``no_grad``,
+    or grad enabled and no input requiring it, "leaves"): the state pass forms the output and
+    stores no chunk states (K up to 128 in one key block, padded at 80; V = 72: a partial V block);
+    against float64 with an initial state, the final state, varlen with an empty sequence and a short
+    last chunk, strong gates. RWKV-6's exclusive form keeps the output kernel (checked too)."""
+    from fastweight.kernels import decay
+    calls = []
+    real = decay.state_fwd
+    monkeypatch.setattr(decay, "state_fwd", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    gen = generator()
+    x = _inputs(op, 150, K=K, V=V, gen=gen, decay=4.0)
+    op_name = op if op != "simple_gla_gamma" else "simple_gla"
+    cu = torch.tensor([0, 70, 70, 150])
+    h0 = torch.randn(3, 2, K, V, generator=gen)
+    low = {n: t.to(dtype if n not in ("g", "w", "g_gamma") else t.dtype).requires_grad_(how == "no_grad")
+           for n, t in x.items()}
+    scale = K ** -0.5
+    with torch.set_grad_enabled(how != "no_grad"):
+        o, ht = getattr(kernels, f"chunk_{op_name}")(**low, scale=scale, initial_state=h0, output_final_state=True,
+                                                     cu_seqlens=cu, launch=DecayLaunch(fused_output=True))
+    plain = dict(normalize=False) if op == "linear_attn" else {}  # the kernels' linear attention is unnormalised
+    ro, rht = getattr(ops, f"chunk_{op_name}")(**{n: t.detach().to(dtype).double() for n, t in x.items()}, scale=scale,
+                                               initial_state=h0.double(), output_final_state=True, cu_seqlens=cu,
+                                               backend="reference", **plain)
+    assert o.dtype == dtype and rel_err(o, ro) < TOL[dtype], f"o: {rel_err(o, ro):.3g}"
+    assert rel_err(ht, rht) < TOL[dtype], f"final state: {rel_err(ht, rht):.3g}"
+    fused = op != "rwkv6"
+    assert [kw.get("fuse_output", False) for kw in calls] == [fused]
+    assert [kw.get("store_h", True) for kw in calls] == [not fused]
+
+
+@pytest.mark.parametrize("op", ["simple_gla", "gla"])
+def test_fused_output_with_grad_keeps_the_states(op):
+    """With inputs that require grad, ``fused_output`` changes nothing: the states are kept for the
+    backward and every gradient matches float64."""
+    gen = generator()
+    _check(op, _inputs(op, 100, gen=gen), gen=gen, cu_seqlens=torch.tensor([0, 37, 100]),
+           launch=DecayLaunch(fused_output=True))

@@ -318,8 +318,8 @@ def test_state_passes_int64_offsets(monkeypatch, transition):
 
 def test_state_fwd_fused_output_arguments():
     """The forward state pass refuses a fused output it cannot form, naming the arguments, instead of
-    failing inside the kernel: the decay transition (no read to form it from), DPLR without A_qb, the
-    delta rule's output scores without the fused output."""
+    failing inside the kernel: the decay transition with a per-channel gate and no intra scores A, or
+    past one key block's K, DPLR without A_qb, the delta rule's output scores without the fused output."""
     from fastweight.kernels.state import state_fwd
     T, H, K = 64, 1, 16
     x = torch.randn(1, T, H, K)
@@ -327,7 +327,10 @@ def test_state_fwd_fused_output_arguments():
     g = torch.zeros(1, T, H, K)
     A = torch.zeros(1, T, H, 64)
     with pytest.raises(ValueError, match="fuse_output"):
-        state_fwd("decay", x, x, chunks, g=g, q=x, A=A, fuse_output=True)
+        state_fwd("decay", x, x, chunks, g=g, q=x, fuse_output=True)
+    wide = torch.randn(1, T, H, 256)
+    with pytest.raises(ValueError, match="K <= 128"):
+        state_fwd("decay", wide, x, chunks, q=wide, fuse_output=True)
     with pytest.raises(ValueError, match="A2"):
         state_fwd("dplr", x, x, chunks, g=g, w=x, u=x, b=x, q=x, A=A, fuse_output=True)
     with pytest.raises(ValueError, match="fuse_output"):   # the delta rule's given output scores
