@@ -68,10 +68,27 @@ class DecayLaunch:
     keeping the forward's. ``span``: a diagonal sub-chunk whose gates span less is factored
     (``decay_intra``; 0: every one token at a time, 1e30: every one factored). ``fused_output``: a
     forward without backward (grad disabled, or no input requiring it) forms the output in the state pass (K <=
-    ``state.FUSED_DECAY_MAX_K``, not RWKV-6's exclusive form), storing no chunk states."""
+    ``state.FUSED_DECAY_MAX_K``, not RWKV-6's exclusive form), storing no chunk states and reading q, k, v
+    once; None (default): where that measured faster (:func:`fuses_output`)."""
     recompute: bool = False
     span: float = SAFE_SPAN
-    fused_output: bool = False
+    fused_output: bool | None = None
+
+
+# a scalar (or no) gate's pass at a wider K forms its scores beside a [K, V] state in one key block, which
+# lost to the separate output kernel at K = 128 (H100, simple_gla (4, 8192, 16, 128): 0.551 against 0.528 ms)
+FUSED_SCALAR_MAX_K = 64
+
+
+def fuses_output(launch: DecayLaunch, K: int, vector: bool, exclusive: bool) -> bool:
+    """Whether a forward without backward forms its output in the state pass: ``launch.fused_output``, or
+    where it is None, K <= ``FUSED_SCALAR_MAX_K`` or a per-channel gate (GLA: its scores come from the intra
+    kernel either way) up to ``state.FUSED_DECAY_MAX_K``; never for the exclusive form (RWKV-6)."""
+    if exclusive or K > FUSED_DECAY_MAX_K:
+        return False
+    if launch.fused_output is not None:
+        return launch.fused_output
+    return vector or K <= FUSED_SCALAR_MAX_K
 
 
 class ChunkDecayFunction(torch.autograd.Function):
@@ -87,7 +104,7 @@ class ChunkDecayFunction(torch.autograd.Function):
                   if (g is not None or g_gamma is not None) else None)
             gq = gc
         vector = gc is not None and gc.dim() == 4
-        if launch.fused_output and not exclusive and not keep and k.shape[-1] <= FUSED_DECAY_MAX_K:
+        if not keep and fuses_output(launch, k.shape[-1], vector, exclusive):
             # no backward: the state pass forms the output, so neither the chunk states nor a second
             # read of q, k, v reaches HBM
             A = intra_fwd(q, k, gq, gc, u, scale, chunks, exclusive, span=launch.span) if vector else None

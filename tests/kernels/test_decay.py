@@ -383,6 +383,25 @@ def test_fused_output_without_grad(op, dtype, K, V, how, monkeypatch):
     assert [kw.get("store_h", True) for kw in calls] == [not fused]
 
 
+@pytest.mark.parametrize("op, K, fused", [("simple_gla", 64, True), ("simple_gla", 128, False), ("retention", 32, True),
+                                          ("gla", 128, True), ("rwkv6", 64, False), ("gla", 144, False)])
+def test_fused_output_default(op, K, fused, monkeypatch):
+    """The default launch (``fused_output=None``) without a backward: fused for K <= 64 and for GLA's
+    per-channel gate up to 128, the output kernel for a scalar gate at K = 128, RWKV-6 and K > 128;
+    the output matches float64 either way."""
+    from fastweight.kernels import decay
+    calls = []
+    real = decay.state_fwd
+    monkeypatch.setattr(decay, "state_fwd", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    gen = generator()
+    x = _inputs(op, 70, K=K, V=16, gen=gen)
+    with torch.no_grad():
+        o, _ = getattr(kernels, f"chunk_{op}")(**x, scale=K ** -0.5)
+    ro, _ = getattr(ops, f"chunk_{op}")(**{n: t.double() for n, t in x.items()}, scale=K ** -0.5, backend="reference")
+    assert rel_err(o, ro) < TOL[torch.float32], f"o: {rel_err(o, ro):.3g}"
+    assert [kw.get("fuse_output", False) for kw in calls] == [fused]
+
+
 @pytest.mark.parametrize("op", ["simple_gla", "gla"])
 def test_fused_output_with_grad_keeps_the_states(op):
     """With inputs that require grad, ``fused_output`` changes nothing: the states are kept for the
