@@ -31,6 +31,9 @@ from fastweight.kernels.wy import recompute_w_u, wy_bwd
 
 
 MAX_K = 256
+# the training forward's W and U formed in the solve's kernel (``kkt_solve(v=...)``) instead of by
+# ``recompute_w_u`` (scalar or no gate, no p); off until timed
+SOLVE_WU = False
 
 
 def _pack(x):
@@ -74,7 +77,12 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
     fuse_wy = fuse_wy and p is None and gk_cum is None
     # inference folds beta into Ai (the state pass then reads no beta); a backward needs Ai itself
     fold = fuse_wy and not store_h
-    if gk_cum is None:
+    # W and U formed in the solve's program from the inverse's blocks (no p, scalar or no gate, W / U needed)
+    wu = SOLVE_WU and gk_cum is None and p is None and not fuse_wy
+    w = u = None
+    if wu:
+        Ai, w, u = kkt_solve(k, beta, g_cum, chunks, v=v)
+    elif gk_cum is None:
         # inference also takes the output's scores from the solve's kernel, off the state pass's serial path
         solved = kkt_solve(k, beta, g_cum, chunks, p=p, g_read=g_read, fold_beta=fold, q=q if fold else None)
         Ai, Aqk = solved if fold else (solved, None)
@@ -84,7 +92,9 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
                                     scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                                     store_h=store_h, store_r=store_h, fuse_output=True)
         return o, ht, (g_cum, gk_cum, g_read, Ai, Aqk, Akk, None, h, v_new)
-    if p is not None:
+    if wu:
+        pass
+    elif p is not None:
         w, u = recompute_w_u(p, v, beta, g_read, Ai, chunks)
     elif gk_cum is not None:
         # the per-channel gate's rows gated here, in parallel, not on the state pass's serial path
