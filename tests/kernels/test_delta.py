@@ -519,12 +519,12 @@ def test_flags():
         assert op.triton_chunk.fused_gate == op.gate_in_kernel, op.name
 
 
-@pytest.mark.parametrize("op", ["gated_delta_rule", "delta_rule", "longhorn"])
+@pytest.mark.parametrize("op", ["gated_delta_rule", "delta_rule", "longhorn", "kda"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_solve_forms_w_u(op, dtype, monkeypatch):
-    """``delta.SOLVE_WU``: the training forward takes W and U from the solve's kernel (scalar or no
-    gate): the op against float64 with grouped heads, varlen with an empty sequence and a short last
-    chunk, an initial state, every gradient."""
+    """``delta.SOLVE_WU``: the training forward takes W and U (KDA: and the gated rows) from the
+    solve's kernel: the op against float64 with grouped heads, varlen with an empty sequence and a
+    short last chunk, an initial state, every gradient."""
     from fastweight.kernels import delta
     monkeypatch.setattr(delta, "SOLVE_WU", True)
     calls = []
