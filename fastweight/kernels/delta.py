@@ -94,7 +94,7 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
                                     scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                                     store_h=store_h, store_r=store_h, fuse_output=True)
         return o, ht, (g_cum, gk_cum, g_read, Ai, Aqk, Akk, None, h, v_new)
-    if wu:
+    if w is not None:  # formed by the solve above
         pass
     elif p is not None:
         w, u = recompute_w_u(p, v, beta, g_read, Ai, chunks)
