@@ -31,6 +31,9 @@ from fastweight.kernels.wy import recompute_w_u, wy_bwd
 
 
 MAX_K = 256
+# W and U (and KDA's gated rows) formed in the solve's kernel (``kkt_solve(v=...)``, ``solve(wu=...)``)
+# instead of by ``recompute_w_u`` (no p); off until timed
+SOLVE_WU = False
 
 
 def _pack(x):
@@ -58,12 +61,11 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
     gate); default: for inference only (``store_h`` False). On the H200 (GDN (4, 8192, 16, 128),
     bf16) it saves W/U's 0.18 ms and costs the state pass 0.11; keeping h it costs 0.20 there and a
     backward must recompute W (docs/bench/delta.md)."""
-    g_cum = gk_cum = Aqk = Akk = g_read = None
+    g_cum = gk_cum = Aqk = Akk = g_read = w = u = None
     A_log, dt_bias = gate
     if g is not None and g.dim() == 4:
         gk_cum = chunk_cumsum(g, chunks, A_log=A_log, dt_bias=dt_bias)
         Aqk, Akk = intra_fwd(q, k, gk_cum, chunks)
-        Ai = solve(Akk, beta, chunks, dtype=k.dtype, precision_of=k.dtype)
     else:
         g_cum = chunk_cumsum(g, chunks, A_log=A_log, dt_bias=dt_bias) if g is not None else None
         if p is not None:
@@ -74,17 +76,27 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
     fuse_wy = fuse_wy and p is None and gk_cum is None
     # inference folds beta into Ai (the state pass then reads no beta); a backward needs Ai itself
     fold = fuse_wy and not store_h
-    if gk_cum is None:
+    # W and U (and the per-channel gate's rows) formed in the solve's program from the inverse's blocks
+    wu = SOLVE_WU and p is None and not fuse_wy
+    qs, ks = q, k
+    if gk_cum is not None and wu:
+        Ai, w, u, qs, ks = solve(Akk, beta, chunks, dtype=k.dtype, precision_of=k.dtype, wu=(k, v, gk_cum, q))
+    elif gk_cum is not None:
+        Ai = solve(Akk, beta, chunks, dtype=k.dtype, precision_of=k.dtype)
+    elif wu:
+        Ai, w, u = kkt_solve(k, beta, g_cum, chunks, v=v)
+    else:
         # inference also takes the output's scores from the solve's kernel, off the state pass's serial path
         solved = kkt_solve(k, beta, g_cum, chunks, p=p, g_read=g_read, fold_beta=fold, q=q if fold else None)
         Ai, Aqk = solved if fold else (solved, None)
-    qs, ks = q, k
     if fuse_wy:
         h, v_new, o, ht = state_fwd("delta", k, v, chunks, g=g_cum, q=q, A=Aqk, Ai=Ai, beta=None if fold else beta,
                                     scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                                     store_h=store_h, store_r=store_h, fuse_output=True)
         return o, ht, (g_cum, gk_cum, g_read, Ai, Aqk, Akk, None, h, v_new)
-    if p is not None:
+    if w is not None:  # formed by the solve above
+        pass
+    elif p is not None:
         w, u = recompute_w_u(p, v, beta, g_read, Ai, chunks)
     elif gk_cum is not None:
         # the per-channel gate's rows gated here, in parallel, not on the state pass's serial path

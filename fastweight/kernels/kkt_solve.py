@@ -97,13 +97,15 @@ def _gamma(g, gr, bos, T, H: tl.constexpr, i_h, r0, c0, USE_G: tl.constexpr, STR
 
 
 @triton.jit
-def kkt_solve_kernel(k, p, beta, g, gr, Ai, q, Aqk, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
-                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr, USE_P: tl.constexpr,
-                     MERGE_PRECISION: tl.constexpr, FOLD_BETA: tl.constexpr, QK: tl.constexpr):
+def kkt_solve_kernel(k, p, beta, g, gr, Ai, q, Aqk, v, w, u, cu_seqlens, chunk_indices, H: tl.constexpr,
+                     HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                     USE_G: tl.constexpr, USE_P: tl.constexpr, MERGE_PRECISION: tl.constexpr, FOLD_BETA: tl.constexpr,
+                     QK: tl.constexpr, WU: tl.constexpr):
     """Rows read with p and the gate gr (USE_P: Comba's read key and its exclusive cumsum), columns
     with k and g; without USE_P both are k and g. FOLD_BETA: stores Ai Diag(beta). QK: also stores
     the output's scores, lower(Gamma * Q K^T) (``_store_qk``), first, so that nothing of theirs is
-    live through the solve."""
+    live through the solve. WU: also W = Ai Diag(beta gamma) K and U = Ai Diag(beta) V (``wy.py``'s
+    forward) from the inverse's blocks while they are in registers (``_store_wu``)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
@@ -134,9 +136,69 @@ def kkt_solve_kernel(k, p, beta, g, gr, Ai, q, Aqk, cu_seqlens, chunk_indices, H
         store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44,
                      Ai + (bos * H + i_h) * BT, T, t0, H, BT, MERGE_PRECISION, True,
                      tl.trans(b_b1), tl.trans(b_b2), tl.trans(b_b3), tl.trans(b_b4))
+    elif WU:
+        b_I11, b_I21, b_I22, b_I31, b_I32, b_I33, b_I41, b_I42, b_I43, b_I44 = solved_blocks(
+            b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44, MERGE_PRECISION)
+        b_0 = tl.zeros([16, 16], dtype=tl.float32)
+        Ai += (bos * H + i_h) * BT
+        store_row_blocks(Ai, T, t0, H, BT, b_I11, b_0, b_0, b_0)
+        store_row_blocks(Ai, T, t0 + 16, H, BT, b_I21, b_I22, b_0, b_0)
+        store_row_blocks(Ai, T, t0 + 32, H, BT, b_I31, b_I32, b_I33, b_0)
+        store_row_blocks(Ai, T, t0 + 48, H, BT, b_I41, b_I42, b_I43, b_I44)
+        # the separate stage's operands: Ai as stored, rows scaled and rounded to k's dtype
+        dt = k.dtype.element_ty
+        b_s1 = b_b1 * _gamma_rows(g, bos, T, H, i_h, t0, USE_G)
+        b_s2 = b_b2 * _gamma_rows(g, bos, T, H, i_h, t0 + 16, USE_G)
+        b_s3 = b_b3 * _gamma_rows(g, bos, T, H, i_h, t0 + 32, USE_G)
+        b_s4 = b_b4 * _gamma_rows(g, bos, T, H, i_h, t0 + 48, USE_G)
+        _store_wu(k, w + (bos * H + i_h) * K, T, t0, HK * K, H * K, K, b_I11.to(dt), b_I21.to(dt), b_I22.to(dt),
+                  b_I31.to(dt), b_I32.to(dt), b_I33.to(dt), b_I41.to(dt), b_I42.to(dt), b_I43.to(dt), b_I44.to(dt),
+                  b_s1, b_s2, b_s3, b_s4)
+        _store_wu(v + (bos * H + i_h) * V, u + (bos * H + i_h) * V, T, t0, H * V, H * V, V, b_I11.to(dt),
+                  b_I21.to(dt), b_I22.to(dt), b_I31.to(dt), b_I32.to(dt), b_I33.to(dt), b_I41.to(dt), b_I42.to(dt),
+                  b_I43.to(dt), b_I44.to(dt), b_b1, b_b2, b_b3, b_b4)
     else:
         store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44,
                      Ai + (bos * H + i_h) * BT, T, t0, H, BT, MERGE_PRECISION)
+
+
+@triton.jit
+def _gamma_rows(g, bos, T, H: tl.constexpr, i_h, r0, USE_G: tl.constexpr):
+    """exp(g) of rows r0 .. r0 + 15 as [16, 1] (1 without USE_G)."""
+    if USE_G:
+        o_t = r0 + tl.arange(0, 16)
+        return exp(tl.load(g + (bos + o_t) * H + i_h, mask=o_t < T, other=0.))[:, None]
+    return tl.full([16, 1], 1., dtype=tl.float32)
+
+
+@triton.jit
+def _rows_scaled(x, T, r0, c0, HD: tl.constexpr, D: tl.constexpr, b_s):
+    """Rows r0 .. r0 + 15, columns c0 .. c0 + 31 of x (rows HD apart) times b_s [16, 1], in x's dtype."""
+    p = tl.make_block_ptr(x, (T, D), (HD, 1), (r0, c0), (16, 32), (1, 0))
+    b_x = tl.load(p, boundary_check=(0, 1))
+    return (b_x * b_s).to(b_x.dtype)
+
+
+@triton.jit
+def _store_wu(x, y, T, t0, HX: tl.constexpr, HY: tl.constexpr, D: tl.constexpr, b_I11, b_I21, b_I22, b_I31, b_I32,
+              b_I33, b_I41, b_I42, b_I43, b_I44, b_s1, b_s2, b_s3, b_s4):
+    """y = Ai Diag(s) x over a chunk (rows of x HX apart, of y HY apart), 16 rows and 32 columns at a
+    time: y_r = sum_{c <= r} Ai_rc (s_c x_c), as ``wy.recompute_w_u_kernel`` forms it in one [64, 64] dot."""
+    for c0 in range(0, D, 32):
+        b_x1 = _rows_scaled(x, T, t0, c0, HX, D, b_s1)
+        p = tl.make_block_ptr(y, (T, D), (HY, 1), (t0, c0), (16, 32), (1, 0))
+        tl.store(p, mm(b_I11, b_x1).to(p.dtype.element_ty), boundary_check=(0, 1))
+        b_x2 = _rows_scaled(x, T, t0 + 16, c0, HX, D, b_s2)
+        p = tl.make_block_ptr(y, (T, D), (HY, 1), (t0 + 16, c0), (16, 32), (1, 0))
+        tl.store(p, (mm(b_I21, b_x1) + mm(b_I22, b_x2)).to(p.dtype.element_ty), boundary_check=(0, 1))
+        b_x3 = _rows_scaled(x, T, t0 + 32, c0, HX, D, b_s3)
+        p = tl.make_block_ptr(y, (T, D), (HY, 1), (t0 + 32, c0), (16, 32), (1, 0))
+        tl.store(p, (mm(b_I31, b_x1) + mm(b_I32, b_x2) + mm(b_I33, b_x3)).to(p.dtype.element_ty),
+                 boundary_check=(0, 1))
+        b_x4 = _rows_scaled(x, T, t0 + 48, c0, HX, D, b_s4)
+        p = tl.make_block_ptr(y, (T, D), (HY, 1), (t0 + 48, c0), (16, 32), (1, 0))
+        tl.store(p, (mm(b_I41, b_x1) + mm(b_I42, b_x2) + mm(b_I43, b_x3) + mm(b_I44, b_x4)).to(p.dtype.element_ty),
+                 boundary_check=(0, 1))
 
 
 @triton.jit
@@ -216,9 +278,13 @@ def _store_qk_rows(q, k, g, Aqk, bos, T, t0, r0, i_h, H: tl.constexpr, HK: tl.co
 
 
 @triton.jit
-def solve_kernel(Akk, beta, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, BT: tl.constexpr,
-                 MERGE_PRECISION: tl.constexpr):
-    """Ai = (I + Diag(beta) Akk)^{-1} for an Akk already formed (strictly lower, [T, H, BT], e.g. by intra.py)."""
+def solve_kernel(Akk, beta, Ai, k, v, gk, q, w, u, qg, kd, cu_seqlens, chunk_indices, H: tl.constexpr,
+                 HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, MERGE_PRECISION: tl.constexpr,
+                 WU: tl.constexpr):
+    """Ai = (I + Diag(beta) Akk)^{-1} for an Akk already formed (strictly lower, [T, H, BT], e.g. by intra.py).
+    WU (KDA's per-channel gate gk, the chunk-local cumsum [T, H, K]): also W = Ai Diag(beta) (K * exp(G)),
+    U = Ai Diag(beta) V and the state pass's gated rows qg = q exp(G), kd = k exp(G_C - G)
+    (``wy.recompute_w_u``'s), from the inverse's blocks in registers (``_store_w_gated``, ``_store_wu``)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
@@ -241,8 +307,71 @@ def solve_kernel(Akk, beta, Ai, cu_seqlens, chunk_indices, H: tl.constexpr, BT: 
     b_A42 = _load16(Akk, T, t0 + 48, 16, H, BT) * b_b4
     b_A43 = _load16(Akk, T, t0 + 48, 32, H, BT) * b_b4
     b_A44 = tl.where(m_strict, _load16(Akk, T, t0 + 48, 48, H, BT), 0.) * b_b4
-    store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44,
-                 Ai + (bos * H + i_h) * BT, T, t0, H, BT, MERGE_PRECISION)
+    if WU:
+        b_I11, b_I21, b_I22, b_I31, b_I32, b_I33, b_I41, b_I42, b_I43, b_I44 = solved_blocks(
+            b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44, MERGE_PRECISION)
+        b_0 = tl.zeros([16, 16], dtype=tl.float32)
+        Ai += (bos * H + i_h) * BT
+        store_row_blocks(Ai, T, t0, H, BT, b_I11, b_0, b_0, b_0)
+        store_row_blocks(Ai, T, t0 + 16, H, BT, b_I21, b_I22, b_0, b_0)
+        store_row_blocks(Ai, T, t0 + 32, H, BT, b_I31, b_I32, b_I33, b_0)
+        store_row_blocks(Ai, T, t0 + 48, H, BT, b_I41, b_I42, b_I43, b_I44)
+        dt = k.dtype.element_ty
+        b_I11, b_I21, b_I22, b_I31, b_I32 = b_I11.to(dt), b_I21.to(dt), b_I22.to(dt), b_I31.to(dt), b_I32.to(dt)
+        b_I33, b_I41, b_I42, b_I43, b_I44 = b_I33.to(dt), b_I41.to(dt), b_I42.to(dt), b_I43.to(dt), b_I44.to(dt)
+        kh = (bos * HK + i_h // (H // HK)) * K
+        vh = (bos * H + i_h)
+        _store_w_gated(k + kh, q + kh, gk + vh * K, w + vh * K, qg + vh * K, kd + vh * K, T, t0, HK * K, H * K, K,
+                       b_I11, b_I21, b_I22, b_I31, b_I32, b_I33, b_I41, b_I42, b_I43, b_I44, b_b1, b_b2, b_b3, b_b4)
+        _store_wu(v + vh * V, u + vh * V, T, t0, H * V, H * V, V, b_I11, b_I21, b_I22, b_I31, b_I32, b_I33, b_I41,
+                  b_I42, b_I43, b_I44, b_b1, b_b2, b_b3, b_b4)
+    else:
+        store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44,
+                     Ai + (bos * H + i_h) * BT, T, t0, H, BT, MERGE_PRECISION)
+
+
+@triton.jit
+def _gated_rows(k, q, gk, qg, kd, T, r0, c0, b_glast, HX: tl.constexpr, HY: tl.constexpr, D: tl.constexpr, b_s):
+    """Rows r0 .. r0 + 15, columns c0 .. c0 + 31: stores qg = q exp(G) and kd = k exp(G_C - G) (0 past
+    the end) and returns k Diag-scaled for W, (b_s k exp(G)) in k's dtype (``wy.recompute_w_u_kernel``'s
+    operands, rounded as it rounds them)."""
+    p_k = tl.make_block_ptr(k, (T, D), (HX, 1), (r0, c0), (16, 32), (1, 0))
+    p_q = tl.make_block_ptr(q, (T, D), (HX, 1), (r0, c0), (16, 32), (1, 0))
+    p_g = tl.make_block_ptr(gk, (T, D), (HY, 1), (r0, c0), (16, 32), (1, 0))
+    b_k = tl.load(p_k, boundary_check=(0, 1))
+    b_g = tl.load(p_g, boundary_check=(0, 1))
+    m_t = (r0 + tl.arange(0, 16)) < T
+    p_qg = tl.make_block_ptr(qg, (T, D), (HY, 1), (r0, c0), (16, 32), (1, 0))
+    p_kd = tl.make_block_ptr(kd, (T, D), (HY, 1), (r0, c0), (16, 32), (1, 0))
+    tl.store(p_qg, (tl.load(p_q, boundary_check=(0, 1)) * exp(b_g)).to(p_qg.dtype.element_ty), boundary_check=(0, 1))
+    b_ek = tl.where(m_t[:, None], exp(b_glast[None, :] - b_g), 0.)
+    tl.store(p_kd, (b_k * b_ek).to(p_kd.dtype.element_ty), boundary_check=(0, 1))
+    return (b_k * b_s * exp(b_g)).to(b_k.dtype)
+
+
+@triton.jit
+def _store_w_gated(k, q, gk, w, qg, kd, T, t0, HX: tl.constexpr, HY: tl.constexpr, D: tl.constexpr, b_I11, b_I21,
+                   b_I22, b_I31, b_I32, b_I33, b_I41, b_I42, b_I43, b_I44, b_s1, b_s2, b_s3, b_s4):
+    """W = Ai Diag(s) (K * exp(G)) over a chunk with the gated rows (``_gated_rows``), 16 rows and 32
+    columns at a time, as ``_store_wu``."""
+    o_last = tl.minimum(t0 + 64, T) - 1
+    for c0 in range(0, D, 32):
+        o_c = c0 + tl.arange(0, 32)
+        b_glast = tl.load(gk + o_last * HY + o_c, mask=o_c < D, other=0.)
+        b_x1 = _gated_rows(k, q, gk, qg, kd, T, t0, c0, b_glast, HX, HY, D, b_s1)
+        p = tl.make_block_ptr(w, (T, D), (HY, 1), (t0, c0), (16, 32), (1, 0))
+        tl.store(p, mm(b_I11, b_x1).to(p.dtype.element_ty), boundary_check=(0, 1))
+        b_x2 = _gated_rows(k, q, gk, qg, kd, T, t0 + 16, c0, b_glast, HX, HY, D, b_s2)
+        p = tl.make_block_ptr(w, (T, D), (HY, 1), (t0 + 16, c0), (16, 32), (1, 0))
+        tl.store(p, (mm(b_I21, b_x1) + mm(b_I22, b_x2)).to(p.dtype.element_ty), boundary_check=(0, 1))
+        b_x3 = _gated_rows(k, q, gk, qg, kd, T, t0 + 32, c0, b_glast, HX, HY, D, b_s3)
+        p = tl.make_block_ptr(w, (T, D), (HY, 1), (t0 + 32, c0), (16, 32), (1, 0))
+        tl.store(p, (mm(b_I31, b_x1) + mm(b_I32, b_x2) + mm(b_I33, b_x3)).to(p.dtype.element_ty),
+                 boundary_check=(0, 1))
+        b_x4 = _gated_rows(k, q, gk, qg, kd, T, t0 + 48, c0, b_glast, HX, HY, D, b_s4)
+        p = tl.make_block_ptr(w, (T, D), (HY, 1), (t0 + 48, c0), (16, 32), (1, 0))
+        tl.store(p, (mm(b_I41, b_x1) + mm(b_I42, b_x2) + mm(b_I43, b_x3) + mm(b_I44, b_x4)).to(p.dtype.element_ty),
+                 boundary_check=(0, 1))
 
 
 @triton.jit
@@ -332,7 +461,8 @@ def merge_precision(dtype: torch.dtype) -> str:
 
 def kkt_solve(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor | None, chunks: Chunks,
               num_warps: int = SOLVE_WARPS, p: torch.Tensor | None = None,
-              g_read: torch.Tensor | None = None, fold_beta: bool = False, q: torch.Tensor | None = None):
+              g_read: torch.Tensor | None = None, fold_beta: bool = False, q: torch.Tensor | None = None,
+              v: torch.Tensor | None = None):
     """k: [1, T, HK, K]; beta: [1, T, H] (H a multiple of HK); g_cum: [1, T, H] chunk-local cumsum or None.
 
     Returns Ai [1, T, H, 64], solved in fp32 and stored in k's dtype (its consumers multiply in that dtype).
@@ -340,7 +470,9 @@ def kkt_solve(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor | None, c
     A_ij = beta_i (p_i . k_j) exp(g_read_i - g_j). ``fold_beta``: returns Ai Diag(beta) (the inference
     state pass's read, ``state.state_fwd(Ai=..., beta=None)``). ``q`` [1, T, HK, K]: also returns the
     output's scores A_qk [1, T, H, BT] = lower(Gamma * Q K^T) in k's dtype (unscaled; the state
-    pass's ``A``), as (Ai, A_qk)."""
+    pass's ``A``), as (Ai, A_qk). ``v`` [1, T, H, V]: also W = Ai Diag(beta gamma) K [1, T, H, K] and
+    U = Ai Diag(beta) V [1, T, H, V] in k's dtype (``wy.recompute_w_u``'s, formed from the inverse's
+    blocks in the solve's program), as (Ai, W, U); no ``p``, ``q`` or ``fold_beta`` with it."""
     _, T, HK, K = k.shape
     H = beta.shape[2]
     BT = chunks.BT
@@ -352,19 +484,39 @@ def kkt_solve(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor | None, c
         raise ValueError(f"`q` (the output's scores) needs no `p` and k's shape {tuple(k.shape)}, "
                          f"got {tuple(q.shape)}")
     Aqk = alloc((1, T, H, BT), device=k.device, dtype=k.dtype) if q is not None else None
-    kkt_solve_kernel[(chunks.NC, H)](k, p if use_p else k, beta, g_cum, g_read if use_p else g_cum, Ai, q, Aqk,
-                                     chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK, K=K, BT=BT, BK=BK,
+    wu = v is not None
+    if wu and (use_p or q is not None or fold_beta):
+        raise ValueError("`v` (W and U in the solve) takes no `p`, `q` or `fold_beta`")
+    V = v.shape[-1] if wu else 0
+    w = alloc((1, T, H, K), device=k.device, dtype=k.dtype) if wu else None
+    u = alloc((1, T, H, V), device=k.device, dtype=k.dtype) if wu else None
+    kkt_solve_kernel[(chunks.NC, H)](k, p if use_p else k, beta, g_cum, g_read if use_p else g_cum, Ai, q, Aqk, v, w,
+                                     u, chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK, K=K, V=V, BT=BT, BK=BK,
                                      USE_G=g_cum is not None, USE_P=use_p,
                                      MERGE_PRECISION=merge_precision(k.dtype), FOLD_BETA=fold_beta,
-                                     QK=q is not None, num_warps=num_warps)
+                                     QK=q is not None, WU=wu, num_warps=num_warps)
+    if wu:
+        return Ai, w, u
     return Ai if q is None else (Ai, Aqk)
 
 
 def solve(Akk: torch.Tensor, beta: torch.Tensor, chunks: Chunks, dtype=torch.float32,
-          num_warps: int = SOLVE_WARPS, precision_of: torch.dtype = torch.float32) -> torch.Tensor:
-    """Akk: [1, T, H, 64] strictly lower per chunk (fp32); beta: [1, T, H] -> Ai [1, T, H, 64] in ``dtype``."""
+          num_warps: int = SOLVE_WARPS, precision_of: torch.dtype = torch.float32, wu=None):
+    """Akk: [1, T, H, 64] strictly lower per chunk (fp32); beta: [1, T, H] -> Ai [1, T, H, 64] in ``dtype``.
+    ``wu`` = (k [1, T, HK, K], v [1, T, H, V], gk_cum [1, T, H, K], q [1, T, HK, K]): also W, U and the
+    gated rows qg, kd in k's dtype (``wy.recompute_w_u(..., gk_cum=, q=)``'s), as (Ai, W, U, qg, kd)."""
     _, T, H, BT = Akk.shape
     Ai = alloc((1, T, H, BT), device=Akk.device, dtype=dtype)
-    solve_kernel[(chunks.NC, H)](Akk, beta, Ai, chunks.cu_seqlens, chunks.chunk_indices, H=H, BT=BT,
-                                 MERGE_PRECISION=merge_precision(precision_of), num_warps=num_warps)
-    return Ai
+    if wu is None:
+        solve_kernel[(chunks.NC, H)](Akk, beta, Ai, None, None, None, None, None, None, None, None,
+                                     chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=H, K=0, V=0, BT=BT,
+                                     MERGE_PRECISION=merge_precision(precision_of), WU=False, num_warps=num_warps)
+        return Ai
+    k, v, gk, q = wu
+    HK, K, V = k.shape[2], k.shape[3], v.shape[3]
+    w, qg, kd = (alloc((1, T, H, K), device=k.device, dtype=k.dtype) for _ in range(3))
+    u = alloc((1, T, H, V), device=k.device, dtype=k.dtype)
+    solve_kernel[(chunks.NC, H)](Akk, beta, Ai, k, v, gk, q, w, u, qg, kd, chunks.cu_seqlens, chunks.chunk_indices,
+                                 H=H, HK=HK, K=K, V=V, BT=BT, MERGE_PRECISION=merge_precision(precision_of), WU=True,
+                                 num_warps=num_warps)
+    return Ai, w, u, qg, kd

@@ -517,3 +517,19 @@ def test_flags():
     for op in delta:
         assert op.triton_chunk.grouped_heads and op.triton_chunk.fused_l2norm == (op.beta != "positive"), op.name
         assert op.triton_chunk.fused_gate == op.gate_in_kernel, op.name
+
+
+@pytest.mark.parametrize("op", ["gated_delta_rule", "delta_rule", "longhorn", "kda"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_solve_forms_w_u(op, dtype, monkeypatch):
+    """``delta.SOLVE_WU``: the training forward takes W and U (KDA: and the gated rows) from the
+    solve's kernel: the op against float64 with grouped heads, varlen with an empty sequence and a
+    short last chunk, an initial state, every gradient."""
+    from fastweight.kernels import delta
+    monkeypatch.setattr(delta, "SOLVE_WU", True)
+    calls = []
+    real = delta.recompute_w_u
+    monkeypatch.setattr(delta, "recompute_w_u", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    check(op, 1, 150, 2, 32, 40, dtype, G=2, cu_seqlens=torch.tensor([0, 70, 70, 150]))
+    # the backward recomputes nothing: W was kept from the forward
+    assert calls == []

@@ -335,3 +335,57 @@ def test_state_fwd_fused_output_arguments():
         state_fwd("dplr", x, x, chunks, g=g, w=x, u=x, b=x, q=x, A=A, fuse_output=True)
     with pytest.raises(ValueError, match="fuse_output"):   # the delta rule's given output scores
         state_fwd("delta", x, x, chunks, g=torch.zeros(1, T, H), w=x, u=x, q=x, A=A, fuse_output=False)
+
+
+@pytest.mark.parametrize("dtype, gated, V", [(torch.float32, True, 48), (torch.float16, True, 16),
+                                             (torch.float32, False, 80)])
+def test_kkt_solve_forms_w_u(dtype, gated, V):
+    """``kkt_solve(v=...)``: W and U from the inverse's blocks in the solve's program, against
+    ``recompute_w_u`` on the Ai the plain solve stores (bit-equal to the one returned beside them):
+    to the rounding of the dtype, grouped heads (k shared by two value heads), varlen with an
+    empty sequence, a short last chunk, V not a multiple of 32."""
+    from fastweight.kernels.wy import recompute_w_u
+    gen = generator(7)
+    k = torch.nn.functional.normalize(torch.randn(1, T, 1, K, generator=gen), dim=-1).to(dtype)
+    v = torch.randn(1, T, H, V, generator=gen).to(dtype)
+    beta = torch.rand(1, T, H, generator=gen).to(dtype)
+    g = -torch.rand(1, T, H, generator=gen) * 0.5
+    ch = prepare_chunks(torch.tensor([0, 37, 37, T]), 1, T, 64, "cpu")
+    g_cum = chunk_cumsum(g, ch) if gated else None
+    Ai = kkt_solve(k, beta, g_cum, ch)
+    w, u = recompute_w_u(k, v, beta, g_cum, Ai, ch)
+    Ai2, w2, u2 = kkt_solve(k, beta, g_cum, ch, v=v)
+    assert torch.equal(Ai2, Ai)
+    # measured (interpreter): fp32 <= 7.6e-8, fp16 <= 1.2e-5 (the order of the sums; both round W and U alike)
+    tol = {torch.float32: 4.8e-7, torch.float16: 1e-4}[dtype]
+    assert rel_err(w2, w) < tol, f"W {rel_err(w2, w):.3g}"
+    assert rel_err(u2, u) < tol, f"U {rel_err(u2, u):.3g}"
+    with pytest.raises(ValueError, match="`v`"):
+        kkt_solve(k, beta, g_cum, ch, v=v, fold_beta=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_solve_forms_gated_w_u(dtype):
+    """``solve(wu=...)`` (KDA): W, U and the state pass's gated rows qg, kd from the inverse's blocks,
+    against ``recompute_w_u(gk_cum=, q=)`` on the Ai the plain solve stores (bit-equal to the one
+    returned): grouped heads, varlen with an empty sequence, a short last chunk, K and V not
+    multiples of 32. The gated rows are the same elementwise products: bit-equal."""
+    from fastweight.kernels.wy import recompute_w_u
+    gen = generator(8)
+    Kx, V = 48, 40
+    k = torch.nn.functional.normalize(torch.randn(1, T, 1, Kx, generator=gen), dim=-1).to(dtype)
+    q = torch.randn(1, T, 1, Kx, generator=gen).to(dtype)
+    v = torch.randn(1, T, H, V, generator=gen).to(dtype)
+    beta = torch.rand(1, T, H, generator=gen).to(dtype)
+    gk = -torch.rand(1, T, H, Kx, generator=gen) * 0.5
+    ch = prepare_chunks(torch.tensor([0, 37, 37, T]), 1, T, 64, "cpu")
+    gk_cum = chunk_cumsum(gk, ch)
+    _, Akk = intra_fwd(q, k, gk_cum, ch)
+    Ai = solve(Akk, beta, ch, dtype=dtype, precision_of=dtype)
+    w, u, qg, kd = recompute_w_u(k, v, beta, None, Ai, ch, gk_cum=gk_cum, q=q)
+    Ai2, w2, u2, qg2, kd2 = solve(Akk, beta, ch, dtype=dtype, precision_of=dtype, wu=(k, v, gk_cum, q))
+    assert torch.equal(Ai2, Ai)
+    assert torch.equal(qg2, qg) and torch.equal(kd2, kd)
+    tol = {torch.float32: 4.8e-7, torch.float16: 1e-4}[dtype]  # as test_kkt_solve_forms_w_u's
+    assert rel_err(w2, w) < tol, f"W {rel_err(w2, w):.3g}"
+    assert rel_err(u2, u) < tol, f"U {rel_err(u2, u):.3g}"
