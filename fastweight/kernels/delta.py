@@ -31,9 +31,12 @@ from fastweight.kernels.wy import recompute_w_u, wy_bwd
 
 
 MAX_K = 256
-# W and U (and KDA's gated rows) formed in the solve's kernel (``kkt_solve(v=...)``, ``solve(wu=...)``)
-# instead of by ``recompute_w_u`` (no p); off until timed
-SOLVE_WU = False
+# W and U formed in the solve's kernel (``kkt_solve(v=...)``) instead of by ``recompute_w_u`` for a scalar
+# or no gate and no p (H100, fwd+bwd: GDN (4, 8192, 16, 128) -1.4%, DeltaNet (8, 16384, 64, 64) -6.4%).
+# SOLVE_WU_KDA: with a per-channel gate, W, U and the gated rows from ``solve(wu=...)``; off: its one-warp
+# program gates three [64, K] tiles that ``recompute_w_u`` spreads over 8 warps (KDA forward +5%)
+SOLVE_WU = True
+SOLVE_WU_KDA = False
 
 
 def _pack(x):
@@ -77,7 +80,7 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
     # inference folds beta into Ai (the state pass then reads no beta); a backward needs Ai itself
     fold = fuse_wy and not store_h
     # W and U (and the per-channel gate's rows) formed in the solve's program from the inverse's blocks
-    wu = SOLVE_WU and p is None and not fuse_wy
+    wu = (SOLVE_WU_KDA if gk_cum is not None else SOLVE_WU) and p is None and not fuse_wy
     qs, ks = q, k
     if gk_cum is not None and wu:
         Ai, w, u, qs, ks = solve(Akk, beta, chunks, dtype=k.dtype, precision_of=k.dtype, wu=(k, v, gk_cum, q))

@@ -139,12 +139,8 @@ def kkt_solve_kernel(k, p, beta, g, gr, Ai, q, Aqk, v, w, u, cu_seqlens, chunk_i
     elif WU:
         b_I11, b_I21, b_I22, b_I31, b_I32, b_I33, b_I41, b_I42, b_I43, b_I44 = solved_blocks(
             b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44, MERGE_PRECISION)
-        b_0 = tl.zeros([16, 16], dtype=tl.float32)
-        Ai += (bos * H + i_h) * BT
-        store_row_blocks(Ai, T, t0, H, BT, b_I11, b_0, b_0, b_0)
-        store_row_blocks(Ai, T, t0 + 16, H, BT, b_I21, b_I22, b_0, b_0)
-        store_row_blocks(Ai, T, t0 + 32, H, BT, b_I31, b_I32, b_I33, b_0)
-        store_row_blocks(Ai, T, t0 + 48, H, BT, b_I41, b_I42, b_I43, b_I44)
+        store_lower_blocks(Ai + (bos * H + i_h) * BT, T, t0, H, BT, b_I11, b_I21, b_I22, b_I31, b_I32, b_I33,
+                           b_I41, b_I42, b_I43, b_I44)
         # the separate stage's operands: Ai as stored, rows scaled and rounded to k's dtype
         dt = k.dtype.element_ty
         b_s1 = b_b1 * _gamma_rows(g, bos, T, H, i_h, t0, USE_G)
@@ -310,12 +306,8 @@ def solve_kernel(Akk, beta, Ai, k, v, gk, q, w, u, qg, kd, cu_seqlens, chunk_ind
     if WU:
         b_I11, b_I21, b_I22, b_I31, b_I32, b_I33, b_I41, b_I42, b_I43, b_I44 = solved_blocks(
             b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44, MERGE_PRECISION)
-        b_0 = tl.zeros([16, 16], dtype=tl.float32)
-        Ai += (bos * H + i_h) * BT
-        store_row_blocks(Ai, T, t0, H, BT, b_I11, b_0, b_0, b_0)
-        store_row_blocks(Ai, T, t0 + 16, H, BT, b_I21, b_I22, b_0, b_0)
-        store_row_blocks(Ai, T, t0 + 32, H, BT, b_I31, b_I32, b_I33, b_0)
-        store_row_blocks(Ai, T, t0 + 48, H, BT, b_I41, b_I42, b_I43, b_I44)
+        store_lower_blocks(Ai + (bos * H + i_h) * BT, T, t0, H, BT, b_I11, b_I21, b_I22, b_I31, b_I32, b_I33,
+                           b_I41, b_I42, b_I43, b_I44)
         dt = k.dtype.element_ty
         b_I11, b_I21, b_I22, b_I31, b_I32 = b_I11.to(dt), b_I21.to(dt), b_I22.to(dt), b_I31.to(dt), b_I32.to(dt)
         b_I33, b_I41, b_I42, b_I43, b_I44 = b_I33.to(dt), b_I41.to(dt), b_I42.to(dt), b_I43.to(dt), b_I44.to(dt)

@@ -522,14 +522,28 @@ def test_flags():
 @pytest.mark.parametrize("op", ["gated_delta_rule", "delta_rule", "longhorn", "kda"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_solve_forms_w_u(op, dtype, monkeypatch):
-    """``delta.SOLVE_WU``: the training forward takes W and U (KDA: and the gated rows) from the
-    solve's kernel: the op against float64 with grouped heads, varlen with an empty sequence and a
-    short last chunk, an initial state, every gradient."""
+    """``delta.SOLVE_WU`` (KDA: ``SOLVE_WU_KDA``, off by default): the training forward takes W and U
+    (KDA: and the gated rows) from the solve's kernel: the op against float64 with grouped heads, varlen
+    with an empty sequence and a short last chunk, an initial state, every gradient."""
     from fastweight.kernels import delta
     monkeypatch.setattr(delta, "SOLVE_WU", True)
+    monkeypatch.setattr(delta, "SOLVE_WU_KDA", True)
     calls = []
     real = delta.recompute_w_u
     monkeypatch.setattr(delta, "recompute_w_u", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     check(op, 1, 150, 2, 32, 40, dtype, G=2, cu_seqlens=torch.tensor([0, 70, 70, 150]))
     # the backward recomputes nothing: W was kept from the forward
     assert calls == []
+
+
+@pytest.mark.parametrize("op, solved", [("gated_delta_rule", True), ("delta_rule", True), ("kda", False),
+                                        ("comba", False)])
+def test_solve_forms_w_u_by_default(op, solved, monkeypatch):
+    """By default W and U come from the solve's kernel for a scalar or no gate (GDN, DeltaNet), and from
+    ``recompute_w_u`` for KDA's per-channel gate and for Comba's read keys."""
+    from fastweight.kernels import delta
+    calls = []
+    real = delta.recompute_w_u
+    monkeypatch.setattr(delta, "recompute_w_u", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    check(op, 1, 70, 2, 16, 16, torch.float32)
+    assert (calls == []) == solved
