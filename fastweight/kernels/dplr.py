@@ -98,7 +98,9 @@ class DplrLaunch:
     bf16 inputs (H100, RWKV-7 (8, 16384, 64, 64) forward 18.35 -> 16.62 ms; fp16's 3 x TF32 dots spill
     200-400 B a thread there and its forward went 28.3 -> 34.8 ms, fp32 spills 1.2-1.7 KB). Fused, A_ab (fp32)
     is live beside W and U~: at that shape a forward without backward peaks 1 GiB higher (2 GiB for one that keeps
-    T, still below the backward's peak: fwd+bwd 38.88 GiB either way). Rounding dh, dU, T and A_ak
+    T, still below the backward's peak: fwd+bwd 38.88 GiB either way). ``bwd_gate_sums``: the backward's gate
+    sums formed in its state pass (``state.state_bwd(gate_sums=...)``) instead of by ``chunk_cumsum`` before it
+    (1.5 ms of kernel at the paper shape on the H100). Rounding dh, dU, T and A_ak
     costs bf16 ~8% in the worst error (H200: 3.62e-3 -> 3.91e-3 at (1, 1024, 4, 32, 128), fla's
     5.1e-3 the bound) for 4 GiB."""
     recompute: bool = False
@@ -118,6 +120,7 @@ class DplrLaunch:
     bwd_early: bool = True
     solve_wy: bool | None = None
     solve_wy_config: tuple[int, int, int] | None = None
+    bwd_gate_sums: bool = False
 
     def __post_init__(self):
         for name in ("bwd_split", "solve_wy"):
@@ -222,14 +225,20 @@ class ChunkDplrFunction(torch.autograd.Function):
             except IndexError:  # taken by an earlier backward through this graph
                 gc, _, Aqb, *_ = _intra(q, k, a, b, gk, scale, chunks, launch)
             else:
-                gc = chunk_cumsum(gk, chunks)
+                gc = None
         grads_dtype = torch.float32 if launch.state_grads_fp32 else None  # None: the inputs' dtypes
         # fp16 keeps dh in fp32: a constant cotangent (S.sum()'s) makes every entry of dh one value,
         # rounded the same way, and the shared bias (2.7e-4) survives the cancellation in dk
         state_dtype = torch.float32 if q.dtype == torch.float16 else grads_dtype
-        dh, du, dh0 = state_bwd("dplr", q, do, chunks, g=gc, w=w, b=b, A=Aqb, scale=scale, dht=dht,
-                                need_dh0=initial_state is not None, state_dtype=state_dtype, dr_dtype=grads_dtype,
-                                block_v=launch.state_block_v)
+        sums = {}
+        if gc is None and launch.bwd_gate_sums:  # the pass forms the sums from the raw gate and stores them
+            gc = torch.empty(gk.shape, dtype=torch.float32, device=gk.device)
+            sums = dict(g=gk, gate_sums=gc)
+        elif gc is None:
+            gc = chunk_cumsum(gk, chunks)
+        dh, du, dh0 = state_bwd("dplr", q, do, chunks, **(sums or dict(g=gc)), w=w, b=b, A=Aqb, scale=scale,
+                                dht=dht, need_dh0=initial_state is not None, state_dtype=state_dtype,
+                                dr_dtype=grads_dtype, block_v=launch.state_block_v)
         del Aqb  # the state pass's only reader: freed before the backward's peak
         dq, dk, dv, da, db, dg = dplr_bwd(q, k, v, a, b, gc, gk, Ai, Aqk, Aak, w, u, ut, h, dh, du, do, wide, scale,
                                           chunks, span=launch.span, blocks=launch.bwd_blocks,

@@ -333,10 +333,12 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, A2, Ai, beta, h0, o, ht, h, r, cu_s
 
 
 @triton.jit
-def _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dr, bos, T, boh, i_h, i_k, i_v, scale, H: tl.constexpr,
+def _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dr, gs, bos, T, boh, i_h, i_k, i_v, scale, H: tl.constexpr,
               HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-              BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr):
-    """One chunk of the backward pass, last chunk first; returns dS at the chunk's start."""
+              BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr, GATE_SUMS: tl.constexpr):
+    """One chunk of the backward pass, last chunk first; returns dS at the chunk's start. GATE_SUMS
+    (per-channel gate): g is the raw log gate; the chunk's sums are formed here and stored to gs by the
+    first V block's programs."""
     o_i = tl.arange(0, BT)
     m_row = i_t * BT + o_i < T
     m_anticausal = o_i[:, None] <= o_i[None, :]
@@ -353,7 +355,15 @@ def _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dr, bos, T, boh, i_h, i_k
             b_gq = tl.load(gq + (bos + i_t * BT + o_i) * H + i_h, mask=m_row, other=0.)
         b_qd = (b_q * (exp(b_gq) * scale)[:, None]).to(dt)
     elif GATE == 2:
-        b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
+        if GATE_SUMS:
+            # rows past the end load 0, so the sums there repeat the last row's, as chunk_gates_k fills them
+            b_raw = tl.load(_rows(g, bos, T, i_t, H, i_h, K, i_k, BT, BK), boundary_check=(0, 1)).to(tl.float32)
+            b_gk = tl.cumsum(b_raw, axis=0)
+            b_gklast = tl.sum(b_raw, axis=0)
+            if i_v == 0:
+                tl.store(_rows(gs, bos, T, i_t, H, i_h, K, i_k, BT, BK), b_gk, boundary_check=(0, 1))
+        else:
+            b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
         b_ek = tl.where(m_row[:, None], exp(b_gklast[None, :] - b_gk), 0.)
         b_gq = b_gk
         if gq is not None:
@@ -405,11 +415,11 @@ def _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dr, bos, T, boh, i_h, i_k
 
 
 @triton.jit
-def state_bwd_kernel(q, k, w, b, g, gq, A, do, dht, dh, dh0, dr, cu_seqlens, chunk_offsets, order, scale,
+def state_bwd_kernel(q, k, w, b, g, gq, A, do, dht, dh, dh0, dr, gs, cu_seqlens, chunk_offsets, order, scale,
                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
                      USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, WHILE_LOOP: tl.constexpr,
-                     OFF32: tl.constexpr):
+                     OFF32: tl.constexpr, GATE_SUMS: tl.constexpr):
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # sequences longest first (Chunks.order); i_nh below is the (sequence, head) pair's state index
     i_n, i_h = tl.load(order + i_nh // H), i_nh % H
@@ -423,14 +433,14 @@ def state_bwd_kernel(q, k, w, b, g, gq, A, do, dht, dh, dh0, dr, cu_seqlens, chu
     if WHILE_LOOP:
         i_t = tl.cdiv(T, BT) - 1
         while i_t >= 0:
-            b_dh = _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dr, bos, T, boh, i_h, i_k, i_v, scale, H, HK,
-                             K, V, BT, BK, BV, TRANSITION, GATE)
+            b_dh = _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dr, gs, bos, T, boh, i_h, i_k, i_v, scale, H,
+                             HK, K, V, BT, BK, BV, TRANSITION, GATE, GATE_SUMS)
             i_t -= 1
     else:
         NT = tl.cdiv(T, BT)
         for i_c in range(0, NT):
-            b_dh = _bwd_step(NT - 1 - i_c, b_dh, q, k, w, b, g, gq, A, do, dh, dr, bos, T, boh, i_h, i_k, i_v, scale,
-                             H, HK, K, V, BT, BK, BV, TRANSITION, GATE)
+            b_dh = _bwd_step(NT - 1 - i_c, b_dh, q, k, w, b, g, gq, A, do, dh, dr, gs, bos, T, boh, i_h, i_k, i_v,
+                             scale, H, HK, K, V, BT, BK, BV, TRANSITION, GATE, GATE_SUMS)
     if STORE_DH0:
         tl.store(_state_block(dh0, i_nh, H, K, V, i_k, i_v, BK, BV), b_dh, boundary_check=(0, 1))
 
@@ -548,11 +558,15 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
 
 def state_bwd(transition: str, q, do, chunks: Chunks, *, g=None, gq=None, k=None, w=None, b=None, A=None,
               scale: float = 1.0, dht=None, need_dh0: bool = False, state_dtype=None, dr_dtype=None,
-              block_v=None):
+              block_v=None, gate_sums=None):
     """The backward state pass (module docstring): q [1, T, HK, K], do [1, T, H, V], gq (RWKV-6's
-    exclusive readout gate) as g, the rest as in :func:`state_fwd`. Returns (dh [NC, H, K, V] in
-    ``state_dtype`` (default q's), dR [1, T, H, V] in ``dr_dtype`` (default do's) or None (DECAY),
-    d initial_state fp32 or None)."""
+    exclusive readout gate) as g, the rest as in :func:`state_fwd`. ``gate_sums`` [1, T, H, K] fp32
+    (per-channel gate): g is the raw log gate, and the pass forms its chunk-local sums and stores them
+    there (``cumsum.chunk_cumsum``'s, formed beside the pass's serial work instead of by a kernel of
+    their own). Returns (dh [NC, H, K, V] in ``state_dtype`` (default q's), dR [1, T, H, V] in
+    ``dr_dtype`` (default do's) or None (DECAY), d initial_state fp32 or None)."""
+    if gate_sums is not None and (_gate_kind(g) != 2 or gq is not None or gate_sums.shape != g.shape):
+        raise ValueError("`gate_sums` needs a per-channel `g` of its shape and no `gq`")
     _, T, HK, K = q.shape
     H, V = do.shape[2], do.shape[-1]
     BK, BV, warps, stages = launch_config(transition, K, V, q.element_size(), backward=True,
@@ -562,9 +576,10 @@ def state_bwd(transition: str, q, do, chunks: Chunks, *, g=None, gq=None, k=None
     dr = alloc(do.shape, dtype=dr_dtype or do.dtype, device=dev) if transition != "decay" else None
     dh0 = alloc((chunks.N, H, K, V), dtype=torch.float32, device=dev) if need_dh0 else None
     grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), chunks.N * H)
-    state_bwd_kernel[grid](q, k, w, b, g, gq, A, do, dht, dh, dh0, dr, chunks.cu_seqlens, chunks.chunk_offsets,
-                           chunks.order, scale, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
-                           TRANSITION=TRANSITIONS[transition], GATE=_gate_kind(g), USE_DHT=dht is not None,
-                           STORE_DH0=need_dh0, WHILE_LOOP=while_loops(), OFF32=_off32(q, k, w, b, g, gq, A, do, dr),
+    state_bwd_kernel[grid](q, k, w, b, g, gq, A, do, dht, dh, dh0, dr, gate_sums, chunks.cu_seqlens,
+                           chunks.chunk_offsets, chunks.order, scale, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK,
+                           BV=BV, TRANSITION=TRANSITIONS[transition], GATE=_gate_kind(g), USE_DHT=dht is not None,
+                           STORE_DH0=need_dh0, WHILE_LOOP=while_loops(),
+                           OFF32=_off32(q, k, w, b, g, gq, A, do, dr, gate_sums), GATE_SUMS=gate_sums is not None,
                            num_warps=warps, num_stages=stages)
     return dh, dr, dh0

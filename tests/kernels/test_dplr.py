@@ -497,3 +497,30 @@ def test_dplr_aqb_under_saved_tensor_hooks(monkeypatch):
     del aqb
     o.backward(torch.randn(o.shape, generator=gen))
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in x.values())
+
+
+@pytest.mark.parametrize("dtype, K, V", [(torch.float32, 16, 32), (torch.float16, 80, 72), (torch.float32, 144, 40)])
+def test_dplr_bwd_gate_sums_in_the_state_pass(dtype, K, V, monkeypatch):
+    """``DplrLaunch(bwd_gate_sums=True)``: the backward state pass forms the gate's chunk sums from the
+    raw log gate and stores them for the rest of the backward (no ``chunk_cumsum``): the sums equal
+    ``chunk_cumsum``'s to fp32 rounding (the same cumsum, another kernel), and the op matches float64
+    with them (varlen with an empty sequence, a wide chunk between narrow ones, a short last chunk, K
+    over one key block: 80, 144)."""
+    from fastweight.kernels.cumsum import chunk_cumsum
+    seen = []
+    real = dplr.dplr_bwd
+
+    def spy(q, k, v, a, b, gc, gk, *args, **kw):
+        seen.append((gc.clone(), gk))
+        return real(q, k, v, a, b, gc, gk, *args, **kw)
+    monkeypatch.setattr(dplr, "dplr_bwd", spy)
+    monkeypatch.setattr(dplr, "chunk_cumsum", lambda *a, **kw: pytest.fail("chunk_cumsum ran"))
+    gen = generator()
+    t = torch.arange(150)
+    x = _inputs("rwkv7", 150, H=2, K=K, V=V, gen=gen, w_scale=torch.where(t // 64 == 1, 8.0, 1.0))
+    cu = torch.tensor([0, 70, 70, 150])
+    _check("rwkv7", x, dtype=dtype, cu_seqlens=cu, gen=gen, launch=DplrLaunch(bwd_gate_sums=True))
+    (gc, gk), = seen
+    want = chunk_cumsum(gk, kernels.common.prepare_chunks(cu, 1, 150, dplr.BT, "cpu"))
+    # equal in the interpreter; on the GPU the scan may sum in another order
+    assert rel_err(gc, want) < 1e-6, f"gate sums {rel_err(gc, want):.3g}"
