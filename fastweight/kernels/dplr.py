@@ -99,8 +99,9 @@ class DplrLaunch:
     200-400 B a thread there and its forward went 28.3 -> 34.8 ms, fp32 spills 1.2-1.7 KB). Fused, A_ab (fp32)
     is live beside W and U~: at that shape a forward without backward peaks 1 GiB higher (2 GiB for one that keeps
     T, still below the backward's peak: fwd+bwd 38.88 GiB either way). ``bwd_gate_sums``: the backward's gate
-    sums formed in its state pass (``state.state_bwd(gate_sums=...)``) instead of by ``chunk_cumsum`` before it
-    (1.5 ms of kernel at the paper shape on the H100). Rounding dh, dU, T and A_ak
+    sums formed in its state pass (``state.state_bwd(gate_sums=...)``) instead of by ``chunk_cumsum`` before it;
+    None, the default: where K <= 64 (H100, RWKV-7 (8, 16384, 64, 64) fwd+bwd 80.07 -> 79.42 ms; at K = 128 the
+    pass gains 56 B of stack a thread, sm_90). Rounding dh, dU, T and A_ak
     costs bf16 ~8% in the worst error (H200: 3.62e-3 -> 3.91e-3 at (1, 1024, 4, 32, 128), fla's
     5.1e-3 the bound) for 4 GiB."""
     recompute: bool = False
@@ -120,10 +121,10 @@ class DplrLaunch:
     bwd_early: bool = True
     solve_wy: bool | None = None
     solve_wy_config: tuple[int, int, int] | None = None
-    bwd_gate_sums: bool = False
+    bwd_gate_sums: bool | None = None
 
     def __post_init__(self):
-        for name in ("bwd_split", "solve_wy"):
+        for name in ("bwd_split", "solve_wy", "bwd_gate_sums"):
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise ValueError(f"DplrLaunch.{name} must be None, True or False, got {getattr(self, name)!r}")
 
@@ -231,7 +232,8 @@ class ChunkDplrFunction(torch.autograd.Function):
         # rounded the same way, and the shared bias (2.7e-4) survives the cancellation in dk
         state_dtype = torch.float32 if q.dtype == torch.float16 else grads_dtype
         sums = {}
-        if gc is None and launch.bwd_gate_sums:  # the pass forms the sums from the raw gate and stores them
+        gate_sums = launch.bwd_gate_sums if launch.bwd_gate_sums is not None else k.shape[-1] <= 64
+        if gc is None and gate_sums:  # the pass forms the sums from the raw gate and stores them
             gc = torch.empty(gk.shape, dtype=torch.float32, device=gk.device)
             sums = dict(g=gk, gate_sums=gc)
         elif gc is None:

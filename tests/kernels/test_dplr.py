@@ -524,3 +524,17 @@ def test_dplr_bwd_gate_sums_in_the_state_pass(dtype, K, V, monkeypatch):
     want = chunk_cumsum(gk, kernels.common.prepare_chunks(cu, 1, 150, dplr.BT, "cpu"))
     # equal in the interpreter; on the GPU the scan may sum in another order
     assert rel_err(gc, want) < 1e-6, f"gate sums {rel_err(gc, want):.3g}"
+
+
+@pytest.mark.parametrize("K, in_pass", [(32, True), (64, True), (80, False)])
+def test_dplr_bwd_gate_sums_default(K, in_pass, monkeypatch):
+    """The default launch forms the backward's gate sums in the state pass where K <= 64 and by
+    ``chunk_cumsum`` above; every gradient matches float64 either way."""
+    ran = []
+    real = dplr.chunk_cumsum
+    monkeypatch.setattr(dplr, "chunk_cumsum", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    gen = generator()
+    _check("rwkv7", _inputs("rwkv7", 70, H=2, K=K, V=16, gen=gen), dtype=torch.float32, gen=gen)
+    assert (ran == []) == in_pass
+    with pytest.raises(ValueError, match="bwd_gate_sums"):
+        DplrLaunch(bwd_gate_sums=1)
