@@ -6,8 +6,8 @@
 For each op, first a check: both implementations (``fastweight.ops.chunk_<op>``, ``backend="triton"``,
 and fla's ``chunk_<op>``) on the same inputs in the timing dtype, each against the float64 reference
 (``backend="reference"``, the per-token definition) on those rounded inputs: the output and the gradient of every floating
-input, relative error (``testing.rel_err``), at (2, 300, 2, K) with K the op's first shape's (a partial
-last chunk). Then, per shape: forward (no autograd graph) and forward+backward, median ms
+input, relative error (``testing.rel_err``), at (1, 300, H, K) with H and K the op's first shape's (a partial
+last chunk; fla's autotuning keys on H and K, not on T, so its choices are tuned once for both). Then, per shape: forward (no autograd graph) and forward+backward, median ms
 (``triton.testing.do_bench`` on the GPU, the median of ``--rep`` runs' wall time on the CPU), and the
 peak memory of forward+backward on top of the inputs and the cotangent (GPU only). Both get the same
 tensors by argument name (fastweight's ops take fla's signatures). Inputs: the delta family as
@@ -168,8 +168,8 @@ def main(argv=None):
             print(f"skip  {op:18s} {','.join(shapes)}: in {args.resume}", flush=True)
             continue
         impls = {"fastweight": ours(op), "fla": fla_op(op, hopper_guard=args.fla_hopper_guard == "on")}
-        K = SHAPES[shapes[0]][3] if shapes else 64
-        small = inputs(op, 2, 300, 2, K, dtype, device)
+        _, _, H, K = SHAPES[shapes[0]] if shapes else (1, 300, 2, 64)
+        small = inputs(op, 1, 300, H, K, dtype, device)
         checks = {}
         for name, fn in impls.items():
             if fn is None:
