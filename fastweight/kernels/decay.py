@@ -15,9 +15,11 @@ Backward: h is kept from the forward (``DecayLaunch.recompute`` False, the defau
 per token and head in the input dtype, 128 B at K = V = 64 and 512 B at 128 in bf16) or recomputed
 (True: one more state pass, less memory); dh[c] (state gradient after chunk c)
 comes from the same loop run in reverse, then dv, dA, dq, dk per chunk. When a scalar gate's
-gradient is wanted, h and dh are kept in fp32 instead (twice the bytes), and the 16-bit dots of
-``bwd_dqk`` that read them are split in two (x = hi + lo, both 16-bit, two tensor-core dots): the
-gate's state term exp(G_C) sum_kv h dh and its k dk^inter term would otherwise carry one 16-bit
+gradient is wanted, h and dh are kept wide instead (twice the bytes: fp32 for fp32 inputs; for 16-bit
+ones two 16-bit planes, hi = x rounded and lo = (x - hi) rounded, ``state.state_fwd(state_dtype="split")``),
+and the 16-bit dots of ``bwd_dqk`` that read them take both planes (two tensor-core dots); the output and
+dv kernels, whose dots round the states to 16 bits anyway, read hi alone. Otherwise the
+gate's state term exp(G_C) sum_kv h dh and its k dk^inter term would carry one 16-bit
 rounding of each state, and with a loss on the final state alone nothing else dilutes them (fp16
 dg_gamma up to 1.95x the fuzz's tolerance with 16-bit states, at most 0.31x with both changes:
 tests/kernels/test_decay.py, state-only cases). A per-channel gate sums over V alone, and its
@@ -91,6 +93,12 @@ def fuses_output(launch: DecayLaunch, K: int, vector: bool, exclusive: bool) -> 
     return vector or K <= FUSED_SCALAR_MAX_K
 
 
+def _rounded(h):
+    """The 16-bit plane of split states (``state.state_fwd(state_dtype="split")``), else h: the output and dv
+    kernels round the states to the inputs' dtype for their dots, so they read that plane alone."""
+    return h[0] if h.dim() == 5 else h
+
+
 class ChunkDecayFunction(torch.autograd.Function):
 
     @staticmethod
@@ -114,11 +122,11 @@ class ChunkDecayFunction(torch.autograd.Function):
             return o, ht
         # a scalar gate's gradient reads exp(G_C) sum_kv h dh per chunk (module docstring)
         scalar_grad = gc is not None and not vector and (ctx.needs_input_grad[3] or ctx.needs_input_grad[5])
-        wide = torch.float32 if scalar_grad else None
+        wide = None if not scalar_grad else ("split" if q.dtype in (torch.float16, torch.bfloat16) else torch.float32)
         h, _, _, ht = state_fwd("decay", k, v, chunks, g=gc, initial_state=initial_state,
                                 output_final_state=output_final_state, state_dtype=wide)
         A = intra_fwd(q, k, gq, gc, u, scale, chunks, exclusive, span=launch.span) if vector else None
-        o = output_fwd(q, k, v, gq, gc, h, A, scale, chunks, exclusive)
+        o = output_fwd(q, k, v, gq, gc, _rounded(h), A, scale, chunks, exclusive)
         ctx.save_for_backward(q, k, v, g, u, gc, gq if exclusive else None, A, initial_state,
                               None if launch.recompute else h)
         ctx.scale, ctx.chunks, ctx.exclusive, ctx.launch, ctx.wide = scale, chunks, exclusive, launch, wide
@@ -136,7 +144,7 @@ class ChunkDecayFunction(torch.autograd.Function):
             h, _, _, _ = state_fwd("decay", k, v, chunks, g=gc, initial_state=initial_state, state_dtype=ctx.wide)
         dh, _, dh0 = state_bwd("decay", q, do, chunks, g=gc, gq=gq if exclusive else None, scale=scale, dht=dht,
                                need_dh0=initial_state is not None, state_dtype=ctx.wide)
-        dv, dA = bwd_dv(q, k, v, gq, gc, A, dh, do, scale, chunks, exclusive)
+        dv, dA = bwd_dv(q, k, v, gq, gc, A, _rounded(dh), do, scale, chunks, exclusive)
         du = dg = dg_gamma = None
         if A is not None:
             dq, dk, dgx, dga, dgy, du = intra_bwd(q, k, v, gq, gc, u, h, dh, do, dA, scale, chunks, exclusive,

@@ -162,7 +162,7 @@ def decay_bwd_dv_kernel(q, k, v, gq, gc, A, dh, do, dv, dA, cu_seqlens, chunk_in
 
 
 @triton.jit
-def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, dh, do, dA, dq, dk, dg, cu_seqlens, chunk_indices, scale, T_all,
+def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, hl, dh, dhl, do, dA, dq, dk, dg, cu_seqlens, chunk_indices, scale, T_all,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                          BV: tl.constexpr, GATE: tl.constexpr, EXCLUSIVE: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr):
@@ -189,16 +189,22 @@ def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, dh, do, dA, dq, dk, dg, cu_seqlens,
         p_h = ((i_t * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
         b_do = tl.load(do + p_v, mask=m_t[:, None] & m_v[None, :], other=0.)
         b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.)
-        b_h = tl.load(h + p_h, mask=m_k[:, None] & m_v[None, :], other=0.)
-        b_dh = tl.load(dh + p_h, mask=m_k[:, None] & m_v[None, :], other=0.)
+        m_kv = m_k[:, None] & m_v[None, :]
+        b_h = tl.load(h + p_h, mask=m_kv, other=0.)
+        b_dh = tl.load(dh + p_h, mask=m_kv, other=0.)
         b_hi = b_h.to(b_do.dtype)
         b_dhi = b_dh.to(b_v.dtype)
         b_dq += dot_at(b_do, tl.trans(b_hi), DOT_PRECISION)
         b_dki += dot_at(b_v, tl.trans(b_dhi), DOT_PRECISION)
-        if SPLIT:  # fp32 states, 16-bit inputs: the rounding of h, dh to 16 bits dotted too (decay.py)
-            b_dq += dot_at(b_do, tl.trans((b_h - b_hi.to(tl.float32)).to(b_do.dtype)), DOT_PRECISION)
-            b_dki += dot_at(b_v, tl.trans((b_dh - b_dhi.to(tl.float32)).to(b_v.dtype)), DOT_PRECISION)
-        if GATE == 1:
+        if SPLIT:  # split states (16-bit planes hi, lo: decay.py): the residual planes dotted too
+            b_hl = tl.load(hl + p_h, mask=m_kv, other=0.)
+            b_dhl = tl.load(dhl + p_h, mask=m_kv, other=0.)
+            b_dq += dot_at(b_do, tl.trans(b_hl), DOT_PRECISION)
+            b_dki += dot_at(b_v, tl.trans(b_dhl), DOT_PRECISION)
+            if GATE == 1:
+                b_hdh += tl.sum((b_h.to(tl.float32) + b_hl.to(tl.float32))
+                                * (b_dh.to(tl.float32) + b_dhl.to(tl.float32)), axis=1)
+        elif GATE == 1:
             b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
     # the pairs s < t; the diagonal s = t (inclusive readout, decay exp(0)) is added on its own below
     m_s = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
@@ -280,22 +286,28 @@ def bwd_dv(q, k, v, gq, gc, A, dh, do, scale: float, chunks: Chunks, exclusive: 
 
 def bwd_dqk(q, k, v, gq, gc, h, dh, do, dA, scale: float, chunks: Chunks, exclusive: bool):
     """dq, dk (inputs' dtype) and, with a scalar gate, dg [1, T, H] fp32: the gradient of each
-    token's log gate (inclusive readout only)."""
+    token's log gate (inclusive readout only). h, dh [NC, H, K, V], or both split [2, NC, H, K, V]
+    (``state.state_fwd(state_dtype="split")``)."""
     _, T, H, K = q.shape
     V = v.shape[-1]
     gate = 0 if gc is None else 1
     if gate and exclusive:
         raise ValueError("bwd_dqk: the scalar gate's gradient is formed for the inclusive readout only")
+    split = h.dim() == 5
+    if split != (dh.dim() == 5):
+        raise ValueError("bwd_dqk: h and dh are both split states or neither")
     BK, BV = BK_OUT, BV_OUT
     NK = triton.cdiv(K, BK)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty(NK, T, H, dtype=torch.float32, device=q.device) if gate else None
     decay_bwd_dqk_kernel[(NK, chunks.NC, H)](q, k, v, gq if gq is not None else q, gc if gc is not None else q,
-                                             h, dh, do, dA, dq, dk, dg if dg is not None else dA,
+                                             h[0] if split else h, h[1] if split else None,
+                                             dh[0] if split else dh, dh[1] if split else None, do, dA, dq, dk,
+                                             dg if dg is not None else dA,
                                              chunks.cu_seqlens, chunks.chunk_indices, scale, T, H=H, K=K, V=V,
                                              BT=chunks.BT, BK=BK, BV=BV, GATE=gate, EXCLUSIVE=exclusive,
                                              DOT_PRECISION=dot_precision(q.dtype),
-                                             SPLIT=h.dtype == torch.float32 and q.dtype != torch.float32,
+                                             SPLIT=split,
                                              num_warps=BWD_DQK_CONFIG[0],
                                              num_stages=BWD_DQK_CONFIG[1])
     return dq, dk, (dg.sum(0, keepdim=True) if dg is not None else None)

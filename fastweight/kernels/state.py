@@ -117,7 +117,20 @@ def _state_block(x, i, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, i_k, i
 
 
 @triton.jit
-def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, boh, i_h, i_k, i_v, scale,
+def _store_state(x, xl, i, b_x, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, i_k, i_v, BK: tl.constexpr,
+                 BV: tl.constexpr, SPLIT: tl.constexpr):
+    """Stores block (i_k, i_v) of state i: in x's dtype, or SPLIT in two 16-bit planes, x = b_x rounded
+    and xl = the rounding's residual (b_x - x) rounded (``state_fwd(state_dtype="split")``)."""
+    p_x = _state_block(x, i, H, K, V, i_k, i_v, BK, BV)
+    b_hi = b_x.to(p_x.dtype.element_ty)
+    tl.store(p_x, b_hi, boundary_check=(0, 1))
+    if SPLIT:
+        p_l = _state_block(xl, i, H, K, V, i_k, i_v, BK, BV)
+        tl.store(p_l, (b_x - b_hi.to(tl.float32)).to(p_l.dtype.element_ty), boundary_check=(0, 1))
+
+
+@triton.jit
+def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, hl, r, bos, T, boh, i_h, i_k, i_v, scale,
               H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
               BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
               FUSE_OUTPUT: tl.constexpr, STORE_H: tl.constexpr, STORE_R: tl.constexpr, PRESCALED: tl.constexpr,
@@ -161,8 +174,7 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, b
             b_w = tl.load(_rows(w, bos, T, i_t, H, i_h, K, 0, BT, BK), boundary_check=(0, 1))
         b_hc = b_h.to(dt)
     if STORE_H and TRANSITION != DPLR:
-        p_h = _state_block(h, (boh + i_t) * H + i_h, H, K, V, i_k, i_v, BK, BV)
-        tl.store(p_h, b_h.to(p_h.dtype.element_ty), boundary_check=(0, 1))
+        _store_state(h, hl, (boh + i_t) * H + i_h, b_h, H, K, V, i_k, i_v, BK, BV, STORE_H == 2)
     if TRANSITION != DECAY:
         # the read R = U -/+ W S against the state at the chunk's start
         if FUSE_WY:
@@ -291,7 +303,8 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, b
 
 
 @triton.jit
-def state_fwd_kernel(q, k, v, w, u, b, g, A, A2, Ai, beta, h0, o, ht, h, r, cu_seqlens, chunk_offsets, order, scale, NT_ALL,
+def state_fwd_kernel(q, k, v, w, u, b, g, A, A2, Ai, beta, h0, o, ht, h, hl, r, cu_seqlens, chunk_offsets, order, scale,
+                     NT_ALL,
                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
                      FUSE_OUTPUT: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
@@ -313,7 +326,7 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, A2, Ai, beta, h0, o, ht, h, r, cu_s
         NT = tl.cdiv(T, BT)
         i_t = 0
         while i_t < NT:
-            b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H,
+            b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, hl, r, bos, T, boh, i_h, i_k, i_v, scale, H,
                             HK, K, V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R, PRESCALED,
                             FUSE_WY, KT, QK_GIVEN)
             i_t += 1
@@ -325,7 +338,7 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, A2, Ai, beta, h0, o, ht, h, r, cu_s
         else:
             NT = tl.cdiv(T, BT)
         for i_t in range(0, NT):
-            b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, r, bos, T, boh, i_h, i_k, i_v, scale, H,
+            b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, hl, r, bos, T, boh, i_h, i_k, i_v, scale, H,
                             HK, K, V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R, PRESCALED,
                             FUSE_WY, KT, QK_GIVEN)
     if STORE_HT:
@@ -333,18 +346,18 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, A2, Ai, beta, h0, o, ht, h, r, cu_s
 
 
 @triton.jit
-def _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dr, gs, bos, T, boh, i_h, i_k, i_v, scale, H: tl.constexpr,
+def _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dhl, dr, gs, bos, T, boh, i_h, i_k, i_v, scale, H: tl.constexpr,
               HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-              BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr, GATE_SUMS: tl.constexpr):
+              BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr, GATE_SUMS: tl.constexpr,
+              SPLIT: tl.constexpr):
     """One chunk of the backward pass, last chunk first; returns dS at the chunk's start. GATE_SUMS
     (per-channel gate): g is the raw log gate; the chunk's sums are formed here and stored to gs by the
-    first V block's programs."""
+    first V block's programs. SPLIT: dS stored in two 16-bit planes, dh and dhl (``_store_state``)."""
     o_i = tl.arange(0, BT)
     m_row = i_t * BT + o_i < T
     m_anticausal = o_i[:, None] <= o_i[None, :]
     i_hk = i_h // (H // HK)
-    p_dh = _state_block(dh, (boh + i_t) * H + i_h, H, K, V, i_k, i_v, BK, BV)
-    tl.store(p_dh, b_dh.to(p_dh.dtype.element_ty), boundary_check=(0, 1))
+    _store_state(dh, dhl, (boh + i_t) * H + i_h, b_dh, H, K, V, i_k, i_v, BK, BV, SPLIT)
     b_q = tl.load(_rows(q, bos, T, i_t, HK, i_hk, K, i_k, BT, BK), boundary_check=(0, 1))
     dt = b_q.dtype
     b_do = tl.load(_rows(do, bos, T, i_t, H, i_h, V, i_v, BT, BV), boundary_check=(0, 1)).to(dt)
@@ -415,11 +428,11 @@ def _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dr, gs, bos, T, boh, i_h,
 
 
 @triton.jit
-def state_bwd_kernel(q, k, w, b, g, gq, A, do, dht, dh, dh0, dr, gs, cu_seqlens, chunk_offsets, order, scale,
+def state_bwd_kernel(q, k, w, b, g, gq, A, do, dht, dh, dhl, dh0, dr, gs, cu_seqlens, chunk_offsets, order, scale,
                      H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
                      USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, WHILE_LOOP: tl.constexpr,
-                     OFF32: tl.constexpr, GATE_SUMS: tl.constexpr):
+                     OFF32: tl.constexpr, GATE_SUMS: tl.constexpr, SPLIT: tl.constexpr):
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # sequences longest first (Chunks.order); i_nh below is the (sequence, head) pair's state index
     i_n, i_h = tl.load(order + i_nh // H), i_nh % H
@@ -433,14 +446,14 @@ def state_bwd_kernel(q, k, w, b, g, gq, A, do, dht, dh, dh0, dr, gs, cu_seqlens,
     if WHILE_LOOP:
         i_t = tl.cdiv(T, BT) - 1
         while i_t >= 0:
-            b_dh = _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dr, gs, bos, T, boh, i_h, i_k, i_v, scale, H,
-                             HK, K, V, BT, BK, BV, TRANSITION, GATE, GATE_SUMS)
+            b_dh = _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dhl, dr, gs, bos, T, boh, i_h, i_k, i_v, scale,
+                             H, HK, K, V, BT, BK, BV, TRANSITION, GATE, GATE_SUMS, SPLIT)
             i_t -= 1
     else:
         NT = tl.cdiv(T, BT)
         for i_c in range(0, NT):
-            b_dh = _bwd_step(NT - 1 - i_c, b_dh, q, k, w, b, g, gq, A, do, dh, dr, gs, bos, T, boh, i_h, i_k, i_v,
-                             scale, H, HK, K, V, BT, BK, BV, TRANSITION, GATE, GATE_SUMS)
+            b_dh = _bwd_step(NT - 1 - i_c, b_dh, q, k, w, b, g, gq, A, do, dh, dhl, dr, gs, bos, T, boh, i_h, i_k,
+                             i_v, scale, H, HK, K, V, BT, BK, BV, TRANSITION, GATE, GATE_SUMS, SPLIT)
     if STORE_DH0:
         tl.store(_state_block(dh0, i_nh, H, K, V, i_k, i_v, BK, BV), b_dh, boundary_check=(0, 1))
 
@@ -495,6 +508,14 @@ def _gate_kind(g) -> int:
     return 0 if g is None else (1 if g.dim() == 3 else 2)
 
 
+def _split(state_dtype, dtype: torch.dtype) -> bool:
+    """Whether ``state_dtype`` asks for the two-plane 16-bit form ("split", for 16-bit inputs)."""
+    if isinstance(state_dtype, str) and (state_dtype != "split" or dtype not in (torch.float16, torch.bfloat16)):
+        raise ValueError(f"state_dtype: a torch dtype, None, or 'split' for 16-bit inputs; got {state_dtype!r} "
+                         f"with {dtype} inputs")
+    return state_dtype == "split"
+
+
 def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, b=None, q=None, A=None,
               A2=None, scale: float = 1.0, initial_state=None, output_final_state: bool = False, store_h: bool = True,
               store_r: bool = False, fuse_output: bool = False, state_dtype=None, block_v=None,
@@ -510,7 +531,10 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     scalar or no gate) in place of w and u: the read is formed from v, R = Ai Diag(beta) (V -
     Diag(gamma) K S) (one [BT, BT] product more a chunk; W and U are not formed). ``Ai`` with
     ``beta=None``: Ai already holds Ai Diag(beta) (``kkt_solve(fold_beta=True)``), R = Ai (V -
-    Diag(gamma) K S). Returns (h [NC,
+    Diag(gamma) K S). ``state_dtype="split"`` (16-bit k, not DPLR): h in two planes of k's dtype, [2, NC, H,
+    K, V], h[0] the state rounded and h[1] the rounding's residual rounded, so h[0] + h[1] carries ~16
+    (bf16) or ~22 (fp16) bits in the bytes of one fp32 state and a reader that wants h[0] alone (the 16-bit
+    dots of the output kernel) reads half. Returns (h [NC,
     H, K, V] in ``state_dtype`` (default k's) or None, R [1, T, H, V] in ``r_dtype`` (default v's) or None, o [1,
     T, H, V] in v's dtype or None, final state fp32 or None). ``k_transposed`` (DELTA, scalar or no
     gate): k read as K^T tiles (False: as rows; the tiles made GDN's inference forward 7% faster on
@@ -530,7 +554,13 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     # keeping h is faster so on the H200); decay and DPLR read it from cu_seqlens, which is faster for them
     uniform = chunks.NT is not None and transition == "delta"
     dev = k.device
-    h = alloc((chunks.NC, H, K, V), dtype=state_dtype or k.dtype, device=dev) if store_h else None
+    split = _split(state_dtype, k.dtype)
+    if split and transition == "dplr":
+        raise ValueError("state_dtype='split' is not supported for the dplr transition's forward")
+    if store_h and split:  # hi and lo planes, each in k's 16-bit dtype
+        h = alloc((2, chunks.NC, H, K, V), dtype=k.dtype, device=dev)
+    else:
+        h = alloc((chunks.NC, H, K, V), dtype=state_dtype or k.dtype, device=dev) if store_h else None
     r = alloc(v.shape, dtype=r_dtype or v.dtype, device=dev) if store_r else None
     o = alloc(v.shape, dtype=v.dtype, device=dev) if fuse_output else None
     ht = alloc((chunks.N, H, K, V), dtype=torch.float32, device=dev) if output_final_state else None
@@ -546,11 +576,13 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
         raise ValueError("`A` (the output's scores) for the delta transition needs `fuse_output`")
     if fuse_wy and (transition != "delta" or _gate_kind(g) == 2):
         raise ValueError("`Ai` (the fused W/U read) needs the delta transition and a scalar or no gate")
-    state_fwd_kernel[grid](q, k, v, w, u, b, g, A, A2, Ai, beta, initial_state, o, ht, h, r, chunks.cu_seqlens,
+    hi, lo = (h[0], h[1]) if store_h and split else (h, None)
+    state_fwd_kernel[grid](q, k, v, w, u, b, g, A, A2, Ai, beta, initial_state, o, ht, hi, lo, r, chunks.cu_seqlens,
                            chunks.chunk_offsets, chunks.order, scale, chunks.NT or 0, H=H, HK=HK, K=K, V=V,
                            BT=chunks.BT, BK=BK, BV=BV, TRANSITION=TRANSITIONS[transition], GATE=_gate_kind(g),
                            FUSE_OUTPUT=fuse_output, USE_H0=initial_state is not None, STORE_HT=output_final_state,
-                           STORE_H=store_h, STORE_R=store_r, UNIFORM=uniform, WHILE_LOOP=while_loops(),
+                           STORE_H=2 if store_h and split else store_h, STORE_R=store_r, UNIFORM=uniform,
+                           WHILE_LOOP=while_loops(),
                            PRESCALED=prescaled, FUSE_WY=fuse_wy, KT=kt, QK_GIVEN=qk_given,
                            OFF32=_off32(q, k, v, w, u, b, g, A, A2, Ai, beta, o, r), num_warps=warps, num_stages=stages)
     return h, r, o, ht
@@ -563,7 +595,8 @@ def state_bwd(transition: str, q, do, chunks: Chunks, *, g=None, gq=None, k=None
     exclusive readout gate) as g, the rest as in :func:`state_fwd`. ``gate_sums`` [1, T, H, K] fp32
     (per-channel gate): g is the raw log gate, and the pass forms its chunk-local sums and stores them
     there (``cumsum.chunk_cumsum``'s, formed beside the pass's serial work instead of by a kernel of
-    their own). Returns (dh [NC, H, K, V] in ``state_dtype`` (default q's), dR [1, T, H, V] in
+    their own). Returns (dh [NC, H, K, V] in ``state_dtype`` (default q's; "split": [2, NC, H, K, V] as
+    :func:`state_fwd`'s h), dR [1, T, H, V] in
     ``dr_dtype`` (default do's) or None (DECAY), d initial_state fp32 or None)."""
     if gate_sums is not None and (_gate_kind(g) != 2 or gq is not None or gate_sums.shape != g.shape):
         raise ValueError("`gate_sums` needs a per-channel `g` of its shape and no `gq`")
@@ -572,14 +605,18 @@ def state_bwd(transition: str, q, do, chunks: Chunks, *, g=None, gq=None, k=None
     BK, BV, warps, stages = launch_config(transition, K, V, q.element_size(), backward=True,
                                           per_channel=_gate_kind(g) == 2, block_v=block_v)
     dev = q.device
-    dh = alloc((chunks.NC, H, K, V), dtype=state_dtype or q.dtype, device=dev)
+    split = _split(state_dtype, q.dtype)
+    dh = alloc((2, chunks.NC, H, K, V) if split else (chunks.NC, H, K, V), dtype=q.dtype if split else
+               state_dtype or q.dtype, device=dev)
     dr = alloc(do.shape, dtype=dr_dtype or do.dtype, device=dev) if transition != "decay" else None
     dh0 = alloc((chunks.N, H, K, V), dtype=torch.float32, device=dev) if need_dh0 else None
     grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), chunks.N * H)
-    state_bwd_kernel[grid](q, k, w, b, g, gq, A, do, dht, dh, dh0, dr, gate_sums, chunks.cu_seqlens,
+    state_bwd_kernel[grid](q, k, w, b, g, gq, A, do, dht, dh[0] if split else dh, dh[1] if split else None, dh0, dr,
+                           gate_sums, chunks.cu_seqlens,
                            chunks.chunk_offsets, chunks.order, scale, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK,
                            BV=BV, TRANSITION=TRANSITIONS[transition], GATE=_gate_kind(g), USE_DHT=dht is not None,
                            STORE_DH0=need_dh0, WHILE_LOOP=while_loops(),
                            OFF32=_off32(q, k, w, b, g, gq, A, do, dr, gate_sums), GATE_SUMS=gate_sums is not None,
+                           SPLIT=split,
                            num_warps=warps, num_stages=stages)
     return dh, dr, dh0

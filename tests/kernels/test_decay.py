@@ -409,3 +409,37 @@ def test_fused_output_with_grad_keeps_the_states(op):
     gen = generator()
     _check(op, _inputs(op, 100, gen=gen), gen=gen, cu_seqlens=torch.tensor([0, 37, 100]),
            launch=DecayLaunch(fused_output=True))
+
+
+def test_split_states_are_the_wide_states_in_two_planes():
+    """``state_dtype="split"`` (a scalar gate's gradient with 16-bit inputs): the forward and backward
+    passes store each state as hi = x rounded to fp16 and lo = (x - hi) rounded, x the fp32 state the
+    ``state_dtype=float32`` passes store (bit for bit, varlen with an empty sequence, an initial state and
+    a final-state cotangent); fp32 inputs and the DPLR forward refuse it by name."""
+    from fastweight.kernels.common import prepare_chunks
+    from fastweight.kernels.cumsum import chunk_cumsum
+    from fastweight.kernels.state import state_bwd, state_fwd
+    gen = generator()
+    T, H, K, V = 150, 2, 32, 48
+    cu = torch.tensor([0, 70, 70, 150])
+    chunks = prepare_chunks(cu, 1, T, 64, "cpu")
+    x = _inputs("simple_gla", T, H=H, K=K, V=V, gen=gen)
+    q, k, v = (x[n].half() for n in ("q", "k", "v"))
+    gc = chunk_cumsum(x["g"], chunks, g_gamma=x["g_gamma"], heads=H, length=T)
+    h0, dht = torch.randn(3, H, K, V, generator=gen), torch.randn(3, H, K, V, generator=gen)
+    do = torch.randn(1, T, H, V, generator=gen).half()
+    wide = state_fwd("decay", k, v, chunks, g=gc, initial_state=h0, output_final_state=True, state_dtype=torch.float32)
+    split = state_fwd("decay", k, v, chunks, g=gc, initial_state=h0, output_final_state=True, state_dtype="split")
+    dwide = state_bwd("decay", q, do, chunks, g=gc, scale=0.3, dht=dht, need_dh0=True, state_dtype=torch.float32)
+    dsplit = state_bwd("decay", q, do, chunks, g=gc, scale=0.3, dht=dht, need_dh0=True, state_dtype="split")
+    for (w, s) in ((wide[0], split[0]), (dwide[0], dsplit[0])):
+        assert s.shape == (2, *w.shape) and s.dtype == torch.float16
+        hi = w.half()
+        assert torch.equal(s[0], hi) and torch.equal(s[1], (w - hi.float()).half())
+    assert torch.equal(wide[3], split[3]) and torch.equal(dwide[2], dsplit[2])
+    with pytest.raises(ValueError, match="state_dtype"):
+        state_fwd("decay", k.float(), v.float(), chunks, g=gc, state_dtype="split")
+    with pytest.raises(ValueError, match="state_dtype"):
+        state_bwd("decay", q, do, chunks, g=gc, state_dtype="wide")
+    with pytest.raises(ValueError, match="split"):
+        state_fwd("dplr", k, v, chunks, g=gc, state_dtype="split")
