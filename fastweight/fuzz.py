@@ -101,6 +101,24 @@ def _call(case: Case, tensors: dict, backend: str, cu_seqlens, form_gate=False):
               backend=backend, **opt), x
 
 
+def _cu_seqlens(case: Case, device):
+    if case.lengths is None:
+        return None
+    return torch.tensor([0, *torch.tensor(case.lengths).cumsum(0).tolist()], dtype=getattr(torch, case.cu_dtype),
+                        device=device)
+
+
+def forward_only(case: Case, inputs: dict, backend: str, device) -> dict:
+    """Output and final state of a forward without autograd (``torch.no_grad``, no input requiring grad):
+    the inference path, which the Triton backend runs through other kernels (nothing kept for a backward)."""
+    with torch.no_grad():
+        (o, S), _ = _call(case, {n: t.to(device) for n, t in inputs.items() if t is not None}, backend,
+                          _cu_seqlens(case, device))
+    if isinstance(S, tuple):   # normalised linear attention: fla's (S, z_state)
+        S = S[0]
+    return {"o": o, "final_state": S}
+
+
 def forward_backward(case: Case, inputs: dict, backend: str, cotangents: dict, device, truth=False) -> dict:
     """Output, final state and the gradient of every floating input (``d<name>``, ``dh0``), plus
     the per-token gate gradient under ``_dg`` and the formed gate under ``_g`` when ``truth``."""
@@ -109,11 +127,7 @@ def forward_backward(case: Case, inputs: dict, backend: str, cotangents: dict, d
         # g = 0 leaves the op unchanged and gives the per-token gradient that dg_gamma sums
         leaves["g"] = torch.zeros(case.B, case.T, case.HV, dtype=torch.float64, device=device,
                                   requires_grad=True)
-    cu = None
-    if case.lengths is not None:
-        cu = torch.tensor([0, *torch.tensor(case.lengths).cumsum(0).tolist()], dtype=getattr(torch, case.cu_dtype),
-                          device=device)
-    (o, S), called = _call(case, leaves, backend, cu, form_gate=truth)
+    (o, S), called = _call(case, leaves, backend, _cu_seqlens(case, device), form_gate=truth)
     z = None
     if isinstance(S, tuple):   # normalised linear attention: fla's (S, z_state)
         S, z = S
@@ -273,6 +287,7 @@ def check(case: Case, device="cpu") -> Result:
         from fastweight.kernels.common import poisoned_outputs   # NaN output buffers: a missed element shows
         with poisoned_outputs() if case.backend == "triton" else contextlib.nullcontext():
             got = forward_backward(case, low, case.backend, cot, device)
+            nograd = forward_only(case, low, case.backend, device) if case.backend == "triton" else {}
         want = _stage("the truth", lambda: forward_backward(case, up, truth, cot, device, truth=True))
         floors = None
         if case.dtype in ("fp16", "bf16"):
@@ -287,6 +302,11 @@ def check(case: Case, device="cpu") -> Result:
         res.seconds = time.time() - t0
         return res
     ratios = cancellation(case, want) if case.dtype != "fp64" else {}
+    for name, t in nograd.items():   # the inference forward held to the same truth and tolerance
+        if t is not None and want.get(name) is not None:
+            got[f"{name}_nograd"], want[f"{name}_nograd"] = t, want[name]
+            if floors is not None:
+                floors[f"{name}_nograd"] = floors[name]
     res.rows, problems = compare(case, got, want, floors, ratios)
     res.problems += problems
     res.seconds = time.time() - t0
