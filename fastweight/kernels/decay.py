@@ -11,6 +11,9 @@ readout is o_t = S_{t-1}^T (scale r_t) + (scale r_t . (u * k_t)) v_t). Stages, i
     3. A = intra-chunk decayed attention (per-channel gate) ``decay_intra.py``
     4. o = scale (q * exp gq) h[c] + A v                    ``decay_output.py``
 
+A forward without backward forms 4 inside 2 (``DecayLaunch.fused_output``, :func:`fuses_output`): the
+pass computes each chunk's output from the state it holds, so no h is stored and q, k, v are read once.
+
 Backward: h is kept from the forward (``DecayLaunch.recompute`` False, the default: K V / 64 values
 per token and head in the input dtype, 128 B at K = V = 64 and 512 B at 128 in bf16) or recomputed
 (True: one more state pass, less memory); dh[c] (state gradient after chunk c)
@@ -76,21 +79,26 @@ class DecayLaunch:
     span: float = SAFE_SPAN
     fused_output: bool | None = None
 
+    def __post_init__(self):
+        if not isinstance(self.fused_output, (bool, type(None))):
+            raise ValueError(f"DecayLaunch.fused_output must be None, True or False, got {self.fused_output!r}")
+
 
 # a scalar (or no) gate's pass at a wider K forms its scores beside a [K, V] state in one key block, which
 # lost to the separate output kernel at K = 128 (H100, simple_gla (4, 8192, 16, 128): 0.551 against 0.528 ms)
 FUSED_SCALAR_MAX_K = 64
 
 
-def fuses_output(launch: DecayLaunch, K: int, vector: bool, exclusive: bool) -> bool:
+def fuses_output(launch: DecayLaunch, K: int, vector: bool, exclusive: bool, dtype: torch.dtype) -> bool:
     """Whether a forward without backward forms its output in the state pass: ``launch.fused_output``, or
-    where it is None, K <= ``FUSED_SCALAR_MAX_K`` or a per-channel gate (GLA: its scores come from the intra
+    where it is None, for 16-bit inputs (fp32's exact dots spill kilobytes a thread in the one-block pass,
+    sm_90) at K <= ``FUSED_SCALAR_MAX_K`` or with a per-channel gate (GLA: its scores come from the intra
     kernel either way) up to ``state.FUSED_DECAY_MAX_K``; never for the exclusive form (RWKV-6)."""
     if exclusive or K > FUSED_DECAY_MAX_K:
         return False
     if launch.fused_output is not None:
         return launch.fused_output
-    return vector or K <= FUSED_SCALAR_MAX_K
+    return dtype != torch.float32 and (vector or K <= FUSED_SCALAR_MAX_K)
 
 
 def _rounded(h):
@@ -112,7 +120,7 @@ class ChunkDecayFunction(torch.autograd.Function):
                   if (g is not None or g_gamma is not None) else None)
             gq = gc
         vector = gc is not None and gc.dim() == 4
-        if not keep and fuses_output(launch, k.shape[-1], vector, exclusive):
+        if not keep and fuses_output(launch, k.shape[-1], vector, exclusive, q.dtype):
             # no backward: the state pass forms the output, so neither the chunk states nor a second
             # read of q, k, v reaches HBM
             A = intra_fwd(q, k, gq, gc, u, scale, chunks, exclusive, span=launch.span) if vector else None

@@ -10,8 +10,9 @@ the undecayed state with its own key p: S_t = alpha_t S_{t-1} + beta_t k_t (v_t 
 Longhorn is DeltaNet with beta replaced by eps = beta / (1 + beta k^T k).
 
 Stages (one file each): chunk-local cumsum of g, the solve ``Ai = (I + A)^{-1}`` (kkt_solve;
-with a per-channel gate A and the intra-chunk scores come from intra), W and U (wy), the state
-pass fused with the output (state). The backward recomputes nothing per token: the forward
+with a per-channel gate A and the intra-chunk scores come from intra), W and U (formed by the
+solve's kernel from the inverse's blocks for a scalar or no gate, ``SOLVE_WU``; by wy otherwise),
+the state pass fused with the output (state). The backward recomputes nothing per token: the forward
 keeps the chunk-start states ``h`` and v_tilde; the dh pass (state), the per-chunk output
 backward (output) and the WY backward (wy) give every gradient. Derivations: docs/kernels.md.
 """
@@ -37,6 +38,9 @@ MAX_K = 256
 # program gates three [64, K] tiles that ``recompute_w_u`` spreads over 8 warps (KDA forward +5%)
 SOLVE_WU = True
 SOLVE_WU_KDA = False
+# the dtypes it is on for: timed in bf16; fp16's 3 x TF32 merge spills 24-160 B a thread in it and fp32's
+# exact dots kilobytes (sm_90), untimed, so they keep recompute_w_u
+SOLVE_WU_DTYPES = (torch.bfloat16,)
 
 
 def _pack(x):
@@ -80,7 +84,8 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
     # inference folds beta into Ai (the state pass then reads no beta); a backward needs Ai itself
     fold = fuse_wy and not store_h
     # W and U (and the per-channel gate's rows) formed in the solve's program from the inverse's blocks
-    wu = (SOLVE_WU_KDA if gk_cum is not None else SOLVE_WU) and p is None and not fuse_wy
+    wu = ((SOLVE_WU_KDA if gk_cum is not None else SOLVE_WU) and p is None and not fuse_wy
+          and k.dtype in SOLVE_WU_DTYPES)
     qs, ks = q, k
     if gk_cum is not None and wu:
         Ai, w, u, qs, ks = solve(Akk, beta, chunks, dtype=k.dtype, precision_of=k.dtype, wu=(k, v, gk_cum, q))

@@ -100,8 +100,9 @@ class DplrLaunch:
     is live beside W and U~: at that shape a forward without backward peaks 1 GiB higher (2 GiB for one that keeps
     T, still below the backward's peak: fwd+bwd 38.88 GiB either way). ``bwd_gate_sums``: the backward's gate
     sums formed in its state pass (``state.state_bwd(gate_sums=...)``) instead of by ``chunk_cumsum`` before it;
-    None, the default: where K <= 64 (H100, RWKV-7 (8, 16384, 64, 64) fwd+bwd 80.07 -> 79.42 ms; at K = 128 the
-    pass gains 56 B of stack a thread, sm_90). Rounding dh, dU, T and A_ak
+    None, the default: for bf16 inputs where K <= 64 (``gate_sums_in_pass``; H100, RWKV-7 (8, 16384, 64, 64)
+    fwd+bwd 80.07 -> 79.42 ms; at K = 128 the pass gains 56 B of stack a thread and the H200 measured +5.4% at
+    (4, 8192, 16, 128); fp16 and fp32 untimed). Rounding dh, dU, T and A_ak
     costs bf16 ~8% in the worst error (H200: 3.62e-3 -> 3.91e-3 at (1, 1024, 4, 32, 128), fla's
     5.1e-3 the bound) for 4 GiB."""
     recompute: bool = False
@@ -127,6 +128,13 @@ class DplrLaunch:
         for name in ("bwd_split", "solve_wy", "bwd_gate_sums"):
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise ValueError(f"DplrLaunch.{name} must be None, True or False, got {getattr(self, name)!r}")
+
+
+def gate_sums_in_pass(launch: DplrLaunch, K: int, dtype: torch.dtype) -> bool:
+    """Whether the backward state pass forms the gate sums (``DplrLaunch.bwd_gate_sums``; None: bf16, K <= 64)."""
+    if launch.bwd_gate_sums is not None:
+        return launch.bwd_gate_sums
+    return dtype == torch.bfloat16 and K <= 64
 
 
 def _intra(q, k, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):
@@ -232,7 +240,7 @@ class ChunkDplrFunction(torch.autograd.Function):
         # rounded the same way, and the shared bias (2.7e-4) survives the cancellation in dk
         state_dtype = torch.float32 if q.dtype == torch.float16 else grads_dtype
         sums = {}
-        gate_sums = launch.bwd_gate_sums if launch.bwd_gate_sums is not None else k.shape[-1] <= 64
+        gate_sums = gate_sums_in_pass(launch, k.shape[-1], q.dtype)
         if gc is None and gate_sums:  # the pass forms the sums from the raw gate and stores them
             gc = torch.empty(gk.shape, dtype=torch.float32, device=gk.device)
             sums = dict(g=gk, gate_sums=gc)

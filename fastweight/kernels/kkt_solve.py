@@ -17,7 +17,8 @@ in bf16, 8 times coarser than one TF32 rounding).
 
 Output: ``Ai`` [1, T, H, BT] (solved in float32, stored in k's dtype; row t holds its chunk's
 row of the inverse; the columns
-are the chunk's tokens). W = Ai Diag(beta gamma) K and U = Ai Diag(beta) V are in ``wy.py``;
+are the chunk's tokens). W = Ai Diag(beta gamma) K and U = Ai Diag(beta) V are formed here from the
+inverse's blocks where ``delta.SOLVE_WU`` applies (``kkt_solve(v=...)``, ``solve(wu=...)``), else in ``wy.py``;
 the backward of this stage (dA = -Ai^T dAi Ai^T and the chain to k, beta, g) is there too,
 where dAi is formed.
 """
@@ -479,6 +480,8 @@ def kkt_solve(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor | None, c
     wu = v is not None
     if wu and (use_p or q is not None or fold_beta):
         raise ValueError("`v` (W and U in the solve) takes no `p`, `q` or `fold_beta`")
+    if wu and (v.dim() != 4 or tuple(v.shape[:3]) != (1, T, H)):
+        raise ValueError(f"`v` must be [1, T, H, V] = [1, {T}, {H}, V], got {tuple(v.shape)}")
     V = v.shape[-1] if wu else 0
     w = alloc((1, T, H, K), device=k.device, dtype=k.dtype) if wu else None
     u = alloc((1, T, H, V), device=k.device, dtype=k.dtype) if wu else None
@@ -506,6 +509,10 @@ def solve(Akk: torch.Tensor, beta: torch.Tensor, chunks: Chunks, dtype=torch.flo
         return Ai
     k, v, gk, q = wu
     HK, K, V = k.shape[2], k.shape[3], v.shape[3]
+    if (k.shape[:2] != (1, T) or q.shape != k.shape or tuple(v.shape[:3]) != (1, T, H)
+            or tuple(gk.shape) != (1, T, H, K) or H % HK):
+        raise ValueError(f"`wu` = (k, v, gk_cum, q) must be [1, T, HK, K], [1, T, H, V], [1, T, H, K], [1, T, HK, K] "
+                         f"with T = {T}, H = {H} a multiple of HK; got {[tuple(x.shape) for x in wu]}")
     w, qg, kd = (alloc((1, T, H, K), device=k.device, dtype=k.dtype) for _ in range(3))
     u = alloc((1, T, H, V), device=k.device, dtype=k.dtype)
     solve_kernel[(chunks.NC, H)](Akk, beta, Ai, k, v, gk, q, w, u, qg, kd, chunks.cu_seqlens, chunks.chunk_indices,

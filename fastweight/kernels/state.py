@@ -6,18 +6,21 @@ the chunk-local cumulative log gate, scalar or per channel, C the chunk's last r
 transitions differ only in what is written, which is what ``TRANSITION`` selects:
 
     DECAY (linear attention, GLA, Mamba-2, RWKV-6):   S <- D S + Kd^T V
-    DELTA (the delta rule: U, W from wy.py):          R = U - W S,   S <- D S + Kd^T R
+    DELTA (the delta rule: U, W from kkt_solve.py or wy.py): R = U - W S,   S <- D S + Kd^T R
     DPLR  (generic, U~, W from dplr_wy.py):           R = U~ + W S,  S <- D S + Bd^T R + Kd^T V
 
 R is the low-rank read (DELTA: the pseudo values v_tilde; DPLR: the reads a_t^T S). ``h`` (the
-state at each chunk's start, [NC, H, K, V]) and R are stored when asked; the DELTA and DPLR
-forwards can also form the output on the fly (FUSE_OUTPUT), so inference writes neither:
+state at each chunk's start, [NC, H, K, V], or two 16-bit planes [2, NC, H, K, V] with
+``state_dtype="split"``) and R are stored when asked; each forward can also form the output on the
+fly (FUSE_OUTPUT), so inference writes neither:
 
-    DELTA:  O = scale (Diag(exp G) Q S + ((Q K^T) * Gamma * M) R)          M: i >= j
+    DECAY:  O = scale Diag(exp G) Q S + (A * M) V                          M: i >= j
+    DELTA:  O = scale (Diag(exp G) Q S + ((Q K^T) * Gamma * M) R)
     DPLR:   O = scale Diag(exp G) Q S + (A_qk * M) V + (A_qb * M) R
 
-(the per-channel gate's Q K^T * Gamma comes precomputed, ``A``, from intra.py; DPLR's A_qk and
-A_qb, scaled, from dplr_intra.py as ``A`` and ``A2``).
+(DECAY's A = scale (Q K^T) * Gamma is formed in the pass for a scalar or no gate and comes from
+decay_intra.py for a per-channel one; the per-channel delta gate's Q K^T * Gamma comes precomputed,
+``A``, from intra.py; DPLR's A_qk and A_qb, scaled, from dplr_intra.py as ``A`` and ``A2``).
 
 The backward runs the same loop from the last chunk, dS the gradient of the state at the chunk's
 end (``dh`` stores it per chunk); Qd = Diag(exp Gq) Q scale (Gq = G, or RWKV-6's exclusive gate):
@@ -28,8 +31,9 @@ end (``dh`` stores it per chunk); Qd = Diag(exp Gq) Q scale (Gq = G, or RWKV-6's
 
 Rows past a sequence's end read as zero; their gates repeat G_C, so no exponent a padded lane
 forms can overflow. DELTA and DPLR contract all of K against S (W S), so their programs hold the
-whole key dimension; DECAY tiles it. ``launch_config`` is the one table of blocks, warps and
-stages for every transition.
+whole key dimension; DECAY tiles it, except where it forms the output (one key block, K <=
+``FUSED_DECAY_MAX_K``). ``launch_config`` is the table of blocks, warps and stages for every
+transition; ``state_fwd`` widens DECAY's key block and sets two stages at K = 128 for FUSE_OUTPUT.
 """
 
 from __future__ import annotations
@@ -525,7 +529,9 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     k: [1, T, HK, K] (q likewise, with ``fuse_output``); v: [1, T, H, V]; w, b: [1, T, H, K]; u:
     [1, T, H, V]; g: None, [1, T, H] or [1, T, H, K] (fp32 chunk-local cumsum); A: [1, T, H, BT]
     (DPLR: A_qk, and A2 A_qb, both with ``fuse_output``; delta, scalar or no gate: the output's scores
-    lower(Gamma * Q K^T) of ``kkt_solve(q=...)``, read instead of formed in the pass); initial_state: [N, H, K, V];
+    lower(Gamma * Q K^T) of ``kkt_solve(q=...)``, read instead of formed in the pass; decay with a per-channel
+    gate and ``fuse_output``: the intra scores of ``decay_intra.intra_fwd``, scaled, required there, K <=
+    ``FUSED_DECAY_MAX_K``); initial_state: [N, H, K, V];
     ``prescaled`` (delta, per-channel g): k and q are the gated rows kd, qg [1, T, H, K] of
     ``wy.recompute_w_u``. ``Ai`` [1, T, H, BT] and ``beta`` [1, T, H] (delta,
     scalar or no gate) in place of w and u: the read is formed from v, R = Ai Diag(beta) (V -
@@ -533,8 +539,9 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     ``beta=None``: Ai already holds Ai Diag(beta) (``kkt_solve(fold_beta=True)``), R = Ai (V -
     Diag(gamma) K S). ``state_dtype="split"`` (16-bit k, not DPLR): h in two planes of k's dtype, [2, NC, H,
     K, V], h[0] the state rounded and h[1] the rounding's residual rounded, so h[0] + h[1] carries ~16
-    (bf16) or ~22 (fp16) bits in the bytes of one fp32 state and a reader that wants h[0] alone (the 16-bit
-    dots of the output kernel) reads half. Returns (h [NC,
+    (bf16) or ~22 (fp16; fewer where the residual falls below fp16's normal range, |x| < ~0.25) bits in
+    the bytes of one fp32 state, and a reader that wants h[0] alone (the 16-bit dots of the output kernel)
+    reads half. Returns (h [NC,
     H, K, V] in ``state_dtype`` (default k's) or None, R [1, T, H, V] in ``r_dtype`` (default v's) or None, o [1,
     T, H, V] in v's dtype or None, final state fp32 or None). ``k_transposed`` (DELTA, scalar or no
     gate): k read as K^T tiles (False: as rows; the tiles made GDN's inference forward 7% faster on

@@ -385,21 +385,27 @@ def test_fused_output_without_grad(op, dtype, K, V, how, monkeypatch):
 
 @pytest.mark.parametrize("op, K, fused", [("simple_gla", 64, True), ("simple_gla", 128, False), ("retention", 32, True),
                                           ("gla", 128, True), ("rwkv6", 64, False), ("gla", 144, False)])
-def test_fused_output_default(op, K, fused, monkeypatch):
-    """The default launch (``fused_output=None``) without a backward: fused for K <= 64 and for GLA's
-    per-channel gate up to 128, the output kernel for a scalar gate at K = 128, RWKV-6 and K > 128;
-    the output matches float64 either way."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_fused_output_default(op, K, fused, dtype, monkeypatch):
+    """The default launch (``fused_output=None``) without a backward, 16-bit inputs: fused for K <= 64 and
+    for GLA's per-channel gate up to 128, the output kernel for a scalar gate at K = 128, RWKV-6 and
+    K > 128; fp32 inputs keep the output kernel (their exact dots spill in the fused pass). The output
+    matches float64 either way."""
     from fastweight.kernels import decay
     calls = []
     real = decay.state_fwd
     monkeypatch.setattr(decay, "state_fwd", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     gen = generator()
     x = _inputs(op, 70, K=K, V=16, gen=gen)
+    low = {n: t.to(dtype if n not in ("g", "w", "g_gamma") else t.dtype) for n, t in x.items()}
     with torch.no_grad():
-        o, _ = getattr(kernels, f"chunk_{op}")(**x, scale=K ** -0.5)
-    ro, _ = getattr(ops, f"chunk_{op}")(**{n: t.double() for n, t in x.items()}, scale=K ** -0.5, backend="reference")
-    assert rel_err(o, ro) < TOL[torch.float32], f"o: {rel_err(o, ro):.3g}"
-    assert [kw.get("fuse_output", False) for kw in calls] == [fused]
+        o, _ = getattr(kernels, f"chunk_{op}")(**low, scale=K ** -0.5)
+    ro, _ = getattr(ops, f"chunk_{op}")(**{n: t.double() for n, t in low.items()}, scale=K ** -0.5,
+                                        backend="reference")
+    assert rel_err(o, ro) < TOL[dtype], f"o: {rel_err(o, ro):.3g}"
+    assert [kw.get("fuse_output", False) for kw in calls] == [fused and dtype != torch.float32]
+    with pytest.raises(ValueError, match="fused_output"):
+        DecayLaunch(fused_output=1)
 
 
 @pytest.mark.parametrize("op", ["simple_gla", "gla"])

@@ -528,6 +528,7 @@ def test_solve_forms_w_u(op, dtype, monkeypatch):
     from fastweight.kernels import delta
     monkeypatch.setattr(delta, "SOLVE_WU", True)
     monkeypatch.setattr(delta, "SOLVE_WU_KDA", True)
+    monkeypatch.setattr(delta, "SOLVE_WU_DTYPES", (torch.float32, torch.float16))
     calls = []
     real = delta.recompute_w_u
     monkeypatch.setattr(delta, "recompute_w_u", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
@@ -539,11 +540,17 @@ def test_solve_forms_w_u(op, dtype, monkeypatch):
 @pytest.mark.parametrize("op, solved", [("gated_delta_rule", True), ("delta_rule", True), ("kda", False),
                                         ("comba", False)])
 def test_solve_forms_w_u_by_default(op, solved, monkeypatch):
-    """By default W and U come from the solve's kernel for a scalar or no gate (GDN, DeltaNet), and from
-    ``recompute_w_u`` for KDA's per-channel gate and for Comba's read keys."""
+    """By default W and U come from the solve's kernel for a scalar or no gate (GDN, DeltaNet) in the
+    dtypes of ``delta.SOLVE_WU_DTYPES`` (bf16, which the interpreter cannot run: fp32 stands in for it
+    here), and from ``recompute_w_u`` for KDA's per-channel gate, Comba's read keys and other dtypes."""
     from fastweight.kernels import delta
+    assert delta.SOLVE_WU_DTYPES == (torch.bfloat16,)
     calls = []
     real = delta.recompute_w_u
     monkeypatch.setattr(delta, "recompute_w_u", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    check(op, 1, 70, 2, 16, 16, torch.float32)
+    assert calls != []  # fp32: not in SOLVE_WU_DTYPES
+    calls.clear()
+    monkeypatch.setattr(delta, "SOLVE_WU_DTYPES", (torch.float32,))
     check(op, 1, 70, 2, 16, 16, torch.float32)
     assert (calls == []) == solved

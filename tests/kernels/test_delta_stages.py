@@ -343,8 +343,9 @@ def test_kkt_solve_forms_w_u(dtype, gated, V):
     """``kkt_solve(v=...)``: W and U from the inverse's blocks in the solve's program, against
     ``recompute_w_u`` on the Ai the plain solve stores (bit-equal to the one returned beside them):
     to the rounding of the dtype, grouped heads (k shared by two value heads), varlen with an
-    empty sequence, a short last chunk, V not a multiple of 32."""
+    empty sequence, a sequence over two chunks with a short last one, V not a multiple of 32."""
     from fastweight.kernels.wy import recompute_w_u
+    T = 150  # the second sequence (113 tokens) spans two chunks
     gen = generator(7)
     k = torch.nn.functional.normalize(torch.randn(1, T, 1, K, generator=gen), dim=-1).to(dtype)
     v = torch.randn(1, T, H, V, generator=gen).to(dtype)
@@ -362,15 +363,18 @@ def test_kkt_solve_forms_w_u(dtype, gated, V):
     assert rel_err(u2, u) < tol, f"U {rel_err(u2, u):.3g}"
     with pytest.raises(ValueError, match="`v`"):
         kkt_solve(k, beta, g_cum, ch, v=v, fold_beta=True)
+    with pytest.raises(ValueError, match="`v` must be"):
+        kkt_solve(k, beta, g_cum, ch, v=v[:, :, :1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_solve_forms_gated_w_u(dtype):
     """``solve(wu=...)`` (KDA): W, U and the state pass's gated rows qg, kd from the inverse's blocks,
     against ``recompute_w_u(gk_cum=, q=)`` on the Ai the plain solve stores (bit-equal to the one
-    returned): grouped heads, varlen with an empty sequence, a short last chunk, K and V not
-    multiples of 32. The gated rows are the same elementwise products: bit-equal."""
+    returned): grouped heads, varlen with an empty sequence, a sequence over two chunks with a short
+    last one, K and V not multiples of 32. The gated rows are the same elementwise products: bit-equal."""
     from fastweight.kernels.wy import recompute_w_u
+    T = 150  # the second sequence (113 tokens) spans two chunks
     gen = generator(8)
     Kx, V = 48, 40
     k = torch.nn.functional.normalize(torch.randn(1, T, 1, Kx, generator=gen), dim=-1).to(dtype)
@@ -389,3 +393,5 @@ def test_solve_forms_gated_w_u(dtype):
     tol = {torch.float32: 4.8e-7, torch.float16: 1e-4}[dtype]  # as test_kkt_solve_forms_w_u's
     assert rel_err(w2, w) < tol, f"W {rel_err(w2, w):.3g}"
     assert rel_err(u2, u) < tol, f"U {rel_err(u2, u):.3g}"
+    with pytest.raises(ValueError, match="`wu`"):
+        solve(Akk, beta, ch, dtype=dtype, precision_of=dtype, wu=(k, v, gk_cum[..., :16], q))

@@ -505,7 +505,7 @@ def test_dplr_bwd_gate_sums_in_the_state_pass(dtype, K, V, monkeypatch):
     raw log gate and stores them for the rest of the backward (no ``chunk_cumsum``): the sums equal
     ``chunk_cumsum``'s to fp32 rounding (the same cumsum, another kernel), and the op matches float64
     with them (varlen with an empty sequence, a wide chunk between narrow ones, a short last chunk, K
-    over one key block: 80, 144)."""
+    not a power of two: 80, 144, padded in the pass's one key block)."""
     from fastweight.kernels.cumsum import chunk_cumsum
     seen = []
     real = dplr.dplr_bwd
@@ -526,15 +526,25 @@ def test_dplr_bwd_gate_sums_in_the_state_pass(dtype, K, V, monkeypatch):
     assert rel_err(gc, want) < 1e-6, f"gate sums {rel_err(gc, want):.3g}"
 
 
-@pytest.mark.parametrize("K, in_pass", [(32, True), (64, True), (80, False)])
-def test_dplr_bwd_gate_sums_default(K, in_pass, monkeypatch):
-    """The default launch forms the backward's gate sums in the state pass where K <= 64 and by
-    ``chunk_cumsum`` above; every gradient matches float64 either way."""
+@pytest.mark.parametrize("K, launch, in_pass", [(32, DplrLaunch(), False), (64, DplrLaunch(bwd_gate_sums=True), True),
+                                               (80, DplrLaunch(bwd_gate_sums=True), True)])
+def test_dplr_bwd_gate_sums_launch(K, launch, in_pass, monkeypatch):
+    """The backward forms its gate sums in the state pass when asked (or, by default, for bf16 at K <= 64,
+    which the interpreter cannot run: ``gate_sums_in_pass`` below), by ``chunk_cumsum`` otherwise; every
+    gradient matches float64 either way."""
     ran = []
     real = dplr.chunk_cumsum
     monkeypatch.setattr(dplr, "chunk_cumsum", lambda *a, **kw: ran.append(1) or real(*a, **kw))
     gen = generator()
-    _check("rwkv7", _inputs("rwkv7", 70, H=2, K=K, V=16, gen=gen), dtype=torch.float32, gen=gen)
+    _check("rwkv7", _inputs("rwkv7", 70, H=2, K=K, V=16, gen=gen), dtype=torch.float32, gen=gen, launch=launch)
     assert (ran == []) == in_pass
+
+
+def test_dplr_gate_sums_default():
+    """The default: bf16 at K <= 64 (timed there), every other dtype and K by ``chunk_cumsum``; the flag's type."""
+    rule = dplr.gate_sums_in_pass
+    assert rule(DplrLaunch(), 64, torch.bfloat16) and rule(DplrLaunch(), 16, torch.bfloat16)
+    assert not rule(DplrLaunch(), 128, torch.bfloat16) and not rule(DplrLaunch(), 64, torch.float16)
+    assert not rule(DplrLaunch(), 64, torch.float32) and not rule(DplrLaunch(bwd_gate_sums=False), 64, torch.bfloat16)
     with pytest.raises(ValueError, match="bwd_gate_sums"):
         DplrLaunch(bwd_gate_sums=1)
