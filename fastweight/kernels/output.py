@@ -24,8 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, alloc, dot_block, mm, exp
-from fastweight.kernels.state import chunk_gates, chunk_gates_k
+from fastweight.kernels.common import Chunks, alloc, chunk_gates, chunk_gates_k, dot_block, exp, mm
 
 
 @triton.jit

@@ -42,43 +42,12 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, alloc, dot_at, dot_block, exp, mm, while_loops
+from fastweight.kernels.common import (Chunks, alloc, chunk_gate_last_k, chunk_gates, chunk_gates_k, dot_at,
+                                      dot_block, exp, mm, while_loops)
 
 # the transitions, as the kernels' TRANSITION constexpr (a kernel reads globals only as constexprs)
 DECAY, DELTA, DPLR = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 TRANSITIONS = {"decay": 0, "delta": 1, "dplr": 2}
-
-
-@triton.jit
-def chunk_gates(g, bos, T, i_t, H: tl.constexpr, i_h, BT: tl.constexpr):
-    """(scalar g of the chunk's rows [BT], g at its last row C); rows past the end repeat g_C.
-    With 0 there, exp(0 - g_j) would pass e^88 once the chunk decays that much, and inf times the
-    lane's zero operand would put NaN into the valid rows' sums. The fill is a select after the
-    load: a tensor as the masked load's ``other`` keeps Triton 3.6's pipeliner from giving the
-    state passes' loop a third buffer."""
-    o_t = i_t * BT + tl.arange(0, BT)
-    b_glast = tl.load(g + (bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h)
-    b_g = tl.load(g + (bos + o_t) * H + i_h, mask=o_t < T, other=0.)
-    return tl.where(o_t < T, b_g, b_glast), b_glast
-
-
-@triton.jit
-def chunk_gates_k(g, bos, T, i_t, H: tl.constexpr, i_h, i_k, K: tl.constexpr, BT: tl.constexpr,
-                  BK: tl.constexpr):
-    """(per-channel G of the chunk's rows [BT, BK] in key block i_k, G at its last row [BK]); rows
-    past the end repeat the last row, as in ``chunk_gates``."""
-    p_g = tl.make_block_ptr(g + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
-    m_t = i_t * BT + tl.arange(0, BT) < T
-    b_glast = chunk_gate_last_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
-    return tl.where(m_t[:, None], tl.load(p_g, boundary_check=(0, 1)), b_glast[None, :]), b_glast
-
-
-@triton.jit
-def chunk_gate_last_k(g, bos, T, i_t, H: tl.constexpr, i_h, i_k, K: tl.constexpr, BT: tl.constexpr,
-                      BK: tl.constexpr):
-    """G at the chunk's last row [BK], key block i_k, of the per-channel cumsum g [1, T, H, K]."""
-    o_k = i_k * BK + tl.arange(0, BK)
-    return tl.load(g + ((bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h) * K + o_k, mask=o_k < K, other=0.)
 
 
 @triton.jit

@@ -23,8 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import Chunks, MIN_DOT_BLOCK, alloc, mm, exp
-from fastweight.kernels.state import chunk_gate_last_k
+from fastweight.kernels.common import MIN_DOT_BLOCK, Chunks, alloc, chunk_gate_last_k, exp, mm
 
 
 @triton.jit
