@@ -5,9 +5,10 @@
 
 For each op, first a check: both implementations (``fastweight.ops.chunk_<op>``, ``backend="triton"``,
 and fla's ``chunk_<op>``) on the same inputs in the timing dtype, each against the float64 reference
-(``backend="reference"``, the per-token definition) on those rounded inputs: the output and the gradient of every floating
-input, relative error (``testing.rel_err``), at (1, 300, H, K) with H and K the op's first shape's (a partial
-last chunk; fla's autotuning keys on H and K, not on T, so its choices are tuned once for both). Then, per shape: forward (no autograd graph) and forward+backward, median ms
+(``backend="reference"``, the per-token definition) on those rounded inputs: the output and the gradient
+of every floating input, relative error (``testing.rel_err``), at (1, 300, H, K) with H and K the op's
+first shape's (a partial last chunk; fla's autotuning keys on H and K, not on T, so its choices are
+tuned once for both). Then, per shape: forward (no autograd graph) and forward+backward, median ms
 (``triton.testing.do_bench`` on the GPU, the median of ``--rep`` runs' wall time on the CPU), and the
 peak memory of forward+backward on top of the inputs and the cotangent (GPU only). Both get the same
 tensors by argument name (fastweight's ops take fla's signatures). Inputs: the delta family as

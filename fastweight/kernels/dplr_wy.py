@@ -148,8 +148,8 @@ def dplr_solve_wy_kernel(Aab, ag, v, Aak, Ai, w, ut, cu_seqlens, chunk_indices, 
         b_T41, b_T42 = b_T41.to(dt).to(tl.float32), b_T42.to(dt).to(tl.float32)
         b_T43, b_T44 = b_T43.to(dt).to(tl.float32), b_T44.to(dt).to(tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
-        _lower_times_rows(ag, w, T, t0, i_k * BK, H * K, K, BK, DOT_PRECISION, b_T11, b_T21, b_T22, b_T31, b_T32, b_T33, b_T41,
-                          b_T42, b_T43, b_T44)
+        _lower_times_rows(ag, w, T, t0, i_k * BK, H * K, K, BK, DOT_PRECISION, b_T11, b_T21, b_T22, b_T31, b_T32,
+                          b_T33, b_T41, b_T42, b_T43, b_T44)
     # M = T A_ak by block columns (A_ak strictly lower: its diagonal blocks strict)
     b_K = _tri16(Aak, T, t0, 0, H, BT, True)
     b_M11 = dot_at(b_T11, b_K, UT_PRECISION)
@@ -178,8 +178,8 @@ def dplr_solve_wy_kernel(Aab, ag, v, Aak, Ai, w, ut, cu_seqlens, chunk_indices, 
     b_M43 += dot_at(b_T44, _tri16(Aak, T, t0 + 48, 32, H, BT, False), UT_PRECISION)
     b_M44 = dot_at(b_T44, _tri16(Aak, T, t0 + 48, 48, H, BT, True), UT_PRECISION)
     for i_v in range(0, tl.cdiv(V, BV)):
-        _lower_times_rows(v, ut, T, t0, i_v * BV, H * V, V, BV, UT_PRECISION, b_M11, b_M21, b_M22, b_M31, b_M32, b_M33, b_M41,
-                          b_M42, b_M43, b_M44)
+        _lower_times_rows(v, ut, T, t0, i_v * BV, H * V, V, BV, UT_PRECISION, b_M11, b_M21, b_M22, b_M31, b_M32,
+                          b_M33, b_M41, b_M42, b_M43, b_M44)
 
 
 @triton.jit

@@ -299,9 +299,9 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, A2, Ai, beta, h0, o, ht, h, hl, r, 
         NT = tl.cdiv(T, BT)
         i_t = 0
         while i_t < NT:
-            b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, hl, r, bos, T, boh, i_h, i_k, i_v, scale, H,
-                            HK, K, V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R, PRESCALED,
-                            FUSE_WY, KT, QK_GIVEN)
+            b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, hl, r, bos, T, boh, i_h, i_k, i_v,
+                            scale, H, HK, K, V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R,
+                            PRESCALED, FUSE_WY, KT, QK_GIVEN)
             i_t += 1
     else:
         # compiled: a for loop, which Triton software-pipelines (the next chunk's loads overlap); its
@@ -311,9 +311,9 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, A2, Ai, beta, h0, o, ht, h, hl, r, 
         else:
             NT = tl.cdiv(T, BT)
         for i_t in range(0, NT):
-            b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, hl, r, bos, T, boh, i_h, i_k, i_v, scale, H,
-                            HK, K, V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R, PRESCALED,
-                            FUSE_WY, KT, QK_GIVEN)
+            b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, hl, r, bos, T, boh, i_h, i_k, i_v,
+                            scale, H, HK, K, V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R,
+                            PRESCALED, FUSE_WY, KT, QK_GIVEN)
     if STORE_HT:
         tl.store(_state_block(ht, i_nh, H, K, V, i_k, i_v, BK, BV), b_h, boundary_check=(0, 1))
 

@@ -27,8 +27,8 @@ def test_sass_written_and_named_by_md5(tmp_path):
     import hashlib
     import re
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "fastweight.bench.compile_delta", "--ops", "gated_delta_rule", "--heads", "16x16",
-                          "--kernels", "chunk_cumsum_kernel", "--sass", str(tmp_path)],
+    run = subprocess.run([sys.executable, "-m", "fastweight.bench.compile_delta", "--ops", "gated_delta_rule",
+                          "--heads", "16x16", "--kernels", "chunk_cumsum_kernel", "--sass", str(tmp_path)],
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     digests = re.findall(r"sass (\d+) instructions, loops \[[\d, ]*\], md5 ([0-9a-f]{12})", run.stdout)
