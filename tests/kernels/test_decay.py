@@ -183,10 +183,20 @@ def test_fp16(op):
     _check(op, _inputs(op, 100, K=32, V=32, gen=gen), dtype=torch.float16, gen=gen)
 
 
-def test_wide_head_dims():
-    """K = 80, V = 72: several K and V blocks, partial last blocks."""
+@pytest.mark.parametrize("op", ["gla", "simple_gla", "retention"])
+def test_wide_head_dims(op):
+    """K = 80, V = 72: partial last blocks; several 64-wide K and V blocks, or (a scalar gate or none)
+    the dq/dk kernel's one 128-wide key block with the scores do v^T formed over its 32-wide value blocks."""
     gen = generator()
-    _check("gla", _inputs("gla", 40, H=1, K=80, V=72, gen=gen), gen=gen)
+    _check(op, _inputs(op, 40, H=1, K=80, V=72, gen=gen), gen=gen)
+
+
+@pytest.mark.parametrize("K, V", [(100, 72), (200, 40)])
+def test_wide_head_dims_fp16(K, V):
+    """fp16 (split chunk states for the scalar gate's gradient) at K = 100 (one padded 128-wide key block)
+    and K = 200 (two key blocks, whose dg parts are summed)."""
+    gen = generator()
+    _check("simple_gla", _inputs("simple_gla", 70, H=1, K=K, V=V, gen=gen), dtype=torch.float16, gen=gen)
 
 
 @pytest.mark.parametrize("op", ["simple_gla", "gla"])
