@@ -245,8 +245,9 @@ def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, hl, dh, dhl, do, dq, dk, dg, cu_seq
 
 # The key and value blocks of the three kernels: ``common.MIN_DOT_BLOCK``, a smaller K or V padded
 # (masked): with narrower blocks the bf16 backward dv kernel at V = 16 with 8 warps made illegal
-# memory accesses, and simple_gla at K = 64, V = 16 gave NaN outputs in bf16. The output kernel's
-# value block: 128 would read q and k once at V = 128; 64 gives more programs.
+# memory accesses, and simple_gla at K = 64, V = 16 gave NaN outputs in bf16 (except the dq/dk
+# kernel's at K > 64, ``BK_DQK`` below). The output kernel's value block: 128 would read q and k once
+# at V = 128; 64 gives more programs.
 BK_OUT = BV_OUT = MIN_DOT_BLOCK
 # (num_warps, num_stages) of each kernel: the fastest of `python -m fastweight.bench.gpu_sweep` on
 # the H200. 4 warps for the output and dv kernels take 0.11 / 0.34 ms
@@ -255,7 +256,8 @@ BK_OUT = BV_OUT = MIN_DOT_BLOCK
 OUTPUT_FWD_CONFIG, BWD_DV_CONFIG, BWD_DQK_CONFIG = (4, 3), (4, 3), (8, 1)
 # The dq/dk kernel's key block: up to 128, so that a chunk's do, v (and the scores do v^T formed from
 # them) are loaded once for K <= 128 rather than once per 64 keys; its value block at that width: 32
-# (at 64 the split states' gate gradient spills 328 B a thread, sm_90 bf16; 56 B at 32).
+# (at 64 the split states' gate gradient spills 328 B a thread, sm_90 bf16; 56 B at 32). 32 is below
+# the 64 the blocks above keep since narrower ones miscompiled: untried on the GPU until its fuzz.
 BK_DQK, BV_DQK_WIDE = 128, 32
 
 
