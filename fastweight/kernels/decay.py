@@ -60,7 +60,7 @@ import torch
 from fastweight.kernels.common import SAFE_SPAN, Chunks, prepare_chunks
 from fastweight.kernels.cumsum import chunk_cumsum, gate_chunk_grad
 from fastweight.kernels.decay_intra import intra_bwd, intra_fwd
-from fastweight.kernels.decay_output import bwd_dqk, bwd_dv, output_fwd
+from fastweight.kernels.decay_output import bwd_dqk, bwd_dv, output_fwd, wide_dqk
 from fastweight.kernels.state import FUSED_DECAY_MAX_K, state_bwd, state_fwd
 
 BT = 64
@@ -152,7 +152,9 @@ class ChunkDecayFunction(torch.autograd.Function):
             h, _, _, _ = state_fwd("decay", k, v, chunks, g=gc, initial_state=initial_state, state_dtype=ctx.wide)
         dh, _, dh0 = state_bwd("decay", q, do, chunks, g=gc, gq=gq if exclusive else None, scale=scale, dht=dht,
                                need_dh0=initial_state is not None, state_dtype=ctx.wide)
-        dv, dA = bwd_dv(q, k, v, gq, gc, A, _rounded(dh), do, scale, chunks, exclusive)
+        # the dq/dk kernel's wide form forms the scores do v^T itself (a scalar gate or none)
+        wide = A is None and wide_dqk(q.shape[-1], q.dtype)
+        dv, dA = bwd_dv(q, k, v, gq, gc, A, _rounded(dh), do, scale, chunks, exclusive, need_dA=not wide)
         du = dg = dg_gamma = None
         if A is not None:
             dq, dk, dgx, dga, dgy, du = intra_bwd(q, k, v, gq, gc, u, h, dh, do, dA, scale, chunks, exclusive,

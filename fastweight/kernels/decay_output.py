@@ -10,7 +10,8 @@ The generic DPLR output adds a second term lower(A2) v2 (``USE_A2``: A_qb times 
 
 Backward (dh[c] = dL/dS after chunk c, G = gc at the chunk's last token):
 
-    dA = lower(do v^T)                     (kept for the intra-chunk dq, dk)
+    dA = lower(do v^T)                     (for the intra-chunk dq, dk: kept by the dv kernel with a
+                                            per-channel gate, formed again by the dq/dk kernel else)
     dv = A^T do + (k * exp(G - gc)) dh[c]
     dq = scale exp(gq) (do S^T) + (dA * D) k,   dk = exp(G - gc) (v dh[c]^T) + (dA * D)^T q
     with D = scale exp(gq_t - gc_s) masked (scalar gate or none; the per-channel case is in
@@ -96,7 +97,7 @@ def decay_output_fwd_kernel(q, k, v, gq, gc, h, A, A2, v2, o, cu_seqlens, chunk_
 def decay_bwd_dv_kernel(q, k, v, gq, gc, A, dh, do, dv, dA, cu_seqlens, chunk_indices, scale, H: tl.constexpr,
                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                         GATE: tl.constexpr, EXCLUSIVE: tl.constexpr, USE_A: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, STORE_DA: tl.constexpr):
     i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -134,7 +135,8 @@ def decay_bwd_dv_kernel(q, k, v, gq, gc, A, dh, do, dv, dA, cu_seqlens, chunk_in
         p_v = ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :]
         b_do = tl.load(do + p_v, mask=m_t[:, None] & m_v[None, :], other=0.)
         b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.)
-        b_dA += dot_at(b_do, tl.trans(b_v), DOT_PRECISION)
+        if STORE_DA:
+            b_dA += dot_at(b_do, tl.trans(b_v), DOT_PRECISION)
         if GATE == 2 and b_do.dtype == tl.bfloat16:
             # per-channel decay (GLA, RWKV-6): the scores stay fp32 at TF32 for bf16; rounded to bf16 they
             # put dv at 1.19x fla's error (GPU emulation on the CPU: 3.09e-3 against 2.60e-3; 2.78e-3 so)
@@ -157,15 +159,16 @@ def decay_bwd_dv_kernel(q, k, v, gq, gc, A, dh, do, dv, dA, cu_seqlens, chunk_in
                            mask=m_k[:, None] & m_v[None, :], other=0.)
             b_dv += dot_at(b_k, b_dh.to(b_k.dtype), DOT_PRECISION)
         tl.store(dv + p_v, b_dv.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-    tl.store(dA + ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :], tl.where(m_all, b_dA, 0.),
-             mask=m_t[:, None])
+    if STORE_DA:
+        tl.store(dA + ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :], tl.where(m_all, b_dA, 0.),
+                 mask=m_t[:, None])
 
 
 @triton.jit
-def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, hl, dh, dhl, do, dA, dq, dk, dg, cu_seqlens, chunk_indices, scale, T_all,
-                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                         BV: tl.constexpr, GATE: tl.constexpr, EXCLUSIVE: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, hl, dh, dhl, do, dA, dq, dk, dg, cu_seqlens, chunk_indices, scale,
+                         T_all, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                         BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, EXCLUSIVE: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, FORM_DA: tl.constexpr):
     i_k, i_t, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -176,12 +179,15 @@ def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, hl, dh, dhl, do, dA, dq, dk, dg, cu
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
     p_k = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
-    b_q = tl.load(q + p_k, mask=m_tk, other=0.)
-    b_k = tl.load(k + p_k, mask=m_tk, other=0.)
+    if not FORM_DA:
+        b_q = tl.load(q + p_k, mask=m_tk, other=0.)
+        b_k = tl.load(k + p_k, mask=m_tk, other=0.)
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
     b_dki = tl.zeros([BT, BK], dtype=tl.float32)
     # sum of h * dh over the K block and every V: the state's own decay exp(G) in the gate gradient
     b_hdh = tl.zeros([BK], dtype=tl.float32)
+    if FORM_DA:  # do v^T, from the tiles loaded for the inter-chunk terms
+        b_dA = tl.zeros([BT, BT], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -194,6 +200,8 @@ def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, hl, dh, dhl, do, dA, dq, dk, dg, cu
         b_dh = tl.load(dh + p_h, mask=m_kv, other=0.)
         b_hi = b_h.to(b_do.dtype)
         b_dhi = b_dh.to(b_v.dtype)
+        if FORM_DA:
+            b_dA += dot_at(b_do, tl.trans(b_v), DOT_PRECISION)
         b_dq += dot_at(b_do, tl.trans(b_hi), DOT_PRECISION)
         b_dki += dot_at(b_v, tl.trans(b_dhi), DOT_PRECISION)
         if SPLIT:  # split states (16-bit planes hi, lo: decay.py): the residual planes dotted too
@@ -208,8 +216,15 @@ def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, hl, dh, dhl, do, dA, dq, dk, dg, cu
             b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
     # the pairs s < t; the diagonal s = t (inclusive readout, decay exp(0)) is added on its own below
     m_s = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
-    b_dA = tl.load(dA + ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :], mask=m_s, other=0.)
-    b_dd = tl.load(dA + ((bos + o_t) * H + i_h) * BT + tl.arange(0, BT), mask=m_t, other=0.) * scale
+    if FORM_DA:
+        # q, k loaded after the value loop: kept through it they spill at BK = 128 (sm_90)
+        b_q = tl.load(q + p_k, mask=m_tk, other=0.)
+        b_k = tl.load(k + p_k, mask=m_tk, other=0.)
+        b_dd = tl.sum(tl.where(o_t[:, None] == o_t[None, :], b_dA, 0.), axis=1) * scale
+        b_dA = tl.where(m_s, b_dA, 0.)
+    else:
+        b_dA = tl.load(dA + ((bos + o_t) * H + i_h)[:, None] * BT + tl.arange(0, BT)[None, :], mask=m_s, other=0.)
+        b_dd = tl.load(dA + ((bos + o_t) * H + i_h) * BT + tl.arange(0, BT), mask=m_t, other=0.) * scale
     if GATE == 1:
         b_gq = tl.load(gq + (bos + o_t) * H + i_h, mask=m_t, other=0.)
         b_gc = tl.load(gc + (bos + o_t) * H + i_h, mask=m_t, other=0.)
@@ -239,14 +254,28 @@ def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, hl, dh, dhl, do, dA, dq, dk, dg, cu
 
 # The key and value blocks of the three kernels: ``common.MIN_DOT_BLOCK``, a smaller K or V padded
 # (masked): with narrower blocks the bf16 backward dv kernel at V = 16 with 8 warps made illegal
-# memory accesses, and simple_gla at K = 64, V = 16 gave NaN outputs in bf16. The output kernel's
-# value block: 128 would read q and k once at V = 128; 64 gives more programs.
+# memory accesses, and simple_gla at K = 64, V = 16 gave NaN outputs in bf16 (the dq/dk kernel's
+# wide form takes a 128-wide key block, ``BK_DQK`` below). The output kernel's value block: 128 would
+# read q and k once at V = 128; 64 gives more programs.
 BK_OUT = BV_OUT = MIN_DOT_BLOCK
 # (num_warps, num_stages) of each kernel: the fastest of `python -m fastweight.bench.gpu_sweep` on
 # the H200. 4 warps for the output and dv kernels take 0.11 / 0.34 ms
 # off simple_gla's 2.29 ms fwd+bwd at (4, 8192, 16, 128) and 0.88 / 2.44 ms off GLA's 37.7 at
 # (8, 16384, 64, 64), against 8 warps and 2 stages; the dq/dk kernel runs 8 warps with one stage.
 OUTPUT_FWD_CONFIG, BWD_DV_CONFIG, BWD_DQK_CONFIG = (4, 3), (4, 3), (8, 1)
+# The dq/dk kernel's wide form (``wide_dqk``): all of K <= 128 in one key block, the scores do v^T formed
+# from the do, v tiles it loads, so that they are loaded once a chunk rather than once per 64 keys and
+# the dv kernel stores no dA. H100, simple_gla (4, 8192, 16, 128) bf16 fwd+bwd 3.136 -> 2.872 ms with
+# 64-wide value blocks (328 B of stack a thread, sm_90), 3.080 with 32-wide ones (56 B): the wider
+# block wins despite its spill. Timed at K = 128 in bf16 only: K <= 64 and the other dtypes (fp32's
+# spill grows from 1.2 to 1.9 KB a thread) keep the 64-wide key blocks and dA from the dv kernel.
+BK_DQK = 128
+WIDE_DQK_DTYPES = (torch.bfloat16,)
+
+
+def wide_dqk(K: int, dtype: torch.dtype) -> bool:
+    """Whether the dq/dk kernel takes its wide form (``BK_DQK``): 64 < K <= 128, a dtype it was timed in."""
+    return 64 < K <= BK_DQK and dtype in WIDE_DQK_DTYPES
 
 
 def output_fwd(q, k, v, gq, gc, h, A, scale: float, chunks: Chunks, exclusive: bool, A2=None,
@@ -267,19 +296,22 @@ def output_fwd(q, k, v, gq, gc, h, A, scale: float, chunks: Chunks, exclusive: b
     return o
 
 
-def bwd_dv(q, k, v, gq, gc, A, dh, do, scale: float, chunks: Chunks, exclusive: bool):
-    """dv [1, T, H, V] in v's dtype and dA = lower(do v^T) [1, T, H, BT] fp32."""
+def bwd_dv(q, k, v, gq, gc, A, dh, do, scale: float, chunks: Chunks, exclusive: bool, need_dA: bool):
+    """dv [1, T, H, V] in v's dtype and dA = lower(do v^T) [1, T, H, BT] fp32 (None unless ``need_dA``:
+    the wide form of :func:`bwd_dqk` forms its own from the do, v tiles it loads anyway)."""
     _, T, H, K = q.shape
     V = v.shape[-1]
     gate = 0 if gc is None else (1 if gc.dim() == 3 else 2)
     BK, BV = BK_OUT, BV_OUT
     dv = torch.empty_like(v)
-    dA = torch.empty(1, T, H, chunks.BT, dtype=torch.float32, device=q.device)
+    dA = torch.empty(1, T, H, chunks.BT, dtype=torch.float32, device=q.device) if need_dA else None
     decay_bwd_dv_kernel[(chunks.NC, H)](q, k, v, gq if gq is not None else q, gc if gc is not None else q,
-                                        A if A is not None else q, dh, do, dv, dA, chunks.cu_seqlens,
+                                        A if A is not None else q, dh, do, dv, dA if need_dA else dv,
+                                        chunks.cu_seqlens,
                                         chunks.chunk_indices, scale, H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
                                         GATE=gate, EXCLUSIVE=exclusive, USE_A=A is not None,
-                                        DOT_PRECISION=dot_precision(q.dtype), num_warps=BWD_DV_CONFIG[0],
+                                        DOT_PRECISION=dot_precision(q.dtype), STORE_DA=need_dA,
+                                        num_warps=BWD_DV_CONFIG[0],
                                         num_stages=BWD_DV_CONFIG[1])
     return dv, dA
 
@@ -287,7 +319,8 @@ def bwd_dv(q, k, v, gq, gc, A, dh, do, scale: float, chunks: Chunks, exclusive: 
 def bwd_dqk(q, k, v, gq, gc, h, dh, do, dA, scale: float, chunks: Chunks, exclusive: bool):
     """dq, dk (inputs' dtype) and, with a scalar gate, dg [1, T, H] fp32: the gradient of each
     token's log gate (inclusive readout only). h, dh [NC, H, K, V], or both split [2, NC, H, K, V]
-    (``state.state_fwd(state_dtype="split")``)."""
+    (``state.state_fwd(state_dtype="split")``). dA: :func:`bwd_dv`'s, or None for the wide form
+    (:func:`wide_dqk`), which forms it."""
     _, T, H, K = q.shape
     V = v.shape[-1]
     gate = 0 if gc is None else 1
@@ -296,18 +329,21 @@ def bwd_dqk(q, k, v, gq, gc, h, dh, do, dA, scale: float, chunks: Chunks, exclus
     split = h.dim() == 5
     if split != (dh.dim() == 5):
         raise ValueError("bwd_dqk: h and dh are both split states or neither")
-    BK, BV = BK_OUT, BV_OUT
+    form = dA is None
+    if form and not wide_dqk(K, q.dtype):
+        raise ValueError("bwd_dqk: dA may be None only where the wide form applies (wide_dqk)")
+    BK, BV = (BK_DQK if form else BK_OUT), BV_OUT
     NK = triton.cdiv(K, BK)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty(NK, T, H, dtype=torch.float32, device=q.device) if gate else None
     decay_bwd_dqk_kernel[(NK, chunks.NC, H)](q, k, v, gq if gq is not None else q, gc if gc is not None else q,
                                              h[0] if split else h, h[1] if split else None,
-                                             dh[0] if split else dh, dh[1] if split else None, do, dA, dq, dk,
-                                             dg if dg is not None else dA,
+                                             dh[0] if split else dh, dh[1] if split else None, do,
+                                             dq if form else dA, dq, dk, dg if dg is not None else dq,
                                              chunks.cu_seqlens, chunks.chunk_indices, scale, T, H=H, K=K, V=V,
                                              BT=chunks.BT, BK=BK, BV=BV, GATE=gate, EXCLUSIVE=exclusive,
                                              DOT_PRECISION=dot_precision(q.dtype),
-                                             SPLIT=split,
+                                             SPLIT=split, FORM_DA=form,
                                              num_warps=BWD_DQK_CONFIG[0],
                                              num_stages=BWD_DQK_CONFIG[1])
     return dq, dk, (dg.sum(0, keepdim=True) if dg is not None else None)

@@ -17,7 +17,8 @@ import torch
 
 import fastweight.kernels as kernels
 from fastweight import ops
-from fastweight.kernels import decay_intra
+from fastweight.kernels import decay_intra, decay_output
+from fastweight.kernels.common import prepare_chunks
 from fastweight.kernels.decay import DecayLaunch
 from fastweight.testing import generator, rel_err
 
@@ -183,10 +184,37 @@ def test_fp16(op):
     _check(op, _inputs(op, 100, K=32, V=32, gen=gen), dtype=torch.float16, gen=gen)
 
 
-def test_wide_head_dims():
-    """K = 80, V = 72: several K and V blocks, partial last blocks."""
+@pytest.mark.parametrize("op, wide", [("gla", False), ("simple_gla", False), ("simple_gla", True),
+                                      ("retention", True), ("linear_attn", True)])
+def test_wide_head_dims(op, wide, monkeypatch):
+    """K = 80, V = 72: partial last blocks; 64-wide K and V blocks, or (``wide``: a scalar gate or none,
+    its default in bf16 only, which the interpreter gets wrong) the dq/dk kernel's one 128-wide key block
+    with the scores do v^T formed there and no dA from the dv kernel."""
+    monkeypatch.setattr(decay_output, "WIDE_DQK_DTYPES", (torch.float32,) if wide else ())
     gen = generator()
-    _check("gla", _inputs("gla", 40, H=1, K=80, V=72, gen=gen), gen=gen)
+    _check(op, _inputs(op, 40, H=1, K=80, V=72, gen=gen), gen=gen)
+
+
+@pytest.mark.parametrize("K, V, wide", [(100, 72, True), (100, 72, False), (200, 40, False)])
+def test_wide_head_dims_fp16(K, V, wide, monkeypatch):
+    """fp16 (split chunk states for the scalar gate's gradient) at K = 100 (one padded 128-wide key block
+    in the wide form, two 64-wide ones else) and K = 200 (beyond the wide form: four key blocks, whose
+    dg parts are summed)."""
+    monkeypatch.setattr(decay_output, "WIDE_DQK_DTYPES", (torch.float16,) if wide else ())
+    gen = generator()
+    _check("simple_gla", _inputs("simple_gla", 70, H=1, K=K, V=V, gen=gen), dtype=torch.float16, gen=gen)
+
+
+def test_wide_dqk_policy():
+    """The wide form is taken for 64 < K <= 128 in bf16 (the timed case) and refused elsewhere."""
+    assert decay_output.wide_dqk(128, torch.bfloat16) and decay_output.wide_dqk(80, torch.bfloat16)
+    assert not decay_output.wide_dqk(64, torch.bfloat16) and not decay_output.wide_dqk(256, torch.bfloat16)
+    assert not decay_output.wide_dqk(128, torch.float32) and not decay_output.wide_dqk(128, torch.float16)
+    x = torch.zeros(1, 64, 1, 64)
+    ch = prepare_chunks(None, 1, 64, 64, "cpu")
+    with pytest.raises(ValueError, match="wide_dqk"):
+        decay_output.bwd_dqk(x, x, x, None, None, torch.zeros(1, 1, 64, 64), torch.zeros(1, 1, 64, 64), x, None,
+                             1.0, ch, False)
 
 
 @pytest.mark.parametrize("op", ["simple_gla", "gla"])
