@@ -117,7 +117,9 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
     return o, ht, (g_cum, gk_cum, g_read, Ai, Aqk, Akk, w, h, v_new)
 
 
-def delta_bwd(q, k, v, beta, saved, do, dht, scale, chunks, need_dh0, p=None):
+def delta_bwd(q, k, v, beta, saved, do, dht, scale, chunks, need_dh0, p=None, dg_dtype=torch.float32):
+    """Every gradient of ``delta_fwd``'s inputs; dg, the log gate's, in ``dg_dtype`` (the reverse cumsum stores
+    it so: the caller's gate dtype, or fp32 where Mamba-2's gate backward follows)."""
     g_cum, gk_cum, g_read, Ai, Aqk, Akk, w, h, v_new = saved
     if w is None:
         w, _ = recompute_w_u(k, v, beta, g_cum, Ai, chunks, need_u=False)
@@ -130,8 +132,12 @@ def delta_bwd(q, k, v, beta, saved, do, dht, scale, chunks, need_dh0, p=None):
     dk, dv, dbeta, dAkk, dp = wy_bwd(k, v, beta, g_cum, Ai, dw, dv_tilde, dk, dg_cum, chunks,
                                               gk_cum=gk_cum, Akk=Akk, dk_dtype=final, p=p, g_read=g_read)
     if gk_cum is not None:
-        intra_bwd(q, k, gk_cum, dAqk, dAkk, dq, dk, dg_cum, chunks)
-    dg = chunk_cumsum(dg_cum, chunks, reverse=True) if dg_cum is not None else None
+        # the last stage to add to dq, dk rounds them to q's dtype itself where no head sum follows (no cast after)
+        out16 = q.dtype if q.dtype != torch.float32 and q.shape[2] == v.shape[2] else None
+        rounded = intra_bwd(q, k, gk_cum, dAqk, dAkk, dq, dk, dg_cum, chunks, out_dtype=out16)
+        if rounded is not None:
+            dq, dk = rounded
+    dg = chunk_cumsum(dg_cum, chunks, reverse=True, out_dtype=dg_dtype) if dg_cum is not None else None
     return dq, dk, dv, dg, dbeta, dh0, dp
 
 
@@ -176,8 +182,11 @@ class ChunkDeltaFunction(torch.autograd.Function):
         # one through S.mT a transposed one); the kernels index them as contiguous [1, T, H, V] and
         # [N, H, K, V] (a copy only when they are not)
         do, dht = _pack(do), (dht.contiguous() if dht is not None else None)
+        # the gate's gradient stored in its own dtype by the reverse cumsum (no cast after), but in fp32 where
+        # Mamba-2's gate backward reads it
+        dg_dtype = torch.float32 if A_log is not None or ctx.g_dtype is None else ctx.g_dtype
         dq, dk, dv, dg, dbeta, dh0, dp = delta_bwd(q, k, v, beta, saved, do, dht, ctx.scale, chunks,
-                                                   ctx.has_h0 and ctx.needs_input_grad[6], p=p)
+                                                   ctx.has_h0 and ctx.needs_input_grad[6], p=p, dg_dtype=dg_dtype)
         gshape = vshape[:3]
         if vshape[2] != qshape[2]:
             # grouped value heads: the key-side gradients summed over each group

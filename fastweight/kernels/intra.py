@@ -215,12 +215,14 @@ def _diag_exact_bwd(q, k, g, dq, dk, dg, b_dqk, b_dkk, T, r0, HK: tl.constexpr, 
 
 
 @triton.jit
-def _bwd_row(q, k, g, dAqk, dAkk, dq, dk, dg, b_x0, b_x1, b_x2, T, t0, R: tl.constexpr, HK: tl.constexpr,
-             H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, SPAN: tl.constexpr,
-             OFF_P: tl.constexpr):
+def _bwd_row(q, k, g, dAqk, dAkk, dq, dk, dg, dq16, dk16, b_x0, b_x1, b_x2, T, t0, R: tl.constexpr,
+             HK: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+             SPAN: tl.constexpr, OFF_P: tl.constexpr, OUT16: tl.constexpr):
     """Row block R's gradients, its column part b_xR complete (every row block below it is done);
     adds its own column contributions to b_x0 .. b_x(R-1) and returns them. OFF_P: the off-diagonal
-    blocks' dots on fp32 decayed rows and dA at that precision ("" : both in the input dtype)."""
+    blocks' dots on fp32 decayed rows and dA at that precision ("" : both in the input dtype).
+    OUT16: the rows' final dq, dk also go to dq16, dk16 in their dtype (only there where nothing
+    adds to them after: the factored diagonal)."""
     r0 = t0 + 16 * R
     b_q, b_k, b_ref, b_e, b_f, span = _block_rows(q, k, g, T, r0, HK, H, K, BK)
     dt = b_q.dtype
@@ -282,20 +284,36 @@ def _bwd_row(q, k, g, dAqk, dAkk, dq, dk, dg, b_x0, b_x1, b_x2, T, t0, R: tl.con
     p_dq = tl.make_block_ptr(dq, (T, K), (H * K, 1), (r0, 0), (16, BK), (1, 0))
     p_dk = tl.make_block_ptr(dk, (T, K), (H * K, 1), (r0, 0), (16, BK), (1, 0))
     p_dg = tl.make_block_ptr(dg, (T, K), (H * K, 1), (r0, 0), (16, BK), (1, 0))
-    tl.store(p_dq, tl.load(p_dq, boundary_check=(0, 1)) + b_dq, boundary_check=(0, 1))
-    tl.store(p_dk, tl.load(p_dk, boundary_check=(0, 1)) + b_dk, boundary_check=(0, 1))
+    b_dq += tl.load(p_dq, boundary_check=(0, 1))
+    b_dk += tl.load(p_dk, boundary_check=(0, 1))
     tl.store(p_dg, tl.load(p_dg, boundary_check=(0, 1)) + b_dg, boundary_check=(0, 1))
+    if OUT16:
+        p_dq16 = tl.make_block_ptr(dq16, (T, K), (H * K, 1), (r0, 0), (16, BK), (1, 0))
+        p_dk16 = tl.make_block_ptr(dk16, (T, K), (H * K, 1), (r0, 0), (16, BK), (1, 0))
+        if fast:
+            tl.store(p_dq16, b_dq.to(p_dq16.dtype.element_ty), boundary_check=(0, 1))
+            tl.store(p_dk16, b_dk.to(p_dk16.dtype.element_ty), boundary_check=(0, 1))
+        else:
+            tl.store(p_dq, b_dq, boundary_check=(0, 1))
+            tl.store(p_dk, b_dk, boundary_check=(0, 1))
+    else:
+        tl.store(p_dq, b_dq, boundary_check=(0, 1))
+        tl.store(p_dk, b_dk, boundary_check=(0, 1))
     if not fast:
         # the pairwise part reads back the rows of dq, dk, dg that other threads have just stored
         tl.debug_barrier()
         _diag_exact_bwd(q, k, g, dq, dk, dg, b_dqk, b_dkk, T, r0, HK, H, K)
+        if OUT16:
+            tl.debug_barrier()
+            tl.store(p_dq16, tl.load(p_dq, boundary_check=(0, 1)).to(p_dq16.dtype.element_ty), boundary_check=(0, 1))
+            tl.store(p_dk16, tl.load(p_dk, boundary_check=(0, 1)).to(p_dk16.dtype.element_ty), boundary_check=(0, 1))
     return b_x0, b_x1, b_x2
 
 
 @triton.jit
-def intra_bwd_kernel(q, k, g, dAqk, dAkk, dq, dk, dg, cu_seqlens, chunk_indices, H: tl.constexpr,
+def intra_bwd_kernel(q, k, g, dAqk, dAkk, dq, dk, dg, dq16, dk16, cu_seqlens, chunk_indices, H: tl.constexpr,
                      HK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr,
-                     OFF_P: tl.constexpr = ""):
+                     OFF_P: tl.constexpr = "", OUT16: tl.constexpr = False):
     """dq, dk, dg (float32, per value head [T, H, K]) arrive with the other stages' parts and are updated.
 
     Row blocks from the last to the first: block r's rows take sum_c dA_rc C_rc (C_rc = k_c exp(R_r - G_c))
@@ -315,11 +333,14 @@ def intra_bwd_kernel(q, k, g, dAqk, dAkk, dq, dk, dg, cu_seqlens, chunk_indices,
     dq += (bos * H + i_h) * K
     dk += (bos * H + i_h) * K
     dg += (bos * H + i_h) * K
+    if OUT16:
+        dq16 += (bos * H + i_h) * K
+        dk16 += (bos * H + i_h) * K
     b_x0 = tl.zeros([16, BK], dtype=tl.float32)
     b_x1, b_x2 = b_x0, b_x0
     for i in tl.static_range(4):
-        b_x0, b_x1, b_x2 = _bwd_row(q, k, g, dAqk, dAkk, dq, dk, dg, b_x0, b_x1, b_x2, T, t0, 3 - i,
-                                    HK, H, K, BK, BT, SPAN, OFF_P)
+        b_x0, b_x1, b_x2 = _bwd_row(q, k, g, dAqk, dAkk, dq, dk, dg, dq16, dk16, b_x0, b_x1, b_x2, T, t0, 3 - i,
+                                    HK, H, K, BK, BT, SPAN, OFF_P, OUT16)
 
 
 def intra_fwd(q, k, g_cum, chunks: Chunks, *, num_warps: int | None = None):
@@ -336,13 +357,20 @@ def intra_fwd(q, k, g_cum, chunks: Chunks, *, num_warps: int | None = None):
 
 
 def intra_bwd(q, k, g_cum, dAqk, dAkk, dq, dk, dg, chunks: Chunks, *, num_warps: int | None = None,
-              num_stages: int = 2):
+              num_stages: int = 2, out_dtype: torch.dtype | None = None):
     """Adds the intra-chunk parts into dq, dk, dg (float32 [1, T, H, K], in place). dAqk, dAkk:
     [1, T, H, BT], read on and below the diagonal (i >= j, i > j). num_warps (None: ``_warps``) and
-    num_stages: the launch, for benchmark variants."""
+    num_stages: the launch, for benchmark variants. ``out_dtype``: returns the final dq, dk in it (new
+    tensors, each rounded once from the fp32 sums: what a cast after would give, without reading the
+    fp32 buffers back from memory; dq, dk are then left partial where the diagonal block was factored)."""
     _, T, HK, K = k.shape
     H = g_cum.shape[2]
-    intra_bwd_kernel[(chunks.NC, H)](q, k, g_cum, dAqk, dAkk, dq, dk, dg, chunks.cu_seqlens, chunks.chunk_indices,
+    out = out_dtype is not None
+    dq16 = torch.empty(dq.shape, dtype=out_dtype, device=dq.device) if out else None
+    dk16 = torch.empty(dk.shape, dtype=out_dtype, device=dk.device) if out else None
+    intra_bwd_kernel[(chunks.NC, H)](q, k, g_cum, dAqk, dAkk, dq, dk, dg, dq16 if out else dq, dk16 if out else dk,
+                                     chunks.cu_seqlens, chunks.chunk_indices,
                                      H=H, HK=HK, K=K, BT=chunks.BT, BK=max(16, triton.next_power_of_2(K)),
-                                     SPAN=SAFE_SPAN, OFF_P=_off_precision(q.dtype),
+                                     SPAN=SAFE_SPAN, OFF_P=_off_precision(q.dtype), OUT16=out,
                                      num_warps=num_warps or _warps(K)[1], num_stages=num_stages)
+    return (dq16, dk16) if out else None

@@ -554,3 +554,54 @@ def test_solve_forms_w_u_by_default(op, solved, monkeypatch):
     monkeypatch.setattr(delta, "SOLVE_WU_DTYPES", (torch.float32,))
     check(op, 1, 70, 2, 16, 16, torch.float32)
     assert (calls == []) == solved
+
+
+@pytest.mark.parametrize("op", ["kda", "gated_delta_rule"])
+def test_gate_grad_stored_in_gate_dtype(op, monkeypatch):
+    """The log gate's gradient comes out of the reverse cumsum in the gate's own dtype (fp16 here), bit-equal
+    to the fp32 sums rounded after, which is what a cast would give; no cast runs after it."""
+    from fastweight.kernels import delta
+    seen = []
+    real = delta.chunk_cumsum
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        if kw.get("reverse"):
+            seen.append((out, real(*a, **dict(kw, out_dtype=torch.float32))))
+        return out
+    monkeypatch.setattr(delta, "chunk_cumsum", spy)
+    x = {n: t.to(torch.float16).requires_grad_() for n, t in sample(op, 1, 100, 2, 16, 16).items()}
+    o, _ = getattr(kernels, f"chunk_{op}")(**x, scale=0.25)
+    o.float().sum().backward()
+    (dg, dg32), = seen
+    assert dg.dtype == torch.float16 and torch.equal(dg, dg32.half())
+    assert torch.equal(x["g"].grad, dg.reshape(x["g"].shape))
+
+
+@pytest.mark.parametrize("G", [1, 2])
+def test_kda_dq_dk_rounded_in_the_intra_backward(G, monkeypatch):
+    """KDA's intra backward, the last stage to add to dq and dk, stores them in the inputs' dtype itself
+    (fp16 here): bit-equal to its fp32 sums cast after, for a chunk whose diagonal blocks are factored and
+    one whose strong gates take them pairwise (both paths), varlen; grouped heads (G = 2) keep the fp32
+    sums for the head sum."""
+    from fastweight.kernels import delta
+    x = sample("kda", 1, 150, 2, 16, 16, G=G, seed=5)
+    t = torch.arange(150).view(1, 150, 1, 1)
+    x["g"] = x["g"] * torch.where(t // 64 == 1, 40.0, 1.0)
+    cu = torch.tensor([0, 20, 20, 150])
+    low = {n: v.to(torch.float16) for n, v in x.items()}
+
+    def grads():
+        mine = {n: v.clone().requires_grad_() for n, v in low.items()}
+        o, _ = kernels.chunk_kda(**mine, scale=0.25, cu_seqlens=cu)
+        o.float().mul(torch.randn(o.shape, generator=generator(6))).sum().backward()
+        return {n: v.grad for n, v in mine.items()}
+    seen = []
+    real = delta.intra_bwd
+    monkeypatch.setattr(delta, "intra_bwd", lambda *a, **kw: seen.append(kw.get("out_dtype")) or real(*a, **kw))
+    new = grads()
+    monkeypatch.setattr(delta, "intra_bwd", lambda *a, **kw: real(*a, **dict(kw, out_dtype=None)))
+    old = grads()
+    assert seen == [torch.float16 if G == 1 else None]
+    for n in new:
+        assert new[n].dtype == low[n].dtype and torch.equal(new[n], old[n]), n
