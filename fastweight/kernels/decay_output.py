@@ -271,11 +271,15 @@ OUTPUT_FWD_CONFIG, BWD_DV_CONFIG, BWD_DQK_CONFIG = (4, 3), (4, 3), (8, 1)
 # spill grows from 1.2 to 1.9 KB a thread) keep the 64-wide key blocks and dA from the dv kernel.
 BK_DQK = 128
 WIDE_DQK_DTYPES = (torch.bfloat16,)
+# the form's K range (WIDE_DQK_MIN_K, BK_DQK]; at K <= 64 (one 64-wide key block either way) it would only
+# drop the dA round trip: untimed
+WIDE_DQK_MIN_K = 64
 
 
 def wide_dqk(K: int, dtype: torch.dtype) -> bool:
-    """Whether the dq/dk kernel takes its wide form (``BK_DQK``): 64 < K <= 128, a dtype it was timed in."""
-    return 64 < K <= BK_DQK and dtype in WIDE_DQK_DTYPES
+    """Whether the dq/dk kernel takes its wide form (all of K in one key block, do v^T formed there):
+    ``WIDE_DQK_MIN_K`` < K <= ``BK_DQK``, a dtype it was timed in."""
+    return WIDE_DQK_MIN_K < K <= BK_DQK and dtype in WIDE_DQK_DTYPES
 
 
 def output_fwd(q, k, v, gq, gc, h, A, scale: float, chunks: Chunks, exclusive: bool, A2=None,
@@ -332,7 +336,7 @@ def bwd_dqk(q, k, v, gq, gc, h, dh, do, dA, scale: float, chunks: Chunks, exclus
     form = dA is None
     if form and not wide_dqk(K, q.dtype):
         raise ValueError("bwd_dqk: dA may be None only where the wide form applies (wide_dqk)")
-    BK, BV = (BK_DQK if form else BK_OUT), BV_OUT
+    BK, BV = (max(BK_OUT, min(BK_DQK, triton.next_power_of_2(K))) if form else BK_OUT), BV_OUT
     NK = triton.cdiv(K, BK)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty(NK, T, H, dtype=torch.float32, device=q.device) if gate else None

@@ -205,6 +205,17 @@ def test_wide_head_dims_fp16(K, V, wide, monkeypatch):
     _check("simple_gla", _inputs("simple_gla", 70, H=1, K=K, V=V, gen=gen), dtype=torch.float16, gen=gen)
 
 
+@pytest.mark.parametrize("op", ["simple_gla", "retention"])
+def test_wide_dqk_form_at_small_k(op, monkeypatch):
+    """The wide form's kernel at K <= 64 (one 64-wide key block, do v^T formed there; off by default,
+    ``WIDE_DQK_MIN_K``): K = 48 padded, V = 40, varlen with an empty sequence."""
+    monkeypatch.setattr(decay_output, "WIDE_DQK_DTYPES", (torch.float32,))
+    monkeypatch.setattr(decay_output, "WIDE_DQK_MIN_K", 0)
+    gen = generator()
+    cu = torch.tensor([0, 1, 37, 37, 130], dtype=torch.int64)
+    _check(op, _inputs(op, 130, H=2, K=48, V=40, gen=gen), cu_seqlens=cu, gen=gen)
+
+
 def test_wide_dqk_policy():
     """The wide form is taken for 64 < K <= 128 in bf16 (the timed case) and refused elsewhere."""
     assert decay_output.wide_dqk(128, torch.bfloat16) and decay_output.wide_dqk(80, torch.bfloat16)
