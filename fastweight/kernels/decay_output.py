@@ -10,8 +10,8 @@ The generic DPLR output adds a second term lower(A2) v2 (``USE_A2``: A_qb times 
 
 Backward (dh[c] = dL/dS after chunk c, G = gc at the chunk's last token):
 
-    dA = lower(do v^T)                     (for the intra-chunk dq, dk: kept by the dv kernel with a
-                                            per-channel gate, formed again by the dq/dk kernel else)
+    dA = lower(do v^T)                     (for the intra-chunk dq, dk: stored by the dv kernel, or
+                                            formed again by the dq/dk kernel in its wide form)
     dv = A^T do + (k * exp(G - gc)) dh[c]
     dq = scale exp(gq) (do S^T) + (dA * D) k,   dk = exp(G - gc) (v dh[c]^T) + (dA * D)^T q
     with D = scale exp(gq_t - gc_s) masked (scalar gate or none; the per-channel case is in
