@@ -36,8 +36,8 @@ from fastweight.kernels.common import Chunks, MIN_DOT_BLOCK, dot_at, dot_precisi
 @triton.jit
 def decay_output_fwd_kernel(q, k, v, gq, gc, h, A, A2, v2, o, cu_seqlens, chunk_indices, scale, H: tl.constexpr,
                             K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                            BV: tl.constexpr, GATE: tl.constexpr, EXCLUSIVE: tl.constexpr,
-                            USE_A: tl.constexpr, USE_A2: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                            BV: tl.constexpr, GATE: tl.constexpr, USE_A: tl.constexpr, USE_A2: tl.constexpr,
+                            DOT_PRECISION: tl.constexpr):
     i_v, i_t, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -49,10 +49,7 @@ def decay_output_fwd_kernel(q, k, v, gq, gc, h, A, A2, v2, o, cu_seqlens, chunk_
         b_gq = tl.load(p_g, boundary_check=(0,))
         p_g = tl.make_block_ptr(gc + bos * H + i_h, (T,), (H,), (i_c * BT,), (BT,), (0,))
         b_gc = tl.load(p_g, boundary_check=(0,))
-    if EXCLUSIVE and not USE_A:
-        m_s = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
-    else:
-        m_s = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
+    m_s = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
     b_A = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
@@ -96,7 +93,7 @@ def decay_output_fwd_kernel(q, k, v, gq, gc, h, A, A2, v2, o, cu_seqlens, chunk_
 @triton.jit
 def decay_bwd_dv_kernel(q, k, v, gq, gc, A, dh, do, dv, dA, cu_seqlens, chunk_indices, scale, H: tl.constexpr,
                         K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                        GATE: tl.constexpr, EXCLUSIVE: tl.constexpr, USE_A: tl.constexpr,
+                        GATE: tl.constexpr, USE_A: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, STORE_DA: tl.constexpr):
     i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
@@ -106,10 +103,7 @@ def decay_bwd_dv_kernel(q, k, v, gq, gc, A, dh, do, dv, dA, cu_seqlens, chunk_in
     m_t = o_t < T
     last = bos + tl.minimum(T, i_c * BT + BT) - 1
     m_all = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]
-    if EXCLUSIVE and not USE_A:
-        m_s = (o_t[:, None] > o_t[None, :]) & m_t[:, None] & m_t[None, :]
-    else:
-        m_s = m_all
+    m_s = m_all
     if GATE == 1:
         b_gc = tl.load(gc + (bos + o_t) * H + i_h, mask=m_t, other=0.)
         b_gl = tl.load(gc + last * H + i_h)
@@ -167,7 +161,7 @@ def decay_bwd_dv_kernel(q, k, v, gq, gc, A, dh, do, dv, dA, cu_seqlens, chunk_in
 @triton.jit
 def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, hl, dh, dhl, do, dA, dq, dk, dg, cu_seqlens, chunk_indices, scale,
                          T_all, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                         BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, EXCLUSIVE: tl.constexpr,
+                         BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, FORM_DA: tl.constexpr):
     i_k, i_t, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     i_n, i_c = tl.load(chunk_indices + i_t * 2).to(tl.int64), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
@@ -244,9 +238,8 @@ def decay_bwd_dqk_kernel(q, k, v, gq, gc, h, hl, dh, dhl, do, dA, dq, dk, dg, cu
                + tl.sum(tl.where(o_t[:, None] > o_t[None, :], b_y[None, :], 0.), axis=1)
                + exp(b_gl) * tl.sum(b_hdh, axis=0))
         tl.store(dg + i_k * T_all * H + (bos + o_t) * H + i_h, b_g, mask=m_t)
-    if not EXCLUSIVE:
-        b_dq += b_dd[:, None] * b_k.to(tl.float32)
-        b_dk += b_dd[:, None] * b_q.to(tl.float32)
+    b_dq += b_dd[:, None] * b_k.to(tl.float32)
+    b_dk += b_dd[:, None] * b_q.to(tl.float32)
     b_dk += b_dki
     tl.store(dq + p_k, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_tk)
@@ -282,9 +275,18 @@ def wide_dqk(K: int, dtype: torch.dtype) -> bool:
     return WIDE_DQK_MIN_K < K <= BK_DQK and dtype in WIDE_DQK_DTYPES
 
 
+def _exclusive_has_scores(name: str, exclusive: bool, A):
+    """The kernels form the intra-chunk scores themselves for the inclusive readout only (a scalar gate or
+    none); the exclusive one (RWKV-6, ``chunk_decay``'s check) has a per-channel gate and reads them."""
+    if exclusive and A is None:
+        raise ValueError(f"{name}: the exclusive readout needs the per-channel gate's scores A (decay_intra)")
+
+
 def output_fwd(q, k, v, gq, gc, h, A, scale: float, chunks: Chunks, exclusive: bool, A2=None,
                v2=None) -> torch.Tensor:
-    """o [1, T, H, V] in v's dtype (plus lower(A2) v2 when given: the DPLR reads' term)."""
+    """o [1, T, H, V] in v's dtype (plus lower(A2) v2 when given: the DPLR reads' term). The exclusive
+    readout (RWKV-6) comes with a per-channel gate, whose scores A the kernel reads (``decay_intra.py``)."""
+    _exclusive_has_scores("output_fwd", exclusive, A)
     _, T, H, K = q.shape
     V = v.shape[-1]
     gate = 0 if gc is None else (1 if gc.dim() == 3 else 2)
@@ -294,7 +296,7 @@ def output_fwd(q, k, v, gq, gc, h, A, scale: float, chunks: Chunks, exclusive: b
     decay_output_fwd_kernel[grid](q, k, v, gq if gq is not None else q, gc if gc is not None else q, h,
                                   A if A is not None else q, A2 if A2 is not None else q,
                                   v2 if v2 is not None else v, o, chunks.cu_seqlens, chunks.chunk_indices, scale,
-                                  H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, GATE=gate, EXCLUSIVE=exclusive,
+                                  H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, GATE=gate,
                                   USE_A=A is not None, USE_A2=A2 is not None, DOT_PRECISION=dot_precision(q.dtype),
                                   num_warps=OUTPUT_FWD_CONFIG[0], num_stages=OUTPUT_FWD_CONFIG[1])
     return o
@@ -303,6 +305,7 @@ def output_fwd(q, k, v, gq, gc, h, A, scale: float, chunks: Chunks, exclusive: b
 def bwd_dv(q, k, v, gq, gc, A, dh, do, scale: float, chunks: Chunks, exclusive: bool, need_dA: bool):
     """dv [1, T, H, V] in v's dtype and dA = lower(do v^T) [1, T, H, BT] fp32 (None unless ``need_dA``:
     the wide form of :func:`bwd_dqk` forms its own from the do, v tiles it loads anyway)."""
+    _exclusive_has_scores("bwd_dv", exclusive, A)
     _, T, H, K = q.shape
     V = v.shape[-1]
     gate = 0 if gc is None else (1 if gc.dim() == 3 else 2)
@@ -313,7 +316,7 @@ def bwd_dv(q, k, v, gq, gc, A, dh, do, scale: float, chunks: Chunks, exclusive: 
                                         A if A is not None else q, dh, do, dv, dA if need_dA else dv,
                                         chunks.cu_seqlens,
                                         chunks.chunk_indices, scale, H=H, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
-                                        GATE=gate, EXCLUSIVE=exclusive, USE_A=A is not None,
+                                        GATE=gate, USE_A=A is not None,
                                         DOT_PRECISION=dot_precision(q.dtype), STORE_DA=need_dA,
                                         num_warps=BWD_DV_CONFIG[0],
                                         num_stages=BWD_DV_CONFIG[1])
@@ -328,8 +331,9 @@ def bwd_dqk(q, k, v, gq, gc, h, dh, do, dA, scale: float, chunks: Chunks, exclus
     _, T, H, K = q.shape
     V = v.shape[-1]
     gate = 0 if gc is None else 1
-    if gate and exclusive:
-        raise ValueError("bwd_dqk: the scalar gate's gradient is formed for the inclusive readout only")
+    if exclusive:
+        raise ValueError("bwd_dqk: a scalar gate or none has the inclusive readout only (the exclusive one's "
+                         "per-channel gate takes decay_intra.intra_bwd)")
     split = h.dim() == 5
     if split != (dh.dim() == 5):
         raise ValueError("bwd_dqk: h and dh are both split states or neither")
@@ -345,7 +349,7 @@ def bwd_dqk(q, k, v, gq, gc, h, dh, do, dA, scale: float, chunks: Chunks, exclus
                                              dh[0] if split else dh, dh[1] if split else None, do,
                                              dq if form else dA, dq, dk, dg if dg is not None else dq,
                                              chunks.cu_seqlens, chunks.chunk_indices, scale, T, H=H, K=K, V=V,
-                                             BT=chunks.BT, BK=BK, BV=BV, GATE=gate, EXCLUSIVE=exclusive,
+                                             BT=chunks.BT, BK=BK, BV=BV, GATE=gate,
                                              DOT_PRECISION=dot_precision(q.dtype),
                                              SPLIT=split, FORM_DA=form,
                                              num_warps=BWD_DQK_CONFIG[0],
