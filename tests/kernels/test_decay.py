@@ -217,12 +217,18 @@ def test_wide_dqk_form_at_small_k(op, monkeypatch):
 
 
 def test_wide_dqk_policy():
-    """The wide form is taken for 64 < K <= 128 in bf16 (the timed case) and refused elsewhere."""
+    """The wide form is taken for 64 < K <= 128 in bf16 (the timed case) and refused elsewhere; the
+    exclusive readout without a per-channel gate's scores is refused by name."""
     assert decay_output.wide_dqk(128, torch.bfloat16) and decay_output.wide_dqk(80, torch.bfloat16)
     assert not decay_output.wide_dqk(64, torch.bfloat16) and not decay_output.wide_dqk(256, torch.bfloat16)
     assert not decay_output.wide_dqk(128, torch.float32) and not decay_output.wide_dqk(128, torch.float16)
     x = torch.zeros(1, 64, 1, 64)
     ch = prepare_chunks(None, 1, 64, 64, "cpu")
+    with pytest.raises(ValueError, match="exclusive readout needs"):
+        decay_output.output_fwd(x, x, x, None, None, torch.zeros(1, 1, 64, 64), None, 1.0, ch, True)
+    with pytest.raises(ValueError, match="inclusive readout only"):
+        decay_output.bwd_dqk(x, x, x, None, None, torch.zeros(1, 1, 64, 64), torch.zeros(1, 1, 64, 64), x, None,
+                             1.0, ch, True)
     with pytest.raises(ValueError, match="wide_dqk"):
         decay_output.bwd_dqk(x, x, x, None, None, torch.zeros(1, 1, 64, 64), torch.zeros(1, 1, 64, 64), x, None,
                              1.0, ch, False)
