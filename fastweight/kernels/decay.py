@@ -153,8 +153,8 @@ class ChunkDecayFunction(torch.autograd.Function):
         dh, _, dh0 = state_bwd("decay", q, do, chunks, g=gc, gq=gq if exclusive else None, scale=scale, dht=dht,
                                need_dh0=initial_state is not None, state_dtype=ctx.wide)
         # the dq/dk kernel's wide form forms the scores do v^T itself (a scalar gate or none)
-        wide = A is None and wide_dqk(q.shape[-1], q.dtype)
-        dv, dA = bwd_dv(q, k, v, gq, gc, A, _rounded(dh), do, scale, chunks, exclusive, need_dA=not wide)
+        own_scores = A is None and wide_dqk(q.shape[-1], q.dtype)
+        dv, dA = bwd_dv(q, k, v, gq, gc, A, _rounded(dh), do, scale, chunks, exclusive, need_dA=not own_scores)
         du = dg = dg_gamma = None
         if A is not None:
             dq, dk, dgx, dga, dgy, du = intra_bwd(q, k, v, gq, gc, u, h, dh, do, dA, scale, chunks, exclusive,
