@@ -4,9 +4,11 @@
     python -m fastweight.bench.ops_time --cases kda:4,8192,16,128 --profile fb
     DPLR_LAUNCH="solve_wy=False" python -m fastweight.bench.ops_time --cases rwkv7:4,8192,16,128
 
-The A/B tool of the GPU records (``docs/bench/runs-*.md``): run it once per tree, each tree on
-``PYTHONPATH`` (``git archive <rev> fastweight | tar -x -C DIR``), in separate processes, and
-alternate the trees (A B A B) so that the machine's drift falls on both. Per case (op:B,T,H,K with
+The A/B tool of the GPU records (``docs/bench/runs-*.md``): run it once per tree (``git archive <rev>
+fastweight | tar -x -C DIR``), from the tree's folder (``cd DIR && python -m ...``: ``python -m`` puts the
+current folder ahead of ``PYTHONPATH``, so a tree on ``PYTHONPATH`` run from the repository's root
+would time the root's code; ``main`` refuses that case by name), in separate processes, and alternate the
+trees (A B A B) so that the machine's drift falls on both. Per case (op:B,T,H,K with
 V = K, inputs as the family's benchmark draws them: ``gpu_delta.inputs``, ``gpu_decay_dplr.inputs``):
 
 - forward without autograd and forward+backward (a fixed random cotangent; the inputs' grads set to
@@ -27,6 +29,7 @@ before the timed ones. On a machine without CUDA it times wall clock (the interp
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -120,7 +123,18 @@ def kernel_ms(run) -> dict[str, float]:
     return dict(sorted(per.items(), key=lambda kv: -kv[1]))
 
 
+def check_tree():
+    """Refuse a run whose ``fastweight`` is not the tree that ``PYTHONPATH`` names first (module docstring)."""
+    import fastweight
+    first = os.environ.get("PYTHONPATH", "").split(os.pathsep)[0]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fastweight.__file__)))
+    if first and os.path.isdir(os.path.join(first, "fastweight")) and os.path.abspath(first) != root:
+        raise SystemExit(f"ops_time: fastweight comes from {root}, not from PYTHONPATH's {first} (python -m puts "
+                         f"the current folder first): run it from {first}")
+
+
 def main(argv=None):
+    check_tree()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", required=True, help="op:B,T,H,K[;op:B,T,H,K...]")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))

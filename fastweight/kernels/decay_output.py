@@ -258,21 +258,19 @@ BK_OUT = BV_OUT = MIN_DOT_BLOCK
 OUTPUT_FWD_CONFIG, BWD_DV_CONFIG, BWD_DQK_CONFIG = (4, 3), (4, 3), (8, 1)
 # The dq/dk kernel's wide form (``wide_dqk``): all of K <= 128 in one key block, the scores do v^T formed
 # from the do, v tiles it loads, so that they are loaded once a chunk rather than once per 64 keys and
-# the dv kernel stores no dA. H100, simple_gla (4, 8192, 16, 128) bf16 fwd+bwd 3.136 -> 2.872 ms with
-# 64-wide value blocks (328 B of stack a thread, sm_90), 3.080 with 32-wide ones (56 B): the wider
-# block wins despite its spill. Timed at K = 128 in bf16 only: K <= 64 and the other dtypes (fp32's
-# spill grows from 1.2 to 1.9 KB a thread) keep the 64-wide key blocks and dA from the dv kernel.
+# the dv kernel stores no dA. H100 simple_gla fwd+bwd: (4, 8192, 16, 128) 3.136 -> 2.872 ms in bf16 and
+# 3.13 -> 2.86 in fp16, with 64-wide value blocks (328 B of stack a thread, sm_90; 32-wide ones spill
+# 56 B but took 3.080); (8, 16384, 64, 64), where only dA's round trip goes, 19.46 -> 18.16 in bf16 and
+# 19.44 -> 18.14 in fp16. fp32 keeps the 64-wide key blocks and dA from the dv kernel: its spill would
+# grow from 1.2 to 1.9 KB a thread.
 BK_DQK = 128
-WIDE_DQK_DTYPES = (torch.bfloat16,)
-# the form's K range (WIDE_DQK_MIN_K, BK_DQK]; at K <= 64 (one 64-wide key block either way) it would only
-# drop the dA round trip: untimed
-WIDE_DQK_MIN_K = 64
+WIDE_DQK_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def wide_dqk(K: int, dtype: torch.dtype) -> bool:
     """Whether the dq/dk kernel takes its wide form (all of K in one key block, do v^T formed there):
-    ``WIDE_DQK_MIN_K`` < K <= ``BK_DQK``, a dtype it was timed in."""
-    return WIDE_DQK_MIN_K < K <= BK_DQK and dtype in WIDE_DQK_DTYPES
+    K <= ``BK_DQK`` in a 16-bit dtype (``WIDE_DQK_DTYPES``)."""
+    return K <= BK_DQK and dtype in WIDE_DQK_DTYPES
 
 
 def _exclusive_has_scores(name: str, exclusive: bool, A):

@@ -1,7 +1,10 @@
 """``fastweight.bench.ops_time`` on the CPU (the interpreter, wall clock): its cases, its lines, its errors."""
 
+import os
+
 import pytest
 
+import fastweight
 from fastweight.bench import ops_time
 
 
@@ -34,3 +37,16 @@ def test_forward_only(capsys):
     ops_time.main(["--cases", "simple_gla:1,40,1,16", "--dtype", "fp32", "--forward-only"])
     line = capsys.readouterr().out.strip()
     assert " fwd " in line and " fb " not in line and len(line.split(" fwd ")[1].split()) == 2
+
+
+def test_refuses_a_tree_that_is_not_imported(tmp_path, monkeypatch):
+    """A tree first on PYTHONPATH whose fastweight is not the one imported (``python -m`` run from another
+    folder) is refused by name; the imported tree itself, or no tree, passes."""
+    (tmp_path / "fastweight").mkdir()
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(SystemExit, match=f"not from PYTHONPATH's {tmp_path}"):
+        ops_time.main(["--cases", "simple_gla:1,40,1,16"])
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(os.path.dirname(fastweight.__file__)))
+    ops_time.check_tree()
+    monkeypatch.delenv("PYTHONPATH")
+    ops_time.check_tree()

@@ -188,7 +188,7 @@ def test_fp16(op):
                                       ("retention", True), ("linear_attn", True)])
 def test_wide_head_dims(op, wide, monkeypatch):
     """K = 80, V = 72: partial last blocks; 64-wide K and V blocks, or (``wide``: a scalar gate or none,
-    its default in bf16 only, which the interpreter gets wrong) the dq/dk kernel's one 128-wide key block
+    its default in bf16 and fp16, here through the dtype switch in fp32) the dq/dk kernel's one 128-wide key block
     with the scores do v^T formed there and no dA from the dv kernel."""
     monkeypatch.setattr(decay_output, "WIDE_DQK_DTYPES", (torch.float32,) if wide else ())
     gen = generator()
@@ -207,21 +207,21 @@ def test_wide_head_dims_fp16(K, V, wide, monkeypatch):
 
 @pytest.mark.parametrize("op", ["simple_gla", "retention"])
 def test_wide_dqk_form_at_small_k(op, monkeypatch):
-    """The wide form's kernel at K <= 64 (one 64-wide key block, do v^T formed there; off by default,
-    ``WIDE_DQK_MIN_K``): K = 48 padded, V = 40, varlen with an empty sequence."""
+    """The wide form's kernel at K <= 64 (one 64-wide key block, do v^T formed there; the 16-bit default,
+    here through the dtype switch in fp32): K = 48 padded, V = 40, varlen with an empty sequence."""
     monkeypatch.setattr(decay_output, "WIDE_DQK_DTYPES", (torch.float32,))
-    monkeypatch.setattr(decay_output, "WIDE_DQK_MIN_K", 0)
     gen = generator()
     cu = torch.tensor([0, 1, 37, 37, 130], dtype=torch.int64)
     _check(op, _inputs(op, 130, H=2, K=48, V=40, gen=gen), cu_seqlens=cu, gen=gen)
 
 
 def test_wide_dqk_policy():
-    """The wide form is taken for 64 < K <= 128 in bf16 (the timed case) and refused elsewhere; the
+    """The wide form is taken for K <= 128 in bf16 and fp16 (the timed cases) and refused elsewhere; the
     exclusive readout without a per-channel gate's scores is refused by name."""
-    assert decay_output.wide_dqk(128, torch.bfloat16) and decay_output.wide_dqk(80, torch.bfloat16)
-    assert not decay_output.wide_dqk(64, torch.bfloat16) and not decay_output.wide_dqk(256, torch.bfloat16)
-    assert not decay_output.wide_dqk(128, torch.float32) and not decay_output.wide_dqk(128, torch.float16)
+    for K in (16, 64, 80, 128):
+        assert decay_output.wide_dqk(K, torch.bfloat16) and decay_output.wide_dqk(K, torch.float16)
+    assert not decay_output.wide_dqk(129, torch.bfloat16) and not decay_output.wide_dqk(256, torch.float16)
+    assert not decay_output.wide_dqk(128, torch.float32) and not decay_output.wide_dqk(64, torch.float32)
     x = torch.zeros(1, 64, 1, 64)
     ch = prepare_chunks(None, 1, 64, 64, "cpu")
     with pytest.raises(ValueError, match="exclusive readout needs"):
