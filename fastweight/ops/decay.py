@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fastweight import checks, fla_compat
+from fastweight import checks, dispatch, fla_compat
 from fastweight.mechanisms.retnet import retnet_log_gamma
 from fastweight.ops.common import _op
 
@@ -58,7 +58,19 @@ def _split_z(initial_state, normalize, k, cu_seqlens):
     want = (N, 1, k.shape[2], k.shape[3])
     if tuple(z.shape) != want:
         raise ValueError(f"`initial_state`'s z must be [N, 1, H, K] = {list(want)}, got {list(z.shape)}")
+    if z.device != k.device:
+        raise ValueError(f"`initial_state`'s z must be on k's device {k.device}, got {z.device}")
+    if not z.is_floating_point():
+        raise TypeError(f"`initial_state`'s z must be a floating tensor, got {z.dtype}")
     return S, z
+
+
+def _kernel_normalizer(backend, q):
+    """The normaliser's kernel (``kernels.key_sum``, K <= 256) goes with the Triton op: backend 'triton', or
+    None on CUDA; float64 and wider keys take the PyTorch division (``_normalize_output``)."""
+    if q.dtype == torch.float64 or q.shape[-1] > 256 or not dispatch.triton_usable(q.device):
+        return False
+    return backend == "triton" or (backend is None and q.device.type == "cuda")
 
 
 def _linear_attn(mode, q, k, v, scale, initial_state, output_final_state, normalize, cu_seqlens, backend):
@@ -66,7 +78,12 @@ def _linear_attn(mode, q, k, v, scale, initial_state, output_final_state, normal
     o, final_state = _op("linear_attn", mode, backend, dict(q=q, k=k, v=v), scale=scale,
                          initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     if normalize:
-        o, z_state = _normalize_output(q, k, o, checks.check_scale(scale, q.shape[-1]), cu_seqlens, z_init)
+        scale = checks.check_scale(scale, q.shape[-1])
+        if _kernel_normalizer(backend, q):
+            from fastweight.kernels.key_sum import normalize as kernel_normalize
+            o, z_state = kernel_normalize(q, k, o, scale, cu_seqlens, z_init)
+        else:
+            o, z_state = _normalize_output(q, k, o, scale, cu_seqlens, z_init)
         return o, (final_state, z_state)
     return o, final_state
 
