@@ -55,7 +55,7 @@ sass_dir: list = []  # --sass: the folder the SASS goes to
 def _compile_instead(self, *args, grid, warmup, **kwargs):
     if only and self.fn.__name__ not in only:
         return None
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
     bound = inspect.signature(self.fn).bind(*args, **kwargs)
     bound.apply_defaults()
     # the launcher's own specialisation: 16-divisible ints and 16-aligned pointers get tt.divisibility,
