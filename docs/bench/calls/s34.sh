@@ -34,6 +34,8 @@ for r in 1 2; do [ $SECONDS -lt 330 ] || break
   for t in m ks2 ks8; do ot $t --cases "$LA" --rep 100; done
 done
 [ $SECONDS -lt 360 ] && ot r128 --cases "$SG64" --profile fb
+# where KDA's forward and RWKV-7's time go now (issue 17's KDA forward, issue 18)
+[ $SECONDS -lt 380 ] && ot m --cases "kda:4,8192,16,128;rwkv7:8,16384,64,64" --profile fwd
 # 3. side by side with fla (re-takes issue 17's rows on this card) with what is left
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
 mkdir -p /tmp/tcs; [ -f .ab/atune.tgz ] && tar -xzf .ab/atune.tgz -C /tmp/tcs
