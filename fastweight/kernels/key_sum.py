@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from fastweight.kernels.common import alloc, prepare_chunks, while_loops
 
@@ -191,6 +192,7 @@ class KeySumNormalize(torch.autograd.Function):
         return y, zt
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy, dzt):
         q, k, y, den, z0 = ctx.saved_tensors
         chunks = ctx.chunks
