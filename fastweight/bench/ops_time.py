@@ -1,4 +1,4 @@
-"""Time ops in the tree on ``PYTHONPATH``: forward, forward+backward, peak memory, and per-kernel time.
+"""Time ops in the tree it runs from: forward, forward+backward, peak memory, and per-kernel time.
 
     python -m fastweight.bench.ops_time --cases rwkv7:8,16384,64,64 [--dtype bf16] [--rep 300] [--label main]
     python -m fastweight.bench.ops_time --cases kda:4,8192,16,128 --profile fb
