@@ -221,7 +221,17 @@ class KeySumNormalize(torch.autograd.Function):
 def normalize(q, k, o, scale: float, cu_seqlens=None, z_init=None):
     """(o_t / (scale q_t . Z_t + 1e-10) [B, T, HV, V] in o's dtype, z_state [N, 1, H, K] in k's dtype:
     Z at each sequence's last token, z_init (or 0) for an empty one). q, k: [B, T, H, K], K <= ``MAX_K``;
-    o: [B, T, HV, V]; z_init: [N, 1, H, K] or None. Differentiable in q, k, o and z_init."""
-    if q.shape[-1] > MAX_K:
-        raise ValueError(f"key_sum.normalize: K must be <= {MAX_K} (one key block), got {q.shape[-1]}")
+    o: [B, T, HV, V]; z_init: [N, 1, H, K] or None. Differentiable in q, k, o and z_init. The result is
+    saved for the backward (as torch.exp saves its own): changing it in place before backward is an error."""
+    B, T, H, K = q.shape
+    if K > MAX_K:
+        raise ValueError(f"key_sum.normalize: K must be <= {MAX_K} (one key block), got {K}")
+    if k.shape != q.shape or o.dim() != 4 or o.shape[:2] != (B, T) or o.shape[2] % H:
+        raise ValueError(f"key_sum.normalize: q, k [B, T, H, K] alike and o [B, T, G*H, V], got {list(q.shape)}, "
+                         f"{list(k.shape)}, {list(o.shape)}")
+    if cu_seqlens is not None and B != 1:
+        raise ValueError(f"key_sum.normalize: with cu_seqlens, B must be 1, got {B}")
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    if z_init is not None and tuple(z_init.shape) != (N, 1, H, K):
+        raise ValueError(f"key_sum.normalize: z_init must be [N, 1, H, K] = {[N, 1, H, K]}, got {list(z_init.shape)}")
     return KeySumNormalize.apply(q, k, o, z_init, float(scale), cu_seqlens)

@@ -83,10 +83,23 @@ def test_long_sequence_carry():
     _check(1, 700, 1, 256, 1, 16, None, torch.float32, with_dzt=False)
 
 
-def test_refuses_wide_keys():
+def test_int32_offsets_and_whole_chunks():
+    """int32 cu_seqlens, sequences of exactly one and two chunks (64, 128 tokens) beside a 5-token one."""
+    _check(1, 197, 1, 16, 2, 24, torch.tensor([0, 64, 69, 197], dtype=torch.int32), torch.float32)
+
+
+def test_refusals():
     x = torch.ones(1, 4, 1, 257)
     with pytest.raises(ValueError, match="K must be <= 256"):
         key_sum.normalize(x, x, x, 1.0)
+    q = torch.ones(1, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"o \[B, T, G\*H, V\]"):
+        key_sum.normalize(q, q, torch.ones(1, 4, 3, 8), 1.0)
+    with pytest.raises(ValueError, match="B must be 1"):
+        key_sum.normalize(torch.ones(2, 4, 2, 8), torch.ones(2, 4, 2, 8), torch.ones(2, 4, 2, 8), 1.0,
+                          torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="z_init must be"):
+        key_sum.normalize(q, q, q, 1.0, torch.tensor([0, 1, 4]), torch.ones(1, 1, 2, 8))
 
 
 def test_op_takes_the_kernel_with_the_triton_backend(monkeypatch):
