@@ -220,6 +220,8 @@ def test_linear_attn_reverse_normalize():
 @pytest.mark.parametrize("bad, what", [
     (lambda x: (x["h0"], x["k"][:, :1, :, :2]), "`initial_state`'s z must be"),
     (lambda x: (x["h0"],), "pair"),
+    (lambda x: (x["h0"], torch.zeros(x["k"].shape[0], 1, *x["k"].shape[2:], dtype=torch.int64)), "floating"),
+    (lambda x: (x["h0"], torch.zeros(x["k"].shape[0], 1, *x["k"].shape[2:], device="meta")), "k's device"),
 ])
 def test_linear_attn_bad_z_state_is_refused(bad, what):
     x = _x()
