@@ -4,9 +4,11 @@
 # atune.tgz (fla's autotuning choices from an earlier call on the same card: saves 100-250 s an op). Up to 9 minutes;
 # `--resume $OUT/side_by_side.json` of a cut run goes on where it stopped.
 L=$OUT/log.txt
-# 3. side by side with fla (re-takes issue 17's rows on this card) with what is left
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
-mkdir -p /tmp/tcs; [ -f .ab/atune.tgz ] && tar -xzf .ab/atune.tgz -C /tmp/tcs
+# fla's choices are kept only for the card they were tuned on (.ab/atune.card holds its name)
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$card" | tee -a $L
+mkdir -p /tmp/tcs; [ -f .ab/atune.tgz ] && [ "$(cat .ab/atune.card 2>/dev/null)" = "$card" ] && tar -xzf .ab/atune.tgz -C /tmp/tcs
+echo "$card" > $OUT/atune.card
 save(){ (cd /tmp/tcs && find . -name '*.autotune.json' | tar -czf $OUT/atune.tgz -T -); }
 trap save EXIT
 left=$((540 - SECONDS))
