@@ -14,7 +14,7 @@ from fastweight.bench import side_by_side
 
 def _fake_fla(monkeypatch, calls):
     def chunk_gated_delta_rule(**x):
-        calls.append(sorted(x))
+        calls.append((sorted(x), tuple(x["q"].shape)))
         return ops.chunk_gated_delta_rule(**x, backend="torch")
     module = types.ModuleType("fla.ops.gated_delta_rule")
     module.chunk_gated_delta_rule = chunk_gated_delta_rule
@@ -31,7 +31,9 @@ def test_checks_times_and_tabulates_both(monkeypatch, tmp_path, capsys):
     rows = side_by_side.main(["--ops", "gated_delta_rule", "--shapes", "tiny", "--device", "cpu", "--dtype", "float16",
                               "--rep", "1", "--out", str(tmp_path)])
     assert guard.IS_NVIDIA_HOPPER is False   # the guard lifted by default (the check reports fla's gradients)
-    assert calls and calls[0] == ["beta", "g", "k", "q", "v"]   # fla got the same tensors by name
+    assert calls and calls[0][0] == ["beta", "g", "k", "q", "v"]   # fla got the same tensors by name
+    # fla's first call (where it autotunes) is at the timed shape, before the check's (1, 300)
+    assert calls[0][1] == (1, 128, 2, 32) and calls[1][1] == (1, 300, 2, 32)
     (row,) = rows
     for name in ("fastweight", "fla"):
         errs = row["checks"][name]
