@@ -49,23 +49,33 @@ def _sequence(cu_seqlens, order, H: tl.constexpr):
 
 
 @triton.jit
+def _key_tile(rows, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """(offsets, mask) of the rows' [BT, BK] key-head tile in a [B*T, H, K] tensor (q, k, dq, dk)."""
+    o_k = tl.arange(0, BK)
+    return (rows * H + i_h)[:, None] * K + o_k[None, :], m_t[:, None] & (o_k < K)[None, :]
+
+
+@triton.jit
+def _value_tile(rows, m_t, i_h, i_g, i_v, H: tl.constexpr, G: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """(offsets, mask) of value block i_v of value head i_h * G + i_g: a [BT, BV] tile of o, y, dy or do."""
+    o_v = i_v * BV + tl.arange(0, BV)
+    return (rows * (H * G) + i_h * G + i_g)[:, None] * V + o_v[None, :], m_t[:, None] & (o_v < V)[None, :]
+
+
+@triton.jit
 def _fwd_chunk(i_t, b_z, q, k, o, y, den, bos, eos, i_h, scale, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
                V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """Chunk i_t of the forward: d, y stored; returns the carry b_z [BK] past the chunk."""
     rows = bos + i_t * BT + tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
     m_t = rows < eos
-    p_x = (rows * H + i_h)[:, None] * K + o_k[None, :]
-    m_x = m_t[:, None] & (o_k < K)[None, :]
+    p_x, m_x = _key_tile(rows, m_t, i_h, H, K, BK)
     b_k = tl.load(k + p_x, mask=m_x, other=0.).to(tl.float32)
     b_q = tl.load(q + p_x, mask=m_x, other=0.).to(tl.float32)
     b_d = tl.sum(scale * b_q * (tl.cumsum(b_k, axis=0) + b_z[None, :]), axis=1) + 1e-10
     tl.store(den + rows * H + i_h, b_d, mask=m_t)
     for i_g in range(G):
         for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            p_o = (rows * (H * G) + i_h * G + i_g)[:, None] * V + o_v[None, :]
-            m_o = m_t[:, None] & (o_v < V)[None, :]
+            p_o, m_o = _value_tile(rows, m_t, i_h, i_g, i_v, H, G, V, BV)
             b_o = tl.load(o + p_o, mask=m_o, other=0.).to(tl.float32)
             tl.store(y + p_o, (b_o / b_d[:, None]).to(y.dtype.element_ty), mask=m_o)
     return b_z + tl.sum(b_k, axis=0)
@@ -77,22 +87,18 @@ def _bwd_forward_chunk(i_t, b_z, k, y, den, dy, gbuf, dq, do, bos, eos, i_h, sca
                        BV: tl.constexpr):
     """Chunk i_t of the backward's forward walk: do, g (into gbuf) and dq = g Z stored; returns the carry."""
     rows = bos + i_t * BT + tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
     m_t = rows < eos
     b_d = tl.load(den + rows * H + i_h, mask=m_t, other=1.)
     b_g = tl.zeros([BT], dtype=tl.float32)
     for i_g in range(G):
         for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            p_o = (rows * (H * G) + i_h * G + i_g)[:, None] * V + o_v[None, :]
-            m_o = m_t[:, None] & (o_v < V)[None, :]
+            p_o, m_o = _value_tile(rows, m_t, i_h, i_g, i_v, H, G, V, BV)
             b_dy = tl.load(dy + p_o, mask=m_o, other=0.).to(tl.float32)
             b_g += tl.sum(b_dy * tl.load(y + p_o, mask=m_o, other=0.).to(tl.float32), axis=1)
             tl.store(do + p_o, (b_dy / b_d[:, None]).to(do.dtype.element_ty), mask=m_o)
     b_g = -scale * b_g / b_d
     tl.store(gbuf + rows * H + i_h, b_g, mask=m_t)
-    p_x = (rows * H + i_h)[:, None] * K + o_k[None, :]
-    m_x = m_t[:, None] & (o_k < K)[None, :]
+    p_x, m_x = _key_tile(rows, m_t, i_h, H, K, BK)
     b_k = tl.load(k + p_x, mask=m_x, other=0.).to(tl.float32)
     tl.store(dq + p_x, (b_g[:, None] * (tl.cumsum(b_k, axis=0) + b_z[None, :])).to(dq.dtype.element_ty), mask=m_x)
     return b_z + tl.sum(b_k, axis=0)
@@ -103,10 +109,8 @@ def _bwd_reverse_chunk(i_t, b_c, q, gbuf, dk, bos, eos, i_h, H: tl.constexpr, K:
                        BK: tl.constexpr):
     """Chunk i_t of the backward's reverse walk: dk = b_c + the reverse sum of g q; returns the carry."""
     rows = bos + i_t * BT + tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
     m_t = rows < eos
-    p_x = (rows * H + i_h)[:, None] * K + o_k[None, :]
-    m_x = m_t[:, None] & (o_k < K)[None, :]
+    p_x, m_x = _key_tile(rows, m_t, i_h, H, K, BK)
     b_dZ = (tl.load(gbuf + rows * H + i_h, mask=m_t, other=0.)[:, None]
             * tl.load(q + p_x, mask=m_x, other=0.).to(tl.float32))
     tl.store(dk + p_x, (tl.cumsum(b_dZ, axis=0, reverse=True) + b_c[None, :]).to(dk.dtype.element_ty), mask=m_x)
