@@ -102,7 +102,10 @@ class DplrLaunch:
     sums formed in its state pass (``state.state_bwd(gate_sums=...)``) instead of by ``chunk_cumsum`` before it;
     None, the default: for bf16 inputs where K <= 64 (``gate_sums_in_pass``; H100, RWKV-7 (8, 16384, 64, 64)
     fwd+bwd 80.07 -> 79.42 ms; at K = 128 the pass gains 56 B of stack a thread and the H200 measured +5.4% at
-    (4, 8192, 16, 128); fp16 and fp32 untimed). Rounding dh, dU, T and A_ak
+    (4, 8192, 16, 128); fp16 and fp32 untimed). ``fwd_gate_sums``: the forward state pass forms the gate's chunk
+    sums from the raw log gate (``state.state_fwd(raw_gate=True)``), so the intra kernel stores them only for its
+    wide chunks (one [T, H, K] fp32 write less where K fits its one key block); None, the default:
+    ``fwd_gate_sums_in_pass``. Rounding dh, dU, T and A_ak
     costs bf16 ~8% in the worst error (H200: 3.62e-3 -> 3.91e-3 at (1, 1024, 4, 32, 128), fla's
     5.1e-3 the bound) for 4 GiB."""
     recompute: bool = False
@@ -123,9 +126,10 @@ class DplrLaunch:
     solve_wy: bool | None = None
     solve_wy_config: tuple[int, int, int] | None = None
     bwd_gate_sums: bool | None = None
+    fwd_gate_sums: bool | None = None
 
     def __post_init__(self):
-        for name in ("bwd_split", "solve_wy", "bwd_gate_sums"):
+        for name in ("bwd_split", "solve_wy", "bwd_gate_sums", "fwd_gate_sums"):
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise ValueError(f"DplrLaunch.{name} must be None, True or False, got {getattr(self, name)!r}")
 
@@ -137,11 +141,27 @@ def gate_sums_in_pass(launch: DplrLaunch, K: int, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and K <= 64
 
 
-def _intra(q, k, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch):
-    """Step 1: gc, A_qk, A_qb, A_ak, A_ab, the chunks' wide flags and a exp(G^-)."""
+# the forward's gate sums formed in its state pass up to this key size, for FWD_GATE_SUMS_DTYPES (0: nowhere
+# by default; untimed)
+FWD_GATE_SUMS_MAX_K = 0
+FWD_GATE_SUMS_DTYPES = (torch.bfloat16,)
+
+
+def fwd_gate_sums_in_pass(launch: DplrLaunch, K: int, dtype: torch.dtype) -> bool:
+    """Whether the forward state pass forms the gate sums (``DplrLaunch.fwd_gate_sums``; None: K <=
+    ``FWD_GATE_SUMS_MAX_K`` in ``FWD_GATE_SUMS_DTYPES``). Only a forward whose output the pass forms uses
+    it: the output kernel reads the sums too."""
+    if launch.fwd_gate_sums is not None:
+        return launch.fwd_gate_sums
+    return dtype in FWD_GATE_SUMS_DTYPES and K <= FWD_GATE_SUMS_MAX_K
+
+
+def _intra(q, k, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch, gate_sums: bool = True):
+    """Step 1: gc (None without ``gate_sums``), A_qk, A_qb, A_ak, A_ab, the chunks' wide flags and a exp(G^-)."""
     factors = torch.float32 if launch.factors_fp32 else q.dtype
     return dplr_intra_fwd(q, k, a, b, gk, scale, chunks, span=launch.span, wide_kernel=launch.wide_kernel,
-                          config=launch.intra_config, wide_grid=launch.wide_grid, ak_dtype=factors)
+                          config=launch.intra_config, wide_grid=launch.wide_grid, ak_dtype=factors,
+                          gate_sums=gate_sums)
 
 
 def _saved_tensors_hooked() -> bool:
@@ -164,12 +184,14 @@ def _read_dtype(q: torch.Tensor):
     return torch.float32 if q.dtype == torch.float16 else None
 
 
-def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch, need_t: bool = True):
+def _prepare(q, k, v, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch, need_t: bool = True,
+             gate_sums: bool = True):
     """Steps 1-2: gates, the four intra-chunk matrices, T, W and U~ (and the chunks' wide flags);
-    T is None where ``need_t`` is False and the solve is fused with W and U~ (``launch.solve_wy``)."""
+    T is None where ``need_t`` is False and the solve is fused with W and U~ (``launch.solve_wy``); gc is None
+    without ``gate_sums``."""
     T, H = q.shape[1], q.shape[2]
     factors = torch.float32 if launch.factors_fp32 else q.dtype
-    gc, Aqk, Aqb, Aak, Aab, wide, ag = _intra(q, k, a, b, gk, scale, chunks, launch)
+    gc, Aqk, Aqb, Aak, Aab, wide, ag = _intra(q, k, a, b, gk, scale, chunks, launch, gate_sums)
     if launch.solve_wy or (launch.solve_wy is None and q.dtype == torch.bfloat16):
         Ai, w, ut = dplr_solve_wy(Aab, ag, v, Aak, chunks, dtype=a.dtype, t_dtype=factors if need_t else None,
                                   config=launch.solve_wy_config)
@@ -185,15 +207,18 @@ class ChunkDplrFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, a, b, gk, initial_state, scale: float, output_final_state: bool, chunks: Chunks,
                 launch: DplrLaunch, keep: bool):
+        fused = launch.fused_output and k.shape[-1] <= FUSED_OUTPUT_MAX_K
+        # the pass forms the gate sums itself: nothing before it stores them (the backward forms its own)
+        raw = fused and fwd_gate_sums_in_pass(launch, k.shape[-1], q.dtype)
         gc, Aqk, Aqb, Aak, Ai, w, ut, wide = _prepare(q, k, v, a, b, gk, scale, chunks, launch,
-                                                      need_t=keep and not launch.recompute)
-        if launch.fused_output and k.shape[-1] <= FUSED_OUTPUT_MAX_K:
+                                                      need_t=keep and not launch.recompute, gate_sums=not raw)
+        if fused:
             # the chunk states and reads are stored only for a backward that keeps them
             store = keep and not launch.recompute
-            h, u, o, ht = state_fwd("dplr", k, v, chunks, g=gc, w=w, u=ut, b=b, q=q, A=Aqk, A2=Aqb, scale=scale,
-                                    initial_state=initial_state, output_final_state=output_final_state,
+            h, u, o, ht = state_fwd("dplr", k, v, chunks, g=gk if raw else gc, w=w, u=ut, b=b, q=q, A=Aqk, A2=Aqb,
+                                    scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                                     store_h=store, store_r=store, fuse_output=True, block_v=launch.state_block_v,
-                                    r_dtype=_read_dtype(q))
+                                    r_dtype=_read_dtype(q), raw_gate=raw)
         else:
             h, u, _, ht = state_fwd("dplr", k, v, chunks, g=gc, w=w, u=ut, b=b, initial_state=initial_state,
                                     output_final_state=output_final_state, store_r=True,

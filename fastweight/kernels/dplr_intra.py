@@ -85,21 +85,22 @@ def chunk_span(gk, gc, a, ag, bos, o_t, m_t, i_h, H: tl.constexpr, K: tl.constex
     b_span = tl.max(tl.zeros([BK], dtype=tl.float32), 0)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_s, _, _, _ = block_sums(gk, gc, a, ag, bos, o_t, m_t, i_h, o_k, H, K)
+        b_s, _, _, _ = block_sums(gk, gc, a, ag, bos, o_t, m_t, i_h, o_k, H, K, True)
         b_span = tl.maximum(b_span, b_s)
     return b_span
 
 
 @triton.jit
-def block_sums(gk, gc, a, ag, bos, o_t, m_t, i_h, o_k, H: tl.constexpr, K: tl.constexpr):
-    """Key block o_k of ``chunk_span``: stores its gate sums gc and a exp(G^-) to ag, returns
-    (span, midpoint, G, G^-)."""
+def block_sums(gk, gc, a, ag, bos, o_t, m_t, i_h, o_k, H: tl.constexpr, K: tl.constexpr, STORE_G: tl.constexpr):
+    """Key block o_k of ``chunk_span``: stores a exp(G^-) to ag and (STORE_G) its gate sums to gc,
+    returns (span, midpoint, G, G^-)."""
     m_tk = m_t[:, None] & (o_k < K)[None, :]
     p_g = ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :]
     b_gk = tl.load(gk + p_g, mask=m_tk, other=0.).to(tl.float32)
     b_g = tl.cumsum(b_gk, axis=0)
     b_gp = b_g - b_gk
-    tl.store(gc + p_g, b_g, mask=m_tk)
+    if STORE_G:
+        tl.store(gc + p_g, b_g, mask=m_tk)
     b_a = tl.load(a + p_g, mask=m_tk, other=0.).to(tl.float32)
     tl.store(ag + p_g, (b_a * exp(b_gp)).to(ag.dtype.element_ty), mask=m_tk)
     b_span, b_ref = span_ref(b_gp, b_g, m_tk)
@@ -210,14 +211,16 @@ def _fwd_subs(q, k, a, b, gc, gk, Aqk, Aqb, Aak, Aab, scale, i_c, bos, T, i_h, H
 def dplr_intra_fwd_kernel(q, k, a, b, gk, gc, ag, Aqk, Aqb, Aak, Aab, wide, cu_seqlens, chunk_indices, scale,
                           H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                           DOT_PRECISION: tl.constexpr, DIAG_PRECISION: tl.constexpr, SPAN: tl.constexpr,
-                          FLAG: tl.constexpr):
+                          FLAG: tl.constexpr, WIDE_SUMS_ONLY: tl.constexpr):
     """One program per (chunk, head). A chunk whose gates span less than SPAN is factored whole
     through the per-channel midpoint of its gates (four [BT, BT] dots per K block). A wider one
     takes the sub-chunk path (``_fwd_sub``): here, or (FLAG) in ``dplr_intra_wide_kernel``, which
     reads the flag stored in wide[chunk, head] (the sub-chunk path's registers then stay out of
     this kernel). The flag is stored either way: the backward branches on it. The chunk's gate
     sums are formed here from gk and written to gc (``chunk_span``), then read back: the
-    barrier makes one thread's stores visible to the others (they hit L2)."""
+    barrier makes one thread's stores visible to the others (they hit L2). WIDE_SUMS_ONLY (one key
+    block): gc is written for the wide chunks alone, the sub-chunk path's one reader (the forward
+    state pass then forms its own sums, ``state_fwd(raw_gate=True)``)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     i_c, bos, T = chunk_bounds(i_t, cu_seqlens, chunk_indices)
     o_t = i_c * BT + tl.arange(0, BT)
@@ -228,9 +231,12 @@ def dplr_intra_fwd_kernel(q, k, a, b, gk, gc, ag, Aqk, Aqb, Aak, Aab, wide, cu_s
         o_k = tl.arange(0, BK)
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
-        b_span, b_ref, b_g, b_gp = block_sums(gk, gc, a, ag, bos, o_t, m_t, i_h, o_k, H, K)
+        b_span, b_ref, b_g, b_gp = block_sums(gk, gc, a, ag, bos, o_t, m_t, i_h, o_k, H, K, not WIDE_SUMS_ONLY)
         is_wide = b_span >= SPAN
         tl.store(wide + i_t * H + i_h, is_wide.to(tl.int8))
+        if WIDE_SUMS_ONLY:
+            if is_wide:
+                tl.store(gc + ((bos + o_t) * H + i_h)[:, None] * K + o_k[None, :], b_g, mask=m_tk)
         if not is_wide:
             o_r = tl.arange(0, BT)
             m_incl = o_r[:, None] >= o_r[None, :]
@@ -489,7 +495,7 @@ def chunk_spans(g: torch.Tensor, BK: int, BT: int = 64) -> torch.Tensor:
 
 def dplr_intra_fwd(q, k, a, b, gk, scale: float, chunks: Chunks, *, span: float = SAFE_SPAN,
                    wide_kernel: bool = True, config: tuple[int, tuple[int, int]] | None = None,
-                   wide_grid: str = "sub_chunk", ak_dtype: torch.dtype = torch.float32):
+                   wide_grid: str = "sub_chunk", ak_dtype: torch.dtype = torch.float32, gate_sums: bool = True):
     """A_qk, A_qb (scale folded in) [1, T, H, BT] in q's dtype, A_ak (in ``ak_dtype``), A_ab fp32 (the solve and the
     reads need them exact; the output multiplies A_qk, A_qb in the input dtype anyway, dV = A_qk^T
     dO now sees A_qk rounded to it, as fla's, and these two are half of what the forward writes per
@@ -502,7 +508,10 @@ def dplr_intra_fwd(q, k, a, b, gk, scale: float, chunks: Chunks, *, span: float 
     T, H, K] (no cumsum pass of their own). Returns (gc, A_qk, A_qb, A_ak, A_ab, wide, ag): gc [1, T,
     H, K] fp32 as ``chunk_cumsum(gk)`` (G^- = gc - gk is formed by each reader, ``load_gp``); ``wide``
     [NC, H] int8, 1 where the chunk's gates span ``span`` or more for that head (the sub-chunk path;
-    ``dplr_bwd`` takes the same branch from it); ag [1, T, H, K] = a exp(G^-) in ``ag_dtype``."""
+    ``dplr_bwd`` takes the same branch from it); ag [1, T, H, K] = a exp(G^-) in ``ag_dtype``.
+    ``gate_sums`` False: gc is None, the sums kept only where the sub-chunk path reads them (a reader
+    forms its own, ``state.state_fwd(raw_gate=True)``): one [T, H, K] fp32 store less where K fits one
+    key block (a wider K re-reads the sums across its blocks and stores them all)."""
     _, T, H, K = q.shape
     BT, BC = chunks.BT, 16
     BK, (warps, stages) = config or fwd_launch_config(K, q.dtype)
@@ -517,7 +526,8 @@ def dplr_intra_fwd(q, k, a, b, gk, scale: float, chunks: Chunks, *, span: float 
                 DIAG_PRECISION=diag_precision(q.dtype), SPAN=span)
     args = (q, k, a, b, gc, gk, *As, wide, chunks.cu_seqlens, chunks.chunk_indices, scale)
     dplr_intra_fwd_kernel[(chunks.NC, H)](q, k, a, b, gk, gc, ag, *args[6:], **meta, FLAG=wide_kernel,
-                                          num_warps=warps, num_stages=stages)
+                                          WIDE_SUMS_ONLY=not gate_sums and K <= BK, num_warps=warps,
+                                          num_stages=stages)
     if wide_kernel:
         # the sub-chunk path keeps K blocks of 32 (its [16, 16] tiles gain nothing from a wider K block)
         if wide_grid not in ("sub_chunk", "chunk"):
@@ -525,4 +535,4 @@ def dplr_intra_fwd(q, k, a, b, gk, scale: float, chunks: Chunks, *, span: float 
         per_chunk = wide_grid == "chunk"
         grid = (chunks.NC if per_chunk else chunks.NC * (BT // BC), H)
         dplr_intra_wide_kernel[grid](*args, **{**meta, "BK": min(BK, 32)}, PER_CHUNK=per_chunk, num_warps=4)
-    return (gc, *As, wide, ag)
+    return (gc if gate_sums else None, *As, wide, ag)

@@ -107,8 +107,9 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, hl, r, bos, 
               H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
               BK: tl.constexpr, BV: tl.constexpr, TRANSITION: tl.constexpr, GATE: tl.constexpr,
               FUSE_OUTPUT: tl.constexpr, STORE_H: tl.constexpr, STORE_R: tl.constexpr, PRESCALED: tl.constexpr,
-              FUSE_WY: tl.constexpr, KT: tl.constexpr, QK_GIVEN: tl.constexpr):
-    """One chunk of the forward pass; returns the state at the chunk's end. PRESCALED (per-channel
+              FUSE_WY: tl.constexpr, KT: tl.constexpr, QK_GIVEN: tl.constexpr, RAW_GATE: tl.constexpr):
+    """One chunk of the forward pass; returns the state at the chunk's end. RAW_GATE (DPLR): g is
+    the raw log gate, and the chunk's sums are formed here (no gate-sum tensor read). PRESCALED (per-channel
     gate): q and k hold the gated rows qg = q exp(G) and kd = k exp(G_C - G) (``wy.recompute_w_u``).
     FUSE_WY (DELTA, scalar or no gate): the read from Ai and the raw rows, R = Ai Diag(beta) (V -
     Diag(gamma) K S), so W and U are never formed (v is V, w and u unused); 2: Ai holds Ai Diag(beta)
@@ -134,7 +135,13 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, hl, r, bos, 
         b_k = tl.load(_rows(k, bos, T, i_t, HK, i_hk, K, i_k, BT, BK), boundary_check=(0, 1))
         dt = b_k.dtype
     if TRANSITION == DPLR:
-        b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
+        if RAW_GATE:
+            # rows past the end load 0, so the sums there repeat the last row's, as chunk_gates_k fills them
+            b_raw = tl.load(_rows(g, bos, T, i_t, H, i_h, K, i_k, BT, BK), boundary_check=(0, 1)).to(tl.float32)
+            b_gk = tl.cumsum(b_raw, axis=0)
+            b_gklast = tl.sum(b_raw, axis=0)
+        else:
+            b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
         b_ek = tl.where(m_row[:, None], exp(b_gklast[None, :] - b_gk), 0.)
         b_hc = b_h.to(dt)
         b_w = tl.load(_rows(w, bos, T, i_t, H, i_h, K, 0, BT, BK), boundary_check=(0, 1))
@@ -283,7 +290,7 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, A2, Ai, beta, h0, o, ht, h, hl, r, 
                      FUSE_OUTPUT: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
                      STORE_H: tl.constexpr, STORE_R: tl.constexpr, UNIFORM: tl.constexpr,
                      WHILE_LOOP: tl.constexpr, PRESCALED: tl.constexpr, FUSE_WY: tl.constexpr,
-                     KT: tl.constexpr, QK_GIVEN: tl.constexpr, OFF32: tl.constexpr):
+                     KT: tl.constexpr, QK_GIVEN: tl.constexpr, OFF32: tl.constexpr, RAW_GATE: tl.constexpr):
     i_k, i_v, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # sequences longest first (Chunks.order); i_nh below is the (sequence, head) pair's state index
     i_n, i_h = tl.load(order + i_nh // H), i_nh % H
@@ -301,7 +308,7 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, A2, Ai, beta, h0, o, ht, h, hl, r, 
         while i_t < NT:
             b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, hl, r, bos, T, boh, i_h, i_k, i_v,
                             scale, H, HK, K, V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R,
-                            PRESCALED, FUSE_WY, KT, QK_GIVEN)
+                            PRESCALED, FUSE_WY, KT, QK_GIVEN, RAW_GATE)
             i_t += 1
     else:
         # compiled: a for loop, which Triton software-pipelines (the next chunk's loads overlap); its
@@ -313,7 +320,7 @@ def state_fwd_kernel(q, k, v, w, u, b, g, A, A2, Ai, beta, h0, o, ht, h, hl, r, 
         for i_t in range(0, NT):
             b_h = _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, hl, r, bos, T, boh, i_h, i_k, i_v,
                             scale, H, HK, K, V, BT, BK, BV, TRANSITION, GATE, FUSE_OUTPUT, STORE_H, STORE_R,
-                            PRESCALED, FUSE_WY, KT, QK_GIVEN)
+                            PRESCALED, FUSE_WY, KT, QK_GIVEN, RAW_GATE)
     if STORE_HT:
         tl.store(_state_block(ht, i_nh, H, K, V, i_k, i_v, BK, BV), b_h, boundary_check=(0, 1))
 
@@ -492,7 +499,8 @@ def _split(state_dtype, dtype: torch.dtype) -> bool:
 def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, b=None, q=None, A=None,
               A2=None, scale: float = 1.0, initial_state=None, output_final_state: bool = False, store_h: bool = True,
               store_r: bool = False, fuse_output: bool = False, state_dtype=None, block_v=None,
-              prescaled: bool = False, Ai=None, beta=None, k_transposed: bool = True, r_dtype=None):
+              prescaled: bool = False, Ai=None, beta=None, k_transposed: bool = True, r_dtype=None,
+              raw_gate: bool = False):
     """The forward state pass (module docstring).
 
     k: [1, T, HK, K] (q likewise, with ``fuse_output``); v: [1, T, H, V]; w, b: [1, T, H, K]; u:
@@ -514,7 +522,8 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
     H, K, V] in ``state_dtype`` (default k's) or None, R [1, T, H, V] in ``r_dtype`` (default v's) or None, o [1,
     T, H, V] in v's dtype or None, final state fp32 or None). ``k_transposed`` (DELTA, scalar or no
     gate): k read as K^T tiles (False: as rows; the tiles made GDN's inference forward 7% faster on
-    the H100, docs/bench/delta.md)."""
+    the H100, docs/bench/delta.md). ``raw_gate`` (dplr): g is the raw log gate [1, T, H, K], whose
+    chunk sums the pass forms itself (no gate-sum tensor written before it or read)."""
     _, T, HK, K = k.shape
     H, V = v.shape[2], v.shape[-1]
     # the third stage where it is measured faster: no h kept, the read formed here, a scalar gate
@@ -552,6 +561,8 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
         raise ValueError("`A` (the output's scores) for the delta transition needs `fuse_output`")
     if fuse_wy and (transition != "delta" or _gate_kind(g) == 2):
         raise ValueError("`Ai` (the fused W/U read) needs the delta transition and a scalar or no gate")
+    if raw_gate and (transition != "dplr" or _gate_kind(g) != 2):
+        raise ValueError("`raw_gate` needs the dplr transition and a per-channel `g`")
     hi, lo = (h[0], h[1]) if store_h and split else (h, None)
     state_fwd_kernel[grid](q, k, v, w, u, b, g, A, A2, Ai, beta, initial_state, o, ht, hi, lo, r, chunks.cu_seqlens,
                            chunks.chunk_offsets, chunks.order, scale, chunks.NT or 0, H=H, HK=HK, K=K, V=V,
@@ -560,7 +571,8 @@ def state_fwd(transition: str, k, v, chunks: Chunks, *, g=None, w=None, u=None, 
                            STORE_H=2 if store_h and split else store_h, STORE_R=store_r, UNIFORM=uniform,
                            WHILE_LOOP=while_loops(),
                            PRESCALED=prescaled, FUSE_WY=fuse_wy, KT=kt, QK_GIVEN=qk_given,
-                           OFF32=_off32(q, k, v, w, u, b, g, A, A2, Ai, beta, o, r), num_warps=warps, num_stages=stages)
+                           OFF32=_off32(q, k, v, w, u, b, g, A, A2, Ai, beta, o, r), RAW_GATE=raw_gate,
+                           num_warps=warps, num_stages=stages)
     return h, r, o, ht
 
 

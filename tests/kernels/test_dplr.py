@@ -548,3 +548,58 @@ def test_dplr_gate_sums_default():
     assert not rule(DplrLaunch(), 64, torch.float32) and not rule(DplrLaunch(bwd_gate_sums=False), 64, torch.bfloat16)
     with pytest.raises(ValueError, match="bwd_gate_sums"):
         DplrLaunch(bwd_gate_sums=1)
+
+
+@pytest.mark.parametrize("dtype, K, V, grad", [(torch.float32, 16, 32, True), (torch.float16, 32, 40, True),
+                                               (torch.float32, 80, 72, True), (torch.float32, 32, 24, False)])
+def test_dplr_fwd_gate_sums_in_the_state_pass(dtype, K, V, grad, monkeypatch):
+    """``DplrLaunch(fwd_gate_sums=True)``: the forward state pass forms the gate's chunk sums from the raw
+    log gate; the intra kernel returns none (where K fits its one key block it stores them for the wide
+    chunks alone, which its sub-chunk path reads). Output, final state and every gradient match float64
+    (varlen with an empty sequence, a wide chunk between narrow ones, a short last chunk, K = 80 over
+    several key blocks, V not a power of two), with and without a backward."""
+    seen = []
+    real = dplr.state_fwd
+
+    def spy(transition, k, v, chunks, **kw):
+        seen.append((kw.get("raw_gate", False), kw["g"]))
+        return real(transition, k, v, chunks, **kw)
+    monkeypatch.setattr(dplr, "state_fwd", spy)
+    intra = dplr.dplr_intra_fwd
+    sums = []
+    monkeypatch.setattr(dplr, "dplr_intra_fwd", lambda *a, **kw: sums.append(kw["gate_sums"]) or intra(*a, **kw))
+    gen = generator()
+    t = torch.arange(150)
+    x = _inputs("rwkv7", 150, H=2, K=K, V=V, gen=gen, w_scale=torch.where(t // 64 == 1, 8.0, 1.0))
+    cu = torch.tensor([0, 70, 70, 150])
+    launch = DplrLaunch(fwd_gate_sums=True)
+    if grad:
+        _check("rwkv7", x, dtype=dtype, cu_seqlens=cu, gen=gen, launch=launch)
+    else:
+        with torch.no_grad():
+            o, ht = kernels.chunk_rwkv7(**{n: v.to(dtype) for n, v in x.items()}, scale=K ** -0.5,
+                                        output_final_state=True, cu_seqlens=cu, launch=launch)
+        ro, rht = ops.chunk_rwkv7(**{n: v.double() for n, v in x.items()}, scale=K ** -0.5, output_final_state=True,
+                                  cu_seqlens=cu, backend="reference")
+        assert rel_err(o, ro) < TOL[dtype] and rel_err(ht, rht) < TOL[dtype], (rel_err(o, ro), rel_err(ht, rht))
+    # the forward's pass read the raw gate; the backward's forms its own sums (or reads chunk_cumsum's)
+    assert seen[0][0] and seen[0][1].shape == (1, 150, 2, K) and sums[0] is False
+    assert all(not raw for raw, _ in seen[1:])
+
+
+def test_dplr_fwd_gate_sums_default():
+    """The forward's gate sums in the pass: off unless asked (``FWD_GATE_SUMS_MAX_K`` 0 until timed); asked, they
+    apply where the pass forms the output; the flag's type; ``state_fwd`` refuses a raw gate elsewhere."""
+    rule = dplr.fwd_gate_sums_in_pass
+    assert rule(DplrLaunch(fwd_gate_sums=True), 128, torch.float32)
+    assert not rule(DplrLaunch(fwd_gate_sums=False), 64, torch.bfloat16)
+    assert rule(DplrLaunch(), 64, torch.bfloat16) == (dplr.FWD_GATE_SUMS_MAX_K >= 64)
+    assert not rule(DplrLaunch(), 64, torch.float16)
+    with pytest.raises(ValueError, match="fwd_gate_sums"):
+        DplrLaunch(fwd_gate_sums="yes")
+    from fastweight.kernels.common import prepare_chunks
+    from fastweight.kernels.state import state_fwd
+    chunks = prepare_chunks(None, 1, 64, 64, "cpu")
+    with pytest.raises(ValueError, match="raw_gate"):
+        state_fwd("decay", torch.zeros(1, 64, 1, 16), torch.zeros(1, 64, 1, 16), chunks, g=torch.zeros(1, 64, 1, 16),
+                  raw_gate=True)

@@ -20,22 +20,32 @@ ks(){ tree $1; f=$T/$1/fastweight/kernels/key_sum.py
   sed -i "s/^LOOP_STAGES = None/LOOP_STAGES = $2/; s/^NUM_WARPS = 4/NUM_WARPS = $3/; s/^BT, BV = 64, 64/BT, BV = 64, $4/" $f
   grep -q "^LOOP_STAGES = $2" $f && grep -q "^NUM_WARPS = $3" $f && grep -q "^BT, BV = 64, $4" $f || { log "sed failed for $1"; exit 1; }; }
 ks ks8 None 8 64; ks p34 3 4 128; ks p38 3 8 128; ks p28 2 8 128
+tree fg     # RWKV-7's forward state pass forms its gate sums (session 34): the intra kernel stores none
+sed -i "s/^FWD_GATE_SUMS_MAX_K = 0/FWD_GATE_SUMS_MAX_K = 64/" $T/fg/fastweight/kernels/dplr.py
+grep -q "^FWD_GATE_SUMS_MAX_K = 64" $T/fg/fastweight/kernels/dplr.py || { log "sed failed for fg"; exit 1; }
 ot(){ t=$1; shift; (cd $T/$t && python -m fastweight.bench.ops_time "$@" --label $t 2>&1 | grep -v -i warn | tee -a $L); }
 SG64="simple_gla:8,16384,64,64"; SG128="simple_gla:4,8192,16,128"; LA="linear_attn:8,16384,64,64;linear_attn:4,8192,16,128"
+RW="rwkv7:8,16384,64,64"
 # 1. compile every tree in parallel (and the fuzz of the variants, which must pass before any merge)
 for t in m q41 q82 r128; do (cd $T/$t && python -m fastweight.bench.ops_time --cases "$SG64;$SG128" --warm >/dev/null 2>&1) & done
 for t in m ks8 p34 p38 p28; do (cd $T/$t && python -m fastweight.bench.ops_time --cases "$LA" --warm >/dev/null 2>&1) & done
+for t in m fg; do (cd $T/$t && python -m fastweight.bench.ops_time --cases "$RW;kda:4,8192,16,128" --warm >/dev/null 2>&1) & done
 mkdir -p $OUT/fz
 (cd $T/r128 && timeout 150 python -m fastweight.bench.gpu_fuzz --ops simple_gla,retention --dtypes bf16,fp16 --modes chunk --budget 110 --grace 30 --seed 34001 --workers 4 --out $OUT/fz > $OUT/fz.txt 2>&1) &
 mkdir -p $OUT/fzk
-(cd $T/p34 && timeout 150 python -m fastweight.bench.gpu_fuzz --ops linear_attn --dtypes bf16,fp16 --modes chunk,fused_recurrent --budget 110 --grace 30 --seed 34002 --workers 4 --out $OUT/fzk > $OUT/fzk.txt 2>&1) &
-wait; log "compiled"; tail -2 $OUT/fz.txt | tee -a $L; tail -2 $OUT/fzk.txt | tee -a $L
-# 2. A/B, alternated
-for r in 1 2; do [ $SECONDS -lt 330 ] || break
-  for t in m q41 q82 r128; do ot $t --cases "$SG64;$SG128" --rep 100; done
-  for t in m ks8 p34 p38 p28; do ot $t --cases "$LA" --rep 100; done
+(cd $T/p34 && timeout 150 python -m fastweight.bench.gpu_fuzz --ops linear_attn --dtypes bf16,fp16 --modes chunk,fused_recurrent --budget 110 --grace 30 --seed 34002 --workers 3 --out $OUT/fzk > $OUT/fzk.txt 2>&1) &
+mkdir -p $OUT/fzg
+(cd $T/fg && timeout 150 python -m fastweight.bench.gpu_fuzz --ops rwkv7,dplr_delta_rule --dtypes bf16 --modes chunk --budget 110 --grace 30 --seed 34003 --workers 3 --out $OUT/fzg > $OUT/fzg.txt 2>&1) &
+wait; log "compiled"; for f in fz fzk fzg; do tail -2 $OUT/$f.txt | tee -a $L; done
+# 2. A/B, alternated; the profiles after the first round
+for r in 1 2; do [ $SECONDS -lt 440 ] || break
+  for t in m q41 q82 r128; do [ $SECONDS -lt 500 ] && ot $t --cases "$SG64;$SG128" --rep 100; done
+  for t in m ks8 p34 p38 p28; do [ $SECONDS -lt 500 ] && ot $t --cases "$LA" --rep 100; done
+  for t in m fg; do [ $SECONDS -lt 500 ] && ot $t --cases "$RW" --rep 400; done
+  if [ $r = 1 ]; then
+    ot r128 --cases "$SG64" --profile fb
+    # where KDA's forward and RWKV-7's time go now (issue 17's KDA forward, issue 18)
+    ot m --cases "kda:4,8192,16,128;$RW" --profile fwd
+  fi
 done
-[ $SECONDS -lt 360 ] && ot r128 --cases "$SG64" --profile fb
-# where KDA's forward and RWKV-7's time go now (issue 17's KDA forward, issue 18)
-[ $SECONDS -lt 380 ] && ot m --cases "kda:4,8192,16,128;rwkv7:8,16384,64,64" --profile fwd
 echo "[$SECONDS] end" | tee -a $L
