@@ -41,6 +41,10 @@ SOLVE_WU_KDA = False
 # the dtypes it is on for: timed in bf16; fp16's 3 x TF32 merge spills 24-160 B a thread in it and fp32's
 # exact dots kilobytes (sm_90), untimed, so they keep recompute_w_u
 SOLVE_WU_DTYPES = (torch.bfloat16,)
+# the per-channel gate's chunk sums formed in the intra kernel (``intra_fwd(g=...)``) instead of by a
+# ``chunk_cumsum`` pass before it (KDA without the gate's activation in the kernel), for these dtypes;
+# none by default: untimed
+INTRA_GATE_SUMS_DTYPES = ()
 
 
 def _pack(x):
@@ -70,7 +74,9 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
     backward must recompute W (docs/bench/delta.md)."""
     g_cum = gk_cum = Aqk = Akk = g_read = w = u = None
     A_log, dt_bias = gate
-    if g is not None and g.dim() == 4:
+    if g is not None and g.dim() == 4 and A_log is None and q.dtype in INTRA_GATE_SUMS_DTYPES:
+        Aqk, Akk, gk_cum = intra_fwd(q, k, None, chunks, g=g)
+    elif g is not None and g.dim() == 4:
         gk_cum = chunk_cumsum(g, chunks, A_log=A_log, dt_bias=dt_bias)
         Aqk, Akk = intra_fwd(q, k, gk_cum, chunks)
     else:

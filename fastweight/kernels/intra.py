@@ -168,9 +168,12 @@ def _fwd_row(q, k, g, Aqk, Akk, T, t0, R: tl.constexpr, HK: tl.constexpr, H: tl.
 
 
 @triton.jit
-def intra_fwd_kernel(q, k, g, Aqk, Akk, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
+def intra_fwd_kernel(q, k, g, g_raw, Aqk, Akk, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
                      K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr,
-                     DIAG_PRECISION: tl.constexpr):
+                     DIAG_PRECISION: tl.constexpr, GATE_SUMS: tl.constexpr):
+    """One program per (chunk, head). GATE_SUMS: the chunk's gate sums are formed here from the raw log
+    gate g_raw and stored to g (``chunk_cumsum``'s), then read back by the row blocks: the barrier makes
+    one thread's stores visible to the others (they hit L2)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
@@ -181,6 +184,13 @@ def intra_fwd_kernel(q, k, g, Aqk, Akk, cu_seqlens, chunk_indices, H: tl.constex
     g += (bos * H + i_h) * K
     Aqk += (bos * H + i_h) * BT
     Akk += (bos * H + i_h) * BT
+    if GATE_SUMS:
+        g_raw += (bos * H + i_h) * K
+        p_raw = tl.make_block_ptr(g_raw, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
+        p_g = tl.make_block_ptr(g, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
+        b_g = tl.cumsum(tl.load(p_raw, boundary_check=(0, 1)).to(tl.float32), axis=0)
+        tl.store(p_g, b_g, boundary_check=(0, 1))
+        tl.debug_barrier()
     for R in tl.static_range(4):
         _fwd_row(q, k, g, Aqk, Akk, T, t0, R, HK, H, K, BK, BT, SPAN, DIAG_PRECISION)
 
@@ -343,17 +353,27 @@ def intra_bwd_kernel(q, k, g, dAqk, dAkk, dq, dk, dg, dq16, dk16, cu_seqlens, ch
                                     HK, H, K, BK, BT, SPAN, OFF_P, OUT16)
 
 
-def intra_fwd(q, k, g_cum, chunks: Chunks, *, num_warps: int | None = None):
+def intra_fwd(q, k, g_cum, chunks: Chunks, *, num_warps: int | None = None, g=None):
     """q, k: [1, T, HK, K]; g_cum: [1, T, H, K] -> (Aqk in q's dtype, Akk float32), [1, T, H, BT]
-    (no scale, no beta)."""
+    (no scale, no beta). With the raw log gate ``g`` [1, T, H, K] instead (``g_cum`` None), the kernel
+    forms the chunk sums itself (no ``chunk_cumsum`` pass before it) and returns (Aqk, Akk, g_cum), g_cum
+    fp32 as ``chunk_cumsum(g)``."""
+    if (g_cum is None) == (g is None):
+        raise ValueError("intra_fwd: give the gate sums `g_cum` or the raw log gate `g`, not both")
     _, T, HK, K = k.shape
-    H = g_cum.shape[2]
+    H = (g_cum if g is None else g).shape[2]
     f32 = dict(dtype=torch.float32, device=k.device)
+    sums = g is not None
+    if sums:
+        g = g.contiguous()
+        g_cum = alloc(g.shape, **f32)
     Aqk, Akk = alloc((1, T, H, chunks.BT), dtype=q.dtype, device=k.device), alloc((1, T, H, chunks.BT), **f32)
-    intra_fwd_kernel[(chunks.NC, H)](q, k, g_cum, Aqk, Akk, chunks.cu_seqlens, chunks.chunk_indices, H=H, HK=HK,
-                                     K=K, BT=chunks.BT, BK=max(16, triton.next_power_of_2(K)), SPAN=SAFE_SPAN,
-                                     DIAG_PRECISION=_diag_precision(q.dtype), num_warps=num_warps or _warps(K)[0])
-    return Aqk, Akk
+    intra_fwd_kernel[(chunks.NC, H)](q, k, g_cum, g if sums else g_cum, Aqk, Akk, chunks.cu_seqlens,
+                                     chunks.chunk_indices, H=H, HK=HK, K=K, BT=chunks.BT,
+                                     BK=max(16, triton.next_power_of_2(K)), SPAN=SAFE_SPAN,
+                                     DIAG_PRECISION=_diag_precision(q.dtype), GATE_SUMS=sums,
+                                     num_warps=num_warps or _warps(K)[0])
+    return (Aqk, Akk, g_cum) if sums else (Aqk, Akk)
 
 
 def intra_bwd(q, k, g_cum, dAqk, dAkk, dq, dk, dg, chunks: Chunks, *, num_warps: int | None = None,

@@ -541,3 +541,18 @@ def test_kda_dq_dk_rounded_in_the_intra_backward(G, monkeypatch):
     assert seen == [torch.float16 if G == 1 else None]
     for n in new:
         assert new[n].dtype == low[n].dtype and torch.equal(new[n], old[n]), n
+
+
+@pytest.mark.parametrize("dtype, G", [(torch.float32, 1), (torch.float16, 2)])
+def test_kda_gate_sums_in_the_intra_kernel(dtype, G, monkeypatch):
+    """``delta.INTRA_GATE_SUMS_DTYPES``: KDA's forward forms the gate's chunk sums in its intra kernel, with no
+    ``chunk_cumsum`` pass before it (the backward's reverse sum is the one left); output, final state and every
+    gradient match float64 (varlen with an empty sequence, strong gates in the middle chunk, grouped heads)."""
+    from fastweight.kernels import delta
+    monkeypatch.setattr(delta, "INTRA_GATE_SUMS_DTYPES", (dtype,))
+    real = delta.chunk_cumsum
+    calls = []
+    monkeypatch.setattr(delta, "chunk_cumsum", lambda *a, **kw: calls.append(kw.get("reverse", False))
+                        or real(*a, **kw))
+    check("kda", 1, 150, 2, 16, 24, dtype, G=G, cu_seqlens=torch.tensor([0, 70, 70, 150]), gate_scale=4.0)
+    assert calls == [True]

@@ -395,3 +395,23 @@ def test_solve_forms_gated_w_u(dtype):
     assert rel_err(u2, u) < tol, f"U {rel_err(u2, u):.3g}"
     with pytest.raises(ValueError, match="`wu`"):
         solve(Akk, beta, ch, dtype=dtype, precision_of=dtype, wu=(k, v, gk_cum[..., :16], q))
+
+
+@pytest.mark.parametrize("Kx", [32, 20])
+def test_intra_forms_the_gate_sums(Kx):
+    """``intra_fwd(g=...)``: the kernel forms the chunk sums from the raw log gate and returns them with the
+    scores; all three bit-equal to ``chunk_cumsum`` then ``intra_fwd`` (varlen with an empty sequence, a
+    short last chunk, K = 20 padded); both or neither of the gate's forms is refused."""
+    gen = generator(7)
+    q, k = torch.randn(1, T, H, Kx, generator=gen), torch.randn(1, T, H, Kx, generator=gen)
+    gk = -torch.rand(1, T, H, Kx, generator=gen)
+    ch = prepare_chunks(torch.tensor([0, 37, 37, T]), 1, T, 64, "cpu")
+    G = chunk_cumsum(gk, ch)
+    Aqk, Akk, G_kernel = intra_fwd(q, k, None, ch, g=gk)
+    assert torch.equal(G_kernel, G)
+    want_qk, want_kk = intra_fwd(q, k, G, ch)
+    assert torch.equal(Aqk, want_qk) and torch.equal(Akk, want_kk)
+    with pytest.raises(ValueError, match="not both"):
+        intra_fwd(q, k, G, ch, g=gk)
+    with pytest.raises(ValueError, match="not both"):
+        intra_fwd(q, k, None, ch)
