@@ -256,6 +256,11 @@ BK_OUT = BV_OUT = MIN_DOT_BLOCK
 # off simple_gla's 2.29 ms fwd+bwd at (4, 8192, 16, 128) and 0.88 / 2.44 ms off GLA's 37.7 at
 # (8, 16384, 64, 64), against 8 warps and 2 stages; the dq/dk kernel runs 8 warps with one stage.
 OUTPUT_FWD_CONFIG, BWD_DV_CONFIG, BWD_DQK_CONFIG = (4, 3), (4, 3), (8, 1)
+# The dq/dk kernel capped at BWD_DQK_MAXNREG registers a thread where K <= 64 in bf16: two 8-warp programs an SM
+# where one fitted at 198 registers (248 B of stack, sm_90). H100 simple_gla (8, 16384, 64, 64) fwd+bwd 18.17 ->
+# 17.52 ms; at K = 128 the cap spills a kilobyte and lost 60% (2.86 -> 4.59), so it keeps no cap there; fp16
+# untimed (docs/bench/runs-2026-12-07-s34.md).
+BWD_DQK_MAXNREG, BWD_DQK_MAXNREG_MAX_K, BWD_DQK_MAXNREG_DTYPES = 128, 64, (torch.bfloat16,)
 # The dq/dk kernel's wide form (``wide_dqk``): all of K <= 128 in one key block, the scores do v^T formed
 # from the do, v tiles it loads, so that they are loaded once a chunk rather than once per 64 keys and
 # the dv kernel stores no dA. H100 simple_gla fwd+bwd: (4, 8192, 16, 128) 3.136 -> 2.872 ms in bf16 and
@@ -321,6 +326,11 @@ def bwd_dv(q, k, v, gq, gc, A, dh, do, scale: float, chunks: Chunks, exclusive: 
     return dv, dA
 
 
+def _dqk_cap(K: int, dtype: torch.dtype) -> dict:
+    """The dq/dk launch's register cap (``BWD_DQK_MAXNREG``), where it was timed faster."""
+    return dict(maxnreg=BWD_DQK_MAXNREG) if K <= BWD_DQK_MAXNREG_MAX_K and dtype in BWD_DQK_MAXNREG_DTYPES else {}
+
+
 def bwd_dqk(q, k, v, gq, gc, h, dh, do, dA, scale: float, chunks: Chunks, exclusive: bool):
     """dq, dk (inputs' dtype) and, with a scalar gate, dg [1, T, H] fp32: the gradient of each
     token's log gate (inclusive readout only). h, dh [NC, H, K, V], or both split [2, NC, H, K, V]
@@ -351,5 +361,5 @@ def bwd_dqk(q, k, v, gq, gc, h, dh, do, dA, scale: float, chunks: Chunks, exclus
                                              DOT_PRECISION=dot_precision(q.dtype),
                                              SPLIT=split, FORM_DA=form,
                                              num_warps=BWD_DQK_CONFIG[0],
-                                             num_stages=BWD_DQK_CONFIG[1])
+                                             num_stages=BWD_DQK_CONFIG[1], **_dqk_cap(K, q.dtype))
     return dq, dk, (dg.sum(0, keepdim=True) if dg is not None else None)

@@ -215,6 +215,19 @@ def test_wide_dqk_form_at_small_k(op, monkeypatch):
     _check(op, _inputs(op, 130, H=2, K=48, V=40, gen=gen), cu_seqlens=cu, gen=gen)
 
 
+def test_dqk_register_cap(monkeypatch):
+    """The dq/dk launch is capped at ``BWD_DQK_MAXNREG`` registers for bf16 at K <= 64 (timed there) and nowhere
+    else; the capped launch (here through the dtype switch in fp32) gives the op's values (K = 48, varlen)."""
+    cap = decay_output._dqk_cap
+    assert cap(64, torch.bfloat16) == {"maxnreg": decay_output.BWD_DQK_MAXNREG} == cap(16, torch.bfloat16)
+    assert cap(128, torch.bfloat16) == {} and cap(64, torch.float16) == {} and cap(64, torch.float32) == {}
+    monkeypatch.setattr(decay_output, "BWD_DQK_MAXNREG_DTYPES", (torch.float32,))
+    assert cap(48, torch.float32)
+    gen = generator()
+    cu = torch.tensor([0, 37, 37, 130], dtype=torch.int64)
+    _check("simple_gla", _inputs("simple_gla", 130, H=2, K=48, V=40, gen=gen), cu_seqlens=cu, gen=gen)
+
+
 def test_wide_dqk_policy():
     """The wide form is taken for K <= 128 in bf16 and fp16 (the timed cases) and refused elsewhere; the
     exclusive readout without a per-channel gate's scores is refused by name."""

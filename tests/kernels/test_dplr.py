@@ -588,13 +588,13 @@ def test_dplr_fwd_gate_sums_in_the_state_pass(dtype, K, V, grad, monkeypatch):
 
 
 def test_dplr_fwd_gate_sums_default():
-    """The forward's gate sums in the pass: off unless asked (``FWD_GATE_SUMS_MAX_K`` 0 until timed); asked, they
-    apply where the pass forms the output; the flag's type; ``state_fwd`` refuses a raw gate elsewhere."""
+    """The forward's gate sums in the pass: by default for bf16 at K <= 64 (timed there), elsewhere when asked;
+    the flag's type; ``state_fwd`` refuses a raw gate outside the dplr transition."""
     rule = dplr.fwd_gate_sums_in_pass
     assert rule(DplrLaunch(fwd_gate_sums=True), 128, torch.float32)
     assert not rule(DplrLaunch(fwd_gate_sums=False), 64, torch.bfloat16)
-    assert rule(DplrLaunch(), 64, torch.bfloat16) == (dplr.FWD_GATE_SUMS_MAX_K >= 64)
-    assert not rule(DplrLaunch(), 64, torch.float16)
+    assert rule(DplrLaunch(), 64, torch.bfloat16) and rule(DplrLaunch(), 16, torch.bfloat16)
+    assert not rule(DplrLaunch(), 128, torch.bfloat16) and not rule(DplrLaunch(), 64, torch.float16)
     with pytest.raises(ValueError, match="fwd_gate_sums"):
         DplrLaunch(fwd_gate_sums="yes")
     from fastweight.kernels.common import prepare_chunks
