@@ -32,7 +32,9 @@ Tolerance (:func:`tolerance`), per field, as ``||x - ref|| <= rtol ||ref|| + ato
 - A parameter shared by every token (g_gamma, A_log, dt_bias) has its gradient summed over
   tokens, so its error is the per-token error times ``||sum_t |c_t||| / ||sum_t c_t||`` (c_t the
   per-token contributions, read from the truth): that cancellation ratio scales its float32
-  rtol and its rounding floor.
+  rtol and its rounding floor, the floor being the per-token contributions' resolution (the truth's
+  c_t rounded to the dtype), not the rounding of the few summed values alone, which is one draw
+  (g_gamma's two entries can round almost exactly: a floor 5x below the per-token one, GPU fuzz).
 - atol = :data:`ATOL` times the case's scale (the largest RMS among the truth's fields), for
   references near zero (a gate's gradient where the state it multiplies is zero, say).
 
@@ -152,21 +154,27 @@ def forward_backward(case: Case, inputs: dict, backend: str, cotangents: dict, d
     return out
 
 
-def cancellation(case: Case, want: dict) -> dict:
-    """Per summed parameter, ``||sum_t |contribution_t||| / ||sum_t contribution_t||`` from the truth."""
-    dg, ratios = want.get("_dg"), {}
+def cancellation(case: Case, want: dict) -> tuple[dict, dict]:
+    """Per summed parameter, ``||sum_t |contribution_t||| / ||sum_t contribution_t||`` from the truth, and the
+    contributions' resolution in the case's dtype (their relative error rounded to it)."""
+    dg, ratios, parts = want.get("_dg"), {}, {}
     if dg is None:
-        return ratios
+        return ratios, {}
     dg, want = dg.detach(), {n: t.detach() for n, t in want.items() if isinstance(t, torch.Tensor)}
     tokens = lambda t: t.abs().sum((0, 1)).flatten()  # noqa: E731
     if "dg_gamma" in want:
-        ratios["dg_gamma"] = tokens(dg).norm() / want["dg_gamma"].norm()
+        parts["dg_gamma"] = dg
     if "dA_log" in want:
         contrib = dg * want["_g"]
-        ratios["dA_log"] = tokens(contrib if contrib.dim() == 3 else contrib.sum(-1)).norm() / want["dA_log"].norm()
+        parts["dA_log"] = contrib if contrib.dim() == 3 else contrib.sum(-1)
         # d dt_bias = sum_t d(pre-activation)_t; the pre-activation's gradient is the input g's
-        ratios["ddt_bias"] = tokens(want["dg"]).norm() / want["ddt_bias"].norm()
-    return {n: max(1.0, float(r)) if math.isfinite(float(r)) else 1.0 for n, r in ratios.items()}
+        parts["ddt_bias"] = want["dg"]
+    for name, c in parts.items():
+        ratios[name] = tokens(c).norm() / want[name].norm()
+    ratios = {n: max(1.0, float(r)) if math.isfinite(float(r)) else 1.0 for n, r in ratios.items()}
+    low = DTYPES[case.dtype]
+    resolution = {n: rel_err(c.to(low), c) for n, c in parts.items()} if low in (torch.float16, torch.bfloat16) else {}
+    return ratios, resolution
 
 
 def tolerance(dtype: torch.dtype, floor: float | None, ratio: float, scale: float,
@@ -222,8 +230,11 @@ def _where(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}{at}"
 
 
-def compare(case: Case, got: dict, want: dict, floors: dict | None, ratios: dict) -> tuple[dict, list]:
-    """Rows per field of the truth, and the problems that are not a number (dtype, missing gradient)."""
+def compare(case: Case, got: dict, want: dict, floors: dict | None, ratios: dict,
+            resolution: dict | None = None) -> tuple[dict, list]:
+    """Rows per field of the truth, and the problems that are not a number (dtype, missing gradient);
+    ``resolution``: a summed parameter's per-token contributions' (:func:`cancellation`)."""
+    resolution = resolution or {}
     dtype, rows, problems = DTYPES[case.dtype], {}, list(got["_problems"])
     if got["o"].dtype != dtype:
         problems.append(f"o is {got['o'].dtype}, expected {dtype}")
@@ -241,7 +252,7 @@ def compare(case: Case, got: dict, want: dict, floors: dict | None, ratios: dict
             continue
         x, ratio, floor = x.detach(), ratios.get(name, 1.0), None
         if floors is not None:
-            floor = max(floors[name], rel_err(ref.to(dtype), ref) * ratio)
+            floor = max(floors[name], rel_err(ref.to(dtype), ref) * ratio, resolution.get(name, 0.0) * ratio)
         factor = WY_FLOOR_FACTOR if case.op in WY_OPS and case.mode == "chunk" else FLOOR_FACTOR
         rtol, atol = tolerance(dtype, floor, ratio, scale, factor)
         norm = ref.double().norm().item()
@@ -301,13 +312,13 @@ def check(case: Case, device="cpu") -> Result:
             res.problems.append(f"{getattr(e, 'stage', 'the op')} raised {_where(e)}")
         res.seconds = time.time() - t0
         return res
-    ratios = cancellation(case, want) if case.dtype != "fp64" else {}
+    ratios, resolution = cancellation(case, want) if case.dtype != "fp64" else ({}, {})
     for name, t in nograd.items():   # the inference forward held to the same truth and tolerance
         if t is not None and want.get(name) is not None:
             got[f"{name}_nograd"], want[f"{name}_nograd"] = t, want[name]
             if floors is not None:
                 floors[f"{name}_nograd"] = floors[name]
-    res.rows, problems = compare(case, got, want, floors, ratios)
+    res.rows, problems = compare(case, got, want, floors, ratios, resolution)
     res.problems += problems
     res.seconds = time.time() - t0
     return res

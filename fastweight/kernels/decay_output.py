@@ -257,8 +257,8 @@ BK_OUT = BV_OUT = MIN_DOT_BLOCK
 # (8, 16384, 64, 64), against 8 warps and 2 stages; the dq/dk kernel runs 8 warps with one stage.
 OUTPUT_FWD_CONFIG, BWD_DV_CONFIG, BWD_DQK_CONFIG = (4, 3), (4, 3), (8, 1)
 # The dq/dk kernel capped at BWD_DQK_MAXNREG registers a thread where K <= 64 in bf16: two 8-warp programs an SM
-# where one fitted at 198 registers (248 B of stack, sm_90). H100 simple_gla (8, 16384, 64, 64) fwd+bwd 18.17 ->
-# 17.52 ms; at K = 128 the cap spills a kilobyte and lost 60% (2.86 -> 4.59), so it keeps no cap there; fp16
+# where one fitted at 198 registers (248 B of stack, sm_90). H100 simple_gla (8, 16384, 64, 64) fwd+bwd 18.18 ->
+# 17.52 ms; at K = 128 the cap spills a kilobyte and lost 60% (2.864 -> 4.590), so it keeps no cap there; fp16
 # untimed (docs/bench/runs-2026-12-07-s34.md).
 BWD_DQK_MAXNREG, BWD_DQK_MAXNREG_MAX_K, BWD_DQK_MAXNREG_DTYPES = 128, 64, (torch.bfloat16,)
 # The dq/dk kernel's wide form (``wide_dqk``): all of K <= 128 in one key block, the scores do v^T formed

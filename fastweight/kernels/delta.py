@@ -43,7 +43,7 @@ SOLVE_WU_KDA = False
 SOLVE_WU_DTYPES = (torch.bfloat16,)
 # the per-channel gate's chunk sums formed in the intra kernel (``intra_fwd(g=...)``) instead of by a
 # ``chunk_cumsum`` pass before it (KDA without the gate's activation in the kernel), for these dtypes (H100,
-# KDA (4, 8192, 16, 128) fwd 1.818 -> 1.768 ms, fwd+bwd 7.27 -> 7.23; fp16 and fp32 untimed)
+# KDA (4, 8192, 16, 128) fwd 1.816 -> 1.768 ms, fwd+bwd 7.27 -> 7.23; fp16 and fp32 untimed)
 INTRA_GATE_SUMS_DTYPES = (torch.bfloat16,)
 
 

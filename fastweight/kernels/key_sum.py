@@ -35,7 +35,7 @@ BT, BV = 64, 128
 # The chunk loop's software pipelining: None leaves the loop unannotated, and Triton then prefetches only
 # loads that feed a dot (this kernel has none), so each chunk's loads wait on memory in turn; 3 stages
 # prefetch the next chunks' q, k, o through shared memory (sm_90: 53 KB at K = V = 64). With one 128-wide
-# value block, H100 linear attention (normalize=True) fwd / fwd+bwd: (8, 16384, 64, 64) 3.86 / 18.15 ->
+# value block, H100 linear attention (normalize=True) fwd / fwd+bwd: (8, 16384, 64, 64) 3.86 / 18.14 ->
 # 3.37 / 17.53 ms, (4, 8192, 16, 128) 1.475 / 4.30 -> 0.955 / 4.03 (docs/bench/runs-2026-12-07-s34.md).
 LOOP_STAGES = 3
 NUM_WARPS = 4
