@@ -140,9 +140,11 @@ def test_entries_are_fla_layouts_of_our_state(kind):
 
 def test_layers_share_one_cache_by_layer_idx():
     """Two layers (RWKV-7 layer 0 and 1: the value residual passed between them) share one cache,
-    each at its ``layer_idx``, as an fla model's layers do."""
-    first, second = _layer("rwkv7", 0), _layer("rwkv7", 1)
-    x = _input("rwkv7", T=10)
+    each at its ``layer_idx``, as an fla model's layers do. In float64: the chunked and the whole
+    computation then agree to rounding (~2e-15), where fp32's ~1e-6 reached 1.3e-5 on an input whose
+    output norm amplifies it (seed 15317578905695214833)."""
+    first, second = _layer("rwkv7", 0).double(), _layer("rwkv7", 1).double()
+    x = _input("rwkv7", T=10).double()
     with torch.no_grad():
         o0, _, _, v_first = first(x)
         want = second(o0, v_first=v_first)[0]
@@ -150,7 +152,7 @@ def test_layers_share_one_cache_by_layer_idx():
         for t0, t1 in ((0, 6),) + tuple((t, t + 1) for t in range(6, 10)):
             h, _, _, v = first(x[:, t0:t1], past_key_values=cache, use_cache=True)
             outs.append(second(h, v_first=v, past_key_values=cache, use_cache=True)[0])
-    assert len(cache) == 2 and rel_err(torch.cat(outs, 1), want) <= 1e-5
+    assert len(cache) == 2 and rel_err(torch.cat(outs, 1), want) <= 1e-12
 
 
 def test_cache_advances_without_use_cache():
