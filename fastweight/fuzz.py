@@ -33,8 +33,9 @@ Tolerance (:func:`tolerance`), per field, as ``||x - ref|| <= rtol ||ref|| + ato
   tokens, so its error is the per-token error times ``||sum_t |c_t||| / ||sum_t c_t||`` (c_t the
   per-token contributions, read from the truth): that cancellation ratio scales its float32
   rtol and its rounding floor, the floor being the per-token contributions' resolution (the truth's
-  c_t rounded to the dtype), not the rounding of the few summed values alone, which is one draw
-  (g_gamma's two entries can round almost exactly: a floor 5x below the per-token one, GPU fuzz).
+  c_t, scaled to a largest magnitude of 1, rounded to the dtype), not the rounding of the few summed
+  values alone, which is one draw (g_gamma's two entries rounded almost exactly in a GPU fuzz case:
+  8.0e-5 against 4.0e-4 from the per-token contributions).
 - atol = :data:`ATOL` times the case's scale (the largest RMS among the truth's fields), for
   references near zero (a gate's gradient where the state it multiplies is zero, say).
 
@@ -172,9 +173,20 @@ def cancellation(case: Case, want: dict) -> tuple[dict, dict]:
     for name, c in parts.items():
         ratios[name] = tokens(c).norm() / want[name].norm()
     ratios = {n: max(1.0, float(r)) if math.isfinite(float(r)) else 1.0 for n, r in ratios.items()}
-    low = DTYPES[case.dtype]
-    resolution = {n: rel_err(c.to(low), c) for n, c in parts.items()} if low in (torch.float16, torch.bfloat16) else {}
-    return ratios, resolution
+    return ratios, _resolutions(parts, DTYPES[case.dtype])
+
+
+def _resolutions(parts: dict, dtype: torch.dtype) -> dict:
+    """Per summed parameter, its per-token contributions' relative error when rounded to a 16-bit ``dtype``,
+    taken on the contributions scaled to a largest magnitude of 1 (fp16's range does not then decide it:
+    an overflow would make the floor infinite); 0 where they are all zero or not finite."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return {}
+    out = {}
+    for name, c in parts.items():
+        top = c.abs().max()
+        out[name] = rel_err((c / top).to(dtype), c / top) if top > 0 and torch.isfinite(top) else 0.0
+    return out
 
 
 def tolerance(dtype: torch.dtype, floor: float | None, ratio: float, scale: float,

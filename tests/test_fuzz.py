@@ -10,6 +10,7 @@ case with its seed and the command that reruns it. Then the GPU command's CPU sm
 import json
 
 import pytest
+import torch
 
 from fastweight import fuzz
 from fastweight.bench import gpu_fuzz
@@ -113,14 +114,26 @@ def test_rwkv7_fp16_db_with_a_cotangent_shared_along_v():
 def test_summed_parameter_floor_is_the_per_token_resolution():
     """A GPU fuzz failure, as drawn: simple_gla fp16 with g and g_gamma, lengths [1, 43], grouped value heads, a
     constant cotangent. dg_gamma = sum_t dg_t (two entries) had the floor of its own two values rounded to fp16
-    (8.0e-5: both round almost exactly), 3.5x below the per-token dg's (2.25e-4), though its error is the
-    per-token errors summed (the module docstring's rule): the H100 gave 4.26e-4 against a tolerance of 3.2e-4
-    with dg at 0.13x its own. The floor is now the per-token contributions' resolution times the cancellation
+    (8.0e-5: both round almost exactly), though its error is the per-token errors summed (the module
+    docstring's rule; the per-token contributions' resolution times the cancellation ratio is 4.0e-4): the
+    H100 gave 4.26e-4 against a tolerance of 3.2e-4 with dg at 0.13x its own. The floor is now the per-token contributions' resolution times the cancellation
     ratio; the same rule still fails 16-bit chunk states on the state-only cases of tests/kernels/test_decay.py
-    (1.13x and 1.53x, measured when it changed)."""
+    (1.15x and 1.95x, measured when it changed, as under the old floor)."""
     case = fuzz.draw("gpu", "simple_gla", 19655119, "chunk", "triton", "fp16")
     assert (tuple(case.lengths), case.HV, case.do) == ((1, 43), 2, "ones")
     result = fuzz.check(case, "cpu")
     row, dg = result.rows["dg_gamma"], result.rows["dg"]
     assert result.ok, result.line()
-    assert row["floor"] > 2 * dg["floor"] and row["tol"] > 4.26e-4 > 3.3e-4 > row["err"]
+    # the old floor was 8.0e-5 (the two summed values rounded); the per-token one is 4.0e-4
+    assert row["floor"] > max(4 * 8.0e-5, dg["floor"]) and row["tol"] > 4.26e-4 > 3.3e-4 > row["err"]
+
+
+def test_summed_parameter_resolution_is_scale_free():
+    """The per-token resolution is taken on the contributions scaled to a largest magnitude of 1: beyond fp16's
+    range (1e5) and at 1e-6 it is the one figure, finite (an overflow would make the floor, and so the
+    tolerance, infinite); all zero or not finite gives 0; wider dtypes have none."""
+    c = torch.randn(64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    res = [fuzz._resolutions({"x": c * s}, torch.float16)["x"] for s in (1e5, 1.0, 1e-6)]
+    assert 0 < res[0] < 1e-3 and res[0] == pytest.approx(res[1], rel=1e-9) == pytest.approx(res[2], rel=1e-9)
+    assert fuzz._resolutions({"x": torch.zeros(3, dtype=torch.float64)}, torch.bfloat16) == {"x": 0.0}
+    assert fuzz._resolutions({"x": c}, torch.float32) == {}

@@ -51,7 +51,7 @@ from fastweight.kernels.common import SAFE_SPAN, Chunks, prepare_chunks
 from fastweight.kernels.cumsum import chunk_cumsum
 from fastweight.kernels.decay_output import output_fwd
 from fastweight.kernels.dplr_bwd import dplr_bwd
-from fastweight.kernels.dplr_intra import dplr_intra_fwd
+from fastweight.kernels.dplr_intra import dplr_intra_fwd, fwd_launch_config
 from fastweight.kernels.state import state_bwd, state_fwd
 from fastweight.kernels.dplr_wy import dplr_solve_wy, dplr_wy_fwd
 from fastweight.kernels.kkt_solve import solve
@@ -150,11 +150,13 @@ FWD_GATE_SUMS_DTYPES = (torch.bfloat16,)
 
 def fwd_gate_sums_in_pass(launch: DplrLaunch, K: int, dtype: torch.dtype) -> bool:
     """Whether the forward state pass forms the gate sums (``DplrLaunch.fwd_gate_sums``; None: K <=
-    ``FWD_GATE_SUMS_MAX_K`` in ``FWD_GATE_SUMS_DTYPES``). Only a forward whose output the pass forms uses
-    it: the output kernel reads the sums too."""
+    ``FWD_GATE_SUMS_MAX_K`` in ``FWD_GATE_SUMS_DTYPES`` where the intra kernel takes K in one key block, the
+    one case in which it then stores no sums). Only a forward whose output the pass forms uses it: the
+    output kernel reads the sums too."""
     if launch.fwd_gate_sums is not None:
         return launch.fwd_gate_sums
-    return dtype in FWD_GATE_SUMS_DTYPES and K <= FWD_GATE_SUMS_MAX_K
+    BK = (launch.intra_config or fwd_launch_config(K, dtype))[0]
+    return dtype in FWD_GATE_SUMS_DTYPES and K <= min(FWD_GATE_SUMS_MAX_K, BK)
 
 
 def _intra(q, k, a, b, gk, scale: float, chunks: Chunks, launch: DplrLaunch, gate_sums: bool = True):

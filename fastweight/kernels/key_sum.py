@@ -34,9 +34,10 @@ MAX_K = 256
 BT, BV = 64, 128
 # The chunk loop's software pipelining: None leaves the loop unannotated, and Triton then prefetches only
 # loads that feed a dot (this kernel has none), so each chunk's loads wait on memory in turn; 3 stages
-# prefetch the next chunks' q, k, o through shared memory (sm_90: 53 KB at K = V = 64). With one 128-wide
-# value block, H100 linear attention (normalize=True) fwd / fwd+bwd: (8, 16384, 64, 64) 3.86 / 18.14 ->
-# 3.37 / 17.53 ms, (4, 8192, 16, 128) 1.475 / 4.30 -> 0.955 / 4.03 (docs/bench/runs-2026-12-07-s34.md).
+# prefetch the next chunks' q, k, o through shared memory. With one 128-wide value block, H100 linear
+# attention (normalize=True) fwd / fwd+bwd: (8, 16384, 64, 64) 3.86 / 18.14 -> 3.38 / 17.53 ms, (4, 8192,
+# 16, 128) 1.475 / 4.30 -> 0.955 / 4.03 (docs/bench/runs-2026-12-07-s34.md). For 16-bit inputs only
+# (``loop_stages``): fp32's stages at K = 256 need 264-329 KB of shared memory (sm_90 has 227).
 LOOP_STAGES = 3
 NUM_WARPS = 4
 
@@ -182,8 +183,14 @@ def _launch(q, o):
     _, _, H, K = q.shape
     HV, V = o.shape[2], o.shape[3]
     return dict(H=H, G=HV // H, K=K, V=V, BT=BT, BK=max(16, triton.next_power_of_2(K)),
-                BV=min(BV, max(16, triton.next_power_of_2(V))), WHILE_LOOP=while_loops(), LOOP_STAGES=LOOP_STAGES,
-                num_warps=NUM_WARPS)
+                BV=min(BV, max(16, triton.next_power_of_2(V))), WHILE_LOOP=while_loops(),
+                LOOP_STAGES=loop_stages(q.dtype), num_warps=NUM_WARPS)
+
+
+def loop_stages(dtype: torch.dtype):
+    """The chunk loop's pipelining stages for inputs of ``dtype``: ``LOOP_STAGES`` for 16-bit ones, None
+    (unannotated) for fp32, whose prefetch buffers do not fit in shared memory at the larger K."""
+    return LOOP_STAGES if dtype in (torch.float16, torch.bfloat16) else None
 
 
 class KeySumNormalize(torch.autograd.Function):

@@ -550,14 +550,19 @@ def test_dplr_gate_sums_default():
         DplrLaunch(bwd_gate_sums=1)
 
 
-@pytest.mark.parametrize("dtype, K, V, grad", [(torch.float32, 16, 32, True), (torch.float16, 32, 40, True),
-                                               (torch.float32, 80, 72, True), (torch.float32, 32, 24, False)])
-def test_dplr_fwd_gate_sums_in_the_state_pass(dtype, K, V, grad, monkeypatch):
+@pytest.mark.parametrize("dtype, K, V, grad, extra", [(torch.float32, 16, 32, True, {}),
+                                                      (torch.float16, 32, 40, True, {}),
+                                                      (torch.float32, 80, 72, True, {}),
+                                                      (torch.float32, 32, 24, False, {}),
+                                                      (torch.float32, 16, 32, True, {"recompute": True}),
+                                                      (torch.float32, 16, 32, True, {"wide_kernel": False})])
+def test_dplr_fwd_gate_sums_in_the_state_pass(dtype, K, V, grad, extra, monkeypatch):
     """``DplrLaunch(fwd_gate_sums=True)``: the forward state pass forms the gate's chunk sums from the raw
     log gate; the intra kernel returns none (where K fits its one key block it stores them for the wide
     chunks alone, which its sub-chunk path reads). Output, final state and every gradient match float64
     (varlen with an empty sequence, a wide chunk between narrow ones, a short last chunk, K = 80 over
-    several key blocks, V not a power of two), with and without a backward."""
+    several key blocks, V not a power of two), with and without a backward, with a backward that recomputes
+    the forward (whose own pass reads the sums) and with the sub-chunk path inside the intra kernel."""
     seen = []
     real = dplr.state_fwd
 
@@ -572,7 +577,7 @@ def test_dplr_fwd_gate_sums_in_the_state_pass(dtype, K, V, grad, monkeypatch):
     t = torch.arange(150)
     x = _inputs("rwkv7", 150, H=2, K=K, V=V, gen=gen, w_scale=torch.where(t // 64 == 1, 8.0, 1.0))
     cu = torch.tensor([0, 70, 70, 150])
-    launch = DplrLaunch(fwd_gate_sums=True)
+    launch = DplrLaunch(fwd_gate_sums=True, **extra)
     if grad:
         _check("rwkv7", x, dtype=dtype, cu_seqlens=cu, gen=gen, launch=launch)
     else:
@@ -584,7 +589,9 @@ def test_dplr_fwd_gate_sums_in_the_state_pass(dtype, K, V, grad, monkeypatch):
         assert rel_err(o, ro) < TOL[dtype] and rel_err(ht, rht) < TOL[dtype], (rel_err(o, ro), rel_err(ht, rht))
     # the forward's pass read the raw gate; the backward's forms its own sums (or reads chunk_cumsum's)
     assert seen[0][0] and seen[0][1].shape == (1, 150, 2, K) and sums[0] is False
-    assert all(not raw for raw, _ in seen[1:])
+    # a recomputing backward runs the pass again on the full sums of its own intra call
+    assert [raw for raw, _ in seen[1:]] == ([False] if extra.get("recompute") else [])
+    assert sums[1:] == ([True] if extra.get("recompute") else [])
 
 
 def test_dplr_fwd_gate_sums_default():
@@ -595,6 +602,9 @@ def test_dplr_fwd_gate_sums_default():
     assert not rule(DplrLaunch(fwd_gate_sums=False), 64, torch.bfloat16)
     assert rule(DplrLaunch(), 64, torch.bfloat16) and rule(DplrLaunch(), 16, torch.bfloat16)
     assert not rule(DplrLaunch(), 128, torch.bfloat16) and not rule(DplrLaunch(), 64, torch.float16)
+    # bf16 K in 33..63 takes 32-wide key blocks in the intra kernel, which then stores its sums anyway
+    assert rule(DplrLaunch(), 32, torch.bfloat16) and not rule(DplrLaunch(), 48, torch.bfloat16)
+    assert rule(DplrLaunch(intra_config=(64, (4, 2))), 48, torch.bfloat16)
     with pytest.raises(ValueError, match="fwd_gate_sums"):
         DplrLaunch(fwd_gate_sums="yes")
     from fastweight.kernels.common import prepare_chunks

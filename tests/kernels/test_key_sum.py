@@ -118,3 +118,10 @@ def test_op_takes_the_kernel_with_the_triton_backend(monkeypatch):
     assert rel_err(o_t, o_r) < 2e-5 and rel_err(z_t, z_r) < 2e-6
     ops.chunk_linear_attn(q.double(), k.double(), v.double())
     assert calls == [1]
+
+
+def test_loop_stages_for_16_bit_inputs_only():
+    """The chunk loop is pipelined for 16-bit inputs; fp32's prefetch buffers at K = 256 would need 264-329 KB of
+    shared memory (sm_90 has 227), so its loop stays unannotated."""
+    assert key_sum.loop_stages(torch.bfloat16) == key_sum.loop_stages(torch.float16) == key_sum.LOOP_STAGES
+    assert key_sum.loop_stages(torch.float32) is None
