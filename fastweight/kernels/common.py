@@ -229,6 +229,16 @@ def chunk_gates_k(g, bos, T, i_t, H: tl.constexpr, i_h, i_k, K: tl.constexpr, BT
 
 
 @triton.jit
+def chunk_gates_raw_k(g, bos, T, i_t, H: tl.constexpr, i_h, i_k, K: tl.constexpr, BT: tl.constexpr,
+                      BK: tl.constexpr):
+    """As ``chunk_gates_k``, from the raw per-channel log gate g [1, T, H, K]: the chunk's cumsum formed
+    here (rows past the end load 0, so they repeat the last row's sums) and its total."""
+    p_g = tl.make_block_ptr(g + (bos * H + i_h) * K, (T, K), (H * K, 1), (i_t * BT, i_k * BK), (BT, BK), (1, 0))
+    b_raw = tl.load(p_g, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+    return tl.cumsum(b_raw, axis=0), tl.sum(b_raw, axis=0)
+
+
+@triton.jit
 def chunk_gate_last_k(g, bos, T, i_t, H: tl.constexpr, i_h, i_k, K: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr):
     """G at the chunk's last row [BK], key block i_k, of the per-channel cumsum g [1, T, H, K]."""

@@ -259,7 +259,7 @@ OUTPUT_FWD_CONFIG, BWD_DV_CONFIG, BWD_DQK_CONFIG = (4, 3), (4, 3), (8, 1)
 # The dq/dk kernel capped at BWD_DQK_MAXNREG registers a thread where K <= 64 in bf16: two 8-warp programs an SM
 # where one fitted at 198 registers (248 B of stack, sm_90). H100 simple_gla (8, 16384, 64, 64) fwd+bwd 18.18 ->
 # 17.52 ms; at K = 128 the cap spills a kilobyte and lost 60% (2.864 -> 4.590), so it keeps no cap there; fp16
-# untimed (docs/bench/runs-2026-12-07-s34.md).
+# untimed (docs/bench/decay_dplr.md).
 BWD_DQK_MAXNREG, BWD_DQK_MAXNREG_MAX_K, BWD_DQK_MAXNREG_DTYPES = 128, 64, (torch.bfloat16,)
 # The dq/dk kernel's wide form (``wide_dqk``): all of K <= 128 in one key block, the scores do v^T formed
 # from the do, v tiles it loads, so that they are loaded once a chunk rather than once per 64 keys and

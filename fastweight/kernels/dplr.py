@@ -143,7 +143,7 @@ def gate_sums_in_pass(launch: DplrLaunch, K: int, dtype: torch.dtype) -> bool:
 
 # the forward's gate sums formed in its state pass up to this key size, for FWD_GATE_SUMS_DTYPES (H100, RWKV-7
 # (8, 16384, 64, 64) fwd 16.36 -> 15.73 ms, fwd+bwd 78.52 -> 77.70; a wider K keeps its intra kernel's sums
-# for its key blocks, so nothing is saved there: docs/bench/runs-2026-12-07-s34.md)
+# for its key blocks, so nothing is saved there: docs/bench/decay_dplr.md)
 FWD_GATE_SUMS_MAX_K = 64
 FWD_GATE_SUMS_DTYPES = (torch.bfloat16,)
 

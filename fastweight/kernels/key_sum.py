@@ -36,7 +36,7 @@ BT, BV = 64, 128
 # loads that feed a dot (this kernel has none), so each chunk's loads wait on memory in turn; 3 stages
 # prefetch the next chunks' q, k, o through shared memory. With one 128-wide value block, H100 linear
 # attention (normalize=True) fwd / fwd+bwd: (8, 16384, 64, 64) 3.86 / 18.14 -> 3.38 / 17.53 ms, (4, 8192,
-# 16, 128) 1.475 / 4.30 -> 0.955 / 4.03 (docs/bench/runs-2026-12-07-s34.md). For 16-bit inputs only
+# 16, 128) 1.475 / 4.30 -> 0.955 / 4.03 (docs/bench/decay_dplr.md). For 16-bit inputs only
 # (``loop_stages``): fp32's stages at K = 256 need 264-329 KB of shared memory (sm_90 has 227).
 LOOP_STAGES = 3
 NUM_WARPS = 4

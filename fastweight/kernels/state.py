@@ -32,7 +32,7 @@ end (``dh`` stores it per chunk); Qd = Diag(exp Gq) Q scale (Gq = G, or RWKV-6's
 Rows past a sequence's end read as zero; their gates repeat G_C, so no exponent a padded lane
 forms can overflow. DELTA and DPLR contract all of K against S (W S), so their programs hold the
 whole key dimension; DECAY tiles it, except where it forms the output (one key block, K <=
-``FUSED_DECAY_MAX_K``). ``launch_config`` is the table of blocks, warps and stages for every
+``FUSED_DECAY_MAX_K``). ``launch_config`` (``state_launch.py``) is the table of blocks, warps and stages for every
 transition; ``state_fwd`` widens DECAY's key block and sets two stages at K = 128 for FUSE_OUTPUT.
 """
 
@@ -42,12 +42,13 @@ import torch
 import triton
 import triton.language as tl
 
-from fastweight.kernels.common import (Chunks, alloc, chunk_gate_last_k, chunk_gates, chunk_gates_k, dot_at,
-                                      dot_block, exp, mm, while_loops)
+from fastweight.kernels.common import (Chunks, alloc, chunk_gate_last_k, chunk_gates, chunk_gates_k, chunk_gates_raw_k,
+                                      dot_at, exp, mm, while_loops)
+from fastweight.kernels.state_launch import TRANSITIONS, launch_config
 
-# the transitions, as the kernels' TRANSITION constexpr (a kernel reads globals only as constexprs)
+# the transitions, as the kernels' TRANSITION constexpr (a kernel reads globals only as constexprs; TRANSITIONS
+# maps their names)
 DECAY, DELTA, DPLR = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-TRANSITIONS = {"decay": 0, "delta": 1, "dplr": 2}
 
 
 @triton.jit
@@ -109,7 +110,7 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, hl, r, bos, 
               FUSE_OUTPUT: tl.constexpr, STORE_H: tl.constexpr, STORE_R: tl.constexpr, PRESCALED: tl.constexpr,
               FUSE_WY: tl.constexpr, KT: tl.constexpr, QK_GIVEN: tl.constexpr, RAW_GATE: tl.constexpr):
     """One chunk of the forward pass; returns the state at the chunk's end. RAW_GATE (DPLR): g is
-    the raw log gate, and the chunk's sums are formed here (no gate-sum tensor read). PRESCALED (per-channel
+    the raw log gate, summed here. PRESCALED (per-channel
     gate): q and k hold the gated rows qg = q exp(G) and kd = k exp(G_C - G) (``wy.recompute_w_u``).
     FUSE_WY (DELTA, scalar or no gate): the read from Ai and the raw rows, R = Ai Diag(beta) (V -
     Diag(gamma) K S), so W and U are never formed (v is V, w and u unused); 2: Ai holds Ai Diag(beta)
@@ -136,10 +137,7 @@ def _fwd_step(i_t, b_h, q, k, v, w, u, b, g, A, A2, Ai, beta, o, h, hl, r, bos, 
         dt = b_k.dtype
     if TRANSITION == DPLR:
         if RAW_GATE:
-            # rows past the end load 0, so the sums there repeat the last row's, as chunk_gates_k fills them
-            b_raw = tl.load(_rows(g, bos, T, i_t, H, i_h, K, i_k, BT, BK), boundary_check=(0, 1)).to(tl.float32)
-            b_gk = tl.cumsum(b_raw, axis=0)
-            b_gklast = tl.sum(b_raw, axis=0)
+            b_gk, b_gklast = chunk_gates_raw_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
         else:
             b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
         b_ek = tl.where(m_row[:, None], exp(b_gklast[None, :] - b_gk), 0.)
@@ -349,10 +347,7 @@ def _bwd_step(i_t, b_dh, q, k, w, b, g, gq, A, do, dh, dhl, dr, gs, bos, T, boh,
         b_qd = (b_q * (exp(b_gq) * scale)[:, None]).to(dt)
     elif GATE == 2:
         if GATE_SUMS:
-            # rows past the end load 0, so the sums there repeat the last row's, as chunk_gates_k fills them
-            b_raw = tl.load(_rows(g, bos, T, i_t, H, i_h, K, i_k, BT, BK), boundary_check=(0, 1)).to(tl.float32)
-            b_gk = tl.cumsum(b_raw, axis=0)
-            b_gklast = tl.sum(b_raw, axis=0)
+            b_gk, b_gklast = chunk_gates_raw_k(g, bos, T, i_t, H, i_h, i_k, K, BT, BK)
             if i_v == 0:
                 tl.store(_rows(gs, bos, T, i_t, H, i_h, K, i_k, BT, BK), b_gk, boundary_check=(0, 1))
         else:
@@ -436,48 +431,6 @@ def state_bwd_kernel(q, k, w, b, g, gq, A, do, dht, dh, dhl, dh0, dr, gs, cu_seq
                              i_v, scale, H, HK, K, V, BT, BK, BV, TRANSITION, GATE, GATE_SUMS, SPLIT)
     if STORE_DH0:
         tl.store(_state_block(dh0, i_nh, H, K, V, i_k, i_v, BK, BV), b_dh, boundary_check=(0, 1))
-
-
-def launch_config(transition: str, K: int, V: int, itemsize: int, backward: bool = False,
-                  per_channel: bool = False, block_v: int | None = None,
-                  inference: bool = False) -> tuple[int, int, int, int]:
-    """(BK, BV, num_warps, num_stages) of a state pass: the one table, by transition and shape.
-
-    The value block is 64 (a smaller V padded, masked) for DECAY and DELTA: Triton 3.6 on the
-    H200 addresses shared memory out of range in 16-bit dots over narrower blocks (``common.
-    dot_block``). DECAY tiles K by 64 (8 warps, 3 stages: the fastest of `python -m
-    fastweight.bench.gpu_sweep`). DELTA holds all of K: 8 warps for K = 256 (the [K, BV] fp32
-    state in registers) and for the per-channel (KDA) backward at K = 128, else 4; two stages of
-    prefetch while a chunk's q, k, w tiles fit twice in the H200's 227 KiB of shared memory (up to
-    256 bytes a row), else one; without a per-channel gate in 16 bits, the backward at K = 128 8 warps
-    and 3 stages (GDN: -4% forward+backward), the forward at K <= 64 3 stages (DeltaNet's inference
-    forward -14% on the H100), at K = 128 only for ``inference`` (no h kept, the read formed in the
-    pass, a scalar gate: GDN -6.5% on the H100; the training forward lost 6% with them). DPLR holds
-    all of K and narrows BV
-    to a small V (16 at least); 4 warps 2 stages up to K = 64, else 8 warps and 2 stages (1 at K =
-    256; the forward with its output fused 2 only while a key row fits 256 bytes: fp32 K = 128 would
-    need 262 KB of shared memory): the fastest for RWKV-7 (the fused forward at 16-bit K = 128 spilled
-    400 B a thread at 1 stage and was 7% slower on the H100). Measurements: docs/bench/delta.md,
-    decay_dplr.md."""
-    if transition == "decay":
-        return 64, dot_block(block_v or 64), 8, 3
-    if transition == "delta":
-        BK = triton.next_power_of_2(K)
-        if backward and BK == 128 and itemsize == 2 and not per_channel:
-            return BK, block_v or 64, 8, 3
-        if not backward and (BK <= 64 or (BK == 128 and inference)) and itemsize == 2 and not per_channel:
-            return BK, block_v or 64, 4, 3
-        warps = 8 if K > 128 or (backward and per_channel and K == 128) else 4
-        return BK, block_v or 64, warps, 2 if BK * itemsize <= 256 else 1
-    if transition == "dplr":
-        BK = max(16, triton.next_power_of_2(K))
-        BV = min(block_v or 64, max(16, triton.next_power_of_2(V)))
-        if BK <= 64:
-            return BK, BV, 4, 2
-        if backward:
-            return BK, BV, 8, 2 if BK <= 128 else 1
-        return BK, BV, 8, 2 if BK * itemsize <= 256 else 1
-    raise ValueError(f"transition must be one of {tuple(TRANSITIONS)}, got {transition!r}")
 
 
 # the decay transition's pass forms the output (one key block: all of K) up to this key size
