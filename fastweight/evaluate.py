@@ -439,11 +439,14 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
 
-    def write(name, text):   # whole or not at all: a kill mid-write leaves the previous file
+    def write(name, text):
+        # whole or not at all: a kill mid-write leaves the previous file; the temporary file is the
+        # process's own, so calls that share one --out (different --mixers on one GPU) do not collide
         path = os.path.join(args.out, name)
-        with open(path + ".tmp", "w") as f:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
             f.write(text)
-        os.replace(path + ".tmp", path)
+        os.replace(tmp, path)
 
     def save(results):
         text = report(results, time.perf_counter() - t0, scale, planned=len(experiments))
