@@ -123,7 +123,7 @@ def stages(op, B, T, H, K, device):
     """Each stage of forward and backward on its own (bf16)."""
     from fastweight.kernels.common import prepare_chunks
     from fastweight.kernels.cumsum import chunk_cumsum
-    from fastweight.kernels.delta import _pack, delta_fwd
+    from fastweight.kernels.delta import PARTIAL_DK_DTYPES, WY_GATE_GRAD, _pack, delta_fwd
     from fastweight.kernels.intra import intra_bwd, intra_fwd
     from fastweight.kernels.kkt_solve import kkt_solve, solve
     from fastweight.kernels.output import output_bwd
@@ -166,11 +166,15 @@ def stages(op, B, T, H, K, device):
     res["state_bwd"] = bench_ms(lambda: state_bwd("delta", q, do, ch, **bwd))
     dh, dvt, _ = state_bwd("delta", q, do, ch, **bwd)
     final = torch.float32 if per_channel else q.dtype
+    # as delta.delta_bwd launches them: dk's partial in the inputs' dtype, dg's reverse sum in the WY backward
+    partial = final if final in PARTIAL_DK_DTYPES else torch.float32
+    fold = dict(dg_dtype=g.dtype, dbeta_dtype=beta.dtype) if WY_GATE_GRAD and not per_channel else {}
     res["output_bwd"] = bench_ms(lambda: output_bwd(q, k, g_cum, h, dh, v_new, do, dvt, scale, ch, gk_cum=gk_cum,
-                                                    dq_dtype=final))
-    dq, dk, dw, dg, dAqk = output_bwd(q, k, g_cum, h, dh, v_new, do, dvt, scale, ch, gk_cum=gk_cum, dq_dtype=final)
+                                                    dq_dtype=final, dk_dtype=partial))
+    dq, dk, dw, dg, dAqk = output_bwd(q, k, g_cum, h, dh, v_new, do, dvt, scale, ch, gk_cum=gk_cum, dq_dtype=final,
+                                      dk_dtype=partial)
     res["wy_bwd"] = bench_ms(lambda: wy_bwd(k, v, beta, g_cum, Ai, dw, dvt, dk.clone(), dg.clone(), ch,
-                                            gk_cum=gk_cum, Akk=Akk, dk_dtype=final))
+                                            gk_cum=gk_cum, Akk=Akk, dk_dtype=final, **fold))
     if per_channel:
         dAkk = wy_bwd(k, v, beta, g_cum, Ai, dw, dvt, dk, dg, ch, gk_cum=gk_cum, Akk=Akk)[3]
         res["intra_bwd"] = bench_ms(lambda: intra_bwd(q, k, gk_cum, dAqk, dAkk, dq, dk, dg, ch))

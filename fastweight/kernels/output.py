@@ -28,10 +28,19 @@ from fastweight.kernels.common import Chunks, alloc, chunk_gates, chunk_gates_k,
 
 
 @triton.jit
+def _load_qk(q, k, bos, T, i_t, i_h, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+             BK: tl.constexpr):
+    """The chunk's [BT, BK] tiles of q and k (key head i_h // (H // HK))."""
+    p_q = tl.make_block_ptr(q + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+    p_k = tl.make_block_ptr(k + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
+    return tl.load(p_q, boundary_check=(0, 1)), tl.load(p_k, boundary_check=(0, 1))
+
+
+@triton.jit
 def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, cu_seqlens, chunk_indices, scale,
                       H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr,
-                      BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr):
+                      BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr, QK_FIRST: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
@@ -47,6 +56,8 @@ def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, cu_se
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)
     b_ds = tl.zeros([BT, BT], dtype=tl.float32)
     b_hdh = tl.zeros([BK], dtype=tl.float32)
+    if QK_FIRST:
+        b_q, b_k = _load_qk(q, k, bos, T, i_t, i_h, H, HK, K, BT, BK)
     h += (i_c * H + i_h).to(tl.int64) * K * V
     dh += (i_c * H + i_h).to(tl.int64) * K * V
     for i_v in range(tl.cdiv(V, BV)):
@@ -67,10 +78,8 @@ def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, cu_se
         b_ds += mm(b_do, tl.trans(b_vn))
         if USE_G or USE_GK:
             b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 0)
-    p_q = tl.make_block_ptr(q + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    p_k = tl.make_block_ptr(k + (bos * HK + i_h // (H // HK)) * K, (T, K), (HK * K, 1), (i_t * BT, 0), (BT, BK), (1, 0))
-    b_q = tl.load(p_q, boundary_check=(0, 1))
-    b_k = tl.load(p_k, boundary_check=(0, 1))
+    if not QK_FIRST:
+        b_q, b_k = _load_qk(q, k, bos, T, i_t, i_h, H, HK, K, BT, BK)
     if USE_GK:
         # per-channel gate: the intra-chunk part goes through dAqk to intra.py
         b_gk, b_gklast = chunk_gates_k(g, bos, T, i_t, H, i_h, 0, K, BT, BK)
@@ -115,6 +124,12 @@ def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, cu_se
 
 # shared memory the prefetching of the loop over V may take (the H200 has 227 KiB a block)
 SHARED_BUDGET = 200 * 1024
+# q and k loaded before the loop over V, their reads in flight with the loop's instead of after it, where the
+# program runs alone on its SM (GDN (4, 8192, 16, 128) bf16: 8 warps, 255 registers, 139 KB of shared memory)
+# and nothing else hides the wait; sm_90 bf16 K = 128: 255 -> 226 registers, no stack, 139 -> 172 KB shared.
+# For 16-bit inputs up to K = 128 and a scalar or no gate (the configurations compiled; wider or fp32 tiles would
+# take more shared memory; KDA's per-channel program is untimed so)
+QK_FIRST = True
 
 
 def launch_config(K, V, itemsize, BT=64):
@@ -133,9 +148,9 @@ def launch_config(K, V, itemsize, BT=64):
 
 
 def output_bwd(q, k, g_cum, h, dh, v_new, do, dv, scale: float, chunks: Chunks, gk_cum=None,
-               dq_dtype=torch.float32):
-    """Returns (dq in ``dq_dtype``, dk fp32, dw in k's dtype, dg fp32, dAqk fp32), per value head; dk and
-    dg are partial.
+               dq_dtype=torch.float32, dk_dtype=torch.float32):
+    """Returns (dq in ``dq_dtype``, dk in ``dk_dtype``, dw in k's dtype, dg fp32, dAqk fp32), per value head;
+    dk and dg are partial (``delta.PARTIAL_DK_DTYPES``: dk in the inputs' 16-bit dtype).
 
     dg: None without a gate, [1, T, H, K] with a per-channel gate ``gk_cum``, whose intra-chunk
     part of dq, dk, dg is left to ``intra.intra_bwd`` through dAqk (None otherwise)."""
@@ -146,13 +161,14 @@ def output_bwd(q, k, g_cum, h, dh, v_new, do, dv, scale: float, chunks: Chunks, 
     BV, warps, stages = launch_config(K, V, k.element_size())
     f32 = dict(device=q.device, dtype=torch.float32)
     dev = q.device
-    dq, dk = alloc((1, T, H, K), dtype=dq_dtype, device=dev), alloc((1, T, H, K), **f32)
+    dq, dk = alloc((1, T, H, K), dtype=dq_dtype, device=dev), alloc((1, T, H, K), dtype=dk_dtype, device=dev)
     dw = alloc((1, T, H, K), dtype=k.dtype, device=dev)
     gate = g_cum if gk_cum is None else gk_cum
     dg = alloc(gate.shape, **f32) if gate is not None else None
     dAqk = alloc((1, T, H, chunks.BT), **f32) if gk_cum is not None else None
+    qk_first = QK_FIRST and BK <= 128 and k.element_size() == 2 and gk_cum is None
     output_bwd_kernel[(chunks.NC, H)](q, k, gate, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, chunks.cu_seqlens,
                                       chunks.chunk_indices, scale, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
-                                      USE_G=g_cum is not None, USE_GK=gk_cum is not None, num_warps=warps,
-                                      num_stages=stages)
+                                      USE_G=g_cum is not None, USE_GK=gk_cum is not None, QK_FIRST=qk_first,
+                                      num_warps=warps, num_stages=stages)
     return dq, dk, dw, dg, dAqk

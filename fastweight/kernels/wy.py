@@ -90,12 +90,14 @@ def recompute_w_u_kernel(k, v, beta, g, Ai, w, u, q, qg, kd, cu_seqlens, chunk_i
 
 
 @triton.jit
-def wy_bwd_kernel(k, p, v, beta, g, gr, Ai, Akk, dw, du, dk, dk_out, dp, dv, dbeta, dg, dAkk, cu_seqlens,
+def wy_bwd_kernel(k, p, v, beta, g, gr, Ai, Akk, dw, du, dk, dk_out, dp, dv, dbeta, dg, dg_out, dAkk, cu_seqlens,
                   chunk_indices, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_GK: tl.constexpr,
-                  USE_P: tl.constexpr):
-    """dk and dg arrive holding the other stages' parts (float32); dg is updated in place, dk is
-    written complete to dk_out (which may be dk itself).
+                  USE_P: tl.constexpr, REVERSE_DG: tl.constexpr):
+    """dk and dg arrive holding the other stages' parts (dk float32 or the inputs' dtype, dg float32);
+    dg is updated in place, dk is written complete to dk_out (which may be dk itself).
+    REVERSE_DG (scalar gate): the chunk's complete dg is summed from the chunk's end here (the reverse
+    cumsum, ``cumsum.chunk_cumsum(reverse=True)``'s scan) and stored to dg_out in its dtype instead.
 
     USE_GK (per-channel gate): the A part of dk and dg is left to intra.py; this kernel writes
     dAkk, the gradient of the raw (beta-free) Akk, for it.
@@ -193,7 +195,7 @@ def wy_bwd_kernel(k, p, v, beta, g, gr, Ai, Akk, dw, du, dk, dk_out, dp, dv, dbe
             b_p = tl.load(p_p, boundary_check=(0, 1))
         b_dw = tl.load(p_dw, boundary_check=(0, 1)).to(b_k.dtype)
         b_dkb = mm(tl.trans(b_Ai.to(b_k.dtype)), b_dw)
-        b_dk = tl.load(p_dk, boundary_check=(0, 1))
+        b_dk = tl.load(p_dk, boundary_check=(0, 1)).to(tl.float32)
         if USE_GK:
             b_e = _gate_tile(g, bos, T, i_t, i_k, H, i_h, K, BT, BK)
             b_dkbe = b_dkb * b_e
@@ -217,7 +219,7 @@ def wy_bwd_kernel(k, p, v, beta, g, gr, Ai, Akk, dw, du, dk, dk_out, dp, dv, dbe
             else:
                 b_dk += b_dp
         tl.store(p_dko, b_dk.to(p_dko.dtype.element_ty), boundary_check=(0, 1))
-    tl.store(dbeta + (bos + o_t) * H + i_h, b_dbeta, mask=m_t)
+    tl.store(dbeta + (bos + o_t) * H + i_h, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
     if USE_G:
         if USE_P:
             # gr_i = g_{i-1} (the exclusive cumsum; 0 at the chunk's first row, a constant): row i's
@@ -225,7 +227,12 @@ def wy_bwd_kernel(k, p, v, beta, g, gr, Ai, Akk, dw, du, dk, dk_out, dp, dv, dbe
             o_i = tl.arange(0, BT)
             b_dgr = tl.sum(tl.where(o_i[None, :] == o_i[:, None] + 1, b_dgr[None, :], 0.), 1)
         b_dg += b_dgr + tl.load(dg + (bos + o_t) * H + i_h, mask=m_t, other=0.)
-        tl.store(dg + (bos + o_t) * H + i_h, b_dg, mask=m_t)
+        if REVERSE_DG:
+            # rows past the end enter the scan as 0, as chunk_cumsum's masked load gives them
+            b_dg = tl.cumsum(tl.where(m_t, b_dg, 0.), axis=0, reverse=True)
+            tl.store(dg_out + (bos + o_t) * H + i_h, b_dg.to(dg_out.dtype.element_ty), mask=m_t)
+        else:
+            tl.store(dg + (bos + o_t) * H + i_h, b_dg, mask=m_t)
 
 
 def _blocks(K, V):
@@ -258,25 +265,30 @@ def recompute_w_u(k, v, beta, g_cum, Ai, chunks: Chunks, gk_cum=None, q=None, nu
 
 
 def wy_bwd(k, v, beta, g_cum, Ai, dw, du, dk, dg, chunks: Chunks, gk_cum=None, Akk=None, dk_dtype=torch.float32,
-           p=None, g_read=None):
-    """Adds the W/U/A chain to dk (fp32 partial) and dg (fp32, in place; None without a gate).
+           p=None, g_read=None, dg_dtype=None, dbeta_dtype=torch.float32):
+    """Adds the W/U/A chain to dk (partial, fp32 or ``dk_dtype``) and dg (fp32, in place; None without a gate).
 
-    Returns (dk in ``dk_dtype`` (dk itself when fp32), dv in v's dtype, dbeta fp32, dAkk fp32 or None,
-    dp fp32 or None); with Comba's read key ``p`` and its gate ``g_read`` (exclusive cumsum) W and the
-    rows of A read with them; with a per-channel gate ``gk_cum`` (and its raw ``Akk``) the A part goes
-    to dAkk for ``intra.intra_bwd`` instead of into dk, dg."""
+    Returns (dk in ``dk_dtype`` (dk itself when of that dtype), dv in v's dtype, dbeta in ``dbeta_dtype``,
+    dAkk fp32 or None, dp fp32 or None, dg); with Comba's read key ``p`` and its gate ``g_read`` (exclusive
+    cumsum) W and the rows of A read with them; with a per-channel gate ``gk_cum`` (and its raw ``Akk``)
+    the A part goes to dAkk for ``intra.intra_bwd`` instead of into dk, dg. ``dg_dtype`` (scalar gate):
+    dg comes back complete and reverse-summed over each chunk, the gradient of the raw gate, in that
+    dtype (what ``cumsum.chunk_cumsum(dg, reverse=True, out_dtype=dg_dtype)`` after it gives)."""
     _, T, HK, K = k.shape
     H, V = v.shape[2], v.shape[-1]
     BK, BV = _blocks(K, V)
     dv = alloc(v.shape, device=v.device, dtype=v.dtype)
-    dk_out = dk if dk_dtype == torch.float32 else alloc(dk.shape, device=dk.device, dtype=dk_dtype)
-    dbeta = alloc(beta.shape, device=v.device, dtype=torch.float32)
+    dk_out = dk if dk.dtype == dk_dtype else alloc(dk.shape, device=dk.device, dtype=dk_dtype)
+    dbeta = alloc(beta.shape, device=v.device, dtype=dbeta_dtype)
+    reverse_dg = dg_dtype is not None and g_cum is not None and gk_cum is None
+    dg_out = alloc(dg.shape, device=dg.device, dtype=dg_dtype) if reverse_dg else None
     dAkk = alloc(Ai.shape, device=v.device, dtype=torch.float32) if gk_cum is not None else None
     use_p = p is not None
     dp = alloc(dk.shape, device=v.device, dtype=torch.float32) if use_p else None
     gate = g_cum if gk_cum is None else gk_cum
     wy_bwd_kernel[(chunks.NC, H)](k, p if use_p else k, v, beta, gate, g_read if use_p else gate, Ai, Akk, dw, du,
-                                  dk, dk_out, dp, dv, dbeta, dg, dAkk, chunks.cu_seqlens, chunks.chunk_indices,
-                                  H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV, USE_G=g_cum is not None,
-                                  USE_GK=gk_cum is not None, USE_P=use_p)
-    return dk_out, dv, dbeta, dAkk, dp
+                                  dk, dk_out, dp, dv, dbeta, dg, dg_out, dAkk, chunks.cu_seqlens,
+                                  chunks.chunk_indices, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
+                                  USE_G=g_cum is not None, USE_GK=gk_cum is not None, USE_P=use_p,
+                                  REVERSE_DG=reverse_dg)
+    return dk_out, dv, dbeta, dAkk, dp, dg_out if reverse_dg else dg
