@@ -125,11 +125,16 @@ def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, cu_se
 # shared memory the prefetching of the loop over V may take (the H200 has 227 KiB a block)
 SHARED_BUDGET = 200 * 1024
 # q and k loaded before the loop over V, their reads in flight with the loop's instead of after it, where the
-# program runs alone on its SM (GDN (4, 8192, 16, 128) bf16: 8 warps, 255 registers, 139 KB of shared memory)
-# and nothing else hides the wait; sm_90 bf16 K = 128: 255 -> 226 registers, no stack, 139 -> 172 KB shared.
-# For 16-bit inputs up to K = 128 and a scalar or no gate (the configurations compiled; wider or fp32 tiles would
-# take more shared memory; KDA's per-channel program is untimed so)
+# program runs alone on its SM (8 warps at K = 128: 255 -> 226 registers on sm_90, 139 -> 172 KB shared) and
+# the partial dk it stores is 16-bit (delta.PARTIAL_DK_DTYPES). H100 bf16 fwd+bwd: GDN (4, 8192, 16, 128) 2.730
+# -> 2.702 ms with the 16-bit dk, but 2.828 -> 2.885 with the fp32 one, and DeltaNet (8, 16384, 64, 64) at K = 64
+# 16.67 -> 16.85: so only at K = 128 with a 16-bit partial dk (docs/bench/delta.md)
 QK_FIRST = True
+
+
+def reads_qk_first(BK: int, dk_dtype: torch.dtype, k_dtype: torch.dtype, per_channel: bool) -> bool:
+    """Whether the output backward loads q and k before its loop over V (``QK_FIRST``'s rule)."""
+    return QK_FIRST and BK == 128 and dk_dtype == k_dtype and k_dtype.itemsize == 2 and not per_channel
 
 
 def launch_config(K, V, itemsize, BT=64):
@@ -166,7 +171,7 @@ def output_bwd(q, k, g_cum, h, dh, v_new, do, dv, scale: float, chunks: Chunks, 
     gate = g_cum if gk_cum is None else gk_cum
     dg = alloc(gate.shape, **f32) if gate is not None else None
     dAqk = alloc((1, T, H, chunks.BT), **f32) if gk_cum is not None else None
-    qk_first = QK_FIRST and BK <= 128 and k.element_size() == 2 and gk_cum is None
+    qk_first = reads_qk_first(BK, dk_dtype, k.dtype, gk_cum is not None)
     output_bwd_kernel[(chunks.NC, H)](q, k, gate, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, chunks.cu_seqlens,
                                       chunks.chunk_indices, scale, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
                                       USE_G=g_cum is not None, USE_GK=gk_cum is not None, QK_FIRST=qk_first,
