@@ -441,12 +441,17 @@ def _run(args: argparse.Namespace) -> int:
 
     def write(name, text):
         # whole or not at all: a kill mid-write leaves the previous file; the temporary file is the
-        # process's own, so calls that share one --out (different --mixers on one GPU) do not collide
+        # process's own, so calls that share one --out (different --mixers on one GPU) do not collide.
+        # Each such call's table holds its own runs: the same command without --mixers reads them all back
         path = os.path.join(args.out, name)
         tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
     def save(results):
         text = report(results, time.perf_counter() - t0, scale, planned=len(experiments))

@@ -168,17 +168,18 @@ def stages(op, B, T, H, K, device):
     final = torch.float32 if per_channel else q.dtype
     # as delta.delta_bwd launches them: dk's partial in the inputs' dtype, dg's reverse sum in the WY backward
     partial = final if final in PARTIAL_DK_DTYPES else torch.float32
-    fold = dict(dg_dtype=g.dtype, dbeta_dtype=beta.dtype) if WY_GATE_GRAD and not per_channel else {}
+    sum_dg = dict(dg_dtype=g.dtype, dbeta_dtype=beta.dtype) if WY_GATE_GRAD and not per_channel else {}
     res["output_bwd"] = bench_ms(lambda: output_bwd(q, k, g_cum, h, dh, v_new, do, dvt, scale, ch, gk_cum=gk_cum,
                                                     dq_dtype=final, dk_dtype=partial))
     dq, dk, dw, dg, dAqk = output_bwd(q, k, g_cum, h, dh, v_new, do, dvt, scale, ch, gk_cum=gk_cum, dq_dtype=final,
                                       dk_dtype=partial)
     res["wy_bwd"] = bench_ms(lambda: wy_bwd(k, v, beta, g_cum, Ai, dw, dvt, dk.clone(), dg.clone(), ch,
-                                            gk_cum=gk_cum, Akk=Akk, dk_dtype=final, **fold))
+                                            gk_cum=gk_cum, Akk=Akk, dk_dtype=final, **sum_dg))
     if per_channel:
         dAkk = wy_bwd(k, v, beta, g_cum, Ai, dw, dvt, dk, dg, ch, gk_cum=gk_cum, Akk=Akk)[3]
         res["intra_bwd"] = bench_ms(lambda: intra_bwd(q, k, gk_cum, dAqk, dAkk, dq, dk, dg, ch))
-    res["cumsum_bwd"] = bench_ms(lambda: chunk_cumsum(dg, ch, reverse=True))
+    if not sum_dg:  # else the WY backward's program takes it
+        res["cumsum_bwd"] = bench_ms(lambda: chunk_cumsum(dg, ch, reverse=True))
     return res
 
 

@@ -45,13 +45,14 @@ SOLVE_WU_DTYPES = (torch.bfloat16,)
 # ``chunk_cumsum`` pass before it (KDA without the gate's activation in the kernel), for these dtypes (H100,
 # KDA (4, 8192, 16, 128) fwd 1.816 -> 1.768 ms, fwd+bwd 7.27 -> 7.23; fp16 and fp32 untimed)
 INTRA_GATE_SUMS_DTYPES = (torch.bfloat16,)
-# the output backward's part of dk, which the WY backward reads and completes, stored in the inputs' dtype
-# instead of fp32 for these dtypes, where dk itself is stored so (no grouped heads, no per-channel gate, no p):
-# a [T, H, K] fp32 round trip less (GDN (4, 8192, 16, 128) bf16: 268 MB of 1.7 + 1.1 GB the two stages move).
-# dk is then rounded twice, once fewer than fla 0.6.0's (both parts rounded to bf16 and added in bf16)
+# the output backward's part of dk, which the WY backward reads and completes (in fp32, stored once), kept in
+# the inputs' dtype instead of fp32 for these dtypes, where dk itself is stored so (no grouped heads, no
+# per-channel gate, no p): its [T, H, K] round trip in 16 bits (GDN (4, 8192, 16, 128) bf16: 268 MB less of the
+# 1.7 + 1.1 GB the two stages move). dk is then rounded twice, once fewer than fla 0.6.0's (both parts rounded to
+# bf16 and added in bf16); docs/bench/delta.md, session 35
 PARTIAL_DK_DTYPES = (torch.bfloat16,)
-# scalar gates: the reverse cumsum of dg taken in the WY backward's program (``wy_bwd(dg_dtype=...)``), and
-# dbeta stored there in beta's dtype: a ``chunk_cumsum`` launch and a cast less
+# scalar or no gate: dbeta stored by the WY backward in beta's dtype, and a scalar gate's reverse cumsum of dg
+# taken in its program (``wy_bwd(dg_dtype=...)``): a ``chunk_cumsum`` launch and a cast less
 WY_GATE_GRAD = True
 
 
@@ -144,19 +145,20 @@ def delta_bwd(q, k, v, beta, saved, do, dht, scale, chunks, need_dh0, p=None, dg
     partial = final if final in PARTIAL_DK_DTYPES else torch.float32
     dq, dk, dw, dg_cum, dAqk = output_bwd(q, k, g_cum, h, dh, v_new, do, dv_tilde, scale, chunks, gk_cum=gk_cum,
                                           dq_dtype=final, dk_dtype=partial)
-    fold = WY_GATE_GRAD and gk_cum is None
+    sum_dg_in_wy = WY_GATE_GRAD and gk_cum is None
     dk, dv, dbeta, dAkk, dp, dg_cum = wy_bwd(k, v, beta, g_cum, Ai, dw, dv_tilde, dk, dg_cum, chunks, gk_cum=gk_cum,
                                              Akk=Akk, dk_dtype=final, p=p, g_read=g_read,
-                                             dg_dtype=dg_dtype if fold else None,
-                                             dbeta_dtype=beta.dtype if fold else torch.float32)
+                                             dg_dtype=dg_dtype if sum_dg_in_wy else None,
+                                             dbeta_dtype=beta.dtype if sum_dg_in_wy else torch.float32)
     if gk_cum is not None:
         # the last stage to add to dq, dk rounds them to q's dtype itself where no head sum follows (no cast after)
         out16 = q.dtype if q.dtype != torch.float32 and q.shape[2] == v.shape[2] else None
         rounded = intra_bwd(q, k, gk_cum, dAqk, dAkk, dq, dk, dg_cum, chunks, out_dtype=out16)
         if rounded is not None:
             dq, dk = rounded
-    if fold or dg_cum is None:
-        dg = dg_cum  # summed by wy_bwd (WY_GATE_GRAD), or no gate
+    # dg_cum: already reverse-summed by wy_bwd (WY_GATE_GRAD), or None without a gate
+    if sum_dg_in_wy or dg_cum is None:
+        dg = dg_cum
     else:
         dg = chunk_cumsum(dg_cum, chunks, reverse=True, out_dtype=dg_dtype)
     return dq, dk, dv, dg, dbeta, dh0, dp

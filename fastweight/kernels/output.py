@@ -132,9 +132,11 @@ SHARED_BUDGET = 200 * 1024
 QK_FIRST = True
 
 
-def reads_qk_first(BK: int, dk_dtype: torch.dtype, k_dtype: torch.dtype, per_channel: bool) -> bool:
-    """Whether the output backward loads q and k before its loop over V (``QK_FIRST``'s rule)."""
-    return QK_FIRST and BK == 128 and dk_dtype == k_dtype and k_dtype.itemsize == 2 and not per_channel
+def reads_qk_first(K: int, warps: int, dk_dtype: torch.dtype, k_dtype: torch.dtype, per_channel: bool) -> bool:
+    """Whether the output backward loads q and k before its loop over V (``QK_FIRST``'s rule: the timed
+    configuration only, K = 128 at 8 warps, a 16-bit partial dk, a scalar or no gate)."""
+    return (QK_FIRST and K == 128 and warps == 8 and dk_dtype == k_dtype and k_dtype.itemsize == 2
+            and not per_channel)
 
 
 def launch_config(K, V, itemsize, BT=64):
@@ -171,7 +173,7 @@ def output_bwd(q, k, g_cum, h, dh, v_new, do, dv, scale: float, chunks: Chunks, 
     gate = g_cum if gk_cum is None else gk_cum
     dg = alloc(gate.shape, **f32) if gate is not None else None
     dAqk = alloc((1, T, H, chunks.BT), **f32) if gk_cum is not None else None
-    qk_first = reads_qk_first(BK, dk_dtype, k.dtype, gk_cum is not None)
+    qk_first = reads_qk_first(K, warps, dk_dtype, k.dtype, gk_cum is not None)
     output_bwd_kernel[(chunks.NC, H)](q, k, gate, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, chunks.cu_seqlens,
                                       chunks.chunk_indices, scale, H=H, HK=HK, K=K, V=V, BT=chunks.BT, BK=BK, BV=BV,
                                       USE_G=g_cum is not None, USE_GK=gk_cum is not None, QK_FIRST=qk_first,

@@ -266,7 +266,8 @@ def recompute_w_u(k, v, beta, g_cum, Ai, chunks: Chunks, gk_cum=None, q=None, nu
 
 def wy_bwd(k, v, beta, g_cum, Ai, dw, du, dk, dg, chunks: Chunks, gk_cum=None, Akk=None, dk_dtype=torch.float32,
            p=None, g_read=None, dg_dtype=None, dbeta_dtype=torch.float32):
-    """Adds the W/U/A chain to dk (partial, fp32 or ``dk_dtype``) and dg (fp32, in place; None without a gate).
+    """Adds the W/U/A chain to dk (partial, fp32 or ``dk_dtype``) and dg (fp32: in place, or with ``dg_dtype``
+    into a new tensor; None without a gate).
 
     Returns (dk in ``dk_dtype`` (dk itself when of that dtype), dv in v's dtype, dbeta in ``dbeta_dtype``,
     dAkk fp32 or None, dp fp32 or None, dg); with Comba's read key ``p`` and its gate ``g_read`` (exclusive
