@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from fastweight import evaluate
+from fastweight import evaluate, published
 from fastweight.cli import main as cli_main
 from fastweight.evaluate import RECALL_MIXERS, RETRIEVAL_MIXERS, SCALES, column, finished, report, suite, table
 
@@ -205,3 +205,36 @@ def test_estimate_and_time_limit(tmp_path, monkeypatch, capsys):
     log = io.StringIO()
     done = evaluate.run(suite("tiny", groups=("grazzi",), out_dir=str(tmp_path)), log=log, time_limit=15)
     assert len(done) == 2 and "time limit" in log.getvalue() and "6 runs not started" in log.getvalue()
+
+
+def test_shards_partition_the_runs():
+    """``--jobs``' shards: disjoint, together every run, each in the suite's order, balanced by estimate."""
+    runs = suite("full")
+    parts = [evaluate.shard(runs, i, 4) for i in range(4)]
+    assert sorted(id(e) for p in parts for e in p) == sorted(id(e) for e in runs)
+    for p in parts:
+        assert [runs.index(e) for e in p] == sorted(runs.index(e) for e in p)
+    loads = [sum(published.estimate_seconds(e.config) for e in p) for p in parts]
+    assert max(loads) - min(loads) <= max(published.estimate_seconds(e.config) for e in runs)
+    with pytest.raises(ValueError, match="shard"):
+        evaluate.shard(runs, 4, 4)
+
+
+def test_jobs_train_in_processes_and_read_back(tmp_path, capsys, monkeypatch):
+    """``--jobs 2``: two processes train the runs into one --out, this one writes the table of all of them
+    (training none itself), and the same command again reads them back."""
+    def fail(cfg):
+        raise AssertionError("the --jobs processes train; this one only reads back")
+    monkeypatch.setattr(evaluate, "train", fail)
+    args = ["eval", "--tiny", "--groups", "state-tracking", "--mixers", "deltanet", "--steps", "2",
+            "--eval-examples", "4", "--out", str(tmp_path)]
+    assert cli_main(args + ["--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| deltanet |") == 1 and "| deltanet (neg. eig.) |" in out
+    assert sorted(p.name for p in tmp_path.glob("job*.log")) == ["job0.log", "job1.log"]
+    done = json.loads((tmp_path / "suite.json").read_text())["results"]
+    assert len(done) == 4 and all(r["eval"] for r in done)
+    assert cli_main(args) == 0
+    assert capsys.readouterr().out.split("\n")[1:] == out.split("\n")[1:]  # all but the line with the seconds
+    assert cli_main(args + ["--jobs", "0"]) == 2
+    assert "`--jobs` must be >= 1" in capsys.readouterr().err
