@@ -421,11 +421,11 @@ def shard(experiments: list[Experiment], index: int, count: int) -> list[Experim
     every process of one call takes a disjoint part and together they take them all."""
     if not 0 <= index < count:
         raise ValueError(f"`shard` must be I/N with 0 <= I < N, got {index}/{count}")
+    seconds = [published.estimate_seconds(e.config) for e in experiments]
     load, owner = [0.0] * count, {}
-    for i in sorted(range(len(experiments)), key=lambda i: -published.estimate_seconds(experiments[i].config)):
-        j = min(range(count), key=lambda j: (load[j], j))
-        owner[i] = j
-        load[j] += published.estimate_seconds(experiments[i].config)
+    for i in sorted(range(len(experiments)), key=lambda i: -seconds[i]):
+        owner[i] = min(range(count), key=lambda j: (load[j], j))
+        load[owner[i]] += seconds[i]
     return [e for i, e in enumerate(experiments) if owner[i] == index]
 
 

@@ -49,7 +49,7 @@ INTRA_GATE_SUMS_DTYPES = (torch.bfloat16,)
 # the inputs' dtype instead of fp32 for these dtypes, where dk itself is stored so (no grouped heads, no
 # per-channel gate, no p): its [T, H, K] round trip in 16 bits (GDN (4, 8192, 16, 128) bf16: 268 MB less of the
 # 1.7 + 1.1 GB the two stages move). dk is then rounded twice, once fewer than fla 0.6.0's (both parts rounded to
-# bf16 and added in bf16); docs/bench/delta.md, session 35
+# bf16 and added in bf16); measurements: docs/bench/delta.md
 PARTIAL_DK_DTYPES = (torch.bfloat16,)
 # scalar or no gate: dbeta stored by the WY backward in beta's dtype, and a scalar gate's reverse cumsum of dg
 # taken in its program (``wy_bwd(dg_dtype=...)``): a ``chunk_cumsum`` launch and a cast less

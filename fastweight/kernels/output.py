@@ -124,11 +124,9 @@ def output_bwd_kernel(q, k, g, h, dh, v_new, do, dv, dq, dk, dw, dg, dAqk, cu_se
 
 # shared memory the prefetching of the loop over V may take (the H200 has 227 KiB a block)
 SHARED_BUDGET = 200 * 1024
-# q and k loaded before the loop over V, their reads in flight with the loop's instead of after it, where the
-# program runs alone on its SM (8 warps at K = 128: 255 -> 226 registers on sm_90, 139 -> 172 KB shared) and
-# the partial dk it stores is 16-bit (delta.PARTIAL_DK_DTYPES). H100 bf16 fwd+bwd: GDN (4, 8192, 16, 128) 2.730
-# -> 2.702 ms with the 16-bit dk, but 2.828 -> 2.885 with the fp32 one, and DeltaNet (8, 16384, 64, 64) at K = 64
-# 16.67 -> 16.85: so only at K = 128 with a 16-bit partial dk (docs/bench/delta.md)
+# q and k loaded before the loop over V, their reads in flight with the loop's instead of after it: only where
+# the program runs alone on its SM (8 warps at K = 128) and stores a 16-bit partial dk (delta.PARTIAL_DK_DTYPES),
+# the one configuration where it was faster; with an fp32 partial or at K = 64 it was slower (docs/bench/delta.md)
 QK_FIRST = True
 
 
