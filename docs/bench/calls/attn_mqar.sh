@@ -2,7 +2,8 @@
 # Issue 19: which difference from the Zoology group (98.3%) keeps the suite's attention at 6.6% on MQAR. The
 # suite's recall setting (d 128, 2 layers, 2 heads, MQAR 256 tokens / 16 pairs, batch 32, 3000 steps) with one
 # change each: no MLP, keys and values from 8192 tokens, lr 2.15e-3, zoology's generator (queries soon after the
-# pairs: power_a=0.01, distinct values); all three first changes; all four. Six processes share the GPU (~3 minutes). Run from the repository root on the device; results come back as one file, attn_mqar.tgz.
+# pairs: power_a=0.01, distinct values); the first three together; all four. Six processes share the GPU
+# (~3 minutes). Run from the repository root on the device; results come back as one file, attn_mqar.tgz.
 mkdir -p runs/attn
 run(){ name=$1; task=$2; shift 2
   python -m fastweight.cli train --task "$task" --eval-tasks "$task" --mixer attn --d-model 128 --n-layers 2 \

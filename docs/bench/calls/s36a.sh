@@ -1,8 +1,8 @@
 #!/bin/bash
 # Session 36, call 1 (issue 19), three sets sharing the GPU: the attention ablations (attn_mqar.sh, 6 processes),
 # the retrieval group at three seeds (eval_suite.sh --groups retrieval --seeds 3, 3 processes), and seeds 1-2 of
-# the zoology column's one-seed cells and GDN's seed 2 (d 128, T 128, lr 2.15e-3; 4 processes). Results: $OUT/attn/attn_mqar.tgz,
-# $OUT/ret/suite.tgz, $OUT/zoo.tgz. Each set goes on where it stopped when run again with its folder carried.
+# the zoology column's one-seed cells and GDN's seed 2 (d 128, T 128, lr 2.15e-3; 4 processes). Results:
+# $OUT/attn/attn_mqar.tgz, $OUT/ret/suite.tgz, $OUT/zoo.tgz. Each set goes on where it stopped when run again with its folder carried.
 nvidia-smi --query-gpu=name --format=csv,noheader
 mkdir -p $OUT/attn $OUT/ret runs/zoo
 OUT=$OUT/attn bash docs/bench/calls/attn_mqar.sh > /tmp/attn.log 2>&1 &

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Session 36: the branch wip/kda-intra-solve's KDA and DPLR variants (kda_products.sh, dplr_products.sh) in one call,
-# fewer trees: m, pi, w4 (KDA) and r1, r4w, r8w (RWKV-7). The branch's tree travels as _kda/. Results: $OUT/log.txt. G (default 440):
-# no timing starts after G seconds; FB (100): the fuzz's budget.
+# fewer trees: m (main's paths), pi, w4 (KDA), r4w, r8w (RWKV-7). The branch's tree travels as _kda/. Results:
+# $OUT/log.txt. G (default 440): no timing starts after G seconds; FB (100): the fuzz's budget.
 cd _kda; L=$OUT/log.txt; T=/tmp/trees; export TRITON_CACHE_DIR=/tmp/tc
 nvidia-smi --query-gpu=name --format=csv,noheader | tee -a $L
 set_(){ sed -i "s/^$2 = .*/$2 = $3/" $1; grep -q "^$2 = $3\$" $1 || { echo "sed failed: $1 $2" | tee -a $L; exit 1; }; }
