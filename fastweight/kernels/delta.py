@@ -54,6 +54,9 @@ PARTIAL_DK_DTYPES = (torch.bfloat16,)
 # scalar or no gate: dbeta stored by the WY backward in beta's dtype, and a scalar gate's reverse cumsum of dg
 # taken in its program (``wy_bwd(dg_dtype=...)``): a ``chunk_cumsum`` launch and a cast less
 WY_GATE_GRAD = True
+# the per-channel gate's solve Ai = (I + Diag(beta) Akk)^{-1} formed in the intra kernel from Akk's blocks in
+# registers (``intra_fwd(beta=...)``) instead of by ``solve`` reading Akk back; Akk is stored for a backward only
+INTRA_SOLVE_DTYPES = ()
 
 
 def _pack(x):
@@ -81,13 +84,15 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
     gate); default: for inference only (``store_h`` False). On the H200 (GDN (4, 8192, 16, 128),
     bf16) it saves W/U's 0.18 ms and costs the state pass 0.11; keeping h it costs 0.20 there and a
     backward must recompute W (docs/bench/delta.md)."""
-    g_cum = gk_cum = Aqk = Akk = g_read = w = u = None
+    g_cum = gk_cum = Aqk = Akk = g_read = w = u = Ai = None
     A_log, dt_bias = gate
+    # the per-channel gate's solve in the intra kernel (SOLVE_WU_KDA, the solve's own W and U, keeps its kernel)
+    fused_solve = dict(beta=beta, store_akk=store_h) if k.dtype in INTRA_SOLVE_DTYPES and not SOLVE_WU_KDA else {}
     if g is not None and g.dim() == 4 and A_log is None and q.dtype in INTRA_GATE_SUMS_DTYPES:
-        Aqk, Akk, gk_cum = intra_fwd(q, k, None, chunks, g=g)
+        Aqk, Akk, gk_cum, *Ai = intra_fwd(q, k, None, chunks, g=g, **fused_solve)
     elif g is not None and g.dim() == 4:
         gk_cum = chunk_cumsum(g, chunks, A_log=A_log, dt_bias=dt_bias)
-        Aqk, Akk = intra_fwd(q, k, gk_cum, chunks)
+        Aqk, Akk, *Ai = intra_fwd(q, k, gk_cum, chunks, **fused_solve)
     else:
         g_cum = chunk_cumsum(g, chunks, A_log=A_log, dt_bias=dt_bias) if g is not None else None
         if p is not None:
@@ -102,7 +107,9 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
     wu = ((SOLVE_WU_KDA if gk_cum is not None else SOLVE_WU) and p is None and not fuse_wy
           and k.dtype in SOLVE_WU_DTYPES)
     qs, ks = q, k
-    if gk_cum is not None and wu:
+    if Ai:  # solved in the intra kernel
+        Ai = Ai[0]
+    elif gk_cum is not None and wu:
         Ai, w, u, qs, ks = solve(Akk, beta, chunks, dtype=k.dtype, precision_of=k.dtype, wu=(k, v, gk_cum, q))
     elif gk_cum is not None:
         Ai = solve(Akk, beta, chunks, dtype=k.dtype, precision_of=k.dtype)

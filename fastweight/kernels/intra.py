@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from fastweight.kernels.common import SAFE_SPAN, Chunks, alloc, dot_at, exp, mm
+from fastweight.kernels.kkt_solve import _beta16, merge_precision, store_solved
 
 # SPAN (``common.SAFE_SPAN``): a diagonal block whose decay over its 16 rows stays under exp(SPAN) in
 # every channel is factored through its first row like the off-diagonal ones, with its operands (up
@@ -168,12 +169,79 @@ def _fwd_row(q, k, g, Aqk, Akk, T, t0, R: tl.constexpr, HK: tl.constexpr, H: tl.
 
 
 @triton.jit
-def intra_fwd_kernel(q, k, g, g_raw, Aqk, Akk, cu_seqlens, chunk_indices, H: tl.constexpr, HK: tl.constexpr,
-                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr,
-                     DIAG_PRECISION: tl.constexpr, GATE_SUMS: tl.constexpr):
+def _kk_off(k, g, Aqk, Akk, T, t0, r0, C: tl.constexpr, b_qe, b_ke, b_ref, HK: tl.constexpr, H: tl.constexpr,
+            K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, STORE_KK: tl.constexpr):
+    """``_fwd_row``'s block against column block C, Aqk's stored, Akk's returned (and stored if STORE_KK)."""
+    b_kc, b_w = _columns(k, g, T, t0 + 16 * C, b_ref, HK, H, K, BK)
+    b_y = tl.trans((b_kc * b_w).to(b_qe.dtype))
+    _store16(Aqk, T, r0, 16 * C, H, BT, mm(b_qe, b_y))
+    b_kk = mm(b_ke, b_y)
+    if STORE_KK:
+        _store16(Akk, T, r0, 16 * C, H, BT, b_kk)
+    return b_kk
+
+
+@triton.jit
+def _kk_diag(q, k, g, Aqk, Akk, T, r0, R: tl.constexpr, b_q, b_k, b_e, b_f, span, HK: tl.constexpr,
+             H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, SPAN: tl.constexpr, P: tl.constexpr,
+             STORE_KK: tl.constexpr):
+    """``_fwd_row``'s diagonal block and the zeros above it; Akk's diagonal block returned."""
+    b_qk, b_kk = _diag(b_q, b_k, b_e, b_f, span, q, k, g, T, r0, HK, H, K, SPAN, P)
+    _store16(Aqk, T, r0, 16 * R, H, BT, b_qk)
+    z = tl.zeros([16, 16], dtype=tl.float32)
+    for c in tl.static_range(R + 1, 4):
+        _store16(Aqk, T, r0, 16 * c, H, BT, z)
+    if STORE_KK:
+        _store16(Akk, T, r0, 16 * R, H, BT, b_kk)
+        for c in tl.static_range(R + 1, 4):
+            _store16(Akk, T, r0, 16 * c, H, BT, z)
+    return b_kk
+
+
+@triton.jit
+def _row_data(q, k, g, T, r0, HK: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    b_q, b_k, b_ref, b_e, b_f, span = _block_rows(q, k, g, T, r0, HK, H, K, BK)
+    return b_q, b_k, b_ref, b_e, b_f, span, (b_q * b_e).to(b_q.dtype), (b_k * b_e).to(b_q.dtype)
+
+
+@triton.jit
+def _fwd_solve(q, k, g, beta, Aqk, Akk, Ai, T, t0, bos, i_h, HK: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+               BK: tl.constexpr, BT: tl.constexpr, SPAN: tl.constexpr, P: tl.constexpr, MERGE_PRECISION: tl.constexpr,
+               STORE_KK: tl.constexpr):
+    """The four row blocks with Akk's ten blocks kept in registers, then Ai = (I + Diag(beta) Akk)^{-1}
+    from them (``kkt_solve.solve_kernel``'s, without Akk's round trip through memory)."""
+    b_q, b_k, b_ref, b_e, b_f, span, b_qe, b_ke = _row_data(q, k, g, T, t0, HK, H, K, BK)
+    b_A11 = _kk_diag(q, k, g, Aqk, Akk, T, t0, 0, b_q, b_k, b_e, b_f, span, HK, H, K, BT, SPAN, P, STORE_KK)
+    r0 = t0 + 16
+    b_q, b_k, b_ref, b_e, b_f, span, b_qe, b_ke = _row_data(q, k, g, T, r0, HK, H, K, BK)
+    b_A21 = _kk_off(k, g, Aqk, Akk, T, t0, r0, 0, b_qe, b_ke, b_ref, HK, H, K, BK, BT, STORE_KK)
+    b_A22 = _kk_diag(q, k, g, Aqk, Akk, T, r0, 1, b_q, b_k, b_e, b_f, span, HK, H, K, BT, SPAN, P, STORE_KK)
+    r0 = t0 + 32
+    b_q, b_k, b_ref, b_e, b_f, span, b_qe, b_ke = _row_data(q, k, g, T, r0, HK, H, K, BK)
+    b_A31 = _kk_off(k, g, Aqk, Akk, T, t0, r0, 0, b_qe, b_ke, b_ref, HK, H, K, BK, BT, STORE_KK)
+    b_A32 = _kk_off(k, g, Aqk, Akk, T, t0, r0, 1, b_qe, b_ke, b_ref, HK, H, K, BK, BT, STORE_KK)
+    b_A33 = _kk_diag(q, k, g, Aqk, Akk, T, r0, 2, b_q, b_k, b_e, b_f, span, HK, H, K, BT, SPAN, P, STORE_KK)
+    r0 = t0 + 48
+    b_q, b_k, b_ref, b_e, b_f, span, b_qe, b_ke = _row_data(q, k, g, T, r0, HK, H, K, BK)
+    b_A41 = _kk_off(k, g, Aqk, Akk, T, t0, r0, 0, b_qe, b_ke, b_ref, HK, H, K, BK, BT, STORE_KK)
+    b_A42 = _kk_off(k, g, Aqk, Akk, T, t0, r0, 1, b_qe, b_ke, b_ref, HK, H, K, BK, BT, STORE_KK)
+    b_A43 = _kk_off(k, g, Aqk, Akk, T, t0, r0, 2, b_qe, b_ke, b_ref, HK, H, K, BK, BT, STORE_KK)
+    b_A44 = _kk_diag(q, k, g, Aqk, Akk, T, r0, 3, b_q, b_k, b_e, b_f, span, HK, H, K, BT, SPAN, P, STORE_KK)
+    b_b1, b_b2 = _beta16(beta, bos, T, t0, H, i_h), _beta16(beta, bos, T, t0 + 16, H, i_h)
+    b_b3, b_b4 = _beta16(beta, bos, T, t0 + 32, H, i_h), _beta16(beta, bos, T, t0 + 48, H, i_h)
+    store_solved(b_A11 * b_b1, b_A21 * b_b2, b_A22 * b_b2, b_A31 * b_b3, b_A32 * b_b3, b_A33 * b_b3, b_A41 * b_b4,
+                 b_A42 * b_b4, b_A43 * b_b4, b_A44 * b_b4, Ai, T, t0, H, BT, MERGE_PRECISION)
+
+
+@triton.jit
+def intra_fwd_kernel(q, k, g, g_raw, Aqk, Akk, beta, Ai, cu_seqlens, chunk_indices, H: tl.constexpr,
+                     HK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr,
+                     DIAG_PRECISION: tl.constexpr, GATE_SUMS: tl.constexpr, SOLVE: tl.constexpr,
+                     STORE_KK: tl.constexpr, MERGE_PRECISION: tl.constexpr):
     """One program per (chunk, head). GATE_SUMS: the chunk's gate sums are formed here from the raw log
     gate g_raw and stored to g (``chunk_cumsum``'s), then read back by the row blocks: the barrier makes
-    one thread's stores visible to the others (they hit L2)."""
+    one thread's stores visible to the others (they hit L2). SOLVE: also Ai from Akk's blocks in
+    registers (``_fwd_solve``); Akk is then stored only if STORE_KK (a backward reads it)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_t = tl.load(chunk_indices + i_c * 2).to(tl.int64), tl.load(chunk_indices + i_c * 2 + 1)
     bos, eos = tl.load(cu_seqlens + i_n), tl.load(cu_seqlens + i_n + 1)
@@ -183,7 +251,8 @@ def intra_fwd_kernel(q, k, g, g_raw, Aqk, Akk, cu_seqlens, chunk_indices, H: tl.
     k += (bos * HK + i_h // (H // HK)) * K
     g += (bos * H + i_h) * K
     Aqk += (bos * H + i_h) * BT
-    Akk += (bos * H + i_h) * BT
+    if STORE_KK:
+        Akk += (bos * H + i_h) * BT
     if GATE_SUMS:
         g_raw += (bos * H + i_h) * K
         p_raw = tl.make_block_ptr(g_raw, (T, K), (H * K, 1), (t0, 0), (BT, BK), (1, 0))
@@ -191,8 +260,12 @@ def intra_fwd_kernel(q, k, g, g_raw, Aqk, Akk, cu_seqlens, chunk_indices, H: tl.
         b_g = tl.cumsum(tl.load(p_raw, boundary_check=(0, 1)).to(tl.float32), axis=0)
         tl.store(p_g, b_g, boundary_check=(0, 1))
         tl.debug_barrier()
-    for R in tl.static_range(4):
-        _fwd_row(q, k, g, Aqk, Akk, T, t0, R, HK, H, K, BK, BT, SPAN, DIAG_PRECISION)
+    if SOLVE:
+        _fwd_solve(q, k, g, beta, Aqk, Akk, Ai + (bos * H + i_h) * BT, T, t0, bos, i_h, HK, H, K, BK, BT, SPAN,
+                   DIAG_PRECISION, MERGE_PRECISION, STORE_KK)
+    else:
+        for R in tl.static_range(4):
+            _fwd_row(q, k, g, Aqk, Akk, T, t0, R, HK, H, K, BK, BT, SPAN, DIAG_PRECISION)
 
 
 @triton.jit
@@ -353,11 +426,13 @@ def intra_bwd_kernel(q, k, g, dAqk, dAkk, dq, dk, dg, dq16, dk16, cu_seqlens, ch
                                     HK, H, K, BK, BT, SPAN, OFF_P, OUT16)
 
 
-def intra_fwd(q, k, g_cum, chunks: Chunks, *, num_warps: int | None = None, g=None):
+def intra_fwd(q, k, g_cum, chunks: Chunks, *, num_warps: int | None = None, g=None, beta=None, store_akk=True):
     """q, k: [1, T, HK, K]; g_cum: [1, T, H, K] -> (Aqk in q's dtype, Akk float32), [1, T, H, BT]
     (no scale, no beta). With the raw log gate ``g`` [1, T, H, K] instead (``g_cum`` None), the kernel
     forms the chunk sums itself (no ``chunk_cumsum`` pass before it) and returns (Aqk, Akk, g_cum), g_cum
-    fp32 as ``chunk_cumsum(g)``."""
+    fp32 as ``chunk_cumsum(g)``. With ``beta`` [1, T, H]: also the solve's Ai = (I + Diag(beta)
+    Akk)^{-1} [1, T, H, BT] in k's dtype (``kkt_solve.solve``'s), appended to the tuple, from Akk's
+    blocks in registers; Akk is then None unless ``store_akk`` (the backward reads it)."""
     if (g_cum is None) == (g is None):
         raise ValueError("intra_fwd: give the gate sums `g_cum` or the raw log gate `g`, not both")
     _, T, HK, K = k.shape
@@ -367,13 +442,20 @@ def intra_fwd(q, k, g_cum, chunks: Chunks, *, num_warps: int | None = None, g=No
     if sums:
         g = g.contiguous()
         g_cum = alloc(g.shape, **f32)
-    Aqk, Akk = alloc((1, T, H, chunks.BT), dtype=q.dtype, device=k.device), alloc((1, T, H, chunks.BT), **f32)
-    intra_fwd_kernel[(chunks.NC, H)](q, k, g_cum, g if sums else g_cum, Aqk, Akk, chunks.cu_seqlens,
+    solve = beta is not None
+    if solve and tuple(beta.shape) != (1, T, H):
+        raise ValueError(f"intra_fwd: `beta` must be [1, T, H] = [1, {T}, {H}], got {tuple(beta.shape)}")
+    store_akk = store_akk or not solve
+    Aqk = alloc((1, T, H, chunks.BT), dtype=q.dtype, device=k.device)
+    Akk = alloc((1, T, H, chunks.BT), **f32) if store_akk else None
+    Ai = alloc((1, T, H, chunks.BT), dtype=k.dtype, device=k.device) if solve else None
+    intra_fwd_kernel[(chunks.NC, H)](q, k, g_cum, g if sums else g_cum, Aqk, Akk, beta, Ai, chunks.cu_seqlens,
                                      chunks.chunk_indices, H=H, HK=HK, K=K, BT=chunks.BT,
                                      BK=max(16, triton.next_power_of_2(K)), SPAN=SAFE_SPAN,
-                                     DIAG_PRECISION=_diag_precision(q.dtype), GATE_SUMS=sums,
+                                     DIAG_PRECISION=_diag_precision(q.dtype), GATE_SUMS=sums, SOLVE=solve,
+                                     STORE_KK=store_akk, MERGE_PRECISION=merge_precision(k.dtype),
                                      num_warps=num_warps or _warps(K)[0])
-    return (Aqk, Akk, g_cum) if sums else (Aqk, Akk)
+    return (Aqk, Akk) + ((g_cum,) if sums else ()) + ((Ai,) if solve else ())
 
 
 def intra_bwd(q, k, g_cum, dAqk, dAkk, dq, dk, dg, chunks: Chunks, *, num_warps: int | None = None,

@@ -558,3 +558,33 @@ def test_kda_gate_sums_in_the_intra_kernel(dtype, G, monkeypatch):
                         or real(*a, **kw))
     check("kda", 1, 150, 2, 16, 24, dtype, G=G, cu_seqlens=torch.tensor([0, 70, 70, 150]), gate_scale=4.0)
     assert calls == [True]
+
+
+@pytest.mark.parametrize("dtype, G, gate", [(torch.float32, 1, False), (torch.float16, 2, False),
+                                            (torch.float32, 2, True)])
+def test_kda_solve_in_the_intra_kernel(dtype, G, gate, monkeypatch):
+    """``delta.INTRA_SOLVE_DTYPES``: KDA's forward takes Ai from its intra kernel (no ``solve`` launch; Akk kept
+    for the backward only); output, final state and every gradient match float64 (varlen with an empty
+    sequence, strong gates in the middle chunk, grouped heads, the gate's activation in the kernel); the
+    inference forward stores no Akk."""
+    from fastweight.kernels import delta
+    monkeypatch.setattr(delta, "INTRA_SOLVE_DTYPES", (dtype,))
+    monkeypatch.setattr(delta, "solve", lambda *a, **kw: pytest.fail("solve ran"))
+    stored = []
+    real = delta.intra_fwd
+    monkeypatch.setattr(delta, "intra_fwd", lambda *a, **kw: stored.append(kw["store_akk"]) or real(*a, **kw))
+    if gate:
+        x = sample("kda", 1, 43, 1, 16, 16, G)
+        gen = generator()
+        x["g"] = torch.randn(x["g"].shape, generator=gen, dtype=torch.float64)
+        A = (torch.full((G,), 4.0, dtype=torch.float64).log(), torch.randn(G * 16, generator=gen, dtype=torch.float64))
+        check_strong("kda", x, torch.randn(1, G, 16, 16, generator=gen), G=G, gate=A, dtype=dtype)
+    else:
+        check("kda", 1, 150, 2, 16, 24, dtype, G=G, cu_seqlens=torch.tensor([0, 70, 70, 150]), gate_scale=4.0)
+    assert stored and all(stored)
+    stored.clear()
+    x = {n: t.to(dtype) for n, t in sample("kda", 1, 70, 2, 16, 16).items()}
+    with torch.no_grad():
+        o, _ = kernels.chunk_kda(**x, scale=0.25)
+    assert stored == [False]
+    assert rel_err(o, reference.kda(**{n: t.double() for n, t in x.items()}, scale=0.25)[0]) < TOL[dtype]

@@ -415,3 +415,42 @@ def test_intra_forms_the_gate_sums(Kx):
         intra_fwd(q, k, G, ch, g=gk)
     with pytest.raises(ValueError, match="not both"):
         intra_fwd(q, k, None, ch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_intra_forms_the_solve(dtype):
+    """``intra_fwd(beta=...)``: the solve Ai = (I + Diag(beta) Akk)^{-1} formed in the intra kernel from Akk's
+    blocks in registers; Aqk and Akk bit-equal to the unfused kernel's, Ai to ``solve`` reading that Akk back
+    (within one rounding of Ai's dtype: the dots' order may differ) and to float64. Varlen with an empty
+    sequence and short last chunks, grouped heads, strong gates on some channels (the pairwise diagonal
+    blocks); with the gate sums formed in the kernel too; Akk not stored unless asked for."""
+    HV, HK, N, Kx = 4, 2, 170, 40
+    cu = torch.tensor([0, 100, 100, 170])
+    gen = generator(8)
+    q = torch.randn(1, N, HK, Kx, generator=gen).to(dtype)
+    k = torch.nn.functional.normalize(torch.randn(1, N, HK, Kx, generator=gen), dim=-1).to(dtype)
+    gk = -torch.rand(1, N, HV, Kx, generator=gen) * 0.5
+    strong = ((torch.arange(N) // 16) % 3 == 1)[:, None, None] & (torch.arange(Kx) < Kx // 2)
+    gk = torch.where(strong[None], -5.0, gk)
+    beta = torch.rand(1, N, HV, generator=gen).to(dtype)
+    ch = prepare_chunks(cu, 1, N, 64, "cpu")
+    G = chunk_cumsum(gk, ch)
+    want_qk, want_kk = intra_fwd(q, k, G, ch)
+    want_ai = solve(want_kk, beta, ch, dtype=dtype, precision_of=dtype)
+    layout = chunk_layout(1, N, 64, cu, "cpu")
+    exact = solve_unit_lower(to_chunks(beta.double(), layout, torch.float64)
+                             * to_chunks(want_kk.double(), layout, torch.float64))
+    valid = to_chunks(torch.ones(1, N, 1, dtype=torch.float64), layout, torch.float64)  # [3, 1, NT, 64, 1]
+    exact = exact * valid * valid.transpose(-1, -2)
+    one = torch.finfo(dtype).eps
+    for store in (True, False):
+        Aqk, Akk, Ai = intra_fwd(q, k, G, ch, beta=beta, store_akk=store)
+        assert torch.equal(Aqk, want_qk)
+        assert torch.equal(Akk, want_kk) if store else Akk is None
+        assert Ai.dtype == dtype and (Ai.float() - want_ai.float()).abs().max() <= 2 * one * want_ai.abs().max()
+        assert rel_err(to_chunks(Ai, layout, torch.float64), exact) < (1e-6 if dtype == torch.float32 else 2e-3)
+    Aqk, Akk, G_kernel, Ai = intra_fwd(q, k, None, ch, g=gk, beta=beta, store_akk=False)
+    assert torch.equal(G_kernel, G) and torch.equal(Aqk, want_qk) and Akk is None
+    assert (Ai.float() - want_ai.float()).abs().max() <= 2 * one * want_ai.abs().max()
+    with pytest.raises(ValueError, match="`beta`"):
+        intra_fwd(q, k, G, ch, beta=beta[:, :-1])
