@@ -207,7 +207,7 @@ def _row_data(q, k, g, T, r0, HK: tl.constexpr, H: tl.constexpr, K: tl.constexpr
 @triton.jit
 def _fwd_solve(q, k, g, beta, Aqk, Akk, Ai, T, t0, bos, i_h, HK: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
                BK: tl.constexpr, BT: tl.constexpr, SPAN: tl.constexpr, P: tl.constexpr, MERGE_PRECISION: tl.constexpr,
-               STORE_KK: tl.constexpr):
+               STORE_KK: tl.constexpr, PRODUCTS: tl.constexpr):
     """The four row blocks with Akk's ten blocks kept in registers, then Ai = (I + Diag(beta) Akk)^{-1}
     from them (``kkt_solve.solve_kernel``'s, without Akk's round trip through memory)."""
     b_q, b_k, b_ref, b_e, b_f, span, b_qe, b_ke = _row_data(q, k, g, T, t0, HK, H, K, BK)
@@ -230,14 +230,14 @@ def _fwd_solve(q, k, g, beta, Aqk, Akk, Ai, T, t0, bos, i_h, HK: tl.constexpr, H
     b_b1, b_b2 = _beta16(beta, bos, T, t0, H, i_h), _beta16(beta, bos, T, t0 + 16, H, i_h)
     b_b3, b_b4 = _beta16(beta, bos, T, t0 + 32, H, i_h), _beta16(beta, bos, T, t0 + 48, H, i_h)
     store_solved(b_A11 * b_b1, b_A21 * b_b2, b_A22 * b_b2, b_A31 * b_b3, b_A32 * b_b3, b_A33 * b_b3, b_A41 * b_b4,
-                 b_A42 * b_b4, b_A43 * b_b4, b_A44 * b_b4, Ai, T, t0, H, BT, MERGE_PRECISION)
+                 b_A42 * b_b4, b_A43 * b_b4, b_A44 * b_b4, Ai, T, t0, H, BT, MERGE_PRECISION, PRODUCTS=PRODUCTS)
 
 
 @triton.jit
 def intra_fwd_kernel(q, k, g, g_raw, Aqk, Akk, beta, Ai, cu_seqlens, chunk_indices, H: tl.constexpr,
                      HK: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr,
                      DIAG_PRECISION: tl.constexpr, GATE_SUMS: tl.constexpr, SOLVE: tl.constexpr,
-                     STORE_KK: tl.constexpr, MERGE_PRECISION: tl.constexpr):
+                     STORE_KK: tl.constexpr, MERGE_PRECISION: tl.constexpr, PRODUCTS: tl.constexpr):
     """One program per (chunk, head). GATE_SUMS: the chunk's gate sums are formed here from the raw log
     gate g_raw and stored to g (``chunk_cumsum``'s), then read back by the row blocks: the barrier makes
     one thread's stores visible to the others (they hit L2). SOLVE: also Ai from Akk's blocks in
@@ -262,7 +262,7 @@ def intra_fwd_kernel(q, k, g, g_raw, Aqk, Akk, beta, Ai, cu_seqlens, chunk_indic
         tl.debug_barrier()
     if SOLVE:
         _fwd_solve(q, k, g, beta, Aqk, Akk, Ai + (bos * H + i_h) * BT, T, t0, bos, i_h, HK, H, K, BK, BT, SPAN,
-                   DIAG_PRECISION, MERGE_PRECISION, STORE_KK)
+                   DIAG_PRECISION, MERGE_PRECISION, STORE_KK, PRODUCTS)
     else:
         for R in tl.static_range(4):
             _fwd_row(q, k, g, Aqk, Akk, T, t0, R, HK, H, K, BK, BT, SPAN, DIAG_PRECISION)
@@ -426,6 +426,11 @@ def intra_bwd_kernel(q, k, g, dAqk, dAkk, dq, dk, dg, dq16, dk16, cu_seqlens, ch
                                     HK, H, K, BK, BT, SPAN, OFF_P, OUT16)
 
 
+# the fused solve's diagonal blocks as products of powers (``kkt_solve.invert_unit_lower16_products``) at this
+# precision, not by substitution, whose row reductions cross the program's 4 warps ("": substitution)
+SOLVE_PRODUCTS = "ieee"
+
+
 def intra_fwd(q, k, g_cum, chunks: Chunks, *, num_warps: int | None = None, g=None, beta=None, store_akk=True):
     """q, k: [1, T, HK, K]; g_cum: [1, T, H, K] -> (Aqk in q's dtype, Akk float32), [1, T, H, BT]
     (no scale, no beta). With the raw log gate ``g`` [1, T, H, K] instead (``g_cum`` None), the kernel
@@ -454,6 +459,7 @@ def intra_fwd(q, k, g_cum, chunks: Chunks, *, num_warps: int | None = None, g=No
                                      BK=max(16, triton.next_power_of_2(K)), SPAN=SAFE_SPAN,
                                      DIAG_PRECISION=_diag_precision(q.dtype), GATE_SUMS=sums, SOLVE=solve,
                                      STORE_KK=store_akk, MERGE_PRECISION=merge_precision(k.dtype),
+                                     PRODUCTS=SOLVE_PRODUCTS if solve else "",
                                      num_warps=num_warps or _warps(K)[0])
     return (Aqk, Akk) + ((g_cum,) if sums else ()) + ((Ai,) if solve else ())
 
