@@ -55,8 +55,12 @@ PARTIAL_DK_DTYPES = (torch.bfloat16,)
 # taken in its program (``wy_bwd(dg_dtype=...)``): a ``chunk_cumsum`` launch and a cast less
 WY_GATE_GRAD = True
 # the per-channel gate's solve Ai = (I + Diag(beta) Akk)^{-1} formed in the intra kernel from Akk's blocks in
-# registers (``intra_fwd(beta=...)``) instead of by ``solve`` reading Akk back; Akk is stored for a backward only
-INTRA_SOLVE_DTYPES = ()
+# registers (``intra_fwd(beta=...)``) instead of by ``solve`` reading Akk back; Akk is stored for a backward only.
+# On for these dtypes at key dims up to INTRA_SOLVE_MAX_K (H100, bf16, KDA forward: (8, 16384, 64, 64) 16.28 ->
+# 15.42 ms, (8, 2048, 16, 64) 0.556 -> 0.524; at K 128 the fused kernel runs out of registers, 1.77 -> 2.31 ms;
+# fp16 and fp32 untimed; docs/bench/delta.md)
+INTRA_SOLVE_DTYPES = (torch.bfloat16,)
+INTRA_SOLVE_MAX_K = 64
 
 
 def _pack(x):
@@ -87,7 +91,8 @@ def delta_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, chunks
     g_cum = gk_cum = Aqk = Akk = g_read = w = u = Ai = None
     A_log, dt_bias = gate
     # the per-channel gate's solve in the intra kernel (SOLVE_WU_KDA, the solve's own W and U, keeps its kernel)
-    fused_solve = dict(beta=beta, store_akk=store_h) if k.dtype in INTRA_SOLVE_DTYPES and not SOLVE_WU_KDA else {}
+    fused_solve = (dict(beta=beta, store_akk=store_h) if k.dtype in INTRA_SOLVE_DTYPES
+                   and k.shape[-1] <= INTRA_SOLVE_MAX_K and not SOLVE_WU_KDA else {})
     if g is not None and g.dim() == 4 and A_log is None and q.dtype in INTRA_GATE_SUMS_DTYPES:
         Aqk, Akk, gk_cum, *Ai = intra_fwd(q, k, None, chunks, g=g, **fused_solve)
     elif g is not None and g.dim() == 4:

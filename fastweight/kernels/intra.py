@@ -459,7 +459,7 @@ def intra_fwd(q, k, g_cum, chunks: Chunks, *, num_warps: int | None = None, g=No
                                      BK=max(16, triton.next_power_of_2(K)), SPAN=SAFE_SPAN,
                                      DIAG_PRECISION=_diag_precision(q.dtype), GATE_SUMS=sums, SOLVE=solve,
                                      STORE_KK=store_akk, MERGE_PRECISION=merge_precision(k.dtype),
-                                     PRODUCTS=SOLVE_PRODUCTS if solve else "",
+                                     PRODUCTS=(SOLVE_PRODUCTS or None) if solve else None,
                                      num_warps=num_warps or _warps(K)[0])
     return (Aqk, Akk) + ((g_cum,) if sums else ()) + ((Ai,) if solve else ())
 

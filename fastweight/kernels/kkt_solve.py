@@ -401,12 +401,12 @@ def _mm(a, b, P: tl.constexpr):
 
 @triton.jit
 def solved_blocks(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44, P: tl.constexpr,
-                  TRANSPOSED: tl.constexpr = False, PRODUCTS: tl.constexpr = ""):
+                  TRANSPOSED: tl.constexpr = False, PRODUCTS: tl.constexpr = None):
     """The 10 lower [16, 16] blocks of (I + A)^{-1}, A given as its own (the diagonal blocks strictly
     lower): the diagonal blocks by substitution (TRANSPOSED: ``invert_unit_lower16x4``'s column form;
     PRODUCTS, a precision: ``invert_unit_lower16_products``' dots), the rest by the block merge, its dots
     at precision P."""
-    if PRODUCTS != "":
+    if PRODUCTS is not None:
         b_I11 = invert_unit_lower16_products(b_A11, PRODUCTS)
         b_I22 = invert_unit_lower16_products(b_A22, PRODUCTS)
         b_I33 = invert_unit_lower16_products(b_A33, PRODUCTS)
@@ -425,7 +425,7 @@ def solved_blocks(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43,
 @triton.jit
 def store_solved(b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44,
                  Ai, T, t0, H: tl.constexpr, BT: tl.constexpr, P: tl.constexpr, SCALE_COLUMNS: tl.constexpr = False,
-                 b_c1=None, b_c2=None, b_c3=None, b_c4=None, PRODUCTS: tl.constexpr = ""):
+                 b_c1=None, b_c2=None, b_c3=None, b_c4=None, PRODUCTS: tl.constexpr = None):
     """Invert I + A (A given as its 10 lower 16 x 16 blocks) and store the 64 x 64 inverse rows;
     SCALE_COLUMNS: each column block c times b_cc ([1, 16]: the inverse times a diagonal). The
     diagonal blocks are substituted transposed where the columns are scaled (GDN's inference

@@ -417,13 +417,16 @@ def test_intra_forms_the_gate_sums(Kx):
         intra_fwd(q, k, None, ch)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_intra_forms_the_solve(dtype):
+@pytest.mark.parametrize("dtype, products", [(torch.float32, "ieee"), (torch.float16, "ieee"), (torch.float32, "")])
+def test_intra_forms_the_solve(dtype, products, monkeypatch):
     """``intra_fwd(beta=...)``: the solve Ai = (I + Diag(beta) Akk)^{-1} formed in the intra kernel from Akk's
     blocks in registers; Aqk and Akk bit-equal to the unfused kernel's, Ai to ``solve`` reading that Akk back
     (within one rounding of Ai's dtype: the dots' order may differ) and to float64. Varlen with an empty
     sequence and short last chunks, grouped heads, strong gates on some channels (the pairwise diagonal
-    blocks); with the gate sums formed in the kernel too; Akk not stored unless asked for."""
+    blocks); with the gate sums formed in the kernel too; Akk not stored unless asked for. The diagonal blocks
+    both ways (``intra.SOLVE_PRODUCTS``: products of powers, the default, or substitution)."""
+    from fastweight.kernels import intra
+    monkeypatch.setattr(intra, "SOLVE_PRODUCTS", products)
     HV, HK, N, Kx = 4, 2, 170, 40
     cu = torch.tensor([0, 100, 100, 170])
     gen = generator(8)
