@@ -5,7 +5,7 @@
 # main with the switch off (`s`, the stages), so their bf16 errors sit side by side.
 # Issue 19: which of the four Zoology differences, with zoology's generator, the suite's attention needs to leave
 # the plateau: all four (4 of 4 seeds solved in s36a/s37b) with one left out each (MLP back, vocabulary 1024,
-# lr 1e-3), seeds 0 and 1 (ATTN=0 leaves them out; FB: the fuzz's budget in s). Results: $OUT/log.txt, $OUT/attn.tgz, $OUT/fz.json.
+# lr 1e-3), seeds 0 and 1 (ATTN=0 leaves them out; T, FB, GD: time limits in s). Results: $OUT/log.txt, $OUT/attn.tgz, $OUT/fz.json.
 L=$OUT/log.txt; nvidia-smi --query-gpu=name --format=csv,noheader | tee -a $L
 mkdir -p runs/attn /tmp/s; cp -r fastweight /tmp/s/
 sed -i "s/^INTRA_SOLVE_DTYPES = .*/INTRA_SOLVE_DTYPES = ()/" /tmp/s/fastweight/kernels/delta.py
@@ -23,8 +23,8 @@ fi
 timeout $((${FB:-200} + 60)) python -m fastweight.bench.gpu_fuzz --ops kda --dtypes bf16,fp16,fp32 --modes chunk \
   --budget ${FB:-200} --grace 40 --seed 37003 --workers 4 --out /tmp/fz > /tmp/fz.txt 2>&1 &
 for t in f s; do d=.; [ $t = s ] && d=/tmp/s
-  (cd $d && timeout 300 python -m fastweight.bench.gpu_delta --ops kda --heads 64x64,32x32 --heads-ops kda --budget 60 \
-    --out /tmp/gd_$t 2>&1 | grep -v -i warn | sed "s/^/$t /" > /tmp/gd_$t.txt); done &
+  (cd $d && timeout ${GD:-300} python -m fastweight.bench.gpu_delta --ops kda --heads 64x64,32x32 --heads-ops kda \
+    --budget 60 --out /tmp/gd_$t 2>&1 | grep -v -i warn | sed "s/^/$t /" > /tmp/gd_$t.txt) & done
 wait
 cat /tmp/gd_f.txt /tmp/gd_s.txt >> $L; tail -25 /tmp/fz.txt >> $L; cp /tmp/fz/gpu_fuzz.json $OUT/fz.json
 for f in runs/attn/*.txt; do echo "== $f"; grep -v -i warn $f | tail -1; done >> $L
