@@ -23,8 +23,8 @@ fi
 timeout $((${FB:-200} + 60)) python -m fastweight.bench.gpu_fuzz --ops kda --dtypes bf16,fp16,fp32 --modes chunk \
   --budget ${FB:-200} --grace 40 --seed 37003 --workers 4 --out /tmp/fz > /tmp/fz.txt 2>&1 &
 for t in f s; do d=.; [ $t = s ] && d=/tmp/s
-  (cd $d && timeout ${GD:-300} python -m fastweight.bench.gpu_delta --ops kda --heads 64x64,32x32 --heads-ops kda \
-    --budget 60 --out /tmp/gd_$t 2>&1 | grep -v -i warn | sed "s/^/$t /" > /tmp/gd_$t.txt) & done
+  (cd $d && timeout ${GD:-300} python -m fastweight.bench.gpu_delta --ops kda --heads 64x64,32x32 --heads-ops kda --quick \
+    --budget ${GB:-60} --out /tmp/gd_$t 2>&1 | grep -v -i warn | sed "s/^/$t /" > /tmp/gd_$t.txt) & done
 wait
 cat /tmp/gd_f.txt /tmp/gd_s.txt >> $L; tail -25 /tmp/fz.txt >> $L; cp /tmp/fz/gpu_fuzz.json $OUT/fz.json
 for f in runs/attn/*.txt; do echo "== $f"; grep -v -i warn $f | tail -1; done >> $L
