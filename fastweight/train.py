@@ -202,12 +202,15 @@ def score(model, task: Task, *, n_examples: int = 256, batch_size: int = 32, see
 
     ``token_acc``: fraction of scored tokens whose argmax is the target; ``seq_acc``: fraction
     of examples with every scored token right; ``acc``: the one the task is judged by
-    (``task.metric``); ``loss``: mean masked cross entropy.
+    (``task.metric``); ``loss``: mean masked cross entropy; ``position_acc``: the token accuracy
+    of each example's j-th scored token, j = 0, 1, ... (a needle's j-th answer token, MQAR's j-th
+    query), over the examples that have one: where along an answer a model goes wrong.
     """
     was_training = model.training
     model.eval()
     right_tokens = n_tokens = right_seqs = 0
     loss_sum = 0.0
+    right_at, seen_at = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
     for start in range(0, n_examples, batch_size):
         batch = task.batch(min(batch_size, n_examples - start), seed=(seed, EVAL_STREAM), start=start).to(device)
         logits = logits_of(model, batch.input_ids).float()
@@ -217,9 +220,16 @@ def score(model, task: Task, *, n_examples: int = 256, batch_size: int = 32, see
         n_tokens += int(batch.loss_mask.sum())
         right_tokens += int((correct & batch.loss_mask).sum())
         right_seqs += int(correct.all(dim=1).sum())
+        mask = batch.loss_mask.cpu()
+        at = (mask.cumsum(1) - 1)[mask]  # each scored token's index among its example's
+        width = max(len(seen_at), int(at.max()) + 1 if at.numel() else 0)
+        right_at, seen_at = (F.pad(x, (0, width - len(x))) for x in (right_at, seen_at))
+        right_at.index_add_(0, at, correct.cpu()[mask].long())
+        seen_at.index_add_(0, at, torch.ones_like(at))
     model.train(was_training)
     result = dict(task=task.spec(), loss=loss_sum / n_tokens, token_acc=right_tokens / n_tokens,
-                  seq_acc=right_seqs / n_examples, n_examples=n_examples)
+                  seq_acc=right_seqs / n_examples, n_examples=n_examples,
+                  position_acc=(right_at / seen_at).tolist())
     result["acc"] = result["seq_acc"] if task.metric == "sequence" else result["token_acc"]
     return result
 

@@ -188,3 +188,25 @@ def test_chance_is_the_yardstick_train_prints():
     assert 0.45 < chance("parity") < 0.55                   # two answers
     assert chance("mqar") < 0.1 and chance("s5") < 0.05     # many answers
     assert chance("s_niah_1") == 0.0                        # a whole needle per example
+
+
+def test_score_gives_the_accuracy_of_each_answer_position():
+    """``score``'s ``position_acc``: the accuracy of each example's j-th scored token. A model whose argmax is
+    always the dash scores 1 at the UUID's dash (the ninth of 12 characters, 13 answer tokens) and 0 elsewhere;
+    the token accuracy is their mean."""
+    from fastweight.tasks import from_spec
+    from fastweight.tasks.text import tokenizer
+    from fastweight.train import score
+
+    task = from_spec("s_niah_3:context_len=96,value_len=12")
+    dash = tokenizer().ids["-"]
+
+    class Dash(torch.nn.Module):
+        def forward(self, ids):
+            logits = torch.zeros(*ids.shape, task.vocab_size)
+            logits[..., dash] = 1.0
+            return logits
+
+    res = score(Dash(), task, n_examples=10, batch_size=4, seed=5)
+    assert res["position_acc"] == [0.0] * 8 + [1.0] + [0.0] * 4
+    assert res["token_acc"] == pytest.approx(1 / 13) and res["seq_acc"] == 0.0
