@@ -229,7 +229,7 @@ def score(model, task: Task, *, n_examples: int = 256, batch_size: int = 32, see
     model.train(was_training)
     result = dict(task=task.spec(), loss=loss_sum / n_tokens, token_acc=right_tokens / n_tokens,
                   seq_acc=right_seqs / n_examples, n_examples=n_examples,
-                  position_acc=(right_at / seen_at).tolist())
+                  position_acc=(right_at.double() / seen_at).tolist())
     result["acc"] = result["seq_acc"] if task.metric == "sequence" else result["token_acc"]
     return result
 

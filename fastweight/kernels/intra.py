@@ -200,6 +200,8 @@ def _kk_diag(q, k, g, Aqk, Akk, T, r0, R: tl.constexpr, b_q, b_k, b_e, b_f, span
 
 @triton.jit
 def _row_data(q, k, g, T, r0, HK: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """``_block_rows``' row block r0 .. r0 + 16, with q and k scaled by e = exp(G - R) in q's dtype (the
+    operands of its off-diagonal blocks against the later rows)."""
     b_q, b_k, b_ref, b_e, b_f, span = _block_rows(q, k, g, T, r0, HK, H, K, BK)
     return b_q, b_k, b_ref, b_e, b_f, span, (b_q * b_e).to(b_q.dtype), (b_k * b_e).to(b_q.dtype)
 
@@ -427,8 +429,13 @@ def intra_bwd_kernel(q, k, g, dAqk, dAkk, dq, dk, dg, dq16, dk16, cu_seqlens, ch
 
 
 # the fused solve's diagonal blocks as products of powers (``kkt_solve.invert_unit_lower16_products``) at this
-# precision, not by substitution, whose row reductions cross the program's 4 warps ("": substitution)
+# precision, not by substitution, whose row reductions cross the program's 4 warps ("": substitution), for Ai
+# stored in these dtypes only. The products cancel where A is large: their fp32 error in a diagonal block (relative
+# to its largest entry, 16 x 16, float64 truth) is <= 1.3e-5 at beta <= 1, but 1.5e-3 at beta <= 2
+# (allow_neg_eigval) with near-parallel keys and no decay, where substitution keeps 4e-7. Under bf16's rounding of
+# the stored Ai (3.9e-3) that is tolerable; fp16 (4.9e-4) and fp32 substitute.
 SOLVE_PRODUCTS = "ieee"
+SOLVE_PRODUCTS_DTYPES = (torch.bfloat16,)
 
 
 def intra_fwd(q, k, g_cum, chunks: Chunks, *, num_warps: int | None = None, g=None, beta=None, store_akk=True):
@@ -450,6 +457,9 @@ def intra_fwd(q, k, g_cum, chunks: Chunks, *, num_warps: int | None = None, g=No
     solve = beta is not None
     if solve and tuple(beta.shape) != (1, T, H):
         raise ValueError(f"intra_fwd: `beta` must be [1, T, H] = [1, {T}, {H}], got {tuple(beta.shape)}")
+    if solve:
+        beta = beta.contiguous()  # the kernel reads it with strides (H, 1)
+    products = (SOLVE_PRODUCTS or None) if solve and k.dtype in SOLVE_PRODUCTS_DTYPES else None
     store_akk = store_akk or not solve
     Aqk = alloc((1, T, H, chunks.BT), dtype=q.dtype, device=k.device)
     Akk = alloc((1, T, H, chunks.BT), **f32) if store_akk else None
@@ -459,7 +469,7 @@ def intra_fwd(q, k, g_cum, chunks: Chunks, *, num_warps: int | None = None, g=No
                                      BK=max(16, triton.next_power_of_2(K)), SPAN=SAFE_SPAN,
                                      DIAG_PRECISION=_diag_precision(q.dtype), GATE_SUMS=sums, SOLVE=solve,
                                      STORE_KK=store_akk, MERGE_PRECISION=merge_precision(k.dtype),
-                                     PRODUCTS=(SOLVE_PRODUCTS or None) if solve else None,
+                                     PRODUCTS=products,
                                      num_warps=num_warps or _warps(K)[0])
     return (Aqk, Akk) + ((g_cum,) if sums else ()) + ((Ai,) if solve else ())
 

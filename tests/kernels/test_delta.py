@@ -560,15 +560,16 @@ def test_kda_gate_sums_in_the_intra_kernel(dtype, G, monkeypatch):
     assert calls == [True]
 
 
-@pytest.mark.parametrize("dtype, G, gate", [(torch.float32, 1, False), (torch.float16, 2, False),
-                                            (torch.float32, 2, True)])
-def test_kda_solve_in_the_intra_kernel(dtype, G, gate, monkeypatch):
+@pytest.mark.parametrize("dtype, G, gate, sums", [(torch.float32, 1, False, False), (torch.float16, 2, False, True),
+                                                  (torch.float32, 2, True, False)])
+def test_kda_solve_in_the_intra_kernel(dtype, G, gate, sums, monkeypatch):
     """``delta.INTRA_SOLVE_DTYPES``: KDA's forward takes Ai from its intra kernel (no ``solve`` launch; Akk kept
     for the backward only); output, final state and every gradient match float64 (varlen with an empty
-    sequence, strong gates in the middle chunk, grouped heads, the gate's activation in the kernel); the
-    inference forward stores no Akk."""
+    sequence, strong gates in the middle chunk, grouped heads, the gate's activation in the kernel, the gate
+    sums formed in the intra kernel); the inference forward stores no Akk."""
     from fastweight.kernels import delta
     monkeypatch.setattr(delta, "INTRA_SOLVE_DTYPES", (dtype,))
+    monkeypatch.setattr(delta, "INTRA_GATE_SUMS_DTYPES", (dtype,) if sums else ())
     monkeypatch.setattr(delta, "solve", lambda *a, **kw: pytest.fail("solve ran"))
     stored = []
     real = delta.intra_fwd
@@ -592,14 +593,16 @@ def test_kda_solve_in_the_intra_kernel(dtype, G, gate, monkeypatch):
 
 def test_kda_solve_in_the_intra_kernel_up_to_max_k(monkeypatch):
     """The fused solve is launched for key dims up to ``delta.INTRA_SOLVE_MAX_K`` only (at K 128 the fused kernel
-    spills and is slower); above it KDA's forward takes Ai from ``solve``, and both match float64."""
+    spills and is slower), and not with ``SOLVE_WU_KDA``; otherwise KDA's forward takes Ai from ``solve``; all
+    match float64."""
     from fastweight.kernels import delta
     monkeypatch.setattr(delta, "INTRA_SOLVE_DTYPES", (torch.float32,))
     monkeypatch.setattr(delta, "INTRA_SOLVE_MAX_K", 16)
     solves = []
     real = delta.solve
     monkeypatch.setattr(delta, "solve", lambda *a, **kw: solves.append(1) or real(*a, **kw))
-    for K, fused in ((16, True), (24, False)):
+    for K, fused, wu_kda in ((16, True, False), (24, False, False), (16, False, True)):
+        monkeypatch.setattr(delta, "SOLVE_WU_KDA", wu_kda)  # the solve's own W and U keep the solve's kernel
         solves.clear()
         x = {n: t.float() for n, t in sample("kda", 1, 40, 2, K, 16).items()}
         o, _ = kernels.chunk_kda(**x, scale=0.25)

@@ -417,16 +417,16 @@ def test_intra_forms_the_gate_sums(Kx):
         intra_fwd(q, k, None, ch)
 
 
-@pytest.mark.parametrize("dtype, products", [(torch.float32, "ieee"), (torch.float16, "ieee"), (torch.float32, "")])
+@pytest.mark.parametrize("dtype, products", [(torch.float32, True), (torch.float16, True), (torch.float32, False)])
 def test_intra_forms_the_solve(dtype, products, monkeypatch):
     """``intra_fwd(beta=...)``: the solve Ai = (I + Diag(beta) Akk)^{-1} formed in the intra kernel from Akk's
     blocks in registers; Aqk and Akk bit-equal to the unfused kernel's, Ai to ``solve`` reading that Akk back
     (within one rounding of Ai's dtype: the dots' order may differ) and to float64. Varlen with an empty
     sequence and short last chunks, grouped heads, strong gates on some channels (the pairwise diagonal
     blocks); with the gate sums formed in the kernel too; Akk not stored unless asked for. The diagonal blocks
-    both ways (``intra.SOLVE_PRODUCTS``: products of powers, the default, or substitution)."""
+    both ways (``intra.SOLVE_PRODUCTS_DTYPES``: products of powers, bf16's default, or substitution)."""
     from fastweight.kernels import intra
-    monkeypatch.setattr(intra, "SOLVE_PRODUCTS", products)
+    monkeypatch.setattr(intra, "SOLVE_PRODUCTS_DTYPES", (dtype,) if products else ())
     HV, HK, N, Kx = 4, 2, 170, 40
     cu = torch.tensor([0, 100, 100, 170])
     gen = generator(8)
@@ -457,3 +457,28 @@ def test_intra_forms_the_solve(dtype, products, monkeypatch):
     assert (Ai.float() - want_ai.float()).abs().max() <= 2 * one * want_ai.abs().max()
     with pytest.raises(ValueError, match="`beta`"):
         intra_fwd(q, k, G, ch, beta=beta[:, :-1])
+
+
+def test_intra_solve_products_stay_under_bf16_rounding(monkeypatch):
+    """The fused solve's product form (``intra.SOLVE_PRODUCTS``, bf16's) cancels where A is large: beta up to 2
+    (``allow_neg_eigval``), near-parallel keys, no decay. Its Ai, formed in fp32, must stay within bf16's rounding
+    of the stored Ai (2^-8 of the largest entry); measured 3.6e-4 here (2.6e-4 to 9.3e-4 over seeds 11-13).
+    Substitution, fp32's, keeps fp32 accuracy on the same chunks (7.6e-7; 5.6e-7 to 1.0e-6)."""
+    from fastweight.kernels import intra
+    N, K = 128, 32
+    gen = generator(11)
+    base = torch.randn(1, 1, 1, K, generator=gen)
+    k = torch.nn.functional.normalize(3 * base + torch.randn(1, N, 1, K, generator=gen), dim=-1)
+    G = torch.zeros(1, N, 1, K)
+    beta = 2 * torch.rand(1, N, 1, generator=gen)
+    ch = prepare_chunks(None, 1, N, 64, "cpu")
+    layout = chunk_layout(1, N, 64, None, "cpu")
+    _, Akk = intra_fwd(k, k, G, ch)
+    exact = solve_unit_lower(to_chunks(beta.double(), layout, torch.float64) * to_chunks(Akk.double(), layout,
+                                                                                          torch.float64))
+    err = {}
+    for products in (True, False):
+        monkeypatch.setattr(intra, "SOLVE_PRODUCTS_DTYPES", (torch.float32,) if products else ())
+        Ai = intra_fwd(k, k, G, ch, beta=beta, store_akk=False)[-1]
+        err[products] = float((to_chunks(Ai, layout, torch.float64) - exact).abs().max() / exact.abs().max())
+    assert err[True] < 2 ** -8 and err[False] < 1e-5, err
