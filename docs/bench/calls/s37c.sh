@@ -3,6 +3,7 @@
 # Issue 17: KDA's fused intra solve, default on main for bf16 at K <= 64 since 1974e58: the GPU fuzz of KDA
 # (bf16, fp16, fp32), and gpu_delta's checks against float64 at K x V 64x64 and 32x32 for main (`f`) and for
 # main with the switch off (`s`, the stages), so their bf16 errors sit side by side.
+# Issue 18: RWKV-7's peak memory the anchor's way (gpu_memory, paper shape).
 # Issue 19: which of the four Zoology differences, with zoology's generator, the suite's attention needs to leave
 # the plateau: all four (4 of 4 seeds solved in s36a/s37b) with one left out each (MLP back, vocabulary 1024,
 # lr 1e-3), seeds 0 and 1 (ATTN=0 leaves them out; T, FB, GD: time limits in s). Results: $OUT/log.txt, $OUT/attn.tgz, $OUT/fz.json.
@@ -25,7 +26,9 @@ timeout $((${FB:-200} + 60)) python -m fastweight.bench.gpu_fuzz --ops kda --dty
 for t in f s; do d=.; [ $t = s ] && d=/tmp/s
   (cd $d && timeout ${GD:-300} python -m fastweight.bench.gpu_delta --ops kda --heads 64x64,32x32 --heads-ops kda --quick \
     --budget ${GB:-60} --out /tmp/gd_$t 2>&1 | grep -v -i warn | sed "s/^/$t /" > /tmp/gd_$t.txt) & done
+# issue 18: the memory target's measure (peak on top of the inputs and dO), not re-taken since session 22
+timeout 200 python -m fastweight.bench.gpu_memory --op rwkv7 --shape 8,16384,64,64 --top 12 > /tmp/mem.txt 2>&1 &
 wait
-cat /tmp/gd_f.txt /tmp/gd_s.txt >> $L; tail -25 /tmp/fz.txt >> $L; cp /tmp/fz/gpu_fuzz.json $OUT/fz.json
+cat /tmp/gd_f.txt /tmp/gd_s.txt /tmp/mem.txt >> $L; tail -25 /tmp/fz.txt >> $L; cp /tmp/fz/gpu_fuzz.json $OUT/fz.json
 for f in runs/attn/*.txt; do echo "== $f"; grep -v -i warn $f | tail -1; done >> $L
 tar -czf $OUT/attn.tgz --exclude=checkpoint.pt runs/attn; cat $L
