@@ -10,7 +10,8 @@ the undecayed state with its own key p: S_t = alpha_t S_{t-1} + beta_t k_t (v_t 
 Longhorn is DeltaNet with beta replaced by eps = beta / (1 + beta k^T k).
 
 Stages (one file each): chunk-local cumsum of g, the solve ``Ai = (I + A)^{-1}`` (kkt_solve;
-with a per-channel gate A and the intra-chunk scores come from intra), W and U (formed by the
+with a per-channel gate A and the intra-chunk scores come from intra, which for bf16 at K <= 64 forms
+Ai too, ``INTRA_SOLVE_DTYPES``), W and U (formed by the
 solve's kernel from the inverse's blocks for a scalar or no gate, ``SOLVE_WU``; by wy otherwise),
 the state pass fused with the output (state). The backward recomputes nothing per token: the forward
 keeps the chunk-start states ``h`` and v_tilde; the dh pass (state), the per-chunk output

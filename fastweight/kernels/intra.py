@@ -20,7 +20,9 @@ docs/bench/delta.md).
 One program per (chunk, head) holds a whole row block's channels ([16, K]) and walks the four
 blocks in turn, so that each product is stored (forward) or folded into its gradient (backward)
 as soon as it is formed: no [16, 16] accumulator lives across a loop over channels, and the
-registers go to the [16, K] rows.
+registers go to the [16, K] rows. With ``beta`` the forward instead keeps Akk's ten blocks in
+registers and forms the solve's Ai = (I + Diag(beta) Akk)^{-1} from them (``_fwd_solve``), so Akk is
+written only where a backward reads it.
 
 Backward, given dAqk, dAkk (gradients of the raw sums above):
 
