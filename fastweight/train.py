@@ -206,6 +206,8 @@ def score(model, task: Task, *, n_examples: int = 256, batch_size: int = 32, see
     of each example's j-th scored token, j = 0, 1, ... (a needle's j-th answer token, MQAR's j-th
     query), over the examples that have one: where along an answer a model goes wrong.
     """
+    if not isinstance(n_examples, int) or n_examples < 1:
+        raise ValueError(f"`n_examples` must be a positive int, got {n_examples!r}")
     was_training = model.training
     model.eval()
     right_tokens = n_tokens = right_seqs = 0
@@ -227,6 +229,8 @@ def score(model, task: Task, *, n_examples: int = 256, batch_size: int = 32, see
         right_at.index_add_(0, at, correct.cpu()[mask].long())
         seen_at.index_add_(0, at, torch.ones_like(at))
     model.train(was_training)
+    if n_tokens == 0:
+        raise ValueError(f"task {task.spec()!r} scored no token in {n_examples} examples: nothing to score")
     result = dict(task=task.spec(), loss=loss_sum / n_tokens, token_acc=right_tokens / n_tokens,
                   seq_acc=right_seqs / n_examples, n_examples=n_examples,
                   position_acc=(right_at.double() / seen_at).tolist())

@@ -1,10 +1,13 @@
 import json
 import os
+from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from fastweight.tasks.base import Task
 from fastweight.testing import rel_err
 from fastweight.train import (TrainConfig, add_config_arguments, config_from_args, lm_config, load_checkpoint,
                               train)
@@ -210,3 +213,61 @@ def test_score_gives_the_accuracy_of_each_answer_position():
     res = score(Dash(), task, n_examples=10, batch_size=4, seed=5)
     assert res["position_acc"] == [0.0] * 8 + [1.0] + [0.0] * 4
     assert res["token_acc"] == pytest.approx(1 / 13) and res["seq_acc"] == 0.0
+
+
+def test_position_acc_counts_each_position_over_the_examples_that_reach_it():
+    """Examples with 1, 2 or 3 scored tokens: position j's accuracy is over the examples with a j-th token only
+    (a model right on every first token and wrong on every later one scores [1, 0, 0], not diluted by padding)."""
+    from fastweight.train import score
+
+    @dataclass(frozen=True)
+    class Answers(Task):
+        name = "answers"
+        vocab_size = 4
+        seq_len = 6
+
+        def example(self, rng):
+            n = int(rng.integers(1, 4))  # scored tokens: the last n positions
+            mask = np.arange(6) >= 6 - n
+            targets = np.where(np.arange(6) == 6 - n, 1, 2)  # first answer token 1, later ones 2
+            return np.zeros(6), targets, mask
+
+    class Ones(torch.nn.Module):
+        def forward(self, ids):
+            logits = torch.zeros(*ids.shape, 4)
+            logits[..., 1] = 1.0
+            return logits
+
+    task = Answers()
+    batch = task.batch(40, seed=(0, 1))
+    lengths = batch.loss_mask.sum(1)
+    assert set(lengths.tolist()) == {1, 2, 3}  # the stream has every length
+    res = score(Ones(), task, n_examples=40, batch_size=7)
+    assert res["position_acc"] == [1.0, 0.0, 0.0]
+    assert res["token_acc"] == pytest.approx(40 / int(lengths.sum()))
+    assert res["seq_acc"] == pytest.approx(float((lengths == 1).float().mean()))
+
+
+def test_score_refuses_nothing_to_score():
+    """No examples, or examples with no scored token, are an error naming the cause, not a division by zero."""
+    from fastweight.tasks import from_spec
+    from fastweight.train import score
+
+    @dataclass(frozen=True)
+    class Unscored(Task):
+        name = "unscored"
+        vocab_size = 4
+        seq_len = 5
+
+        def example(self, rng):
+            return np.zeros(5), np.zeros(5), np.zeros(5, dtype=bool)
+
+    class Zeros(torch.nn.Module):
+        def forward(self, ids):
+            return torch.zeros(*ids.shape, 4)
+
+    zeros = Zeros()
+    with pytest.raises(ValueError, match="n_examples"):
+        score(zeros, from_spec("parity:seq_len=8"), n_examples=0)
+    with pytest.raises(ValueError, match="scored no token"):
+        score(zeros, Unscored(), n_examples=3)

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from fastweight.kernels.common import SAFE_SPAN, Chunks, alloc, dot_at, exp, mm
-from fastweight.kernels.kkt_solve import _beta16, merge_precision, store_solved
+from fastweight.kernels.kkt_solve import load_beta16, merge_precision, store_solved
 
 # SPAN (``common.SAFE_SPAN``): a diagonal block whose decay over its 16 rows stays under exp(SPAN) in
 # every channel is factored through its first row like the off-diagonal ones, with its operands (up
@@ -231,8 +231,8 @@ def _fwd_solve(q, k, g, beta, Aqk, Akk, Ai, T, t0, bos, i_h, HK: tl.constexpr, H
     b_A42 = _kk_off(k, g, Aqk, Akk, T, t0, r0, 1, b_qe, b_ke, b_ref, HK, H, K, BK, BT, STORE_KK)
     b_A43 = _kk_off(k, g, Aqk, Akk, T, t0, r0, 2, b_qe, b_ke, b_ref, HK, H, K, BK, BT, STORE_KK)
     b_A44 = _kk_diag(q, k, g, Aqk, Akk, T, r0, 3, b_q, b_k, b_e, b_f, span, HK, H, K, BT, SPAN, P, STORE_KK)
-    b_b1, b_b2 = _beta16(beta, bos, T, t0, H, i_h), _beta16(beta, bos, T, t0 + 16, H, i_h)
-    b_b3, b_b4 = _beta16(beta, bos, T, t0 + 32, H, i_h), _beta16(beta, bos, T, t0 + 48, H, i_h)
+    b_b1, b_b2 = load_beta16(beta, bos, T, t0, H, i_h), load_beta16(beta, bos, T, t0 + 16, H, i_h)
+    b_b3, b_b4 = load_beta16(beta, bos, T, t0 + 32, H, i_h), load_beta16(beta, bos, T, t0 + 48, H, i_h)
     store_solved(b_A11 * b_b1, b_A21 * b_b2, b_A22 * b_b2, b_A31 * b_b3, b_A32 * b_b3, b_A33 * b_b3, b_A41 * b_b4,
                  b_A42 * b_b4, b_A43 * b_b4, b_A44 * b_b4, Ai, T, t0, H, BT, MERGE_PRECISION, PRODUCTS=PRODUCTS)
 

@@ -134,10 +134,10 @@ def kkt_solve_kernel(k, p, beta, g, gr, Ai, q, Aqk, v, w, u, cu_seqlens, chunk_i
         _store_qk(q, k, g, Aqk + (bos * H + i_h) * BT, bos, T, t0, i_h, H, HK, K, BT, BK, USE_G)
     b_A11, b_A21, b_A22, b_A31, b_A32, b_A33, b_A41, b_A42, b_A43, b_A44 = _lower_blocks(p, k, T, t0, HK, K, BK,
                                                                                         not USE_P)
-    b_b1 = _beta16(beta, bos, T, t0, H, i_h)
-    b_b2 = _beta16(beta, bos, T, t0 + 16, H, i_h)
-    b_b3 = _beta16(beta, bos, T, t0 + 32, H, i_h)
-    b_b4 = _beta16(beta, bos, T, t0 + 48, H, i_h)
+    b_b1 = load_beta16(beta, bos, T, t0, H, i_h)
+    b_b2 = load_beta16(beta, bos, T, t0 + 16, H, i_h)
+    b_b3 = load_beta16(beta, bos, T, t0 + 32, H, i_h)
+    b_b4 = load_beta16(beta, bos, T, t0 + 48, H, i_h)
     b_A11 *= b_b1 * _gamma(g, gr, bos, T, H, i_h, t0, t0, USE_G, True)
     b_A21 *= b_b2 * _gamma(g, gr, bos, T, H, i_h, t0 + 16, t0, USE_G, False)
     b_A22 *= b_b2 * _gamma(g, gr, bos, T, H, i_h, t0 + 16, t0 + 16, USE_G, True)
@@ -303,10 +303,10 @@ def solve_kernel(Akk, beta, Ai, k, v, gk, q, w, u, qg, kd, cu_seqlens, chunk_ind
     T = eos - bos
     t0 = i_t * BT
     Akk += (bos * H + i_h) * BT
-    b_b1 = _beta16(beta, bos, T, t0, H, i_h)
-    b_b2 = _beta16(beta, bos, T, t0 + 16, H, i_h)
-    b_b3 = _beta16(beta, bos, T, t0 + 32, H, i_h)
-    b_b4 = _beta16(beta, bos, T, t0 + 48, H, i_h)
+    b_b1 = load_beta16(beta, bos, T, t0, H, i_h)
+    b_b2 = load_beta16(beta, bos, T, t0 + 16, H, i_h)
+    b_b3 = load_beta16(beta, bos, T, t0 + 32, H, i_h)
+    b_b4 = load_beta16(beta, bos, T, t0 + 48, H, i_h)
     o_i = tl.arange(0, 16)
     m_strict = o_i[:, None] > o_i[None, :]
     b_A11 = tl.where(m_strict, _load16(Akk, T, t0, 0, H, BT), 0.) * b_b1
@@ -383,7 +383,9 @@ def _store_w_gated(k, q, gk, w, qg, kd, T, t0, HX: tl.constexpr, HY: tl.constexp
 
 
 @triton.jit
-def _beta16(beta, bos, T, r0, H: tl.constexpr, i_h):
+def load_beta16(beta, bos, T, r0, H: tl.constexpr, i_h):
+    """beta at rows r0 .. r0 + 15 of head i_h as a [16, 1] fp32 column (0 past T): the row scale of one
+    16-row block of the solve, shared by this file's solves and the fused one in intra.py."""
     o_t = r0 + tl.arange(0, 16)
     return tl.load(beta + (bos + o_t) * H + i_h, mask=o_t < T, other=0.).to(tl.float32)[:, None]
 
