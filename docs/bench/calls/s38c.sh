@@ -18,6 +18,7 @@ done; done
 # (3) S5 with a length curriculum (1500 steps at 8 tokens, then 32): one layer that can carry S5 (Gated
 # DeltaProduct, 4 Householder steps a token, [-1,1]) against one that cannot (DeltaNet [-1,1], one step), at the
 # CPU scale of published.md's word-problem table (d 64, 2 heads, batch 64, 4000 steps; no curriculum: both 0).
+if [ "${S5:-0}" = 1 ]; then  # (run on the CPU in session 38 instead: gdp does not learn S5 at 8 tokens)
 C="--d-model 64 --n-layers 1 --n-heads 2 --batch-size 64 --lr 1e-3 --weight-decay 0.01 --steps 4000 --warmup 100
   --eval-examples 256 --no-progress --curriculum s5:seq_len=8 --curriculum-steps 1500 --allow-neg-eigval"
 E="s5:seq_len=32;s5:seq_len=64"
@@ -25,6 +26,7 @@ timeout ${T:-400} python -m fastweight.cli train --task s5:seq_len=32 --eval-tas
   --model-args use_short_conv=false,num_householder=4 --out-dir runs/niah3/s5-gdp4 > runs/niah3/s5-gdp4.txt 2>&1 &
 timeout ${T:-400} python -m fastweight.cli train --task s5:seq_len=32 --eval-tasks "$E" --mixer deltanet $C \
   --model-args use_short_conv=false --out-dir runs/niah3/s5-deltanet > runs/niah3/s5-deltanet.txt 2>&1 &
+fi
 wait
 { cat /tmp/ret.txt; for f in runs/niah3/*.txt; do echo "== $f"; grep -v -i warn $f | tail -2; done; } | tee $OUT/log.txt
 tar -czf $OUT/ret.tgz --exclude=checkpoint.pt runs/ret_pos; tar -czf $OUT/niah3.tgz --exclude=checkpoint.pt runs/niah3
