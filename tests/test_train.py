@@ -193,6 +193,21 @@ def test_chance_is_the_yardstick_train_prints():
     assert chance("s_niah_1") == 0.0                        # a whole needle per example
 
 
+class Constant(torch.nn.Module):
+    """A model whose logits over ``vocab`` tokens are the same at every position: 1 at ``token`` (its argmax),
+    0 elsewhere; all 0 without one."""
+
+    def __init__(self, vocab: int, token: int | None = None):
+        super().__init__()
+        self.vocab, self.token = vocab, token
+
+    def forward(self, ids):
+        logits = torch.zeros(*ids.shape, self.vocab)
+        if self.token is not None:
+            logits[..., self.token] = 1.0
+        return logits
+
+
 def test_score_gives_the_accuracy_of_each_answer_position():
     """``score``'s ``position_acc``: the accuracy of each example's j-th scored token. A model whose argmax is
     always the dash scores 1 at the UUID's dash (the ninth of 12 characters, 13 answer tokens) and 0 elsewhere;
@@ -204,13 +219,7 @@ def test_score_gives_the_accuracy_of_each_answer_position():
     task = from_spec("s_niah_3:context_len=96,value_len=12")
     dash = tokenizer().ids["-"]
 
-    class Dash(torch.nn.Module):
-        def forward(self, ids):
-            logits = torch.zeros(*ids.shape, task.vocab_size)
-            logits[..., dash] = 1.0
-            return logits
-
-    res = score(Dash(), task, n_examples=10, batch_size=4, seed=5)
+    res = score(Constant(task.vocab_size, dash), task, n_examples=10, batch_size=4, seed=5)
     assert res["position_acc"] == [0.0] * 8 + [1.0] + [0.0] * 4
     assert res["token_acc"] == pytest.approx(1 / 13) and res["seq_acc"] == 0.0
 
@@ -232,17 +241,11 @@ def test_position_acc_counts_each_position_over_the_examples_that_reach_it():
             targets = np.where(np.arange(6) == 6 - n, 1, 2)  # first answer token 1, later ones 2
             return np.zeros(6), targets, mask
 
-    class Ones(torch.nn.Module):
-        def forward(self, ids):
-            logits = torch.zeros(*ids.shape, 4)
-            logits[..., 1] = 1.0
-            return logits
-
     task = Answers()
     batch = task.batch(40, seed=(0, 1))
     lengths = batch.loss_mask.sum(1)
     assert set(lengths.tolist()) == {1, 2, 3}  # the stream has every length
-    res = score(Ones(), task, n_examples=40, batch_size=7)
+    res = score(Constant(4, 1), task, n_examples=40, batch_size=7)
     assert res["position_acc"] == [1.0, 0.0, 0.0]
     assert res["token_acc"] == pytest.approx(40 / int(lengths.sum()))
     assert res["seq_acc"] == pytest.approx(float((lengths == 1).float().mean()))
@@ -262,11 +265,7 @@ def test_score_refuses_nothing_to_score():
         def example(self, rng):
             return np.zeros(5), np.zeros(5), np.zeros(5, dtype=bool)
 
-    class Zeros(torch.nn.Module):
-        def forward(self, ids):
-            return torch.zeros(*ids.shape, 4)
-
-    zeros = Zeros()
+    zeros = Constant(4)
     with pytest.raises(ValueError, match="n_examples"):
         score(zeros, from_spec("parity:seq_len=8"), n_examples=0)
     with pytest.raises(ValueError, match="scored no token"):
